@@ -1,0 +1,20 @@
+"""meshplan: plans that turn an ordinary ``nn.Module`` into an N-D parallel model."""
+
+from .errors import PlanError
+from .layout import Layout, ResolvedLayout
+from .plan import Plan, load_plan
+
+__all__ = ["PlanError", "Layout", "ResolvedLayout", "Plan", "load_plan", "build_mesh", "init",
+           "Topology", "current_topology"]
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # torch-dependent parts load lazily so `meshplan ranks` / `schema` stay fast and torch-free
+    if name in ("build_mesh", "Topology", "current_topology"):
+        from . import topology
+        return getattr(topology, name)
+    if name == "init":
+        from .runtime import init
+        return init
+    raise AttributeError(f"module 'meshplan' has no attribute {name!r}")
