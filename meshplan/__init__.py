@@ -5,7 +5,7 @@ from .layout import Layout, ResolvedLayout
 from .plan import Plan, load_plan
 
 __all__ = ["PlanError", "Layout", "ResolvedLayout", "Plan", "load_plan", "build_mesh", "init",
-           "Topology", "current_topology"]
+           "Topology", "current_topology", "parallelize", "cross_entropy", "loss_parallel"]
 __version__ = "0.1.0"
 
 
@@ -14,6 +14,12 @@ def __getattr__(name: str):
     if name in ("build_mesh", "Topology", "current_topology"):
         from . import topology
         return getattr(topology, name)
+    if name == "parallelize":
+        from .parallelize import parallelize
+        return parallelize
+    if name in ("cross_entropy", "loss_parallel"):
+        from . import loss
+        return getattr(loss, name)
     if name == "init":
         from .runtime import init
         return init

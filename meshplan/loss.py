@@ -1,41 +1,36 @@
 """Cross-entropy on vocab-sharded (loss-parallel) logits.
 
-:func:`cross_entropy` is a drop-in for ``F.cross_entropy`` whose class
-dimension is the LAST dim of ``logits``.  For a DTensor whose vocab dim is
-sharded it runs Megatron's vocab-parallel algorithm on the local shards: the
-full ``[tokens, vocab]`` logits are never gathered.
+:func:`cross_entropy` is ``F.cross_entropy`` with the class dim LAST; for a
+DTensor whose vocab dim is sharded it runs Megatron's vocab-parallel algorithm
+on the local shards, never gathering the ``[tokens, vocab]`` logits.
 
-Design decision -- our own ``autograd.Function``, not torch's ``loss_parallel()``.
-``torch/distributed/tensor/parallel/loss.py`` (2.13) patches DTensor's op
-dispatcher for ``_log_softmax``/``nll_loss*``, which means (1) ``backward()``
-must run inside the context manager too (the patch is undone on exit, then
-backward hits the generic sharding rules), (2) the class dim must be dim 1, so
-``(b, s, V)`` logits need a transpose first, (3) ``reduction="mean"`` raises on
-multi-dim meshes (its denominator is a per-rank count), and (4) its context
-manager has no ``try/finally``, so an exception leaves the patch installed.
-Extending it would mean wrapping private handlers; the algorithm itself is ~40
-lines, so we implement it directly on local tensors with functional
-collectives (which also run under torch's ``LocalTensorMode``).
+Design decision: our own ``autograd.Function``, not torch's ``loss_parallel()``.
+torch 2.13's ``torch/distributed/tensor/parallel/loss.py`` patches DTensor's
+dispatcher for ``_log_softmax``/``nll_loss*``, so (1) ``backward()`` must also
+run inside the context, (2) the class dim must be dim 1 (``(b, s, V)`` needs a
+transpose), (3) ``reduction="mean"`` raises on multi-dim meshes (per-rank
+denominator) and (4) the context manager has no ``try/finally``.  Extending it
+means wrapping private handlers; the algorithm is ~40 lines on local tensors
+with functional collectives, which also run under ``LocalTensorMode``.
 
-Collectives (forward only; backward has none):
+Forward collectives (backward has none):
 
-1. all-reduce MAX over tp of the per-row max;
-2. all-reduce SUM over tp of the per-row ``sum(exp(x - max))`` (stacked with the
-   per-row ``sum(x)`` when ``label_smoothing > 0``: still one collective);
-3. ``"none"``: all-reduce SUM over tp of the per-row loss, which only the rank
-   owning the target class computes (the others contribute exact zeros);
-   ``"mean"``/``"sum"``: ONE all-reduce SUM of ``[loss_sum, n_valid]`` over the
-   tp dim *and* every mesh dim that shards the batch (the owning-rank trick
-   makes each valid token counted exactly once), so the global token count
-   costs no extra collective.  The group is ``mesh[dims]._flatten()`` (needs
-   ``mesh_dim_names``; without names one all-reduce per mesh dim is issued).
+1. all-reduce MAX over tp of the row max;
+2. all-reduce SUM over tp of the row ``sum(exp(x - max))`` (stacked with the
+   row ``sum(x)`` when ``label_smoothing > 0``: still one collective);
+3. ``"none"``: all-reduce SUM over tp of the row loss, computed only on the rank
+   owning the target class (the others add exact zeros); ``"mean"``/``"sum"``:
+   ONE all-reduce SUM of ``[loss_sum, n_valid]`` over tp *and* the mesh dims
+   sharding the batch (each valid token is counted once, by its owner), so the
+   global count is free.  Group: ``mesh[dims]._flatten()`` (named meshes), WORLD
+   (unnamed mesh spanning all ranks), else one all-reduce per mesh dim.
 
 Mean semantics (a documented choice): ``"mean"`` divides by the number of
-non-ignored targets in the *global* batch that the logits DTensor represents,
-i.e. the result equals ``F.cross_entropy`` on the full tensors on every rank.
-Consequently each rank's gradient is already the gradient of the global mean;
-a data-parallel wrapper that *averages* gradients over the dp ranks (FSDP/DDP
-default) would divide by dp once more -- sum them instead, or scale the loss.
+non-ignored targets in the GLOBAL batch the logits DTensor represents, so every
+rank's loss equals ``F.cross_entropy`` on the full tensors and each rank's
+gradient is already a share of the global-mean gradient: a data-parallel
+wrapper that *averages* gradients over dp (FSDP/DDP default) divides by dp
+once more -- sum there instead, or scale the loss by the dp size.
 """
 
 from __future__ import annotations
@@ -44,6 +39,7 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -61,10 +57,13 @@ def _all_reduce(t: torch.Tensor, op: str, groups: list) -> torch.Tensor:
 
 
 class _VocabParallelCE(torch.autograd.Function):
-    """Megatron vocab-parallel CE on local shards ``x [N, V_local]``, ``target [N]``."""
+    """Megatron vocab-parallel CE on the local shard of the DTensor ``logits``; ``target`` is local."""
 
     @staticmethod
-    def forward(ctx, x, target, vocab_start, vocab, ignore_index, reduction, smoothing, tp_groups, all_groups):
+    def forward(ctx, logits, target, vocab_start, ignore_index, reduction, smoothing, tp_groups, all_groups):
+        local = logits.to_local()
+        x, vocab, out_shape = local.reshape(-1, local.shape[-1]), logits.shape[-1], target.shape
+        target = target.reshape(-1)
         xf = x.float()
         valid = target != ignore_index
         local_t = target - vocab_start
@@ -91,26 +90,33 @@ class _VocabParallelCE(torch.autograd.Function):
             denom = stats[1].float() if reduction == "mean" else None
             loss = (stats[0] / stats[1] if reduction == "mean" else stats[0]).float()
         ctx.save_for_backward(x, row_max + lse, local_t, own, valid, denom)
-        ctx.conf = (reduction, smoothing, vocab)
-        return loss.to(x.dtype)
+        ctx.conf = (reduction, smoothing, vocab, logits.device_mesh, logits.placements, logits.shape, logits.stride())
+        ctx.local_shape = local.shape
+        return (loss.reshape(out_shape) if reduction == "none" else loss).to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad):
         x, lse, local_t, own, valid, denom = ctx.saved_tensors
-        reduction, smoothing, vocab = ctx.conf
+        reduction, smoothing, vocab, mesh, placements, shape, stride = ctx.conf
         g = torch.exp(x.float() - lse.unsqueeze(-1))                             # softmax, local shard
         if smoothing > 0:
             g = g - smoothing / vocab
         hit = torch.where(own, -(1.0 - smoothing), 0.0).unsqueeze(-1)
         g = g.scatter_add(-1, torch.where(own, local_t, 0).unsqueeze(-1), hit)  # - one_hot
-        scale = grad.float() / denom if reduction == "mean" else grad.float()
-        scale = torch.where(valid, scale, 0.0)
-        return (g * scale.unsqueeze(-1)).to(x.dtype), None, None, None, None, None, None, None, None
+        scale = grad.float().reshape(-1) / denom if reduction == "mean" else grad.float().reshape(-1)
+        g = (g * torch.where(valid, scale, 0.0).unsqueeze(-1)).to(x.dtype).reshape(ctx.local_shape)
+        # explicit global shape/stride: inferring them from an uneven local shard breaks LocalTensorMode
+        g = DTensor.from_local(g, mesh, placements, run_check=False, shape=shape, stride=stride)
+        return g, None, None, None, None, None, None, None
 
 
 def _groups(mesh, dims: list[int]) -> list:
     """Process groups whose nested all-reduces cover mesh ``dims`` (one group when possible)."""
-    if len(dims) <= 1 or mesh.mesh_dim_names is None:
+    if len(dims) <= 1:
+        return [mesh.get_group(d) for d in dims]
+    if mesh.mesh_dim_names is None:
+        if len(dims) == mesh.ndim and mesh.size() == dist.get_world_size():
+            return [dist.group.WORLD]
         return [mesh.get_group(d) for d in dims]
     sub = mesh if len(dims) == mesh.ndim else mesh[tuple(mesh.mesh_dim_names[d] for d in dims)]
     return [sub._flatten().get_group()]
@@ -151,7 +157,7 @@ def cross_entropy(
     Raises:
         ValueError: bad ``reduction``/``label_smoothing``, the vocab dim sharded
             on more than one mesh dim (or strided), ``Partial`` placements, a
-            target whose shape, mesh or type does not fit the logits.
+            target whose shape, mesh, dtype or type does not fit the logits.
 
     Example:
         >>> # xdoctest: +SKIP("distributed")
@@ -175,7 +181,7 @@ def cross_entropy(
 
     mesh, placements, ndim = logits.device_mesh, tuple(logits.placements), logits.ndim
     if ndim < 1 or any(p.is_partial() for p in placements):
-        raise ValueError(f"logits must be Shard/Replicate with ndim >= 1, got {placements}, shape {tuple(logits.shape)}")
+        raise ValueError(f"logits must be Shard/Replicate, ndim >= 1; got {placements}, shape {tuple(logits.shape)}")
     vocab_dims = [i for i, p in enumerate(placements) if isinstance(p, Shard) and p.dim % ndim == ndim - 1]
     batch_dims = [i for i, p in enumerate(placements) if isinstance(p, Shard) and p.dim % ndim != ndim - 1]
     if len(vocab_dims) > 1 or any(type(placements[d]) is not Shard for d in vocab_dims):
@@ -193,7 +199,9 @@ def cross_entropy(
         if tuple(target.placements) != tgt_placements:
             target = target.redistribute(mesh, tgt_placements)
         target = target.to_local()
-    local = logits.to_local()  # differentiable: its backward wraps our grad with the logits' placements
+    local = logits.to_local()
+    if target.is_floating_point():
+        raise ValueError(f"target must hold class indices, got dtype {target.dtype} (probabilities unsupported)")
     if tuple(target.shape) != tuple(local.shape[:-1]):
         raise ValueError(
             f"plain target must hold this rank's rows: expected shape {tuple(local.shape[:-1])} "
@@ -203,18 +211,16 @@ def cross_entropy(
         out = F.cross_entropy(local.reshape(-1, local.shape[-1]), target.reshape(-1), **kw)
         return out.reshape(target.shape) if reduction == "none" else out
 
-    vocab = logits.shape[-1]
-    start = 0
+    start = 0  # first vocab id of the local shard (torch.chunk layout, uneven allowed)
     if vocab_dims:
         d = vocab_dims[0]
-        _, start = Shard.local_shard_size_and_offset(vocab, mesh.size(d), mesh.get_local_rank(d))
-    # torch.full (not a Python int) so a per-rank SymInt offset works under LocalTensorMode
+        _, start = Shard.local_shard_size_and_offset(logits.shape[-1], mesh.size(d), mesh.get_local_rank(d))
+    # a tensor, not a Python int: under LocalTensorMode ``start`` is a per-rank SymInt
     start = torch.full((), start, dtype=target.dtype, device=target.device)
-    out = _VocabParallelCE.apply(
-        local.reshape(-1, local.shape[-1]), target.reshape(-1), start, vocab, ignore_index,
-        reduction, float(label_smoothing), _groups(mesh, vocab_dims), _groups(mesh, sorted(vocab_dims + batch_dims)),
+    return _VocabParallelCE.apply(
+        logits, target, start, ignore_index, reduction, float(label_smoothing),
+        _groups(mesh, vocab_dims), _groups(mesh, sorted(vocab_dims + batch_dims)),
     )
-    return out.reshape(target.shape) if reduction == "none" else out
 
 
 _depth = 0

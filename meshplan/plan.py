@@ -11,6 +11,7 @@ from .errors import PlanError
 from .layout import Layout
 from .loader import pydantic_message, read_plan_data
 from .strict import Strict
+from .tp_plan import TensorParallel
 
 __all__ = ["Plan", "load_plan", "as_plan"]
 
@@ -24,6 +25,8 @@ class Plan(Strict):
 
     version: Literal[1] = Field(1, description="Plan format version.")
     layout: Layout | None = Field(None, description="Parallel degrees and their order; a mesh passed at apply time wins.")
+    tensor_parallel: TensorParallel | None = Field(
+        None, description="Tensor and sequence parallelism: layer rules → sharding styles.")
     source: str | None = Field(None, exclude=True, description="Where the plan was read from (set by the loader).")
 
     @classmethod

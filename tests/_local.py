@@ -16,7 +16,7 @@ redistribution) are computed exactly across the per-rank values.  The
 
 Usage::
 
-    from tests._local import (
+    from _local import (   # tests/ is on sys.path (tests/conftest.py)
         local_ranks, make_mesh, distribute, on_rank, assert_ranks_agree,
         assert_close_rel,
     )
@@ -145,7 +145,9 @@ def replicated(t: torch.Tensor) -> LocalTensor:
     return from_ranks(lambda r: t.detach().clone())
 
 
-def from_ranks(values: Mapping[int, torch.Tensor] | Sequence[torch.Tensor] | Callable[[int], torch.Tensor]) -> LocalTensor:
+def from_ranks(
+    values: Mapping[int, torch.Tensor] | Sequence[torch.Tensor] | Callable[[int], torch.Tensor],
+) -> LocalTensor:
     """Build a LocalTensor from per-rank plain tensors (dict rank->tensor, list indexed by rank, or ``fn(rank)``)."""
     ranks = sorted(_ranks())
     if callable(values):
@@ -189,13 +191,16 @@ def on_rank(t: torch.Tensor, rank: int) -> torch.Tensor:
 
 
 def assert_ranks_agree(t: torch.Tensor, tol: float = 0.0) -> torch.Tensor:
-    """Assert every rank holds the same value (exactly, or within ``tol`` relative); return it."""
+    """Assert every rank holds the same value (exactly, NaN == NaN; or within ``tol`` relative); return it."""
     vals = rank_values(t)
     first_rank = min(vals)
     ref = vals[first_rank]
     for r, v in vals.items():
         if tol == 0.0:
-            ok = v.shape == ref.shape and torch.equal(v, ref)
+            ok = v.shape == ref.shape and (
+                torch.equal(v, ref)
+                or (v.is_floating_point() and torch.allclose(v, ref, rtol=0, atol=0, equal_nan=True))
+            )
         else:
             ok = v.shape == ref.shape and _rel_err(v, ref) <= tol
         if not ok:

@@ -1,0 +1,225 @@
+"""meshplan's own ParallelStyles, shaped like torch's (keyword-only constructor,
+``_apply`` through ``distribute_module``, ``__repr__``). Everything else is torch's.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.tensor import DeviceMesh, DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from .errors import PlanError
+
+__all__ = ["PrepareHiddenInput", "VocabParallelEmbedding", "ReplicateParallel", "TableWiseEmbedding",
+           "hidden_arg_name"]
+
+
+def hidden_arg_name(module: nn.Module) -> str | None:
+    """Name of the first parameter of ``module.forward`` (the hidden states), or None."""
+    try:
+        params = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    for p in params:
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            return p.name
+    return None
+
+
+def _to_dtensor(x: Any, mesh: DeviceMesh, layout, desired, use_local: bool) -> Any:
+    if not isinstance(x, torch.Tensor):
+        return x
+    if not isinstance(x, DTensor):
+        x = DTensor.from_local(x, mesh, (layout,), run_check=False)
+    if x.placements != (desired,):
+        x = x.redistribute(mesh, (desired,))
+    return x.to_local() if use_local else x
+
+
+class PrepareHiddenInput(ParallelStyle):
+    """Redistribute a module's hidden-states input once, however it is passed.
+
+    Like ``PrepareModuleInput`` for one argument, but it finds the argument
+    positionally (first) or by keyword (the name of ``forward``'s first
+    parameter), so it works for ``attn(x)`` and ``attn(hidden_states=x)`` alike.
+
+    Keyword Args:
+        input_layout (Placement): layout of the input as it arrives (a plain tensor is taken as its local shard).
+        desired_layout (Placement): layout the module needs. Default: ``Replicate()``.
+        arg_name (str, optional): keyword name of the argument; default: read from ``forward``.
+        use_local_output (bool): hand the module a plain tensor. Default: False (one conversion per block).
+    """
+
+    def __init__(self, *, input_layout=Shard(1), desired_layout=Replicate(), arg_name: str | None = None,
+                 use_local_output: bool = False):
+        super().__init__()
+        self.input_layout = input_layout
+        self.desired_layout = desired_layout
+        self.arg_name = arg_name
+        self.use_local_output = use_local_output
+
+    def _hook(self, mesh, name, _module, args, kwargs):
+        if args:
+            args = (_to_dtensor(args[0], mesh, self.input_layout, self.desired_layout, self.use_local_output), *args[1:])
+        elif name is not None and name in kwargs:
+            kwargs = {**kwargs, name: _to_dtensor(kwargs[name], mesh, self.input_layout, self.desired_layout,
+                                                  self.use_local_output)}
+        return args, kwargs
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        name = self.arg_name or hidden_arg_name(module)
+        module.register_forward_pre_hook(lambda m, a, k: self._hook(device_mesh, name, m, a, k), with_kwargs=True)
+        return module
+
+    def __repr__(self) -> str:
+        return (f"{self.__class__.__name__}(input_layout={self.input_layout}, desired_layout={self.desired_layout}, "
+                f"arg_name={self.arg_name}, use_local_output={self.use_local_output})")
+
+
+class _MaskedLookup(torch.autograd.Function):
+    """Local lookup into this rank's vocabulary slice; ids outside it give zero rows."""
+
+    @staticmethod
+    def forward(ctx, ids, weight, lo, padding_idx):
+        # lo is a 0-d tensor (a per-rank value under LocalTensorMode simulation)
+        outside = (ids < lo) | (ids >= lo + weight.shape[0])
+        local = (ids - lo).masked_fill(outside, 0)
+        skip = outside if padding_idx is None else outside | (ids == padding_idx)
+        ctx.save_for_backward(local, outside, skip)
+        ctx.num_rows = weight.shape[0]
+        return F.embedding(local, weight).masked_fill(outside.unsqueeze(-1), 0.0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        local, _, skip = ctx.saved_tensors
+        grad = grad.masked_fill(skip.unsqueeze(-1), 0.0)
+        dw = torch.zeros(ctx.num_rows, grad.shape[-1], dtype=grad.dtype, device=grad.device)
+        dw.index_add_(0, local.reshape(-1), grad.reshape(-1, grad.shape[-1]))
+        return None, dw, None, None
+
+
+class VocabParallelEmbedding(ParallelStyle):
+    """Vocabulary-parallel ``nn.Embedding`` (Megatron's VocabParallelEmbedding).
+
+    The weight is ``Shard(0)`` over tp. Each rank looks up the ids in its slice
+    (others give zero rows), and the partial sums are reduced straight into
+    ``output_layouts`` (a reduce-scatter to ``Shard(1)`` with sequence
+    parallelism, an all-reduce to ``Replicate()`` without). Unlike
+    ``RowwiseParallel`` on an embedding, the weight's gradient stays a local
+    ``Shard(0)`` slice: no full-vocabulary replicated gradient.
+
+    Keyword Args:
+        input_layouts (Placement): layout of the ids. ``Shard(0)`` (smp's batch mode) all-gathers them first.
+        output_layouts (Placement): layout of the output. Default: ``Shard(1)``.
+        use_local_output (bool): return a plain tensor. Default: False.
+    """
+
+    def __init__(self, *, input_layouts=Replicate(), output_layouts=Shard(1), use_local_output: bool = False):
+        super().__init__()
+        self.input_layouts = input_layouts
+        self.output_layouts = output_layouts
+        self.use_local_output = use_local_output
+
+    def _partition(self, name, module, mesh):
+        if not isinstance(module, nn.Embedding):
+            raise PlanError(f"style embedding needs an nn.Embedding, got {type(module).__name__}")
+        if module.max_norm is not None or module.sparse:
+            raise PlanError("style embedding: max_norm and sparse embeddings are not supported")
+        vocab, tp = module.num_embeddings, mesh.size()
+        if vocab % tp:
+            raise PlanError(f"tp({tp}) does not divide num_embeddings({vocab})")
+        module.register_parameter("weight", nn.Parameter(distribute_tensor(module.weight, mesh, [Shard(0)])))
+
+    def _forward(self, mesh: DeviceMesh, module: nn.Embedding, ids: torch.Tensor) -> Any:
+        if isinstance(ids, DTensor):
+            ids = ids.redistribute(mesh, (Replicate(),)).to_local()
+        elif self.input_layouts != Replicate():
+            ids = DTensor.from_local(ids, mesh, (self.input_layouts,), run_check=False).full_tensor()
+        w = module.weight.to_local()
+        lo = torch.ones((), dtype=ids.dtype, device=ids.device) * (mesh.get_local_rank() * w.shape[0])
+        out = _MaskedLookup.apply(ids, w, lo, module.padding_idx)
+        out = DTensor.from_local(out, mesh, (Partial(),), run_check=False).redistribute(mesh, (self.output_layouts,))
+        return out.to_local() if self.use_local_output else out
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module = distribute_module(module, device_mesh, self._partition)
+        module.forward = lambda ids, _m=module: self._forward(device_mesh, _m, ids)  # instance-level override
+        return module
+
+    def __repr__(self) -> str:
+        return (f"{self.__class__.__name__}(input_layouts={self.input_layouts}, output_layouts={self.output_layouts}, "
+                f"use_local_output={self.use_local_output})")
+
+
+class ReplicateParallel(ParallelStyle):
+    """Parameters as ``Replicate`` DTensors; tensor inputs converted, outputs made local.
+
+    Gradients that come out ``Partial`` (inputs that differ across tp ranks) are
+    reduced by meshplan's post-backward finaliser, so optimizers see final grads.
+
+    Keyword Args:
+        input_layouts (Placement): layout of tensor inputs as they arrive. Default: ``Replicate()``.
+        use_local_output (bool): return plain tensors. Default: True.
+    """
+
+    def __init__(self, *, input_layouts=Replicate(), use_local_output: bool = True):
+        super().__init__()
+        self.input_layouts = input_layouts
+        self.use_local_output = use_local_output
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def inp(_m, args, mesh):
+            return tuple(DTensor.from_local(a, mesh, (self.input_layouts,), run_check=False)
+                         if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) else a for a in args)
+
+        def out(_m, o, mesh):
+            if isinstance(o, DTensor) and self.use_local_output:
+                return o.redistribute(mesh, (Replicate(),)).to_local() if o.placements != (Replicate(),) else o.to_local()
+            return o
+        return distribute_module(module, device_mesh, None, input_fn=inp, output_fn=out)
+
+    def __repr__(self) -> str:
+        return f"{self.__class__.__name__}(input_layouts={self.input_layouts}, use_local_output={self.use_local_output})"
+
+
+class TableWiseEmbedding(ParallelStyle):
+    """Place whole embedding tables on tp ranks, round-robin (the seeds' table-wise split).
+
+    Child ``nn.Embedding`` number ``i`` lives on tp rank ``i % tp``; the other ranks
+    keep an empty ``(0, dim)`` weight. The owner looks the ids up and broadcasts
+    the rows over tp (backward: the gradient is summed onto the owner), so every
+    rank gets each table's full output, as with a replicated module.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        from torch.distributed.nn.functional import broadcast
+        tables = [(n, m) for n, m in module.named_children() if isinstance(m, nn.Embedding)]
+        if not tables:
+            raise PlanError(f"style embedding_tables needs nn.Embedding children, {type(module).__name__} has none")
+        tp, me = device_mesh.size(), device_mesh.get_local_rank()
+        group = device_mesh.get_group()
+        for i, (_, table) in enumerate(tables):
+            owner = i % tp
+            dim, dtype = table.embedding_dim, table.weight.dtype
+            if owner != me:
+                table.weight = nn.Parameter(table.weight.new_empty(0, dim))
+
+            def fwd(ids, _t=table, _owner=owner, _dim=dim, _dtype=dtype):
+                if _owner == me:
+                    rows = F.embedding(ids, _t.weight, _t.padding_idx)
+                else:
+                    rows = torch.empty(*ids.shape, _dim, dtype=_dtype, device=ids.device)
+                return broadcast(rows, src=torch.distributed.get_global_rank(group, _owner), group=group)
+            table.forward = fwd
+        return module
+
+    def __repr__(self) -> str:
+        return f"{self.__class__.__name__}()"

@@ -1,0 +1,208 @@
+"""Generate and apply the ``parallelize_module`` plan for the ``tensor_parallel`` section.
+
+What an expert writes by hand: with sequence parallelism the residual stream
+is a ``Shard(1)`` DTensor (global shape kept, so models that derive positions
+or masks from the hidden states' shape still work); norms run
+``SequenceParallel``; the parent that fans out to colwise projections gets one
+input conversion (all-gather) for the whole block; rowwise outputs
+reduce-scatter back; the embedding reduce-scatters; the lm_head gathers its
+input. Without SP the stream is a plain replicated tensor and each block
+converts it once. Per layer that is exactly 2 all-gathers + 2 reduce-scatters
+each way with SP, 2 all-reduces each way without.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
+                                               RowwiseParallel, SequenceParallel, parallelize_module)
+
+from .errors import PlanError
+from .grads import PartialGradFinalizer
+from .rng import TpRng
+from .rules import match_rules
+from .styles import (PrepareHiddenInput, ReplicateParallel, TableWiseEmbedding, VocabParallelEmbedding,
+                     hidden_arg_name)
+from .tp_plan import TensorParallel, parse_layout
+
+__all__ = ["generate_tp_plan", "apply_tensor_parallel", "TpApplied", "HEAD_ATTRS"]
+
+#: stored head counts that models reshape with; divided by tp on modules that own colwise projections
+HEAD_ATTRS = ("n_heads", "n_kv_heads", "n_head", "num_heads", "num_kv_heads", "num_key_value_heads",
+              "num_attention_heads", "n_local_heads", "n_local_kv_heads")
+_CONFIG_DIVISIBLE = ("num_attention_heads", "num_key_value_heads", "n_head")
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def _lay(value, default):
+    if value is None:
+        return default
+    if isinstance(value, list):
+        return tuple(parse_layout(v) for v in value)
+    return parse_layout(value)
+
+
+@dataclass
+class TpApplied:
+    """What :func:`apply_tensor_parallel` did: the torch plan, adjusted head counts, the grad finaliser."""
+
+    plan: dict[str, Any]
+    head_counts: dict[str, dict[str, tuple[int, int]]] = field(default_factory=dict)
+    finalizer: PartialGradFinalizer | None = None
+    rng: TpRng | None = None
+
+
+def _where(source: str | None) -> str:
+    return f"{source}: tensor_parallel.rules" if source else "tensor_parallel.rules"
+
+
+def _check_divisible(where: str, path: str, what: str, n: int, tp: int) -> None:
+    if n % tp:
+        raise PlanError(f"{where}: module {path!r}: tp({tp}) does not divide {what}({n}); valid tp: {_divisors(n)}")
+
+
+def generate_tp_plan(model: nn.Module, section: TensorParallel, tp: int, source: str | None = None
+                     ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The path → torch ``ParallelStyle`` dict for ``model`` (fresh style objects every call).
+
+    Returns:
+        ``(plan, meta)``: ``meta`` holds ``fanout`` (parents converted once per block),
+        ``norm_dropouts`` and the matched rules.
+
+    Raises:
+        PlanError: a rule matching nothing, conflicting rules, a style that does not fit
+            its module, or a size tp does not divide (with the valid tp values).
+    """
+    where = _where(source)
+    sp = section.sequence_parallel
+    stream = Shard(1) if sp is True else Shard(0) if sp == "batch" else Replicate()
+    local_stream = sp is False
+    matched = match_rules(model, section.rules, where)
+    modules = dict(model.named_modules())
+    plan: dict[str, Any] = {}
+    fanout: dict[str, None] = {}
+    norm_dropouts: list[str] = []
+    for path, (pattern, rule) in matched.items():
+        mod, o, style = modules[path], rule.overrides(), rule.style
+        loc = f"{where}.{pattern!r}"
+        if style in ("colwise", "rowwise", "lm_head") and not isinstance(mod, (nn.Linear, nn.Embedding)):
+            raise PlanError(f"{loc}: module {path!r} is {type(mod).__name__}; style {style} needs nn.Linear or nn.Embedding")
+        if style in ("embedding", "embedding_colwise") and not isinstance(mod, nn.Embedding):
+            raise PlanError(f"{loc}: module {path!r} is {type(mod).__name__}; style {style} needs nn.Embedding")
+        if style == "colwise":
+            n = mod.out_features if isinstance(mod, nn.Linear) else mod.embedding_dim
+            _check_divisible(loc, path, "out_features" if isinstance(mod, nn.Linear) else "embedding_dim", n, tp)
+            plan[path] = ColwiseParallel(input_layouts=_lay(o.get("input_layouts"), Replicate()),
+                                         output_layouts=_lay(o.get("output_layouts"), Shard(-1)),
+                                         use_local_output=o.get("use_local_output", True))
+            if "input_layouts" not in o:
+                fanout[path.rpartition(".")[0]] = None
+        elif style == "rowwise":
+            n = mod.in_features if isinstance(mod, nn.Linear) else mod.num_embeddings
+            _check_divisible(loc, path, "in_features" if isinstance(mod, nn.Linear) else "num_embeddings", n, tp)
+            plan[path] = RowwiseParallel(input_layouts=_lay(o.get("input_layouts"), Shard(-1)),
+                                         output_layouts=_lay(o.get("output_layouts"), stream),
+                                         use_local_output=o.get("use_local_output", local_stream))
+        elif style == "norm":
+            if sp is not False:
+                plan[path] = SequenceParallel(sequence_dim=stream.dim, use_local_output=False)
+            if isinstance(mod, nn.modules.dropout._DropoutNd):
+                norm_dropouts.append(path)
+        elif style == "embedding":
+            _check_divisible(loc, path, "num_embeddings", mod.num_embeddings, tp)
+            plan[path] = VocabParallelEmbedding(input_layouts=Shard(0) if sp == "batch" else Replicate(),
+                                                output_layouts=_lay(o.get("output_layouts"), stream),
+                                                use_local_output=local_stream)
+        elif style == "embedding_colwise":
+            _check_divisible(loc, path, "embedding_dim", mod.embedding_dim, tp)
+            plan[path] = ColwiseParallel(input_layouts=Shard(0) if sp == "batch" else Replicate(),
+                                         output_layouts=_lay(o.get("output_layouts"), stream),
+                                         use_local_output=local_stream)
+        elif style == "embedding_tables":
+            plan[path] = TableWiseEmbedding()
+        elif style == "lm_head":
+            _check_divisible(loc, path, "out_features (vocab)", mod.out_features, tp)
+            lp = section.loss_parallel
+            out_default = Shard(-1) if lp else (Shard(0) if sp == "batch" else Replicate())
+            plan[path] = ColwiseParallel(input_layouts=_lay(o.get("input_layouts"), stream),
+                                         output_layouts=_lay(o.get("output_layouts"), out_default),
+                                         use_local_output=o.get("use_local_output", not lp))
+        elif style == "replicate":
+            plan[path] = ReplicateParallel(input_layouts=_lay(o.get("input_layouts"), Replicate()),
+                                           use_local_output=o.get("use_local_output", True))
+        elif style == "prepare_input":
+            plan[path] = PrepareModuleInput(
+                input_layouts=_lay(o.get("input_layouts"), None),
+                desired_input_layouts=_lay(o.get("desired_input_layouts"), None),
+                input_kwarg_layouts={k: parse_layout(v) for k, v in (rule.input_kwarg_layouts or {}).items()} or None,
+                desired_input_kwarg_layouts={k: parse_layout(v) for k, v in (rule.desired_input_kwarg_layouts or {}).items()} or None,
+                use_local_output=o.get("use_local_output", False))
+        elif style == "prepare_output":
+            plan[path] = PrepareModuleOutput(output_layouts=_lay(rule.output_layouts, None),
+                                             desired_output_layouts=_lay(rule.desired_output_layouts, None),
+                                             use_local_output=o.get("use_local_output", True))
+        else:  # pragma: no cover - the discriminated union admits nothing else
+            raise AssertionError(style)
+    for parent in fanout:
+        if parent in plan:
+            continue  # the user prepared it by hand
+        target = modules[parent] if parent else model
+        plan[parent] = PrepareHiddenInput(input_layout=stream, desired_layout=Replicate(),
+                                          arg_name=hidden_arg_name(target))
+    return plan, {"fanout": list(fanout), "norm_dropouts": norm_dropouts, "matched": matched}
+
+
+def _adjust_heads(model: nn.Module, fanout: list[str], tp: int, where: str, adjust: bool) -> dict:
+    modules = dict(model.named_modules())
+    changed: dict[str, dict[str, tuple[int, int]]] = {}
+    config = getattr(model, "config", None)
+    for name in _CONFIG_DIVISIBLE:
+        n = getattr(config, name, None)
+        if isinstance(n, int) and n % tp:
+            raise PlanError(f"{where}: tp({tp}) does not divide {name}({n}) of the model config; valid tp: {_divisors(n)}")
+    for parent in fanout:
+        mod = modules[parent] if parent else model
+        for attr in HEAD_ATTRS:
+            n = getattr(mod, attr, None)
+            if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+                if n % tp:
+                    raise PlanError(f"{where}: module {parent or '(root)'!r}: tp({tp}) does not divide {attr}({n}); "
+                                    f"valid tp: {_divisors(n)}")
+                if adjust:
+                    setattr(mod, attr, n // tp)
+                    changed.setdefault(parent, {})[attr] = (n, n // tp)
+    return changed
+
+
+def apply_tensor_parallel(model: nn.Module, section: TensorParallel, tp_mesh: DeviceMesh,
+                          source: str | None = None) -> TpApplied:
+    """Parallelize ``model`` in place over the 1-D ``tp_mesh`` as ``section`` says.
+
+    Beyond ``parallelize_module``: stored head counts divided by tp, one
+    coalesced post-backward reduction of ``Partial`` gradients (norm weights
+    under SP, ``replicate`` modules), and per-shard dropout streams.
+    """
+    tp = tp_mesh.size()
+    where = _where(source)
+    plan, meta = generate_tp_plan(model, section, tp, source)
+    heads = _adjust_heads(model, meta["fanout"], tp, where, section.adjust_head_counts)
+    if tp > 1 or plan:
+        parallelize_module(model, tp_mesh, plan)
+    replicated = [p for p in model.parameters()
+                  if hasattr(p, "placements") and all(isinstance(pl, Replicate) for pl in p.placements)]
+    finalizer = PartialGradFinalizer(replicated) if replicated else None
+    rng = TpRng(tp_mesh.get_local_rank(), tp_mesh.device_type)
+    modules = dict(model.named_modules())
+    for parent in meta["fanout"]:
+        rng.fork(modules[parent] if parent else model)
+    for path in meta["norm_dropouts"]:
+        (rng.fork if section.sequence_parallel is not False else rng.shared)(modules[path])
+    return TpApplied(plan=plan, head_counts=heads, finalizer=finalizer, rng=rng)
