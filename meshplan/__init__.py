@@ -15,7 +15,7 @@ def __getattr__(name: str):
         from . import topology
         return getattr(topology, name)
     if name == "parallelize":
-        from .parallelize import parallelize
+        from .apply import parallelize
         return parallelize
     if name in ("cross_entropy", "loss_parallel"):
         from . import loss

@@ -182,6 +182,29 @@ def _adjust_heads(model: nn.Module, fanout: list[str], tp: int, where: str, adju
     return changed
 
 
+def _tied_parameters(model: nn.Module) -> list[list[tuple[str, str]]]:
+    owners: dict[int, list[tuple[str, str]]] = {}
+    for mod_name, mod in model.named_modules(remove_duplicate=False):
+        for p_name, p in mod.named_parameters(recurse=False):
+            owners.setdefault(id(p), []).append((mod_name, p_name))
+    return [v for v in owners.values() if len(v) > 1]
+
+
+def _retie(model: nn.Module, tied: list[list[tuple[str, str]]], where: str) -> None:
+    """Parallel styles replace parameters module by module; tie them again (same placement required)."""
+    modules = dict(model.named_modules(remove_duplicate=False))
+    for group in tied:
+        params = [getattr(modules[m], n) for m, n in group]
+        first = params[0]
+        place = [getattr(p, "placements", None) for p in params]
+        if any(pl != place[0] for pl in place):
+            names = ", ".join(f"{m}.{n} ({pl})" for (m, n), pl in zip(group, place))
+            raise PlanError(f"{where}: tied parameters get different placements: {names}; tie an 'embedding' "
+                            f"(vocab-parallel, shard(0)) with an 'lm_head' (shard(0)), or untie them")
+        for (m, n) in group[1:]:
+            setattr(modules[m], n, first)
+
+
 def apply_tensor_parallel(model: nn.Module, section: TensorParallel, tp_mesh: DeviceMesh,
                           source: str | None = None) -> TpApplied:
     """Parallelize ``model`` in place over the 1-D ``tp_mesh`` as ``section`` says.
@@ -194,8 +217,10 @@ def apply_tensor_parallel(model: nn.Module, section: TensorParallel, tp_mesh: De
     where = _where(source)
     plan, meta = generate_tp_plan(model, section, tp, source)
     heads = _adjust_heads(model, meta["fanout"], tp, where, section.adjust_head_counts)
+    tied = _tied_parameters(model)
     if tp > 1 or plan:
         parallelize_module(model, tp_mesh, plan)
+    _retie(model, tied, where)
     replicated = [p for p in model.parameters()
                   if hasattr(p, "placements") and all(isinstance(pl, Replicate) for pl in p.placements)]
     finalizer = PartialGradFinalizer(replicated) if replicated else None

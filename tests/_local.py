@@ -35,10 +35,25 @@ Rules of thumb:
 * Make reference (single-device) tensors *outside* ``local_ranks`` (or wrap
   their creation in ``plain()``): a factory call inside the mode returns a
   LocalTensor, not a plain tensor.
-* Mixing a plain tensor and a LocalTensor in one op inside the mode is not
-  SPMD: use ``replicated(t)`` / ``distribute(...)`` / ``from_ranks(...)`` first.
+* A plain tensor in an op with a LocalTensor acts as the same value on every
+  rank (fine, e.g. a plain target); ops on plain tensors only stay plain.  Use
+  ``replicated(t)`` / ``distribute(...)`` / ``from_ranks(...)`` for inputs.
 * Call the helpers that gather (``assert_close_rel`` on a DTensor,
   ``DTensor.full_tensor``) inside ``local_ranks``.
+
+torch 2.13 quirks met under LocalTensorMode:
+
+* ``mesh.get_local_rank(d)`` / ``get_coordinate()`` return per-rank ``SymInt``
+  (``LocalIntNode``).  ``tensor >= symint`` and ``torch.tensor(symint)`` fail
+  (``'LocalIntNode' object has no attribute 'guard_int'``);
+  ``torch.full((), symint)`` gives the per-rank LocalTensor you want.
+* Unevenly sharded DTensors: ``DTensor.to_local()``'s backward with a
+  materialised per-rank gradient infers a SymInt global stride and fails with
+  ``TypeError: unhashable type: non-nested SymInt``.  Wrap the gradient
+  yourself with ``DTensor.from_local(..., shape=, stride=)`` (as
+  ``meshplan.loss`` does), or use even shapes.
+* ``CommDebugMode`` entered inside the mode counts each functional collective
+  once, keyed ``torch.ops.c10d_functional.<op>``.
 * The fake process group stays initialised between uses (cheap re-entry);
   asking for another world size destroys and re-initialises it.  A non-fake
   (real) default group is never touched: ``RuntimeError``.  Call ``shutdown()``

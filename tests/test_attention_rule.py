@@ -311,3 +311,68 @@ def test_causal_dropout_on_dtensor_fails():
             warnings.simplefilter("ignore")
             with pytest.raises(RuntimeError, match="got mixed torch.Tensor and DTensor"):
                 F.scaled_dot_product_attention(dq, dq, dq, dropout_p=0.1, is_causal=True)
+
+
+# ------------------------------------------- the example Llama under TP ----
+
+
+@pytest.mark.parametrize(
+    "head_reshape,use_local_output",
+    [("infer", True), ("infer", False), ("stored", False)],
+)
+def test_example_llama_attention_tensor_parallel(head_reshape, use_local_output):
+    """examples/llama.py with torch TP styles on its attention, fwd + bwd vs one device.
+
+    With ``use_local_output=False`` q/k/v stay DTensors, SDPA needs this rule, and
+    the plain ``freqs_cis`` buffer must become a Replicate DTensor (else RoPE fails
+    with "aten.mul.Tensor got mixed torch.Tensor and DTensor").
+    """
+    import copy
+
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    from examples.llama import build, tiny_args
+
+    torch.manual_seed(0)
+    ref = build(tiny_args(n_heads=8, n_kv_heads=4, head_reshape=head_reshape))
+    tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    model = copy.deepcopy(ref)
+    ref_out = ref(tokens)
+    ref_out.sum().backward()
+    plan = {}
+    for i in range(len(ref.layers)):
+        for name in ("wq", "wk", "wv"):
+            plan[f"layers.{i}.attention.{name}"] = ColwiseParallel(
+                use_local_output=use_local_output
+            )
+        plan[f"layers.{i}.attention.wo"] = RowwiseParallel()
+    with simulated() as (_, mesh):
+        parallelize_module(model, mesh, plan)
+        if not use_local_output:
+            model.freqs_cis = distribute_tensor(model.freqs_cis, mesh, [Replicate()])
+        out = model(tokens)
+        out.sum().backward()
+        assert rel_err(out.reconcile().detach(), ref_out.detach()) <= 1e-5
+        for name in ("wq", "wk", "wo"):
+            grad = getattr(model.layers[0].attention, name).weight.grad
+            ref_grad = getattr(ref.layers[0].attention, name).weight.grad
+            assert rel_err(full(grad), ref_grad) <= 1e-5, name
+
+
+def test_example_llama_stored_head_reshape_breaks_on_local_shards():
+    """Documented in examples/llama.py: "stored" needs the parallelizer to adjust counts."""
+    import copy
+
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    from examples.llama import build, tiny_args
+
+    model = copy.deepcopy(build(tiny_args(n_heads=8, n_kv_heads=4, head_reshape="stored")))
+    with simulated() as (_, mesh):
+        parallelize_module(model, mesh, {"layers.0.attention.wq": ColwiseParallel()})
+        with pytest.raises(RuntimeError, match="is invalid for input of size"):
+            model(torch.zeros(2, 16, dtype=torch.long))

@@ -1,0 +1,337 @@
+"""The ``data_parallel`` plan section: FSDP2 / HSDP / replication, checkpointing, compile.
+
+:func:`apply_data_parallel` runs after tensor parallelism, in torchtitan's
+order: activation checkpointing → ``torch.compile`` per block → FSDP2
+(``fully_shard`` per block, then at the root). The mode follows the layout
+(``dp_shard``/``dp_replicate``/``cp``) unless the section's ``mode`` says
+otherwise. Gradients are SUMMED over the data axes by default: meshplan's loss
+is normalised by the global token count (see :mod:`meshplan.train`).
+
+torch is imported lazily: :mod:`meshplan.plan` imports the section models and
+stays torch-free.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, Mapping
+
+from pydantic import Field, ValidationError, field_validator, model_validator
+
+from .errors import PlanError
+from .strict import Strict
+
+if TYPE_CHECKING:
+    import torch.nn as nn
+    from .topology import Topology
+
+__all__ = ["DataParallel", "ActivationCheckpointing", "DataParallelState", "apply_data_parallel",
+           "resolve_mode", "data_parallel_state", "MODES"]
+
+MODES = ("fsdp", "hsdp", "ddp", "none")
+Dtype = Literal["float32", "bfloat16", "float16"]
+_OP_RE = re.compile(r"^[A-Za-z_]\w*\.[A-Za-z_]\w*(\.[A-Za-z_]\w*)?$")
+_STATE_ATTR = "_meshplan_dp"
+
+
+class ActivationCheckpointing(Strict):
+    """Which blocks recompute their activations in backward.
+
+    Example (YAML)::
+
+        activation_checkpointing: {mode: selective, ops: [aten.mm.default]}
+    """
+
+    mode: Literal["none", "full", "selective"] = Field(
+        "none", description="none; full: every block; selective: every k-th block (every) and/or op-level (ops).")
+    every: int = Field(1, ge=1, description="selective: checkpoint blocks k, 2k, 3k, … (counting from 1).")
+    ops: tuple[str, ...] = Field(
+        (), description="selective, op level: ops whose outputs are SAVED (e.g. aten.mm.default); everything "
+                        "else in a checkpointed block is recomputed.")
+
+    @field_validator("ops")
+    @classmethod
+    def _check_ops(cls, ops: tuple[str, ...]) -> tuple[str, ...]:
+        for i, op in enumerate(ops):
+            if not _OP_RE.match(op):
+                raise ValueError(f"ops[{i}] = {op!r} is not 'namespace.op' or 'namespace.op.overload' "
+                                 f"(e.g. 'aten.mm.default')")
+        return ops
+
+    @model_validator(mode="after")
+    def _check_mode(self) -> "ActivationCheckpointing":
+        if self.mode != "selective" and (self.every != 1 or self.ops):
+            raise ValueError(f"every ({self.every}) and ops ({list(self.ops)}) need mode: selective, got "
+                             f"mode: {self.mode}")
+        if self.mode == "selective" and self.every == 1 and not self.ops:
+            raise ValueError("mode: selective needs every > 1 or a list of ops (every: 1 without ops is mode: full)")
+        return self
+
+
+class DataParallel(Strict):
+    """The ``data_parallel`` plan section.
+
+    Example (YAML)::
+
+        data_parallel:
+          param_dtype: bfloat16
+          reduce_dtype: float32
+          activation_checkpointing: {mode: selective, every: 2}
+    """
+
+    mode: Literal["fsdp", "hsdp", "ddp", "none"] | None = Field(
+        None, description="Default from the layout: hsdp when dp_replicate and dp_shard > 1, fsdp when dp_shard·cp "
+                          "> 1, ddp when only dp_replicate > 1, else none. fsdp/ddp given explicitly shard/replicate "
+                          "over ALL data ranks (dp_replicate·dp_shard·cp).")
+    blocks: str = Field("layers.*", description="Module-path pattern of the blocks ('*' = one path segment); each "
+                                                "is fully_shard-ed, checkpointed and compiled on its own.")
+    param_dtype: Dtype | None = Field(None, description="Dtype of all-gathered parameters in forward/backward.")
+    reduce_dtype: Dtype | None = Field(None, description="Dtype of gradient reduction; default param_dtype.")
+    reshard_after_forward: bool | int | None = Field(
+        None, description="Blocks free gathered parameters after forward (true, default) or keep them (false); "
+                          "an int k reshards to groups of k ranks (a divisor of the shard size; not with tp).")
+    gradient_reduction: Literal["sum", "mean"] = Field(
+        "sum", description="sum (meshplan's globally normalised loss) or mean (divide by the data-parallel size, "
+                           "for a loss that is a per-rank mean).")
+    accumulate_unsharded: bool = Field(
+        True, description="Gradient accumulation: keep parameters and gradients unsharded between microbatches "
+                          "(one all-gather per block per step, one reduce-scatter at the end). false: reduce-scatter "
+                          "every microbatch (least memory).")
+    cpu_offload: bool = Field(False, description="Offload sharded parameters, gradients and optimizer state to CPU "
+                                                 "(FSDP2 CPUOffloadPolicy; needs an accelerator).")
+    activation_checkpointing: ActivationCheckpointing = Field(
+        default_factory=ActivationCheckpointing, description="Activation checkpointing of the blocks.")
+    compile: bool = Field(False, description="torch.compile each block (after checkpointing, before FSDP).")
+
+    @field_validator("reshard_after_forward")
+    @classmethod
+    def _check_reshard(cls, v: bool | int | None) -> bool | int | None:
+        if v is not None and not isinstance(v, bool) and v < 2:
+            raise ValueError(f"an int reshard_after_forward is a group size >= 2, got {v}; use true or false")
+        return v
+
+    @field_validator("blocks")
+    @classmethod
+    def _check_blocks(cls, v: str) -> str:
+        if not v or any(not s for s in v.split(".")):
+            raise ValueError(f"blocks pattern {v!r} has an empty path segment")
+        return v
+
+
+@dataclass
+class DataParallelState:
+    """What :func:`apply_data_parallel` did; stored on the model, read by :func:`meshplan.train.train_step`.
+
+    Attributes:
+        mode: ``fsdp``, ``hsdp``, ``ddp`` or ``none``.
+        section: the validated section.
+        topology: the topology it was applied on.
+        data_axes: mesh keys whose ranks hold different data (``dp_replicate``, ``dp_shard``, ``cp``, + ``tp`` in
+            smp's batch mode); the token count is summed over them.
+        blocks: paths of the blocks.
+        grad_sync: the :class:`meshplan.train.TpGradSync` (tp reductions of replicated grads under FSDP).
+    """
+
+    mode: str
+    section: DataParallel
+    topology: Any
+    data_axes: tuple[str, ...]
+    blocks: list[str] = field(default_factory=list)
+    grad_sync: Any = None
+
+    def fsdp_root(self, model: "nn.Module"):
+        """The root ``FSDPModule`` (also for ddp, which is FSDP2's replicate), or None."""
+        from torch.distributed.fsdp import FSDPModule
+        return model if isinstance(model, FSDPModule) else None
+
+
+def data_parallel_state(model: "nn.Module") -> DataParallelState | None:
+    """The :class:`DataParallelState` that :func:`apply_data_parallel` attached to ``model``, or None."""
+    return getattr(model, _STATE_ATTR, None)
+
+
+def resolve_mode(section: DataParallel, layout) -> tuple[str, tuple[str, ...] | None, tuple[str, ...] | None]:
+    """Mode and mesh keys: ``(mode, shard axes, replicate axes)`` for a resolved layout.
+
+    Raises:
+        PlanError: an explicit ``mode`` that does not fit the layout (with the degrees).
+    """
+    rep, shard, cp = layout.dp_replicate, layout.dp_shard, layout.cp
+    sizes = f"dp_replicate({rep}) dp_shard({shard}) cp({cp})"
+    mode = section.mode
+    if mode is None:
+        mode = ("hsdp" if rep > 1 and shard > 1 else "ddp" if rep > 1 and shard == 1
+                else "fsdp" if shard * cp > 1 else "none")
+    everything = ("dp_replicate", "dp_shard", "cp")
+    if mode == "hsdp":
+        if rep == 1 or shard * cp == 1:
+            raise PlanError(f"data_parallel.mode: hsdp needs dp_replicate > 1 and dp_shard·cp > 1, got {sizes}")
+        return mode, ("dp_shard", "cp"), ("dp_replicate",)
+    if mode == "fsdp":
+        return mode, (("dp_shard", "cp") if rep == 1 else everything), None
+    if mode == "ddp":
+        return mode, None, everything
+    if rep * shard * cp > 1:
+        raise PlanError(f"data_parallel.mode: none, but {sizes}: {rep * shard * cp} ranks hold different data and "
+                        f"their gradients would never be reduced; use fsdp, hsdp or ddp")
+    return mode, None, None
+
+
+def _mesh(topology: "Topology", axes: tuple[str, ...]):
+    key = {("dp_shard", "cp"): "dp_shard_cp", ("dp_replicate", "dp_shard", "cp"): "dp_cp",
+           ("dp_replicate",): "dp_replicate"}[axes]
+    if key == "dp_shard_cp" and topology.layout.cp == 1:
+        key = "dp_shard"
+    if key == "dp_cp" and topology.layout.cp == 1:
+        key = "dp"
+    return key, topology[key]
+
+
+def _match_blocks(model: "nn.Module", pattern: str) -> list[str]:
+    rx = re.compile(r"\.".join(re.escape(s).replace(r"\*", "[^.]+") for s in pattern.split(".")))
+    names = [n for n, _ in model.named_modules() if n and rx.fullmatch(n)]
+    if not names:
+        top = ", ".join(n for n, _ in model.named_children()) or "none"
+        raise PlanError(f"data_parallel.blocks: pattern {pattern!r} matched no module of {type(model).__name__} "
+                        f"(top-level children: {top})")
+    return names
+
+
+def _replace(model: "nn.Module", path: str, new: "nn.Module") -> None:
+    parent, _, name = path.rpartition(".")
+    model.get_submodule(parent).register_module(name, new)
+
+
+def _checkpoint(model: "nn.Module", blocks: list[str], ac: ActivationCheckpointing) -> None:
+    if ac.mode == "none":
+        return
+    from functools import partial
+
+    import torch
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+    ops = []
+    for i, name in enumerate(ac.ops):
+        parts = name.split(".")
+        try:
+            op = getattr(getattr(torch.ops, parts[0]), parts[1])
+            op = getattr(op, parts[2] if len(parts) == 3 else "default")
+        except (AttributeError, RuntimeError):
+            raise PlanError(f"data_parallel.activation_checkpointing.ops[{i}]: unknown op {name!r} "
+                            f"(torch.ops.{name} does not exist)") from None
+        ops.append(op)
+    kwargs = {"context_fn": partial(create_selective_checkpoint_contexts, ops)} if ops else {}
+    for k, path in enumerate(blocks, start=1):
+        if ac.mode == "full" or k % ac.every == 0:
+            _replace(model, path, checkpoint_wrapper(model.get_submodule(path), preserve_rng_state=True, **kwargs))
+
+
+def _check_reshard(section: DataParallel, mode: str, shard_size: int, has_dtensor: bool) -> None:
+    k = section.reshard_after_forward
+    if isinstance(k, bool) or k is None or mode not in ("fsdp", "hsdp"):
+        return
+    if has_dtensor:
+        raise PlanError(f"data_parallel.reshard_after_forward: {k} (an int) does not work with tensor-parallel "
+                        f"(DTensor) parameters in torch 2.13; use true or false")
+    if k >= shard_size or shard_size % k:
+        valid = [d for d in range(2, shard_size) if shard_size % d == 0]
+        raise PlanError(f"data_parallel.reshard_after_forward: {k} must divide the shard size ({shard_size}) and be "
+                        f"smaller; valid: {', '.join(map(str, valid)) or 'none (use true/false)'}")
+
+
+def apply_data_parallel(model: "nn.Module", section: DataParallel | Mapping[str, Any] | None = None,
+                        topology: "Topology | None" = None, *,
+                        sequence_parallel: bool | str = False) -> "nn.Module":
+    """Apply the ``data_parallel`` section to ``model`` in place (after tensor parallelism).
+
+    Args:
+        model: the (tensor-parallel) model.
+        section: a :class:`DataParallel`, its dict, or None (defaults from the layout).
+        topology: the :class:`~meshplan.Topology`; default: the active one.
+        sequence_parallel: the plan's ``tensor_parallel.sequence_parallel``. ``"batch"`` (smp) means every tp
+            rank holds its own part of the batch: plain (non-DTensor) parameters then reduce over tp·dp·cp and
+            tokens are counted over tp too.
+
+    Returns:
+        ``model``, with FSDP2/HSDP/replicate applied and a :class:`DataParallelState` attached.
+
+    Raises:
+        PlanError: an invalid section, a mode that does not fit the layout, a blocks pattern that matches
+            nothing, an unknown checkpoint op, CPU offload without an accelerator, or a bad
+            ``reshard_after_forward``.
+
+    Example::
+
+        with meshplan.init({"dp_shard": 4}) as topo:
+            model = apply_data_parallel(build(args), {"param_dtype": "bfloat16"}, topo)
+    """
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    from .topology import current_topology
+    from .train import TpGradSync
+    if section is None:
+        section = DataParallel()
+    elif not isinstance(section, DataParallel):
+        try:
+            section = DataParallel.model_validate(dict(section))
+        except ValidationError as e:
+            from .loader import pydantic_message
+            raise PlanError(f"data_parallel: {pydantic_message(e)}") from None
+    topology = topology or current_topology()
+    if topology is None:
+        raise PlanError("apply_data_parallel needs a Topology (meshplan.init / build_mesh, or `with topo:`)")
+    if getattr(model, _STATE_ATTR, None) is not None:
+        raise PlanError(f"data_parallel was already applied to this {type(model).__name__}")
+    layout = topology.layout
+    mode, shard_axes, rep_axes = resolve_mode(section, layout)
+    batch = sequence_parallel == "batch"
+    if section.cpu_offload and (topology.dense.device_type == "cpu" or not torch.accelerator.is_available()):
+        raise PlanError(f"data_parallel.cpu_offload: true needs an accelerator (mesh device "
+                        f"{topology.dense.device_type!r}); torch 2.13's CPUOffloadPolicy copies between host and "
+                        f"device memory. Set cpu_offload: false on CPU-only runs")
+    blocks = _match_blocks(model, section.blocks)
+    has_dtensor = any(isinstance(p, DTensor) for p in model.parameters())
+    _checkpoint(model, blocks, section.activation_checkpointing)
+    if section.compile:
+        for path in blocks:
+            model.get_submodule(path).compile()
+    plain = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)] if batch and layout.tp > 1 else []
+    data_axes = ("dp_replicate", "dp_shard", "cp") + (("tp",) if batch else ())
+    state = DataParallelState(mode=mode, section=section, topology=topology, data_axes=data_axes, blocks=blocks)
+    if mode != "none":
+        _shard(model, blocks, section, topology, mode, shard_axes, rep_axes, has_dtensor)
+    state.grad_sync = TpGradSync(model, topology, plain_names=plain, fsdp=mode != "none")
+    setattr(model, _STATE_ATTR, state)
+    return model
+
+
+def _shard(model, blocks, section, topology, mode, shard_axes, rep_axes, has_dtensor) -> None:
+    import torch
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+    dt = {None: None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    mp = MixedPrecisionPolicy(param_dtype=dt[section.param_dtype], reduce_dtype=dt[section.reduce_dtype])
+    offload = CPUOffloadPolicy() if section.cpu_offload else OffloadPolicy()
+    if mode == "ddp":
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+        _, mesh = _mesh(topology, rep_axes)
+        replicate(model, mesh=mesh, mp_policy=mp, offload_policy=offload)
+    else:
+        _, shard_mesh = _mesh(topology, shard_axes)
+        if mode == "hsdp":
+            key = "dp_shard_cp" if topology.layout.cp > 1 else "dp_shard"
+            mesh = topology.dense["dp_replicate", key]
+        else:
+            mesh = shard_mesh
+        _check_reshard(section, mode, shard_mesh.size(), has_dtensor)
+        kw = dict(mesh=mesh, mp_policy=mp, offload_policy=offload)
+        for path in blocks:
+            fully_shard(model.get_submodule(path), reshard_after_forward=section.reshard_after_forward, **kw)
+        fully_shard(model, **kw)  # the root: torch keeps its parameters gathered after forward
+    from torch.distributed.fsdp import FSDPModule
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            if section.gradient_reduction == "sum":
+                m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)  # gloo has no AVG/PREMUL_SUM; NCCL zero-copy wants SUM

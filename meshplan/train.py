@@ -1,0 +1,353 @@
+"""One training step done right: global loss normalisation, mesh-aware clipping, accumulation.
+
+The contract of ``loss_fn(output, targets)``: return the SUM of the per-token
+losses over this rank's valid targets (``targets != ignore_index``), e.g.
+``F.cross_entropy(out.flatten(0, 1), tgt.flatten(), reduction="sum")`` or
+``meshplan.cross_entropy(..., reduction="sum")``. :func:`train_step` counts the
+valid tokens of every microbatch, sums the count over every rank that holds
+different data (dp_replicate, dp_shard, cp; + tp in smp's batch mode) with
+ONE all-reduce, and divides: the gradient is that of the mean over ALL valid
+tokens of the global batch, not a mean of per-rank or per-microbatch means.
+Gradients are therefore SUMMED over the data axes (the ``data_parallel``
+section's default ``gradient_reduction: sum``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import weakref
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from .errors import PlanError
+
+__all__ = ["StepResult", "train_step", "clip_grad_norm_", "TpGradSync"]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """``loss``: mean over all valid tokens of the global batch; ``grad_norm``: total L2 norm before
+    clipping (None without ``max_grad_norm``); ``num_tokens``: the global number of valid tokens."""
+
+    loss: float
+    grad_norm: float | None
+    num_tokens: int
+
+
+class TpGradSync:
+    """tp reductions of tp-replicated gradients under FSDP2, eager or deferred.
+
+    Two kinds of gradients need a sum over tp: ``Partial`` grads of ``Replicate`` DTensor parameters
+    (norm weights under sequence parallelism) and, in smp's batch mode, plain parameters. Eagerly (the
+    default, any training loop) FSDP2 redistributes each ``Partial`` grad itself (one all-reduce per
+    parameter) and plain grads are all-reduced per parameter by a hook. Inside :meth:`deferred` (used by
+    :func:`train_step`) the hooks only relabel/mark them; FSDP reduces the tp-partial sums over dp and
+    :meth:`finish` all-reduces them over tp in ONE flat buffer per (group, dtype) per step.
+
+    Args:
+        model: the model (hooks go on the FSDP modules, or on plain parameters without FSDP).
+        topology: its :class:`~meshplan.Topology`.
+        plain_names: paths of plain parameters to reduce over tp (smp batch mode).
+        fsdp: whether FSDP2 (fully_shard/replicate) manages the parameters.
+    """
+
+    def __init__(self, model: nn.Module, topology: Any, plain_names: Iterable[str] = (), fsdp: bool = True):
+        self.plain = set(plain_names)
+        self.tp_group = topology["tp"].get_group() if topology.layout.tp > 1 else None
+        self.is_deferred = False
+        self.pending: dict[str, tuple[str, ...]] = {}
+        self._hooked: dict[int, weakref.ref] = {}  # id → weakref (tensors compare elementwise, so no WeakSet)
+        self._model = weakref.ref(model)
+        if self.tp_group is None:
+            return
+        if fsdp:
+            from torch.distributed.fsdp import FSDPModule
+            for prefix, mod in model.named_modules():
+                if isinstance(mod, FSDPModule):  # runs after FSDP's own (prepended) pre-forward: params gathered
+                    mod.register_forward_pre_hook(self._make_pre_forward(prefix))
+        else:
+            for name, p in model.named_parameters():
+                if name in self.plain:
+                    self._hook(name, p)
+
+    def _make_pre_forward(self, prefix: str) -> Callable:
+        def pre_forward(module: nn.Module, args: Any) -> None:
+            for name, p in module.named_parameters(prefix=prefix):
+                ref = self._hooked.get(id(p))
+                if p.requires_grad and (ref is None or ref() is not p):
+                    self._hook(name, p)
+        return pre_forward
+
+    def _hook(self, name: str, p: torch.Tensor) -> None:
+        self._hooked[id(p)] = weakref.ref(p)
+        p.register_hook(lambda g: self._on_grad(name, g))
+
+    def _on_grad(self, name: str, g: torch.Tensor) -> torch.Tensor | None:
+        if isinstance(g, DTensor):
+            partial = [i for i, pl in enumerate(g.placements) if isinstance(pl, Partial)]
+            if not partial or not self.is_deferred:
+                return None  # FSDP2 redistributes it (one all-reduce per parameter)
+            names = g.device_mesh.mesh_dim_names or ()
+            self.pending[name] = tuple(names[i] for i in partial)
+            placements = tuple(Replicate() if isinstance(pl, Partial) else pl for pl in g.placements)
+            return DTensor.from_local(g._local_tensor, g.device_mesh, placements, run_check=False,
+                                      shape=g.shape, stride=g.stride())
+        if name not in self.plain:
+            return None
+        if self.is_deferred:
+            self.pending[name] = ("tp",)
+            return None
+        g = g.clone()
+        dist.all_reduce(g, group=self.tp_group)
+        return g
+
+    @contextlib.contextmanager
+    def deferred(self):
+        """Within: tp reductions are only recorded; call :meth:`finish` after the last backward."""
+        self.pending.clear()
+        self.is_deferred = True
+        try:
+            yield self
+        finally:
+            self.is_deferred = False
+
+    def finish(self) -> int:
+        """All-reduce the recorded gradients over tp: one flat buffer per (group, dtype). Returns the count."""
+        model = self._model()
+        if not self.pending or model is None:
+            return 0
+        params = dict(model.named_parameters())
+        buckets: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+        for name, dims in self.pending.items():
+            g = params[name].grad
+            if g is None:
+                continue
+            if isinstance(g, DTensor):
+                mesh = g.device_mesh
+                groups = tuple(mesh.get_group(d) if d in (mesh.mesh_dim_names or ()) else self.tp_group for d in dims)
+                g = g._local_tensor
+            else:
+                groups = (self.tp_group,)
+            buckets[(groups, g.dtype)].append(g)
+        for (groups, _), grads in buckets.items():
+            flat = torch.cat([t.reshape(-1) for t in grads])
+            for group in groups:
+                dist.all_reduce(flat, group=group)
+            offset = 0
+            for t in grads:
+                t.copy_(flat[offset:offset + t.numel()].view(t.shape))
+                offset += t.numel()
+        self.pending.clear()
+        return len(buckets)
+
+
+def _grad_norm_parts(params: Iterable[nn.Parameter], ranks_per_stage: int) -> torch.Tensor:
+    """Σ local‖g‖² weighted by 1/(number of ranks holding the same values), as float64."""
+    total = torch.zeros((), dtype=torch.float64)
+    for p in params:
+        g = p.grad
+        if g is None:
+            continue
+        if isinstance(g, DTensor):
+            if any(isinstance(pl, Partial) for pl in g.placements):
+                g = g.redistribute(placements=[Replicate() if isinstance(pl, Partial) else pl for pl in g.placements])
+            sharded = math.prod(g.device_mesh.size(i) for i, pl in enumerate(g.placements) if isinstance(pl, (Shard, _StridedShard)))
+            local = g._local_tensor
+        else:
+            sharded, local = 1, g
+        norm_sq = torch.linalg.vector_norm(local.detach(), dtype=torch.float32).double().cpu() ** 2
+        total += norm_sq * sharded / ranks_per_stage
+    return total
+
+
+def clip_grad_norm_(params: Iterable[nn.Parameter], max_norm: float, *, distributed: bool = True,
+                    extra: torch.Tensor | None = None) -> tuple[float, torch.Tensor | None]:
+    """Clip gradients by their total L2 norm over every rank, with ONE all-reduce.
+
+    Each gradient's local ‖g‖² is weighted by ``(product of its Shard mesh sizes) / world``, i.e.
+    divided by how many ranks hold the same values (Replicate dims and dims outside its mesh), and
+    everything is summed with a single all-reduce over WORLD: no Replicate copy is double counted and
+    any number of meshes (FSDP×TP, HSDP, plain) costs one collective.
+
+    Args:
+        params: the parameters (plain tensors or DTensors).
+        max_norm: the maximum total norm.
+        distributed: sum over WORLD (False: local only).
+        extra: a float64 tensor to all-reduce (SUM) in the same collective; returned reduced.
+
+    Returns:
+        ``(total_norm_before_clipping, reduced_extra)``.
+
+    Example::
+
+        >>> norm, _ = clip_grad_norm_(model.parameters(), 1.0)
+    """
+    params = [p for p in params if p.grad is not None]
+    dist_on = distributed and dist.is_initialized()
+    world = dist.get_world_size() if dist_on else 1
+    buf = _grad_norm_parts(params, world).reshape(1)
+    if extra is not None:
+        buf = torch.cat([buf, extra.reshape(-1).double()])
+    if dist_on:
+        buf = _comm(buf)
+        dist.all_reduce(buf)
+        buf = buf.cpu()
+    total = float(buf[0].sqrt())
+    coef = min(max_norm / (total + 1e-6), 1.0) if math.isfinite(total) else float("nan")
+    grads = [p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad for p in params]
+    if grads:
+        torch._foreach_mul_(grads, coef)
+    return total, (buf[1:] if extra is not None else None)
+
+
+def _comm(t: torch.Tensor) -> torch.Tensor:
+    """``t`` on the device the default process group communicates on."""
+    return t.cuda() if dist.get_backend() == "nccl" else t
+
+
+def _split(x: Any, n: int, what: str) -> list:
+    if isinstance(x, torch.Tensor):
+        if x.shape[0] % n:
+            valid = [d for d in range(1, x.shape[0] + 1) if x.shape[0] % d == 0]
+            raise PlanError(f"train_step: microbatches({n}) does not divide the {what} batch size ({x.shape[0]}); "
+                            f"valid: {', '.join(map(str, valid))}")
+        return list(x.chunk(n)) if n > 1 else [x]
+    if isinstance(x, dict):
+        parts = {k: _split(v, n, f"{what}[{k!r}]") for k, v in x.items()}
+        return [{k: v[i] for k, v in parts.items()} for i in range(n)]
+    if isinstance(x, (tuple, list)):
+        parts = [_split(v, n, f"{what}[{i}]") for i, v in enumerate(x)]
+        return [type(x)(p[i] for p in parts) for i in range(n)]
+    return [x] * n  # a non-tensor argument goes to every microbatch
+
+
+def _call(model: nn.Module, x: Any) -> Any:
+    if isinstance(x, dict):
+        return model(**x)
+    if isinstance(x, (tuple, list)):
+        return model(*x)
+    return model(x)
+
+
+def _scalar(loss: torch.Tensor) -> torch.Tensor:
+    loss = loss.detach()
+    if isinstance(loss, DTensor):
+        loss = loss.full_tensor()
+    return loss.double().cpu().reshape(())
+
+
+def _accumulation_knobs(model: nn.Module, state: Any, i: int, n: int) -> None:
+    """FSDP2 knobs for microbatch ``i`` of ``n`` (i == n restores the defaults)."""
+    sec, last, ddp = state.section, i >= n - 1, state.mode == "ddp"
+    keep_fwd = sec.accumulate_unsharded and not ddp and (sec.reshard_after_forward is None
+                                                          or isinstance(sec.reshard_after_forward, bool))
+    if sec.accumulate_unsharded:
+        model.set_requires_gradient_sync(last)
+        if not ddp:
+            model.set_reshard_after_backward(last)
+    model.set_is_last_backward(last)
+    if keep_fwd and i == 0:
+        model.set_reshard_after_forward(False)  # no re-gather in backward nor in the next microbatch
+    if keep_fwd and i == n:
+        for path in state.blocks:
+            model.get_submodule(path).set_reshard_after_forward(sec.reshard_after_forward is not False,
+                                                                recurse=False)
+        model.set_reshard_after_forward(False, recurse=False)  # torch's root default
+
+
+def train_step(model: nn.Module, batch: tuple[Any, torch.Tensor], loss_fn: Callable, optimizer: torch.optim.Optimizer,
+               *, topology: Any = None, microbatches: int = 1, max_grad_norm: float | None = None,
+               ignore_index: int = -100, sequence_parallel: bool | str | None = None) -> StepResult:
+    """One optimizer step on ``batch`` with globally normalised loss, clipping and accumulation.
+
+    Args:
+        model: a plain model or one from :func:`meshplan.parallelize` / :func:`~meshplan.data_parallel.apply_data_parallel`.
+        batch: ``(inputs, targets)``; inputs a tensor, a tuple (positional) or a dict (keyword arguments); both
+            split along dim 0 into ``microbatches``. This rank's part of the global batch.
+        loss_fn: ``loss_fn(output, targets)`` returning the SUM of per-token losses over valid targets.
+        optimizer: stepped once; gradients are zeroed (set to None) before and after.
+        topology: default: the model's data-parallel topology, else the active one; without any (and no DTensor
+            parameters) the step is local.
+        microbatches: gradient-accumulation steps; FSDP parameters stay gathered between them (see
+            ``data_parallel.accumulate_unsharded``).
+        max_grad_norm: clip the total L2 norm (over every mesh) to this; None: no clipping, no norm.
+        ignore_index: targets equal to it are not counted.
+        sequence_parallel: ``"batch"`` if tp ranks hold different data and the model has no data-parallel
+            state saying so.
+
+    Returns:
+        :class:`StepResult` with the global mean loss, the norm before clipping and the global token count.
+
+    Raises:
+        PlanError: microbatches not dividing the batch, pp > 1, or DTensor parameters without a topology.
+
+    Example::
+
+        >>> loss_fn = lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten(), reduction="sum")
+        >>> res = train_step(model, (tokens, labels), loss_fn, opt, microbatches=2, max_grad_norm=1.0)
+    """
+    from .data_parallel import data_parallel_state
+    from .topology import current_topology
+    state = data_parallel_state(model)
+    topology = topology or (state.topology if state else None) or current_topology()
+    has_dtensor = any(isinstance(p, DTensor) for p in model.parameters())
+    distributed = dist.is_initialized() and (topology is not None or has_dtensor)
+    replicas = 1
+    if distributed:
+        if topology is None:
+            raise PlanError("train_step: the model has DTensor parameters but no topology; pass topology= or run "
+                            "inside `with topo:`")
+        lay = topology.layout
+        if lay.pp > 1:
+            raise PlanError(f"train_step: pp({lay.pp}) > 1; pipeline schedules are not handled by train_step")
+        batch_mode = (sequence_parallel or "") == "batch"
+        axes = state.data_axes if state else ("dp_replicate", "dp_shard", "cp") + (("tp",) if batch_mode else ())
+        replicas = dist.get_world_size() // math.prod(getattr(lay, a) for a in axes)
+    inputs, targets = batch
+    n = int(microbatches)
+    if n < 1:
+        raise PlanError(f"train_step: microbatches must be >= 1, got {n}")
+    xs, ys = _split(inputs, n, "inputs"), _split(targets, n, "targets")
+    model.zero_grad(set_to_none=True)
+    count = torch.stack([(y != ignore_index).sum() for y in ys]).sum().double().reshape(1)
+    count = _comm(count) if distributed else count
+    work = dist.all_reduce(count, async_op=True) if distributed else None  # overlaps the first forward
+    root = state.fsdp_root(model) if state is not None and state.mode != "none" else None
+    sync = state.grad_sync if state is not None else None
+    loss_sum = torch.zeros((), dtype=torch.float64)
+    with sync.deferred() if sync is not None else contextlib.nullcontext():
+        try:
+            for i, (x, y) in enumerate(zip(xs, ys)):
+                if root is not None and n > 1:
+                    _accumulation_knobs(root, state, i, n)
+                loss = loss_fn(_call(model, x), y)
+                if i == 0:
+                    if work is not None:
+                        work.wait()
+                    num_tokens = int(round(float(count) / replicas))
+                (loss / max(num_tokens, 1)).backward()
+                loss_sum += _scalar(loss)
+        finally:
+            if root is not None and n > 1:
+                _accumulation_knobs(root, state, n, n)
+        if sync is not None:
+            sync.finish()
+    extra = (loss_sum / replicas).reshape(1)
+    grad_norm = None
+    if max_grad_norm is not None:
+        grad_norm, extra = clip_grad_norm_(model.parameters(), max_grad_norm, distributed=distributed, extra=extra)
+    elif distributed:
+        extra = _comm(extra)
+        dist.all_reduce(extra)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    loss_value = float(extra[0]) / num_tokens if num_tokens else float("nan")
+    return StepResult(loss=loss_value, grad_norm=grad_norm, num_tokens=num_tokens)
