@@ -24,6 +24,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 
 from .errors import PlanError
 from .grads import PartialGradFinalizer
+from .packed import needs_packed_style, packed_style
 from .rng import TpRng
 from .rules import match_rules
 from .styles import (PrepareHiddenInput, ReplicateParallel, TableWiseEmbedding, VocabParallelEmbedding,
@@ -34,7 +35,7 @@ __all__ = ["generate_tp_plan", "apply_tensor_parallel", "TpApplied", "HEAD_ATTRS
 
 #: stored head counts that models reshape with; divided by tp on modules that own colwise projections
 HEAD_ATTRS = ("n_heads", "n_kv_heads", "n_head", "num_heads", "num_kv_heads", "num_key_value_heads",
-              "num_attention_heads", "n_local_heads", "n_local_kv_heads")
+              "num_attention_heads", "n_local_heads", "n_local_kv_heads", "split_size")
 _CONFIG_DIVISIBLE = ("num_attention_heads", "num_key_value_heads", "n_head")
 
 
@@ -93,6 +94,11 @@ def generate_tp_plan(model: nn.Module, section: TensorParallel, tp: int, source:
     for path, (pattern, rule) in matched.items():
         mod, o, style = modules[path], rule.overrides(), rule.style
         loc = f"{where}.{pattern!r}"
+        if needs_packed_style(mod, rule):  # packed fused weights, transformers' Conv1D
+            plan[path] = packed_style(style, mod, o, tp, loc, path, stream, local_stream)
+            if style == "colwise" and "input_layouts" not in o:
+                fanout[path.rpartition(".")[0]] = None
+            continue
         if style in ("colwise", "rowwise", "lm_head") and not isinstance(mod, (nn.Linear, nn.Embedding)):
             raise PlanError(f"{loc}: module {path!r} is {type(mod).__name__}; style {style} needs nn.Linear or nn.Embedding")
         if style in ("embedding", "embedding_colwise") and not isinstance(mod, nn.Embedding):

@@ -1,25 +1,24 @@
 """Tests for meshplan.attention: DTensor sharding of CPU fused SDPA.
 
 All distributed work is simulated in one process with LocalTensorMode over a
-"fake" process group: inside the mode every DTensor's local tensor is a
-LocalTensor holding one shard per simulated rank, and collectives run for all
-ranks at once. References are computed on plain tensors outside the mode.
+"fake" process group (tests/_local.py): inside the mode every DTensor's local
+tensor is a LocalTensor holding one shard per simulated rank, and collectives
+run for all ranks at once. References are computed on plain tensors outside
+the mode.
 """
 
 import contextlib
+import copy
 import inspect
 import warnings
 from unittest import mock
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from _local import LocalTensor, assert_close_rel, distribute, local_ranks, make_mesh, rank_values, shutdown
 from meshplan import attention
 from meshplan.attention import CPU_ATTENTION_OPS, register_cpu_attention_rule
 
@@ -31,32 +30,17 @@ FWD, BWD = CPU_ATTENTION_OPS
 
 
 @pytest.fixture(scope="module", autouse=True)
-def fake_world():
-    """One fake process group of WORLD ranks for the whole module."""
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
-    register_cpu_attention_rule()
+def _rule_registered():
+    register_cpu_attention_rule()  # process-wide; stays registered after this module
     yield
-    dist.destroy_process_group()
+    shutdown()  # destroy the fake process group local_ranks() left initialised
 
 
 @contextlib.contextmanager
 def simulated(shape=(WORLD,), names=("tp",)):
-    """Enter LocalTensorMode for all WORLD ranks and build a CPU mesh inside it."""
-    with LocalTensorMode(WORLD) as mode:
-        yield mode, init_device_mesh("cpu", shape, mesh_dim_names=names)
-
-
-def full(dt: DTensor) -> torch.Tensor:
-    """Gather a DTensor and return one plain tensor (asserts all ranks agree)."""
-    gathered = dt.full_tensor()
-    assert isinstance(gathered, LocalTensor)
-    return gathered.reconcile().detach()
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).norm() / b.norm()).item()
+    """Simulate WORLD ranks (fake PG + LocalTensorMode) and build a CPU mesh."""
+    with local_ranks(WORLD) as mode:
+        yield mode, make_mesh(shape, names)
 
 
 def qkv(b=2, hq=8, hkv=8, s=16, d=16, seed=0):
@@ -77,7 +61,7 @@ def reference(q, k, v, grad_out, **kw):
 
 def sharded_sdpa(mesh, placements, q, k, v, grad_out, expand_kv=True, **kw):
     """Run SDPA on DTensors; return the output and q/k/v grads as DTensors."""
-    dq, dk, dv = (distribute_tensor(t, mesh, placements).requires_grad_() for t in (q, k, v))
+    dq, dk, dv = (distribute(t, mesh, placements, requires_grad=True) for t in (q, k, v))
     kk, vv = dk, dv
     n_rep = q.shape[1] // k.shape[1]
     if expand_kv and n_rep > 1:
@@ -85,16 +69,17 @@ def sharded_sdpa(mesh, placements, q, k, v, grad_out, expand_kv=True, **kw):
     elif n_rep > 1:
         kw["enable_gqa"] = True
     out = F.scaled_dot_product_attention(dq, kk, vv, **kw)
-    out.backward(distribute_tensor(grad_out, mesh, out.placements))
+    out.backward(distribute(grad_out, mesh, out.placements))
     return out, [dq.grad, dk.grad, dv.grad]
 
 
 def check(out, grads, ref_out, ref_grads, placements):
+    """Placements are the sharded ones (no silent Replicate fallback) and numerics match."""
     assert out.placements == tuple(placements)
-    assert rel_err(full(out), ref_out) <= 1e-5
+    assert_close_rel(out, ref_out, tol=1e-5)
     for g, rg in zip(grads, ref_grads):
         assert g.placements == tuple(placements)
-        assert rel_err(full(g), rg) <= 1e-5
+        assert_close_rel(g, rg, tol=1e-5)
 
 
 # ---------------------------------------------------------------- pins ------
@@ -195,7 +180,7 @@ def test_without_rule_torch_fails_and_register_fills_only_missing_ops():
     with mock.patch.dict(prop.op_strategy_funcs):  # restored on exit
         del prop.op_strategy_funcs[FWD], prop.op_strategy_funcs[BWD]
         with simulated() as (_, mesh):
-            dq = distribute_tensor(q, mesh, [Shard(1)])
+            dq = distribute(q, mesh, [Shard(1)])
             # causal: torch's decomposition-based fallback gives up at once (non-causal
             # forward would be traced through the decomposition, ~1 min, and the
             # backward op has no decomposition at all)
@@ -221,10 +206,8 @@ def test_head_sharded_forward_backward(is_causal):
         # each rank holds 2 of the 8 heads, computed locally
         local = out.to_local()
         assert isinstance(local, LocalTensor) and local.shape == (2, 2, 16, 16)
-        for r in range(WORLD):
-            torch.testing.assert_close(
-                local._local_tensors[r], ref_out[:, 2 * r : 2 * r + 2], rtol=1e-5, atol=1e-6
-            )
+        for r, shard in rank_values(out).items():
+            torch.testing.assert_close(shard, ref_out[:, 2 * r : 2 * r + 2], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("expand_kv", [True, False], ids=["repeat_interleave", "enable_gqa"])
@@ -243,11 +226,11 @@ def test_gqa_uneven_kv_heads_falls_back_to_replicate():
     q, k, v, go = qkv(hq=8, hkv=2)
     ref_out, ref_grads = reference(q, k, v, go, is_causal=True)
     with simulated() as (_, mesh):
-        dq = distribute_tensor(q, mesh, [Shard(1)])
-        dk, dv = (distribute_tensor(t, mesh, [Replicate()]) for t in (k, v))
+        dq = distribute(q, mesh, [Shard(1)])
+        dk, dv = (distribute(t, mesh, [Replicate()]) for t in (k, v))
         out = F.scaled_dot_product_attention(dq, dk, dv, is_causal=True, enable_gqa=True)
         assert out.placements == (Replicate(),)
-        assert rel_err(full(out), ref_out) <= 1e-5
+        assert_close_rel(out, ref_out, tol=1e-5)
 
 
 def test_batch_and_head_sharded_2d_mesh():
@@ -265,7 +248,7 @@ def test_attn_mask(mask_heads):
     mask = torch.randn(shape)
     ref_out, ref_grads = reference(q, k, v, go, attn_mask=mask)
     with simulated() as (_, mesh):
-        dmask = distribute_tensor(mask, mesh, [Shard(1) if mask_heads else Replicate()])
+        dmask = distribute(mask, mesh, [Shard(1) if mask_heads else Replicate()])
         out, grads = sharded_sdpa(mesh, [Shard(1)], q, k, v, go, attn_mask=dmask)
         check(out, grads, ref_out, ref_grads, [Shard(1)])
 
@@ -289,14 +272,14 @@ def test_dropout_on_cpu_dtensor_uses_rank_local_rng():
     one_head = torch.randn(1, 1, 16, 16)
     x = one_head.expand(1, 8, 16, 16).contiguous()  # every head identical
     with simulated() as (_, mesh):
-        dx = distribute_tensor(x, mesh, [Shard(1)])
+        dx = distribute(x, mesh, [Shard(1)])
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             out = F.scaled_dot_product_attention(dx, dx, dx, dropout_p=0.5)
         assert any("random operators may not have complete support on cpu" in str(w.message)
                    for w in caught)
         assert out.placements == (Shard(1),)
-        shards = out.to_local()._local_tensors
+        shards = rank_values(out)
         for r in range(1, WORLD):
             assert torch.equal(shards[r], shards[0])  # same mask on every rank
         assert not torch.equal(shards[0][:, 0], shards[0][:, 1])  # but not across local heads
@@ -306,7 +289,7 @@ def test_causal_dropout_on_dtensor_fails():
     """Math path + is_causal builds a plain-tensor mask that DTensor refuses."""
     q, _, _, _ = qkv()
     with simulated() as (_, mesh):
-        dq = distribute_tensor(q, mesh, [Shard(1)])
+        dq = distribute(q, mesh, [Shard(1)])
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             with pytest.raises(RuntimeError, match="got mixed torch.Tensor and DTensor"):
@@ -327,15 +310,13 @@ def test_example_llama_attention_tensor_parallel(head_reshape, use_local_output)
     the plain ``freqs_cis`` buffer must become a Replicate DTensor (else RoPE fails
     with "aten.mul.Tensor got mixed torch.Tensor and DTensor").
     """
-    import copy
-
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         RowwiseParallel,
         parallelize_module,
     )
 
-    from examples.llama import build, tiny_args
+    from llama import build, tiny_args
 
     torch.manual_seed(0)
     ref = build(tiny_args(n_heads=8, n_kv_heads=4, head_reshape=head_reshape))
@@ -353,23 +334,21 @@ def test_example_llama_attention_tensor_parallel(head_reshape, use_local_output)
     with simulated() as (_, mesh):
         parallelize_module(model, mesh, plan)
         if not use_local_output:
-            model.freqs_cis = distribute_tensor(model.freqs_cis, mesh, [Replicate()])
+            model.freqs_cis = distribute(model.freqs_cis, mesh, [Replicate()])
         out = model(tokens)
         out.sum().backward()
-        assert rel_err(out.reconcile().detach(), ref_out.detach()) <= 1e-5
+        assert_close_rel(out, ref_out.detach(), tol=1e-5)  # checked on every rank
         for name in ("wq", "wk", "wo"):
             grad = getattr(model.layers[0].attention, name).weight.grad
-            ref_grad = getattr(ref.layers[0].attention, name).weight.grad
-            assert rel_err(full(grad), ref_grad) <= 1e-5, name
+            assert isinstance(grad, DTensor)
+            assert_close_rel(grad, getattr(ref.layers[0].attention, name).weight.grad, tol=1e-5)
 
 
 def test_example_llama_stored_head_reshape_breaks_on_local_shards():
     """Documented in examples/llama.py: "stored" needs the parallelizer to adjust counts."""
-    import copy
-
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
-    from examples.llama import build, tiny_args
+    from llama import build, tiny_args
 
     model = copy.deepcopy(build(tiny_args(n_heads=8, n_kv_heads=4, head_reshape="stored")))
     with simulated() as (_, mesh):

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from examples.llama import ModelArgs, Transformer, build, tiny_args
+from llama import ModelArgs, Transformer, build, tiny_args  # examples/ is on sys.path (tests/conftest.py)
 
 pytestmark = pytest.mark.fast
 

@@ -1,0 +1,30 @@
+"""Real torchrun/gloo launches (world 2 and 4): TP parity over 3 AdamW steps, dropout streams."""
+
+import pytest
+
+from _launch import case_result, launch
+
+pytestmark = pytest.mark.dist
+
+
+@pytest.fixture(scope="module", params=[2, 4])
+def results(request):
+    return request.param, launch("tests/dist/tp_worker.py", request.param)
+
+
+def test_three_adamw_steps_match_one_device(results):
+    n, res = results
+    values = case_result(res, "parity", n)
+    for rank, per_config in values.items():
+        assert len(per_config) == (6 if n == 2 else 12)
+        assert max(per_config.values()) <= 1e-5, per_config
+
+
+def test_dropout_streams_per_shard_and_shared(results):
+    n, res = results
+    assert set(case_result(res, "dropout_streams", n).values()) == {"ok"}
+
+
+def test_dropout_training_keeps_replicas_in_sync(results):
+    n, res = results
+    case_result(res, "dropout_training", n)
