@@ -30,6 +30,13 @@ from torch import nn
 
 @dataclass
 class ModelArgs:
+    """Model configuration.
+
+    ``n_kv_heads`` < ``n_heads`` gives grouped-query attention; ``dropout`` is
+    used inside SDPA (training only) and by the ``resid_dropout`` / ``dropout``
+    modules; ``tie_embeddings`` makes ``output.weight`` the embedding weight.
+    """
+
     dim: int = 256
     n_layers: int = 4
     n_heads: int = 8
@@ -118,15 +125,12 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
-        q, k, v = self.wq(x), self.wk(x), self.wv(x)
-        if self.head_reshape == "stored":
-            q = q.view(bsz, seqlen, self.n_heads, self.head_dim)
-            k = k.view(bsz, seqlen, self.n_kv_heads, self.head_dim)
-            v = v.view(bsz, seqlen, self.n_kv_heads, self.head_dim)
-        else:
-            q = q.view(bsz, seqlen, -1, self.head_dim)
-            k = k.view(bsz, seqlen, -1, self.head_dim)
-            v = v.view(bsz, seqlen, -1, self.head_dim)
+        stored = self.head_reshape == "stored"
+        heads = (self.n_heads, self.n_kv_heads, self.n_kv_heads) if stored else (-1, -1, -1)
+        q, k, v = (
+            proj(x).view(bsz, seqlen, h, self.head_dim)
+            for proj, h in zip((self.wq, self.wk, self.wv), heads)
+        )
         q, k = apply_rotary_emb(q, freqs_cis), apply_rotary_emb(k, freqs_cis)
         if self.n_rep > 1:  # kv head j serves q heads j*n_rep .. (j+1)*n_rep - 1
             k = k.repeat_interleave(self.n_rep, dim=2)
@@ -135,10 +139,7 @@ class Attention(nn.Module):
         dropout_p = self.dropout if self.training else 0.0
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
         out = out.transpose(1, 2).contiguous()
-        if self.head_reshape == "stored":
-            out = out.view(bsz, seqlen, self.n_heads * self.head_dim)
-        else:
-            out = out.view(bsz, seqlen, -1)
+        out = out.view(bsz, seqlen, self.n_heads * self.head_dim if stored else -1)
         return self.resid_dropout(self.wo(out))
 
 

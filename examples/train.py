@@ -47,10 +47,8 @@ def main() -> None:
         cfg = llama.ModelArgs(dim=args.dim, n_layers=args.layers, n_heads=8, n_kv_heads=4, vocab_size=256,
                               ffn_dim=4 * args.dim, max_seq_len=args.seq)
         torch.manual_seed(0)
-        with torch.device("meta"):
-            model = llama.build(cfg)
+        model = llama.build(cfg)  # same seed on every rank: each keeps its shards of one single-device init
         meshplan.parallelize(model, plan, topo)
-        meshplan.materialize(model, device="cpu", seed=0)  # == a single-device init with seed 0
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
         data = batches(cfg.vocab_size, args.batch, args.seq, topo.data_rank)
         if topo.rank == 0:

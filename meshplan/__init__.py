@@ -3,9 +3,14 @@
 from .errors import PlanError
 from .layout import Layout, ResolvedLayout
 from .plan import Plan, load_plan
+from .decorator import make_plan_module_callable
+
+make_plan_module_callable()  # `meshplan.plan` is the plan module and, called, the @meshplan.plan decorator
 
 __all__ = ["PlanError", "Layout", "ResolvedLayout", "Plan", "load_plan", "build_mesh", "init",
-           "Topology", "current_topology", "parallelize", "cross_entropy", "loss_parallel"]
+           "Topology", "current_topology", "parallelize", "cross_entropy", "loss_parallel",
+           "train_step", "clip_grad_norm_", "materialize", "load_state_dict", "load_full_state_dict",
+           "load_safetensors", "plan", "check"]
 __version__ = "0.1.0"
 
 
@@ -20,6 +25,18 @@ def __getattr__(name: str):
     if name in ("cross_entropy", "loss_parallel"):
         from . import loss
         return getattr(loss, name)
+    if name in ("train_step", "clip_grad_norm_", "StepResult"):
+        from . import train
+        return getattr(train, name)
+    if name in ("materialize", "load_state_dict", "load_full_state_dict", "load_safetensors"):
+        import importlib  # not `from . import init`: that finds the runtime's init() below
+        return getattr(importlib.import_module(".init", __name__), name)
+    if name == "plan":
+        from .decorator import plan
+        return plan
+    if name == "check":
+        from .validate import check
+        return check
     if name == "init":
         from .runtime import init
         return init

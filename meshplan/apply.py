@@ -68,6 +68,8 @@ def parallelize(model: nn.Module, plan: Plan | Mapping[str, Any] | str | Path | 
         from .tp import apply_tensor_parallel
         applied = apply_tensor_parallel(model, p.tensor_parallel, tp_mesh, p.source)
         model._meshplan_tp = applied  # the finaliser and RNG hooks live as long as the model
+        from .hf_aliases import install_hf_loss
+        install_hf_loss(model, p.tensor_parallel)  # transformers' own loss on vocab-sharded logits
     dp = getattr(p, "data_parallel", None)
     if dp is not None or (isinstance(mesh, Topology) and mesh.layout.dp > 1 and "data_parallel" in Plan.model_fields):
         from .data_parallel import apply_data_parallel

@@ -11,6 +11,12 @@ CPU with::
     NotImplementedError: Operator aten._scaled_dot_product_flash_attention_for_cpu.default
     does not have a sharding strategy registered.
 
+(The forward op is in ``torch._decomp.decomposition_table``, so without a rule
+DTensor first tries its decomposition-based propagation: a non-causal forward
+is traced through every candidate placement, about a minute on the first call,
+a causal one gives up at once, and the backward op has no decomposition, so
+training fails either way. A registered strategy is consulted first.)
+
 :func:`register_cpu_attention_rule` registers the same strategies torch uses
 for ``aten._scaled_dot_product_flash_attention``: all-Replicate, head-sharded
 (``Shard(1)`` of ``(batch, heads, seq, head_dim)``) and batch-sharded
@@ -34,8 +40,8 @@ path builds a plain-tensor causal mask and fails with ``aten.add.Tensor got
 mixed torch.Tensor and DTensor``. Plain local q/k/v (``use_local_output=True``)
 run SDPA locally and only have the shared-mask behaviour.
 
-This module is the only place in meshplan that imports torch-private DTensor
-internals; each one is pinned by ``tests/test_attention_rule.py``.
+The torch-private DTensor internals this rule needs are imported here only,
+and each one is pinned by ``tests/test_attention_rule.py``.
 """
 
 from __future__ import annotations
@@ -144,7 +150,8 @@ def register_cpu_attention_rule() -> list[torch._ops.OpOverload]:
     The registration is **process-wide**: it is stored in DTensor's global
     sharding propagator and applies to every DTensor operation in this process.
     Calling it again is harmless, and an op that already has a rule (for example
-    in a later torch release) is left untouched.
+    in a later torch release) is left untouched; torch's decomposition-based
+    fallback does not count as a rule.
 
     Strategies registered for ``aten._scaled_dot_product_flash_attention_for_cpu``
     (outputs ``out``, ``logsumexp``) and its ``_backward`` (outputs ``grad_q``,

@@ -13,6 +13,7 @@ stays torch-free.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Mapping
@@ -27,9 +28,8 @@ if TYPE_CHECKING:
     from .topology import Topology
 
 __all__ = ["DataParallel", "ActivationCheckpointing", "DataParallelState", "apply_data_parallel",
-           "resolve_mode", "data_parallel_state", "MODES"]
+           "resolve_mode", "data_parallel_state"]
 
-MODES = ("fsdp", "hsdp", "ddp", "none")
 Dtype = Literal["float32", "bfloat16", "float16"]
 _OP_RE = re.compile(r"^[A-Za-z_]\w*\.[A-Za-z_]\w*(\.[A-Za-z_]\w*)?$")
 _STATE_ATTR = "_meshplan_dp"
@@ -140,11 +140,6 @@ class DataParallelState:
     blocks: list[str] = field(default_factory=list)
     grad_sync: Any = None
 
-    def fsdp_root(self, model: "nn.Module"):
-        """The root ``FSDPModule`` (also for ddp, which is FSDP2's replicate), or None."""
-        from torch.distributed.fsdp import FSDPModule
-        return model if isinstance(model, FSDPModule) else None
-
 
 def data_parallel_state(model: "nn.Module") -> DataParallelState | None:
     """The :class:`DataParallelState` that :func:`apply_data_parallel` attached to ``model``, or None."""
@@ -178,14 +173,14 @@ def resolve_mode(section: DataParallel, layout) -> tuple[str, tuple[str, ...] | 
     return mode, None, None
 
 
+_KEYS = {(): "dp_shard", ("dp_replicate",): "dp_replicate", ("dp_shard",): "dp_shard", ("cp",): "dp_shard_cp",
+         ("dp_shard", "cp"): "dp_shard_cp", ("dp_replicate", "dp_shard"): "dp", ("dp_replicate", "cp"): "dp_cp",
+         ("dp_replicate", "dp_shard", "cp"): "dp_cp"}
+
+
 def _mesh(topology: "Topology", axes: tuple[str, ...]):
-    key = {("dp_shard", "cp"): "dp_shard_cp", ("dp_replicate", "dp_shard", "cp"): "dp_cp",
-           ("dp_replicate",): "dp_replicate"}[axes]
-    if key == "dp_shard_cp" and topology.layout.cp == 1:
-        key = "dp_shard"
-    if key == "dp_cp" and topology.layout.cp == 1:
-        key = "dp"
-    return key, topology[key]
+    """The 1-D topology mesh spanning ``axes`` (the simplest key; size-1 axes dropped)."""
+    return topology[_KEYS[tuple(a for a in axes if getattr(topology.layout, a) > 1)]]
 
 
 def _match_blocks(model: "nn.Module", pattern: str) -> list[str]:
@@ -198,38 +193,38 @@ def _match_blocks(model: "nn.Module", pattern: str) -> list[str]:
     return names
 
 
-def _replace(model: "nn.Module", path: str, new: "nn.Module") -> None:
-    parent, _, name = path.rpartition(".")
-    model.get_submodule(parent).register_module(name, new)
-
-
-def _checkpoint(model: "nn.Module", blocks: list[str], ac: ActivationCheckpointing) -> None:
-    if ac.mode == "none":
-        return
-    from functools import partial
-
+def _resolve_ops(ac: ActivationCheckpointing) -> list:
     import torch
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
     ops = []
     for i, name in enumerate(ac.ops):
         parts = name.split(".")
         try:
             op = getattr(getattr(torch.ops, parts[0]), parts[1])
-            op = getattr(op, parts[2] if len(parts) == 3 else "default")
+            ops.append(getattr(op, parts[2] if len(parts) == 3 else "default"))
         except (AttributeError, RuntimeError):
             raise PlanError(f"data_parallel.activation_checkpointing.ops[{i}]: unknown op {name!r} "
                             f"(torch.ops.{name} does not exist)") from None
-        ops.append(op)
+    return ops
+
+
+def _checkpoint(model: "nn.Module", blocks: list[str], ac: ActivationCheckpointing, ops: list) -> None:
+    if ac.mode == "none":
+        return
+    from functools import partial
+
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
     kwargs = {"context_fn": partial(create_selective_checkpoint_contexts, ops)} if ops else {}
     for k, path in enumerate(blocks, start=1):
         if ac.mode == "full" or k % ac.every == 0:
-            _replace(model, path, checkpoint_wrapper(model.get_submodule(path), preserve_rng_state=True, **kwargs))
+            parent, _, name = path.rpartition(".")
+            wrapped = checkpoint_wrapper(model.get_submodule(path), preserve_rng_state=True, **kwargs)
+            model.get_submodule(parent).register_module(name, wrapped)
 
 
-def _check_reshard(section: DataParallel, mode: str, shard_size: int, has_dtensor: bool) -> None:
+def _check_reshard(section: DataParallel, shard_size: int, has_dtensor: bool) -> None:
     k = section.reshard_after_forward
-    if isinstance(k, bool) or k is None or mode not in ("fsdp", "hsdp"):
+    if isinstance(k, bool) or k is None:
         return
     if has_dtensor:
         raise PlanError(f"data_parallel.reshard_after_forward: {k} (an int) does not work with tensor-parallel "
@@ -293,7 +288,10 @@ def apply_data_parallel(model: "nn.Module", section: DataParallel | Mapping[str,
                         f"device memory. Set cpu_offload: false on CPU-only runs")
     blocks = _match_blocks(model, section.blocks)
     has_dtensor = any(isinstance(p, DTensor) for p in model.parameters())
-    _checkpoint(model, blocks, section.activation_checkpointing)
+    if mode in ("fsdp", "hsdp"):
+        _check_reshard(section, math.prod(getattr(layout, a) for a in shard_axes), has_dtensor)
+    ops = _resolve_ops(section.activation_checkpointing)  # every check before the model changes
+    _checkpoint(model, blocks, section.activation_checkpointing, ops)
     if section.compile:
         for path in blocks:
             model.get_submodule(path).compile()
@@ -301,13 +299,13 @@ def apply_data_parallel(model: "nn.Module", section: DataParallel | Mapping[str,
     data_axes = ("dp_replicate", "dp_shard", "cp") + (("tp",) if batch else ())
     state = DataParallelState(mode=mode, section=section, topology=topology, data_axes=data_axes, blocks=blocks)
     if mode != "none":
-        _shard(model, blocks, section, topology, mode, shard_axes, rep_axes, has_dtensor)
+        _shard(model, blocks, section, topology, mode, shard_axes, rep_axes)
     state.grad_sync = TpGradSync(model, topology, plain_names=plain, fsdp=mode != "none")
     setattr(model, _STATE_ATTR, state)
     return model
 
 
-def _shard(model, blocks, section, topology, mode, shard_axes, rep_axes, has_dtensor) -> None:
+def _shard(model, blocks, section, topology, mode, shard_axes, rep_axes) -> None:
     import torch
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
     dt = {None: None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -315,16 +313,13 @@ def _shard(model, blocks, section, topology, mode, shard_axes, rep_axes, has_dte
     offload = CPUOffloadPolicy() if section.cpu_offload else OffloadPolicy()
     if mode == "ddp":
         from torch.distributed._composable.replicate_with_fsdp import replicate
-        _, mesh = _mesh(topology, rep_axes)
+        mesh = _mesh(topology, rep_axes)
         replicate(model, mesh=mesh, mp_policy=mp, offload_policy=offload)
     else:
-        _, shard_mesh = _mesh(topology, shard_axes)
-        if mode == "hsdp":
-            key = "dp_shard_cp" if topology.layout.cp > 1 else "dp_shard"
-            mesh = topology.dense["dp_replicate", key]
+        if mode == "hsdp":  # torch's 2-D (replicate, shard) mesh
+            mesh = topology.dense["dp_replicate", "dp_shard_cp" if topology.layout.cp > 1 else "dp_shard"]
         else:
-            mesh = shard_mesh
-        _check_reshard(section, mode, shard_mesh.size(), has_dtensor)
+            mesh = _mesh(topology, shard_axes)
         kw = dict(mesh=mesh, mp_policy=mp, offload_policy=offload)
         for path in blocks:
             fully_shard(model.get_submodule(path), reshard_after_forward=section.reshard_after_forward, **kw)
@@ -334,4 +329,4 @@ def _shard(model, blocks, section, topology, mode, shard_axes, rep_axes, has_dte
         if isinstance(m, FSDPModule):
             if section.gradient_reduction == "sum":
                 m.set_gradient_divide_factor(1.0)
-            m.set_force_sum_reduction_for_comms(True)  # gloo has no AVG/PREMUL_SUM; NCCL zero-copy wants SUM
+            m.set_force_sum_reduction_for_comms(True)  # gloo lacks AVG/PREMUL_SUM; "mean" post-divides

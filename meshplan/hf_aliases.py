@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["resolve_alias", "HF_ALIASES", "HF_UNSUPPORTED", "MESHPLAN_STYLES", "to_hf_style"]
+__all__ = ["resolve_alias", "HF_ALIASES", "HF_UNSUPPORTED", "MESHPLAN_STYLES", "to_hf_style", "install_hf_loss"]
 
 _REP = "replicate"
 
@@ -113,6 +113,8 @@ def to_hf_style(rule: Any) -> str:
     """
     data = rule if isinstance(rule, dict) else rule.model_dump(exclude_none=True)
     style, packed = data["style"], data.get("packed") or 1
+    if packed > 2:
+        raise ValueError(f"packed: {packed} has no transformers equivalent (its packed styles split 2 ways)")
     if style == "colwise":
         if packed > 1:
             return "packed_colwise"
@@ -128,3 +130,47 @@ def to_hf_style(rule: Any) -> str:
     if style == "prepare_output" and data.get("output_layouts") == "partial":
         return "gather"
     raise ValueError(f"meshplan style {style!r} has no transformers tp_plan equivalent")
+
+
+def install_hf_loss(model: Any, section: Any) -> bool:
+    """Make a transformers model's own loss (``model(input_ids, labels=…)``) work on vocab-sharded logits.
+
+    With ``loss_parallel`` the lm_head returns a vocab-sharded DTensor, which
+    transformers' ``F.cross_entropy`` cannot take. The model's ``loss_function``
+    is wrapped: the causal-LM loss (``ForCausalLMLoss``: shift, ``ignore_index``,
+    ``num_items_in_batch``) runs :func:`meshplan.cross_entropy` on the shards;
+    any other loss on sharded logits raises a :class:`~meshplan.PlanError`
+    naming ``meshplan.cross_entropy``. Plain logits go to the original loss.
+
+    Returns:
+        Whether a wrapper was installed (transformers model with ``loss_parallel``).
+    """
+    if section is None or not section.loss_parallel or not isinstance(
+            getattr(type(model), "loss_function", None), property):
+        return False
+    original = model.loss_function
+    causal = getattr(original, "__name__", "") == "ForCausalLMLoss"
+
+    def loss_function(logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index=-100,
+                      shift_labels=None, **kwargs):
+        import torch.nn.functional as F
+        from torch.distributed.tensor import DTensor
+
+        from .errors import PlanError
+        from .loss import cross_entropy
+        if not isinstance(logits, DTensor):
+            return original(logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
+                            ignore_index=ignore_index, shift_labels=shift_labels, **kwargs)
+        if not causal:
+            raise PlanError(f"{type(model).__name__}: its loss {getattr(original, '__name__', original)!r} got "
+                            f"vocab-sharded logits (tensor_parallel.loss_parallel: true); compute the loss with "
+                            f"meshplan.cross_entropy(logits, labels) or set loss_parallel: false")
+        if shift_labels is None:
+            shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        reduction = "sum" if num_items_in_batch is not None else "mean"
+        loss = cross_entropy(logits.float(), shift_labels.to(logits.device), ignore_index=ignore_index,
+                             reduction=reduction)
+        return loss / num_items_in_batch if reduction == "sum" else loss
+
+    model.loss_function = loss_function
+    return True

@@ -12,6 +12,7 @@ from .layout import Layout
 from .loader import pydantic_message, read_plan_data
 from .strict import Strict
 from .tp_plan import TensorParallel
+from .data_parallel import DataParallel
 
 __all__ = ["Plan", "load_plan", "as_plan"]
 
@@ -27,6 +28,9 @@ class Plan(Strict):
     layout: Layout | None = Field(None, description="Parallel degrees and their order; a mesh passed at apply time wins.")
     tensor_parallel: TensorParallel | None = Field(
         None, description="Tensor and sequence parallelism: layer rules → sharding styles.")
+    data_parallel: DataParallel | None = Field(
+        None, description="Data parallelism over dp_replicate × dp_shard: FSDP2, HSDP or replication, activation "
+                          "checkpointing, mixed precision.")
     source: str | None = Field(None, exclude=True, description="Where the plan was read from (set by the loader).")
 
     @classmethod

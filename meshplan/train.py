@@ -15,6 +15,7 @@ section's default ``gradient_reduction: sum``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import weakref
 from collections import defaultdict
@@ -42,6 +43,11 @@ class StepResult:
     num_tokens: int
 
 
+def _clean(name: str) -> str:
+    """A parameter path without checkpoint-wrapper segments (its own ``named_parameters`` strips them)."""
+    return name.replace("_checkpoint_wrapped_module.", "")
+
+
 class TpGradSync:
     """tp reductions of tp-replicated gradients under FSDP2, eager or deferred.
 
@@ -60,7 +66,7 @@ class TpGradSync:
     """
 
     def __init__(self, model: nn.Module, topology: Any, plain_names: Iterable[str] = (), fsdp: bool = True):
-        self.plain = set(plain_names)
+        self.plain = {_clean(n) for n in plain_names}
         self.tp_group = topology["tp"].get_group() if topology.layout.tp > 1 else None
         self.is_deferred = False
         self.pending: dict[str, tuple[str, ...]] = {}
@@ -75,15 +81,15 @@ class TpGradSync:
                     mod.register_forward_pre_hook(self._make_pre_forward(prefix))
         else:
             for name, p in model.named_parameters():
-                if name in self.plain:
-                    self._hook(name, p)
+                if _clean(name) in self.plain:
+                    self._hook(_clean(name), p)
 
     def _make_pre_forward(self, prefix: str) -> Callable:
         def pre_forward(module: nn.Module, args: Any) -> None:
             for name, p in module.named_parameters(prefix=prefix):
                 ref = self._hooked.get(id(p))
                 if p.requires_grad and (ref is None or ref() is not p):
-                    self._hook(name, p)
+                    self._hook(_clean(name), p)
         return pre_forward
 
     def _hook(self, name: str, p: torch.Tensor) -> None:
@@ -124,7 +130,7 @@ class TpGradSync:
         model = self._model()
         if not self.pending or model is None:
             return 0
-        params = dict(model.named_parameters())
+        params = {_clean(n): p for n, p in model.named_parameters()}
         buckets: dict[tuple, list[torch.Tensor]] = defaultdict(list)
         for name, dims in self.pending.items():
             g = params[name].grad
@@ -149,9 +155,10 @@ class TpGradSync:
         return len(buckets)
 
 
-def _grad_norm_parts(params: Iterable[nn.Parameter], ranks_per_stage: int) -> torch.Tensor:
-    """Σ local‖g‖² weighted by 1/(number of ranks holding the same values), as float64."""
-    total = torch.zeros((), dtype=torch.float64)
+def _grad_norm_parts(params: Iterable[nn.Parameter], ranks_per_stage: int,
+                     device: torch.device | None = None) -> torch.Tensor:
+    """Σ local‖g‖² weighted by 1/(number of ranks holding the same values): a float64 scalar on ``device``."""
+    norms, weights = [], []
     for p in params:
         g = p.grad
         if g is None:
@@ -159,17 +166,19 @@ def _grad_norm_parts(params: Iterable[nn.Parameter], ranks_per_stage: int) -> to
         if isinstance(g, DTensor):
             if any(isinstance(pl, Partial) for pl in g.placements):
                 g = g.redistribute(placements=[Replicate() if isinstance(pl, Partial) else pl for pl in g.placements])
-            sharded = math.prod(g.device_mesh.size(i) for i, pl in enumerate(g.placements) if isinstance(pl, (Shard, _StridedShard)))
-            local = g._local_tensor
+            sharded = math.prod(g.device_mesh.size(i) for i, pl in enumerate(g.placements)
+                                if isinstance(pl, (Shard, _StridedShard)))
+            g = g._local_tensor
         else:
-            sharded, local = 1, g
-        norm_sq = torch.linalg.vector_norm(local.detach(), dtype=torch.float32).double().cpu() ** 2
-        total += norm_sq * sharded / ranks_per_stage
-    return total
+            sharded = 1
+        norms.append(torch.linalg.vector_norm(g.detach(), dtype=torch.float32).double().to(device or g.device))
+        weights.append(sharded / ranks_per_stage)
+    if not norms:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    return (torch.stack(norms) ** 2 * torch.tensor(weights, dtype=torch.float64, device=norms[0].device)).sum()
 
 
-def clip_grad_norm_(params: Iterable[nn.Parameter], max_norm: float, *, distributed: bool = True,
-                    extra: torch.Tensor | None = None) -> tuple[float, torch.Tensor | None]:
+def clip_grad_norm_(params: Iterable[nn.Parameter], max_norm: float, *, distributed: bool = True) -> float:
     """Clip gradients by their total L2 norm over every rank, with ONE all-reduce.
 
     Each gradient's local ‖g‖² is weighted by ``(product of its Shard mesh sizes) / world``, i.e.
@@ -181,25 +190,30 @@ def clip_grad_norm_(params: Iterable[nn.Parameter], max_norm: float, *, distribu
         params: the parameters (plain tensors or DTensors).
         max_norm: the maximum total norm.
         distributed: sum over WORLD (False: local only).
-        extra: a float64 tensor to all-reduce (SUM) in the same collective; returned reduced.
 
     Returns:
-        ``(total_norm_before_clipping, reduced_extra)``.
+        The total norm before clipping (as ``torch.nn.utils.clip_grad_norm_``, but a float).
 
     Example::
 
-        >>> norm, _ = clip_grad_norm_(model.parameters(), 1.0)
+        >>> norm = clip_grad_norm_(model.parameters(), 1.0)
     """
+    return _clip(params, max_norm, distributed, None)[0]
+
+
+def _clip(params: Iterable[nn.Parameter], max_norm: float, distributed: bool,
+          extra: torch.Tensor | None) -> tuple[float, torch.Tensor | None]:
+    """:func:`clip_grad_norm_`, all-reducing ``extra`` (float64, SUM) in the same collective."""
     params = [p for p in params if p.grad is not None]
     dist_on = distributed and dist.is_initialized()
     world = dist.get_world_size() if dist_on else 1
-    buf = _grad_norm_parts(params, world).reshape(1)
+    device = _comm_device() if dist_on else torch.device("cpu")
+    buf = _grad_norm_parts(params, world, device).reshape(1)
     if extra is not None:
-        buf = torch.cat([buf, extra.reshape(-1).double()])
+        buf = torch.cat([buf, extra.reshape(-1).double().to(device)])
     if dist_on:
-        buf = _comm(buf)
         dist.all_reduce(buf)
-        buf = buf.cpu()
+    buf = buf.cpu()  # the one host sync of clipping
     total = float(buf[0].sqrt())
     coef = min(max_norm / (total + 1e-6), 1.0) if math.isfinite(total) else float("nan")
     grads = [p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad for p in params]
@@ -208,9 +222,9 @@ def clip_grad_norm_(params: Iterable[nn.Parameter], max_norm: float, *, distribu
     return total, (buf[1:] if extra is not None else None)
 
 
-def _comm(t: torch.Tensor) -> torch.Tensor:
-    """``t`` on the device the default process group communicates on."""
-    return t.cuda() if dist.get_backend() == "nccl" else t
+def _comm_device() -> torch.device:
+    """The device the default process group communicates on."""
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
 def _split(x: Any, n: int, what: str) -> list:
@@ -241,7 +255,7 @@ def _scalar(loss: torch.Tensor) -> torch.Tensor:
     loss = loss.detach()
     if isinstance(loss, DTensor):
         loss = loss.full_tensor()
-    return loss.double().cpu().reshape(())
+    return loss.double().reshape(())
 
 
 def _accumulation_knobs(model: nn.Module, state: Any, i: int, n: int) -> None:
@@ -269,10 +283,12 @@ def train_step(model: nn.Module, batch: tuple[Any, torch.Tensor], loss_fn: Calla
     """One optimizer step on ``batch`` with globally normalised loss, clipping and accumulation.
 
     Args:
-        model: a plain model or one from :func:`meshplan.parallelize` / :func:`~meshplan.data_parallel.apply_data_parallel`.
+        model: a plain model, or one from :func:`meshplan.parallelize` or
+            :func:`~meshplan.data_parallel.apply_data_parallel`.
         batch: ``(inputs, targets)``; inputs a tensor, a tuple (positional) or a dict (keyword arguments); both
             split along dim 0 into ``microbatches``. This rank's part of the global batch.
         loss_fn: ``loss_fn(output, targets)`` returning the SUM of per-token losses over valid targets.
+            :func:`meshplan.cross_entropy` itself is recognised and called with ``reduction="sum"``.
         optimizer: stepped once; gradients are zeroed (set to None) before and after.
         topology: default: the model's data-parallel topology, else the active one; without any (and no DTensor
             parameters) the step is local.
@@ -295,7 +311,10 @@ def train_step(model: nn.Module, batch: tuple[Any, torch.Tensor], loss_fn: Calla
         >>> res = train_step(model, (tokens, labels), loss_fn, opt, microbatches=2, max_grad_norm=1.0)
     """
     from .data_parallel import data_parallel_state
+    from .loss import cross_entropy
     from .topology import current_topology
+    if loss_fn is cross_entropy:  # its default is "mean"; the contract here is a sum
+        loss_fn = functools.partial(cross_entropy, reduction="sum", ignore_index=ignore_index)
     state = data_parallel_state(model)
     topology = topology or (state.topology if state else None) or current_topology()
     has_dtensor = any(isinstance(p, DTensor) for p in model.parameters())
@@ -318,11 +337,11 @@ def train_step(model: nn.Module, batch: tuple[Any, torch.Tensor], loss_fn: Calla
     xs, ys = _split(inputs, n, "inputs"), _split(targets, n, "targets")
     model.zero_grad(set_to_none=True)
     count = torch.stack([(y != ignore_index).sum() for y in ys]).sum().double().reshape(1)
-    count = _comm(count) if distributed else count
+    count = count.to(_comm_device()) if distributed else count
     work = dist.all_reduce(count, async_op=True) if distributed else None  # overlaps the first forward
-    root = state.fsdp_root(model) if state is not None and state.mode != "none" else None
+    root = model if state is not None and state.mode != "none" else None  # an FSDPModule (ddp: replicate)
     sync = state.grad_sync if state is not None else None
-    loss_sum = torch.zeros((), dtype=torch.float64)
+    loss_sum = 0.0
     with sync.deferred() if sync is not None else contextlib.nullcontext():
         try:
             for i, (x, y) in enumerate(zip(xs, ys)):
@@ -334,19 +353,20 @@ def train_step(model: nn.Module, batch: tuple[Any, torch.Tensor], loss_fn: Calla
                         work.wait()
                     num_tokens = int(round(float(count) / replicas))
                 (loss / max(num_tokens, 1)).backward()
-                loss_sum += _scalar(loss)
+                loss_sum = loss_sum + _scalar(loss)  # stays on the loss's device
         finally:
             if root is not None and n > 1:
                 _accumulation_knobs(root, state, n, n)
         if sync is not None:
             sync.finish()
-    extra = (loss_sum / replicas).reshape(1)
+    extra = (torch.as_tensor(loss_sum, dtype=torch.float64) / replicas).reshape(1)
     grad_norm = None
     if max_grad_norm is not None:
-        grad_norm, extra = clip_grad_norm_(model.parameters(), max_grad_norm, distributed=distributed, extra=extra)
+        grad_norm, extra = _clip(model.parameters(), max_grad_norm, distributed, extra)
     elif distributed:
-        extra = _comm(extra)
+        extra = extra.to(_comm_device())
         dist.all_reduce(extra)
+        extra = extra.cpu()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     loss_value = float(extra[0]) / num_tokens if num_tokens else float("nan")

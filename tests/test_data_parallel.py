@@ -1,0 +1,300 @@
+"""The data_parallel section (validation, modes, errors) and train_step, on the fake group or one process."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from pydantic import BaseModel, ValidationError
+
+import meshplan
+from llama import build, tiny_args
+from meshplan import Layout, PlanError
+from meshplan.data_parallel import DataParallel, apply_data_parallel, data_parallel_state, resolve_mode
+from meshplan.train import StepResult, _grad_norm_parts, train_step
+
+pytestmark = pytest.mark.fast
+
+
+# ---------------------------------------------------------------- the section model
+def _fields(model: type[BaseModel]):
+    for name, f in model.model_fields.items():
+        yield model, name, f
+        ann = f.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            yield from _fields(ann)
+
+
+def test_every_field_has_a_description():
+    missing = [f"{m.__name__}.{n}" for m, n, f in _fields(DataParallel) if not f.description]
+    assert not missing
+
+
+def test_defaults_and_yaml_like_data():
+    d = DataParallel()
+    assert (d.mode, d.blocks, d.gradient_reduction, d.accumulate_unsharded) == (None, "layers.*", "sum", True)
+    d = DataParallel.model_validate({"param_dtype": "bfloat16", "reshard_after_forward": 4,
+                                     "activation_checkpointing": {"mode": "selective", "every": 2}})
+    assert d.reshard_after_forward == 4 and d.activation_checkpointing.every == 2
+    assert DataParallel.model_validate({"reshard_after_forward": True}).reshard_after_forward is True
+
+
+@pytest.mark.parametrize("data, needle", [
+    ({"modee": "fsdp"}, "modee"),
+    ({"mode": "zero3"}, "mode"),
+    ({"param_dtype": "fp16"}, "param_dtype"),
+    ({"reshard_after_forward": 1}, "group size >= 2"),
+    ({"blocks": "layers..x"}, "empty path segment"),
+    ({"activation_checkpointing": {"mode": "full", "every": 2}}, "need mode: selective"),
+    ({"activation_checkpointing": {"mode": "selective"}}, "every > 1 or a list of ops"),
+    ({"activation_checkpointing": {"mode": "selective", "ops": ["mm"]}}, "ops[0]"),
+])
+def test_invalid_sections(data, needle):
+    with pytest.raises(ValidationError, match=needle.replace("[", r"\[").replace("]", r"\]")):
+        DataParallel.model_validate(data)
+
+
+def test_section_is_frozen_and_nestable():
+    d = DataParallel()
+    with pytest.raises(ValidationError):
+        d.mode = "ddp"
+
+    class P(meshplan.strict.Strict):
+        data_parallel: DataParallel | None = None
+
+    assert P.model_validate({"data_parallel": {"mode": "ddp"}}).data_parallel.mode == "ddp"
+    if "data_parallel" in meshplan.Plan.model_fields:  # once the lead's Plan has the section
+        assert meshplan.Plan.from_data({"data_parallel": {"compile": True}}).data_parallel.compile
+
+
+def test_section_module_is_torch_free():
+    code = "import sys, meshplan.data_parallel; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ---------------------------------------------------------------- modes
+@pytest.mark.parametrize("layout, world, mode, shard, rep", [
+    ({}, 1, "none", None, None),
+    ({"tp": 2}, 2, "none", None, None),
+    ({}, 4, "fsdp", ("dp_shard", "cp"), None),
+    ({"cp": 2}, 2, "fsdp", ("dp_shard", "cp"), None),
+    ({"dp_replicate": 2}, 2, "ddp", None, ("dp_replicate", "dp_shard", "cp")),
+    ({"dp_replicate": 2, "tp": 2}, 8, "hsdp", ("dp_shard", "cp"), ("dp_replicate",)),
+    ({"dp_replicate": 2, "cp": 2}, 8, "hsdp", ("dp_shard", "cp"), ("dp_replicate",)),
+])
+def test_mode_from_layout(layout, world, mode, shard, rep):
+    assert resolve_mode(DataParallel(), Layout(**layout).resolve(world)) == (mode, shard, rep)
+
+
+def test_explicit_modes():
+    both = Layout(dp_replicate=2).resolve(8)
+    assert resolve_mode(DataParallel(mode="fsdp"), both)[1] == ("dp_replicate", "dp_shard", "cp")
+    assert resolve_mode(DataParallel(mode="ddp"), both)[2] == ("dp_replicate", "dp_shard", "cp")
+    with pytest.raises(PlanError, match=r"mode: hsdp needs dp_replicate > 1 and dp_shard·cp > 1, got "
+                                        r"dp_replicate\(1\) dp_shard\(4\) cp\(1\)"):
+        resolve_mode(DataParallel(mode="hsdp"), Layout().resolve(4))
+    with pytest.raises(PlanError, match=r"mode: none, but dp_replicate\(2\) dp_shard\(4\) cp\(1\): 8 ranks"):
+        resolve_mode(DataParallel(mode="none"), both)
+
+
+# ---------------------------------------------------------------- apply on the fake group
+def _apply(fake_pg, world, layout, section=None, **kw):
+    with fake_pg(world):
+        topo = meshplan.build_mesh(layout)
+        model = apply_data_parallel(build(tiny_args()), section, topo, **kw)
+        return model, topo
+
+
+def test_fsdp_per_block_and_root(fake_pg):
+    from torch.distributed.fsdp import FSDPModule
+    with fake_pg(4):
+        topo = meshplan.build_mesh({})
+        model = apply_data_parallel(build(tiny_args()), {"param_dtype": "bfloat16"}, topo)
+        assert isinstance(model, FSDPModule) and all(isinstance(b, FSDPModule) for b in model.layers)
+        p = model.layers[0].attention.wq.weight
+        assert p.placements[0].is_shard() and p.device_mesh.mesh_dim_names == ("dp_shard",)
+        state = data_parallel_state(model)
+        assert state.mode == "fsdp" and state.blocks == ["layers.0", "layers.1"]
+
+
+@pytest.mark.parametrize("layout, world, dims, kind", [
+    ({"dp_replicate": 2}, 8, ("dp_replicate", "dp_shard"), "FSDP"),
+    ({"cp": 2}, 4, ("dp_shard_cp",), "FSDP"),
+    ({"dp_replicate": 2}, 2, ("dp_replicate",), "Replicate"),
+])
+def test_meshes(fake_pg, layout, world, dims, kind):
+    with fake_pg(world):
+        model = apply_data_parallel(build(tiny_args()), None, meshplan.build_mesh(layout))
+        assert model.output.weight.device_mesh.mesh_dim_names == dims
+        assert type(model).__name__.startswith(kind)
+
+
+def test_explicit_fsdp_shards_over_all_data_ranks(fake_pg):
+    with fake_pg(8):
+        model = apply_data_parallel(build(tiny_args()), {"mode": "fsdp"}, meshplan.build_mesh({"dp_replicate": 2}))
+        assert model.output.weight.device_mesh.mesh_dim_names == ("dp",) and model.output.weight.device_mesh.size() == 8
+
+
+def test_activation_checkpointing_every_second_block(fake_pg):
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+    with fake_pg(2):
+        model = build(tiny_args(n_layers=4))
+        ac = {"mode": "selective", "every": 2}
+        apply_data_parallel(model, {"activation_checkpointing": ac}, meshplan.build_mesh({}))
+        assert [isinstance(b, CheckpointWrapper) for b in model.layers] == [False, True, False, True]
+
+
+def test_compile_applies(fake_pg):
+    with fake_pg(2):
+        model = build(tiny_args())
+        apply_data_parallel(model, {"compile": True}, meshplan.build_mesh({}))
+        assert all(b._compiled_call_impl is not None for b in model.layers)
+
+
+@pytest.mark.parametrize("ac", [{"mode": "full"}, {"mode": "selective", "ops": ["aten.mm.default", "aten.bmm"]}])
+def test_checkpointed_gradients_equal(fake_pg, ac):
+    with fake_pg(1):
+        torch.manual_seed(0)
+        ref, model = build(tiny_args()), build(tiny_args())
+        model.load_state_dict(ref.state_dict())
+        apply_data_parallel(model, {"activation_checkpointing": ac}, meshplan.build_mesh({}))
+        x = torch.randint(0, 128, (2, 8))
+        ref(x).square().mean().backward()
+        model(x).square().mean().backward()
+        got = {n.replace("_checkpoint_wrapped_module.", ""): p.grad for n, p in model.named_parameters()}
+        for n, p in ref.named_parameters():
+            torch.testing.assert_close(got[n], p.grad, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("section, layout, world, needle", [
+    ({"blocks": "blocks.*"}, {}, 2, r"blocks: pattern 'blocks.\*' matched no module of Transformer \(top-level "
+                                    r"children: tok_embeddings, layers, norm, output\)"),
+    ({"activation_checkpointing": {"mode": "selective", "ops": ["aten.nosuchop"]}}, {}, 2,
+     r"activation_checkpointing.ops\[0\]: unknown op 'aten.nosuchop'"),
+    ({"cpu_offload": True}, {}, 2, r"cpu_offload: true needs an accelerator \(mesh device 'cpu'\)"),
+    ({"reshard_after_forward": 3}, {}, 8, r"reshard_after_forward: 3 must divide the shard size \(8\) and be "
+                                          r"smaller; valid: 2, 4"),
+    ({"reshard_after_forward": 2}, {}, 2, r"must divide the shard size \(2\).*valid: none"),
+    ({"mode": "none"}, {}, 2, r"mode: none, but dp_replicate\(1\) dp_shard\(2\)"),
+    ({"modee": 1}, {}, 2, r"data_parallel: modee: Extra inputs are not permitted"),
+])
+def test_apply_errors(fake_pg, section, layout, world, needle):
+    with pytest.raises(PlanError, match=needle):
+        _apply(fake_pg, world, layout, section)
+
+
+def test_errors_leave_the_model_untouched(fake_pg):
+    with fake_pg(8):
+        model = build(tiny_args())
+        section = {"reshard_after_forward": 3, "activation_checkpointing": {"mode": "full"}}
+        with pytest.raises(PlanError, match="reshard_after_forward: 3"):
+            apply_data_parallel(model, section, meshplan.build_mesh({}))
+        assert type(model.layers[0]).__name__ == "TransformerBlock" and data_parallel_state(model) is None
+
+
+def test_reshard_int_with_tensor_parallel_is_rejected(fake_pg):
+    with fake_pg(8):
+        topo = meshplan.build_mesh({"tp": 2})
+        model = build(tiny_args())
+        plan = {"tensor_parallel": {"rules": {"layers.*.attention.wq": "colwise"}},
+                "data_parallel": {"reshard_after_forward": 2}}
+        with pytest.raises(PlanError, match=r"reshard_after_forward: 2 \(an int\) does not work with tensor-parallel"):
+            meshplan.parallelize(model, plan, topo)
+
+
+def test_apply_twice_and_without_topology(fake_pg):
+    model, topo = _apply(fake_pg, 2, {})
+    with pytest.raises(PlanError, match="already applied"):
+        apply_data_parallel(model, None, topo)
+    with pytest.raises(PlanError, match="needs a Topology"):
+        apply_data_parallel(build(tiny_args()))
+
+
+# ---------------------------------------------------------------- train_step on one process
+def _ce_sum(out, y):
+    return F.cross_entropy(out.flatten(0, 1), y.flatten(), reduction="sum")
+
+
+def _batch():
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randint(0, 128, (4, 12), generator=g), torch.randint(0, 128, (4, 12), generator=g)
+    y[0, 2:] = -100  # microbatch 0 has 2 + 12 valid targets, microbatch 1 has 24
+    return x, y
+
+
+@pytest.mark.parametrize("microbatches", [1, 2, 4])
+def test_global_mean_and_clipping_match_torch(microbatches):
+    torch.manual_seed(0)
+    ref, model = build(tiny_args()), build(tiny_args())
+    model.load_state_dict(ref.state_dict())
+    x, y = _batch()
+    loss = F.cross_entropy(ref(x).flatten(0, 1), y.flatten(), ignore_index=-100)  # mean over ALL valid tokens
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
+    torch.optim.SGD(ref.parameters(), lr=1.0).step()
+    res = train_step(model, (x, y), _ce_sum, torch.optim.SGD(model.parameters(), lr=1.0),
+                     microbatches=microbatches, max_grad_norm=0.1)
+    assert isinstance(res, StepResult) and res.num_tokens == int((y != -100).sum()) == 38
+    assert res.loss == pytest.approx(loss.item(), rel=1e-6) and res.grad_norm == pytest.approx(float(norm), rel=1e-5)
+    ref_params = dict(ref.named_parameters())
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p, ref_params[n], rtol=1e-5, atol=1e-6)
+        assert p.grad is None  # zero_grad(set_to_none=True)
+
+
+def test_meshplan_cross_entropy_is_summed():
+    torch.manual_seed(0)
+    a, b = build(tiny_args()), build(tiny_args())
+    b.load_state_dict(a.state_dict())
+    x, y = _batch()
+    r1 = train_step(a, (x, y), meshplan.cross_entropy, torch.optim.SGD(a.parameters(), lr=0.1), max_grad_norm=9.0)
+    r2 = train_step(b, (x, y), _ce_sum, torch.optim.SGD(b.parameters(), lr=0.1), max_grad_norm=9.0)
+    assert (r1.loss, r1.grad_norm) == pytest.approx((r2.loss, r2.grad_norm), rel=1e-6)
+
+
+def test_train_step_inputs_as_dict_and_no_clipping():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 5)
+
+        def forward(self, *, x):
+            return self.lin(x)
+
+    model = M()
+    x, y = torch.randn(4, 3), torch.tensor([1, -100, 2, 3])
+    res = train_step(model, ({"x": x}, y), lambda o, t: F.cross_entropy(o, t, reduction="sum"),
+                     torch.optim.SGD(model.parameters(), lr=0.1), microbatches=2)
+    assert res.grad_norm is None and res.num_tokens == 3
+
+
+def test_train_step_errors():
+    model = build(tiny_args())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(PlanError, match=r"microbatches\(3\) does not divide the inputs batch size \(4\); "
+                                        r"valid: 1, 2, 4"):
+        train_step(model, _batch(), _ce_sum, opt, microbatches=3)
+
+
+def test_all_ignored_gives_nan_loss_and_zero_grads():
+    model = build(tiny_args())
+    x, y = _batch()
+    res = train_step(model, (x, torch.full_like(y, -100)), _ce_sum, torch.optim.SGD(model.parameters(), lr=0.1),
+                     max_grad_norm=1.0)
+    assert res.num_tokens == 0 and res.loss != res.loss and res.grad_norm == 0.0
+
+
+def test_norm_weights_never_double_count_replicate(fake_pg):
+    """Each local ‖g‖² is weighted by (Shard mesh sizes)/world: replicas add up to exactly one copy."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    with fake_pg(8):
+        mesh = meshplan.build_mesh({"tp": 2, "dp_replicate": 2}).dense["dp_replicate", "dp_shard", "tp"]
+        cases = [((Replicate(), Shard(0), Shard(1)), 4 / 8), ((Replicate(), Shard(0), Replicate()), 2 / 8),
+                 ((Replicate(), Replicate(), Replicate()), 1 / 8)]
+        for placements, weight in cases:
+            p = nn.Parameter(distribute_tensor(torch.ones(4, 4), mesh, placements))
+            p.grad = distribute_tensor(torch.ones(4, 4), mesh, placements)
+            local = p.grad.to_local().numel()
+            assert float(_grad_norm_parts([p], 8)) == pytest.approx(local * weight)
