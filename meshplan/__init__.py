@@ -3,9 +3,7 @@
 from .errors import PlanError
 from .layout import Layout, ResolvedLayout
 from .plan import Plan, load_plan
-from .decorator import make_plan_module_callable
 
-make_plan_module_callable()  # `meshplan.plan` is the plan module and, called, the @meshplan.plan decorator
 
 __all__ = ["PlanError", "Layout", "ResolvedLayout", "Plan", "load_plan", "build_mesh", "init",
            "Topology", "current_topology", "parallelize", "cross_entropy", "loss_parallel",
