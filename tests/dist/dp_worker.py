@@ -1,0 +1,201 @@
+"""Real gloo processes: data parallelism (FSDP2/HSDP/replicate, ± TP) vs one device, collective counts."""
+
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+import meshplan
+from _launch import run_cases
+from benchmarks.dp import CollectiveCounter
+from llama import build, tiny_args
+from meshplan.data_parallel import apply_data_parallel
+from meshplan.train import train_step
+
+WORLD = int(os.environ["WORLD_SIZE"])
+GLOBAL_BATCH, SEQ, STEPS, LR, MAX_NORM = 8, 16, 3, 1e-3, 0.5
+TP_RULES = {
+    "tok_embeddings": "embedding", "layers.*.attention_norm": "norm", "layers.*.attention.wq": "colwise",
+    "layers.*.attention.wk": "colwise", "layers.*.attention.wv": "colwise", "layers.*.attention.wo": "rowwise",
+    "layers.*.ffn_norm": "norm", "layers.*.feed_forward.w1": "colwise", "layers.*.feed_forward.w3": "colwise",
+    "layers.*.feed_forward.w2": "rowwise", "norm": "norm", "output": "lm_head",
+}
+
+
+def sum_ce(out, y):
+    if isinstance(out, DTensor):
+        out = out.full_tensor()
+    return F.cross_entropy(out.flatten(0, 1).float(), y.flatten(), reduction="sum")
+
+
+def global_batch(step, vocab):
+    """Tokens and targets with very uneven numbers of valid targets per row (some rows: none)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    x = torch.randint(0, vocab, (GLOBAL_BATCH, SEQ), generator=g)
+    y = torch.randint(0, vocab, (GLOBAL_BATCH, SEQ), generator=g)
+    keep = torch.rand(GLOBAL_BATCH, SEQ, generator=g) < torch.linspace(0.05, 1.0, GLOBAL_BATCH)[:, None]
+    keep[3] = False  # a row without a single valid token
+    return x, torch.where(keep, y, -100)
+
+
+def reference(steps, args):
+    """One device, the full global batch, F.cross_entropy mean, torch's clip_grad_norm_, AdamW."""
+    torch.manual_seed(0)
+    model = build(args)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses, norms = [], []
+    for s in range(steps):
+        x, y = global_batch(s, args.vocab_size)
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten(), ignore_index=-100)
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
+        losses.append(float(loss))
+        opt.step()
+        opt.zero_grad()
+    return model, losses, norms
+
+
+def parallel(layout, dp_section, steps, args, microbatches, tp=False, sp=True, lp=False):
+    topo = meshplan.build_mesh(layout)
+    torch.manual_seed(0)
+    model = build(args)
+    if tp:
+        plan = {"tensor_parallel": {"sequence_parallel": sp, "loss_parallel": lp, "rules": TP_RULES},
+                "data_parallel": dp_section}
+        meshplan.parallelize(model, plan, topo)  # TP, then apply_data_parallel(section, sequence_parallel=sp)
+    else:
+        apply_data_parallel(model, dp_section, topo)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    dp, r = topo.data_world_size, topo.data_rank
+    if sp == "batch":  # smp: every tp rank loads its own part of the batch
+        dp, r = dp * topo.layout.tp, r * topo.layout.tp + topo.tp_rank
+    rows = GLOBAL_BATCH // dp
+    results = []
+    for s in range(steps):
+        x, y = global_batch(s, args.vocab_size)
+        batch = (x[r * rows:(r + 1) * rows], y[r * rows:(r + 1) * rows])
+        loss_fn = (lambda out, y: meshplan.cross_entropy(out, y, reduction="sum")) if lp else sum_ce
+        results.append(train_step(model, batch, loss_fn, opt, microbatches=microbatches, max_grad_norm=MAX_NORM))
+    return model, results
+
+
+def compare(layout, section=None, microbatches=1, tp=False, sp=True, lp=False):
+    args = tiny_args()
+    ref, ref_losses, ref_norms = reference(STEPS, args)
+    model, results = parallel(layout, section or {}, STEPS, args, microbatches, tp, sp, lp)
+    ref_params = dict(ref.named_parameters())
+    worst, worst_name = 0.0, ""
+    for name, p in model.named_parameters():
+        full = p.full_tensor() if isinstance(p, DTensor) else p
+        want = ref_params[name.replace("_checkpoint_wrapped_module.", "")]
+        rel = float((full.detach() - want.detach()).norm() / want.detach().norm())
+        worst, worst_name = max((worst, worst_name), (rel, name))
+        assert rel <= 1e-5, (name, rel)
+    for res, loss, norm in zip(results, ref_losses, ref_norms):
+        assert abs(res.loss - loss) <= 1e-5 * abs(loss), (res.loss, loss)
+        assert abs(res.grad_norm - norm) <= 1e-5 * norm, (res.grad_norm, norm)
+        assert norm > MAX_NORM  # clipping really happened
+    return {"worst": worst, "worst_name": worst_name, "tokens": [r.num_tokens for r in results],
+            "loss": [r.loss for r in results]}
+
+
+def _model(layout, section, tp):
+    args = tiny_args()
+    topo = meshplan.build_mesh(layout)
+    torch.manual_seed(0)
+    model = build(args)
+    if tp:
+        meshplan.parallelize(model, {"tensor_parallel": {"sequence_parallel": True, "loss_parallel": False,
+                                                         "rules": TP_RULES}, "data_parallel": section}, topo)
+    else:
+        apply_data_parallel(model, section, topo)
+    rows = GLOBAL_BATCH // topo.data_world_size
+    x, y = global_batch(0, args.vocab_size)
+    return model, topo, (x[:rows], y[:rows])
+
+
+def comm_counts(layout, section=None, tp=False, microbatches=1, eager=False):
+    """Collectives of one step (after a warm-up step), by op name."""
+    model, topo, batch = _model(layout, section or {}, tp)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    train_step(model, batch, sum_ce, opt, microbatches=microbatches, max_grad_norm=MAX_NORM)
+    with CollectiveCounter() as counter:
+        if eager:  # a hand-written loop: FSDP2's own handling of Partial grads
+            sum_ce(model(batch[0]), batch[1]).backward()
+        else:
+            train_step(model, batch, sum_ce, opt, microbatches=microbatches, max_grad_norm=MAX_NORM)
+    return dict(counter.calls)
+
+
+def mixed_precision():
+    """bf16 compute, fp32 reduction: close to the fp32 reference, sharded parameters stay fp32."""
+    args = tiny_args()
+    _, ref_losses, _ = reference(1, args)
+    model, results = parallel({"dp_shard": 2}, {"param_dtype": "bfloat16", "reduce_dtype": "float32"}, 1, args, 2)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert abs(results[0].loss - ref_losses[0]) < 2e-2 * ref_losses[0], (results[0].loss, ref_losses[0])
+    return results[0].loss
+
+
+def control_mean_of_means():
+    """The test has teeth: per-rank means (what users get wrong) miss the reference by far more than 1e-5."""
+    args = tiny_args()
+    ref, _, _ = reference(1, args)
+    topo = meshplan.build_mesh({"dp_shard": 2})
+    torch.manual_seed(0)
+    model = apply_data_parallel(build(args), {"gradient_reduction": "mean"}, topo)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    x, y = global_batch(0, args.vocab_size)
+    r, rows = topo.data_rank, GLOBAL_BATCH // 2
+    xs, ys = x[r * rows:(r + 1) * rows], y[r * rows:(r + 1) * rows]
+    loss = F.cross_entropy(model(xs).flatten(0, 1), ys.flatten(), ignore_index=-100)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+    opt.step()
+    ref_params = dict(ref.named_parameters())
+    return max(float((p.full_tensor() - ref_params[n]).norm() / ref_params[n].norm())
+               for n, p in model.named_parameters())
+
+
+CASES_BY_WORLD = {
+    4: {
+        "fsdp_tp": lambda: compare({"dp_shard": 2, "tp": 2}, tp=True),
+        "hsdp": lambda: compare({"dp_replicate": 2, "dp_shard": 2}, microbatches=2),
+        "ddp_tp": lambda: compare({"dp_replicate": 2, "tp": 2}, tp=True),
+        "fsdp_tp_loss_parallel": lambda: compare({"dp_shard": 2, "tp": 2}, microbatches=2, tp=True, lp=True),
+        "fsdp_tp_batch": lambda: compare({"dp_shard": 2, "tp": 2}, {"activation_checkpointing": {"mode": "full"}},
+                                         microbatches=2, tp=True, sp="batch"),
+        "fsdp_reshard2_accum2": lambda: compare({"dp_shard": 4}, {"reshard_after_forward": 2}, microbatches=2),
+        "counts_fsdp_tp": lambda: comm_counts({"dp_shard": 2, "tp": 2}, tp=True),
+        "counts_fsdp_tp_eager": lambda: comm_counts({"dp_shard": 2, "tp": 2}, tp=True, eager=True),
+        "counts_fsdp_tp_accum2": lambda: comm_counts({"dp_shard": 2, "tp": 2}, tp=True, microbatches=2),
+        "counts_hsdp_accum2": lambda: comm_counts({"dp_replicate": 2, "dp_shard": 2}, microbatches=2),
+    },
+    8: {
+        "hsdp_tp_accum2": lambda: compare({"dp_replicate": 2, "dp_shard": 2, "tp": 2}, {"activation_checkpointing": {
+            "mode": "selective", "every": 2, "ops": ["aten.mm.default"]}}, microbatches=2, tp=True),
+    },
+    2: {
+        "fsdp": lambda: compare({"dp_shard": 2}),
+        "fsdp_accum2": lambda: compare({"dp_shard": 2}, microbatches=2),
+        "fsdp_accum2_sharded": lambda: compare({"dp_shard": 2}, {"accumulate_unsharded": False}, microbatches=2),
+        "ddp": lambda: compare({"dp_replicate": 2}, microbatches=2),
+        "tp_only": lambda: compare({"tp": 2}, tp=True),
+        "tp_only_batch": lambda: compare({"tp": 2}, microbatches=2, tp=True, sp="batch"),
+        "counts_fsdp": lambda: comm_counts({"dp_shard": 2}),
+        "counts_fsdp_accum2": lambda: comm_counts({"dp_shard": 2}, microbatches=2),
+        "counts_fsdp_accum2_sharded": lambda: comm_counts({"dp_shard": 2}, {"accumulate_unsharded": False},
+                                                          microbatches=2),
+        "counts_ddp_accum2": lambda: comm_counts({"dp_replicate": 2}, microbatches=2),
+        "control_mean_of_means": control_mean_of_means,
+        "mixed_precision": mixed_precision,
+        "fsdp_ac_selective": lambda: compare({"dp_shard": 2}, {"activation_checkpointing": {
+            "mode": "selective", "ops": ["aten.mm.default"]}, "reshard_after_forward": False}),
+    },
+}
+
+if __name__ == "__main__":
+    dist.init_process_group("gloo")
+    run_cases(CASES_BY_WORLD[WORLD])
