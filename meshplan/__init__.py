@@ -5,6 +5,22 @@ from .layout import Layout, ResolvedLayout
 from .plan import Plan, load_plan
 
 
+def _make_plan_callable() -> None:
+    """``meshplan.plan`` is the module :mod:`meshplan.plan` (``meshplan.plan.Plan``) and, called, the
+    ``@meshplan.plan(PLAN)`` class decorator (:func:`meshplan.decorator.plan`, imported on first use)."""
+    import sys
+    import types
+
+    class _PlanModule(types.ModuleType):
+        def __call__(self, *args, **kwargs):
+            from .decorator import plan
+            return plan(*args, **kwargs)
+
+    sys.modules[__name__ + ".plan"].__class__ = _PlanModule
+
+
+_make_plan_callable()
+
 __all__ = ["PlanError", "Layout", "ResolvedLayout", "Plan", "load_plan", "build_mesh", "init",
            "Topology", "current_topology", "parallelize", "cross_entropy", "loss_parallel",
            "train_step", "clip_grad_norm_", "materialize", "load_state_dict", "load_full_state_dict",

@@ -18,6 +18,7 @@ transformers' ``Conv1D`` (GPT-2) computes ``x @ W + b`` with ``W`` stored
 from __future__ import annotations
 
 from functools import partial
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -27,7 +28,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 __all__ = ["PackedColwiseParallel", "PackedRowwiseParallel", "is_conv1d", "features", "packed_placement",
-           "shard_packed", "packed_style", "needs_packed_style"]
+           "shard_packed", "packed_style", "needs_packed_style", "local_slices", "take_slices"]
 
 
 def is_conv1d(module: nn.Module) -> bool:
@@ -189,3 +190,39 @@ def packed_style(style: str, module: nn.Module, overrides: dict, tp: int, where:
 def needs_packed_style(module: nn.Module, rule) -> bool:
     """A colwise/rowwise rule that needs :func:`packed_style` (packed > 1, or a Conv1D)."""
     return rule.style in ("colwise", "rowwise") and ((getattr(rule, "packed", None) or 1) > 1 or is_conv1d(module))
+
+
+def local_slices(shape: tuple[int, ...], placements, mesh) -> list[list[tuple[int, int]]]:
+    """This rank's index ranges per tensor dim: ``[[(start, stop), ...], ...]`` (several for a packed dim).
+
+    ``Shard(d)`` follows ``torch.chunk``; ``_StridedShard(d, split_factor=k)`` gives one range in each
+    of the k chunks (meshplan's packed weights). Replicate/Partial keep the whole dim.
+    """
+    out = [[(0, n)] for n in shape]
+    coord = mesh.get_coordinate()
+    for i, pl in enumerate(placements):
+        if not isinstance(pl, (Shard, _StridedShard)):
+            continue
+        d, size, c = pl.dim % len(shape), mesh.size(i), coord[i]
+        k = getattr(pl, "split_factor", 1)
+        new = []
+        for lo, hi in out[d]:
+            n = (hi - lo) // k  # each of the k packed chunks is chunked over the mesh dim like torch.chunk
+            chunk = -(-n // size)
+            a, b = min(n, c * chunk), min(n, c * chunk + chunk)
+            new += [(lo + j * n + a, lo + j * n + b) for j in range(k)]
+        out[d] = new
+    return out
+
+
+def take_slices(read: Callable[[tuple[slice, ...]], torch.Tensor], ranges: list[list[tuple[int, int]]]) -> torch.Tensor:
+    """Read the blocks of ``ranges`` with ``read(slices)`` and concatenate them (at most one multi-range dim)."""
+    multi = [d for d, r in enumerate(ranges) if len(r) > 1]
+    if not multi:
+        return read(tuple(slice(a, b) for (a, b), in ranges))
+    d = multi[0]
+    parts = []
+    for a, b in ranges[d]:
+        sl = tuple(slice(x, y) if i != d else slice(a, b) for i, ((x, y), *_) in enumerate(ranges))
+        parts.append(read(sl))
+    return torch.cat(parts, dim=d)

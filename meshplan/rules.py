@@ -28,27 +28,51 @@ def _closest(pattern: str, paths: list[str]) -> list[str]:
     return difflib.get_close_matches(probe, paths, n=3, cutoff=0.3)
 
 
-def match_rules(model: nn.Module, rules: Mapping[str, Any], where: str = "tensor_parallel.rules") -> dict[str, tuple[str, Any]]:
+def match_rules(model: nn.Module, rules: Mapping[str, Any], where: str = "tensor_parallel.rules",
+                errors: list[PlanError] | None = None) -> dict[str, tuple[str, Any]]:
     """Assign each module path the rule that claims it.
 
     An exact path beats a wildcard; two wildcard rules that claim one module
     with different rules are an error, and so is a rule that matches nothing
     (the message names the closest module paths).
 
+    Args:
+        model: the module whose paths the patterns match.
+        rules: ``{pattern: rule}`` from the plan.
+        where: prefix of error messages (plan file and key).
+        errors: when given, errors are appended here and matching goes on (validation reports them all).
+
     Returns:
         ``{module_path: (pattern, rule)}`` in the model's module order.
 
     Raises:
-        PlanError: unmatched rule or conflicting rules; names ``where`` and the pattern.
+        PlanError: unmatched rule or conflicting rules (when ``errors`` is None); names ``where`` and the pattern.
     """
+    def fail(msg: str) -> None:
+        if errors is None:
+            raise PlanError(msg)
+        errors.append(PlanError(msg))
+
     paths = [name for name, _ in model.named_modules() if name]
+    known = set(paths)
+    by_depth: dict[int, list[tuple[str, list[str]]]] = {}  # split once; a pattern only meets paths as deep
+    for p in paths:
+        segs = p.split(".")
+        by_depth.setdefault(len(segs), []).append((p, segs))
     claims: dict[str, list[tuple[str, Any]]] = {}
     for pattern, rule in rules.items():
-        hits = [p for p in paths if p == pattern] if not is_pattern(pattern) else [p for p in paths if _matches(pattern, p)]
+        if not is_pattern(pattern):
+            hits = [pattern] if pattern in known else []
+        else:
+            ps = [(s, is_pattern(s)) for s in pattern.split(".")]
+            last, last_wild = ps[-1]
+            hits = [p for p, segs in by_depth.get(len(ps), ()) if (last_wild or segs[-1] == last)
+                    and all(fnmatchcase(q, s) if wild else q == s for (s, wild), q in zip(ps, segs))]
         if not hits:
             near = _closest(pattern, paths)
-            hint = f"; closest module paths: {', '.join(near)}" if near else f"; the model has {len(paths)} modules"
-            raise PlanError(f"{where}.{pattern!r}: matches no module of {type(model).__name__}{hint}")
+            hint = f"closest module paths: {', '.join(near)}" if near else f"the model has {len(paths)} modules"
+            fail(f"{where}.{pattern!r}: matches no module of {type(model).__name__}; found none, expected at least "
+                 f"one; {hint}")
         for h in hits:
             claims.setdefault(h, []).append((pattern, rule))
     out: dict[str, tuple[str, Any]] = {}
@@ -60,10 +84,10 @@ def match_rules(model: nn.Module, rules: Mapping[str, Any], where: str = "tensor
         if exact:
             out[path] = exact[0]
             continue
-        first = cands[0]
-        for other in cands[1:]:
-            if other[1] != first[1]:
-                raise PlanError(f"{where}: module {path!r} is claimed by {first[0]!r} ({first[1].style}) and "
-                                f"{other[0]!r} ({other[1].style}); give it an exact rule or narrow a pattern")
-        out[path] = first
+        clash = [c for c in cands[1:] if c[1] != cands[0][1]]
+        for other in clash:
+            fail(f"{where}: module {path!r} is claimed by {cands[0][0]!r} ({cands[0][1].style}) and "
+                 f"{other[0]!r} ({other[1].style}); expected one rule: give it an exact rule or narrow a pattern")
+        if not clash:
+            out[path] = cands[0]
     return out

@@ -133,7 +133,8 @@ class VocabParallelEmbedding(ParallelStyle):
         vocab, tp = module.num_embeddings, mesh.size()
         if vocab % tp:
             raise PlanError(f"tp({tp}) does not divide num_embeddings({vocab})")
-        module.register_parameter("weight", nn.Parameter(distribute_tensor(module.weight, mesh, [Shard(0)])))
+        module.register_parameter("weight", nn.Parameter(distribute_tensor(module.weight, mesh, [Shard(0)],
+                                                                           src_data_rank=self.src_data_rank)))
 
     def _forward(self, mesh: DeviceMesh, module: nn.Embedding, ids: torch.Tensor) -> Any:
         if isinstance(ids, DTensor):

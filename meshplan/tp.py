@@ -13,6 +13,7 @@ each way with SP, 2 all-reduces each way without.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,12 +44,17 @@ def _divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
+@functools.lru_cache(maxsize=None)
+def _parse(text: str):
+    return parse_layout(text)  # placements are immutable: one object per layout text
+
+
 def _lay(value, default):
     if value is None:
         return default
     if isinstance(value, list):
-        return tuple(parse_layout(v) for v in value)
-    return parse_layout(value)
+        return tuple(_parse(v) for v in value)
+    return _parse(value)
 
 
 @dataclass
@@ -91,8 +97,12 @@ def generate_tp_plan(model: nn.Module, section: TensorParallel, tp: int, source:
     plan: dict[str, Any] = {}
     fanout: dict[str, None] = {}
     norm_dropouts: list[str] = []
+    overrides: dict[int, dict] = {}  # one per rule, not per module (126-layer models: 1.6k modules, 14 rules)
     for path, (pattern, rule) in matched.items():
-        mod, o, style = modules[path], rule.overrides(), rule.style
+        o = overrides.get(id(rule))
+        if o is None:
+            o = overrides[id(rule)] = rule.overrides()
+        mod, style = modules[path], rule.style
         loc = f"{where}.{pattern!r}"
         if needs_packed_style(mod, rule):  # packed fused weights, transformers' Conv1D
             plan[path] = packed_style(style, mod, o, tp, loc, path, stream, local_stream)
@@ -157,17 +167,24 @@ def generate_tp_plan(model: nn.Module, section: TensorParallel, tp: int, source:
                                              use_local_output=o.get("use_local_output", True))
         else:  # pragma: no cover - the discriminated union admits nothing else
             raise AssertionError(style)
+    arg_names: dict[type, str | None] = {}  # inspect.signature once per class
     for parent in fanout:
         if parent in plan:
             continue  # the user prepared it by hand
         target = modules[parent] if parent else model
-        plan[parent] = PrepareHiddenInput(input_layout=stream, desired_layout=Replicate(),
-                                          arg_name=hidden_arg_name(target))
-    return plan, {"fanout": list(fanout), "norm_dropouts": norm_dropouts, "matched": matched}
+        if "forward" in target.__dict__:
+            name = hidden_arg_name(target)
+        elif type(target) in arg_names:
+            name = arg_names[type(target)]
+        else:
+            name = arg_names[type(target)] = hidden_arg_name(target)
+        plan[parent] = PrepareHiddenInput(input_layout=stream, desired_layout=Replicate(), arg_name=name)
+    return plan, {"fanout": list(fanout), "norm_dropouts": norm_dropouts, "matched": matched, "modules": modules}
 
 
-def _adjust_heads(model: nn.Module, fanout: list[str], tp: int, where: str, adjust: bool) -> dict:
-    modules = dict(model.named_modules())
+def _adjust_heads(model: nn.Module, fanout: list[str], tp: int, where: str, adjust: bool,
+                  modules: dict[str, nn.Module] | None = None) -> dict:
+    modules = modules if modules is not None else dict(model.named_modules())
     changed: dict[str, dict[str, tuple[int, int]]] = {}
     config = getattr(model, "config", None)
     for name in _CONFIG_DIVISIBLE:
@@ -177,7 +194,8 @@ def _adjust_heads(model: nn.Module, fanout: list[str], tp: int, where: str, adju
     for parent in fanout:
         mod = modules[parent] if parent else model
         for attr in HEAD_ATTRS:
-            n = getattr(mod, attr, None)
+            # instance attributes first; a miss through nn.Module.__getattr__ raises (slow for 9 x 126 layers)
+            n = mod.__dict__[attr] if attr in mod.__dict__ else getattr(mod, attr, None) if hasattr(type(mod), attr) else None
             if isinstance(n, int) and not isinstance(n, bool) and n > 0:
                 if n % tp:
                     raise PlanError(f"{where}: module {parent or '(root)'!r}: tp({tp}) does not divide {attr}({n}); "
@@ -222,16 +240,21 @@ def apply_tensor_parallel(model: nn.Module, section: TensorParallel, tp_mesh: De
     tp = tp_mesh.size()
     where = _where(source)
     plan, meta = generate_tp_plan(model, section, tp, source)
-    heads = _adjust_heads(model, meta["fanout"], tp, where, section.adjust_head_counts)
+    modules = meta["modules"]  # styles change modules in place: one traversal serves every step
+    heads = _adjust_heads(model, meta["fanout"], tp, where, section.adjust_head_counts, modules)
     tied = _tied_parameters(model)
     if tp > 1 or plan:
-        parallelize_module(model, tp_mesh, plan)
+        # the plan's keys are exact paths: apply each style to its module directly (handing torch the dict
+        # makes parallelize_module fnmatch every child of every level for every key: O(keys x children))
+        # meta parameters hold no data: skip scattering them from rank 0 (18x cheaper per parameter)
+        src = None if any(p.is_meta for p in model.parameters()) else 0
+        for path, style in plan.items():
+            parallelize_module(modules[path] if path else model, tp_mesh, style, src_data_rank=src)
     _retie(model, tied, where)
     replicated = [p for p in model.parameters()
                   if hasattr(p, "placements") and all(isinstance(pl, Replicate) for pl in p.placements)]
     finalizer = PartialGradFinalizer(replicated) if replicated else None
     rng = TpRng(tp_mesh.get_local_rank(), tp_mesh.device_type)
-    modules = dict(model.named_modules())
     for parent in meta["fanout"]:
         rng.fork(modules[parent] if parent else model)
     for path in meta["norm_dropouts"]:

@@ -135,7 +135,7 @@ def test_errors_name_plan_rule_module_and_numbers():
         topo = meshplan.build_mesh({"tp": 2})
         bad = plan_with(rules={"layers.*.atention.wq": "colwise"})
         with pytest.raises(PlanError, match=r"tensor_parallel.rules.'layers.\*.atention.wq': matches no module of "
-                                             r"Transformer; closest module paths: layers.0.attention.wq"):
+                                             r"Transformer; found none, expected at least one; closest module paths: layers.0.attention.wq"):
             meshplan.parallelize(copy.deepcopy(model), bad, topo)
         clash = plan_with(rules={"layers.*.attention.wq": "colwise", "layers.*.attention.w?": "rowwise"})
         with pytest.raises(PlanError, match=r"module 'layers.0.attention.wq' is claimed by"):

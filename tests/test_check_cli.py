@@ -1,0 +1,140 @@
+"""`meshplan check` (table and json, exit codes, the MODULE:FACTORY convention) and `meshplan convert`."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from meshplan.cli import main
+
+pytestmark = pytest.mark.fast
+LLAMA_CFG = json.dumps({"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 128, "ffn_dim": 128})
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_table(capsys):
+    code, out, err = run(capsys, "check", "plans/hf_llama.yaml", "--model", "examples.hf_models:llama", "--tp", "2")
+    assert code == 0 and err == ""
+    lines = out.splitlines()
+    assert lines[0] == "meshplan check: plans/hf_llama.yaml  model LlamaForCausalLM  tp=2  world_size=2"
+    header = lines[2].split()
+    assert header[:3] == ["module", "(pattern)", "n"] and "bytes/rank" in lines[2]
+    row = next(x for x in lines if x.startswith("model.layers.*.self_attn.q_proj "))
+    assert row.split()[1:] == ["2", "colwise", "ColwiseParallel(in=R,", "out=S(-1),", "local)", "weight[32x64]", "-",
+                               "-", "16.0", "KiB"]
+    conv = next(x for x in lines if x.startswith("model.layers.*.self_attn "))
+    assert "input conversion" in conv and "all_gather" in conv and "reduce_scatter" in conv
+    assert "collectives per forward: 5 all_gather, 5 reduce_scatter" in out
+    assert "collectives per backward: 5 all_gather, 1 all_reduce, 5 reduce_scatter" in out
+    assert "unsharded parameters (5, every tp rank holds them whole): model.layers.*.input_layernorm.weight" in out
+    assert lines[-1] == "ok"
+
+
+def test_json(capsys):
+    code, out, _ = run(capsys, "check", "plans/gpt2.yaml", "--model", "examples.hf_models:gpt2",
+                       "--world-size", "4", "--tp", "2", "--format", "json")
+    assert code == 0
+    data = json.loads(out)
+    assert {"ok", "errors", "modules", "totals"} <= set(data) and data["ok"] is True and data["errors"] == []
+    assert data["tp"] == 2 and data["world_size"] == 4
+    t = data["totals"]
+    assert t["forward"] == {"all_gather": 5, "reduce_scatter": 6}
+    assert t["parameters"] == 112384 and t["bytes_per_rank"] == 4 * t["parameters_per_rank"]
+    attn = next(m for m in data["modules"] if m["module"] == "transformer.h.1.attn.c_attn")
+    assert attn["params"]["bias"] == {"global": [192], "local": [96], "placement": "StridedShard(0,sf=3)"}
+    assert attn["forward"] == [] and attn["bytes_per_rank"] == (64 * 96 + 96) * 4
+
+
+def test_invalid_plan_exit_2_with_all_errors(capsys):
+    code, out, err = run(capsys, "check", "plans/hf_llama.yaml", "--model", "examples.hf_models:llama", "--tp", "4",
+                         "--format", "json")
+    assert code == 2 and err == ""
+    data = json.loads(out)
+    assert data["ok"] is False and len(data["errors"]) == 3
+    assert "tp(4) does not divide num_key_value_heads(2)" in data["errors"][2]
+    code, out, _ = run(capsys, "check", "plans/hf_llama.yaml", "--model", "examples.hf_models:llama", "--tp", "4")
+    assert code == 2 and out.splitlines()[-4] == "3 error(s):"
+
+
+@pytest.mark.parametrize("spec, config", [
+    ("llama:build", LLAMA_CFG),                                   # FACTORY(Args(**config)), examples/ on the path
+    ("examples.llama:build", LLAMA_CFG),
+    ("examples.hf_models:llama", '{"num_hidden_layers": 3}'),     # FACTORY(**config)
+    ("transformers:LlamaForCausalLM", json.dumps(                 # a PreTrainedModel class: cls(Config(**config))
+        {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "vocab_size": 128})),
+])
+def test_model_conventions(capsys, spec, config):
+    plan = "plans/llama.yaml" if "llama:build" in spec else "plans/hf_llama.yaml"
+    code, out, err = run(capsys, "check", plan, "--model", spec, "--config", config, "--world-size", "2",
+                         "--format", "json")
+    assert code == 0, err
+    assert json.loads(out)["ok"] is True
+
+
+def test_config_from_file(capsys, tmp_path):
+    f = tmp_path / "cfg.json"
+    f.write_text(LLAMA_CFG)
+    code, out, _ = run(capsys, "check", "plans/llama.yaml", "--model", "llama:build", "--config", str(f), "--tp", "2")
+    assert code == 0 and out.rstrip().endswith("ok")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "nope_module:x"], "--model 'nope_module:x': cannot import 'nope_module': ModuleNotFoundError"),
+    (["--model", "examples.hf_models"], "--model 'examples.hf_models': expected MODULE:FACTORY"),
+    (["--model", "examples.hf_models:nope"], "module 'examples.hf_models' has no attribute 'nope'"),
+    (["--model", "examples.hf_models:llama", "--config", "{bad"], "--config: not valid JSON"),
+    (["--model", "examples.hf_models:llama", "--config", "[1]"], "neither a JSON object nor a .json file"),
+    (["--model", "examples.hf_models:llama", "--config", '{"vocab_size": -1}'], "the factory failed: "),
+    (["--model", "examples.hf_models:FACTORIES"], "'FACTORIES' is not callable"),
+    (["--model", "examples.hf_models:llama", "--tp", "3", "--world-size", "4"],
+     "tp(3) does not divide world_size(4)"),
+])
+def test_bad_input_one_line(capsys, argv, message):
+    code, out, err = run(capsys, "check", "plans/hf_llama.yaml", *argv)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith("meshplan: error: ") and message in err, err
+
+
+def test_missing_plan_file(capsys):
+    code, _, err = run(capsys, "check", "nope.yaml", "--model", "examples.hf_models:llama")
+    assert code == 2 and err == "meshplan: error: nope.yaml: no such plan file\n"
+
+
+def test_no_traceback_from_console():
+    proc = subprocess.run([sys.executable, "-m", "meshplan", "check", "plans/hf_llama.yaml", "--model", "x.y:z"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1
+
+
+def test_convert_to_stdout_and_file(capsys, tmp_path):
+    code, out, _ = run(capsys, "convert", "llama", "--from", "hf", "--to", "meshplan")
+    assert code == 0 and "    model.layers.*.self_attn.q_proj: colwise\n" in out and "    lm_head: lm_head\n" in out
+    f = tmp_path / "qwen2.yaml"
+    code, out, _ = run(capsys, "convert", "qwen2", "-o", str(f), "--no-loss-parallel")
+    assert code == 0 and out == "" and "loss_parallel: false" in f.read_text()
+    code, out, _ = run(capsys, "check", str(f), "--model", "examples.hf_models:qwen2", "--tp", "2")
+    assert code == 0
+
+
+def test_convert_back_to_hf(capsys):
+    code, out, _ = run(capsys, "convert", "plans/hf_llama.yaml", "--from", "meshplan", "--to", "hf")
+    assert code == 0
+    hf = json.loads(out)
+    assert hf["model.layers.*.self_attn.q_proj"] == "colwise" and hf["model.embed_tokens"] == "embedding_rowwise"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["convert", "falcon_x"], "unknown transformers model type 'falcon_x'"),
+    (["convert", "llama", "--from", "meshplan", "--to", "meshplan"], "--from meshplan --to meshplan is not supported"),
+    (["convert", "missing/config.json"], "missing/config.json: no such config file"),
+])
+def test_convert_bad_input(capsys, argv, message):
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and out == "" and message in err and err.count("\n") == 1
