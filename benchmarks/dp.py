@@ -1,4 +1,4 @@
-"""FSDP2 traffic per step vs theory, and all-reduces per step for norm-weight grads, on torch's fake group.
+"""FSDP2 traffic per step vs theory, and tp all-reduces per step for norm-weight grads, on torch's fake group.
 
 Run: ``python benchmarks/dp.py`` (one process; the ``fake`` backend makes every collective a no-op, so
 world sizes 2, 4 and 8 run on a laptop). Each collective is recorded by a dispatch mode with its size
@@ -11,71 +11,16 @@ from __future__ import annotations
 
 import os
 import sys
-from collections import Counter
-from dataclasses import dataclass, field
-
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-for _p in (ROOT, os.path.join(ROOT, "examples")):
+for _p in (ROOT, os.path.join(ROOT, "examples"), os.path.join(ROOT, "benchmarks")):
     if _p not in sys.path:
         sys.path.insert(0, _p)
+from _comm import CommLog  # noqa: E402
 
-__all__ = ["CollectiveCounter", "fsdp_traffic", "norm_grad_all_reduces", "main"]
-
-_KIND = {"_allgather_base_": "all_gather", "all_gather_into_tensor": "all_gather",
-         "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
-         "allreduce_": "all_reduce", "all_reduce": "all_reduce", "all_reduce_coalesced": "all_reduce"}
-
-
-def _group_size(args) -> int:
-    names = [a for a in args if isinstance(a, str)]
-    if names:  # functional collectives: the group name is the last string (reduce ops are strings too)
-        from torch.distributed.distributed_c10d import _resolve_process_group
-        return _resolve_process_group(names[-1]).size()
-    for a in args:
-        if isinstance(a, torch.ScriptObject):  # c10d ops: the first script object is the process group
-            return dist.ProcessGroup.unbox(a).size()
-    raise AssertionError(f"no process group among {[type(a).__name__ for a in args]}")
-
-
-@dataclass
-class CollectiveCounter(TorchDispatchMode):
-    """Counts collectives (c10d and functional) and the bytes one rank sends for them.
-
-    Attributes:
-        calls: ``Counter`` of ``"<kind>@<group size>"``.
-        bytes: ``Counter`` of ring bytes per kind.
-
-    Example::
-
-        >>> with CollectiveCounter() as c:
-        ...     loss.backward()
-        >>> c.calls["all_reduce@2"]
-    """
-
-    calls: Counter = field(default_factory=Counter)
-    bytes: Counter = field(default_factory=Counter)
-
-    def __post_init__(self) -> None:
-        super().__init__()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        ns, name = func.namespace, func._schema.name.split("::")[-1]
-        kind = _KIND.get(name) if ns in ("c10d", "_c10d_functional") else None
-        if kind is not None:
-            d = _group_size(args)
-            tensors = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
-            if kind == "reduce_scatter" and ns == "c10d":
-                tensors = [args[1]]  # (output shard, input): the scattered input is the full size
-            n = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
-            if kind == "all_gather" and ns == "_c10d_functional":
-                n *= d  # input is one shard
-            self.calls[f"{kind}@{d}"] += 1
-            self.bytes[kind] += n * (d - 1) / d * (2 if kind == "all_reduce" else 1)
-        return func(*args, **(kwargs or {}))
+__all__ = ["fsdp_traffic", "norm_grad_all_reduces", "main"]
 
 
 def _fake(world: int) -> None:
@@ -98,17 +43,24 @@ def fsdp_traffic(world: int, reshard_after_forward: bool, root_reshards: bool = 
     if root_reshards:
         model.set_reshard_after_forward(reshard_after_forward, recurse=False)
     x = torch.randint(0, 128, (2, 16))
-    with CollectiveCounter() as c:
+    with CommLog() as c:
         model(x).float().sum().backward()
     dist.destroy_process_group()
-    moved = c.bytes["all_gather"] + c.bytes["reduce_scatter"]
+    ring = c.ring_bytes_by_kind()
+    moved = ring["all_gather"] + ring["reduce_scatter"]
     ideal = (3 if reshard_after_forward else 2) * (world - 1) / world * psi
     return {"world": world, "reshard": reshard_after_forward, "root_reshards": root_reshards, "psi": psi,
-            "bytes": moved, "ratio": moved / ideal, "calls": dict(c.calls)}
+            "bytes": moved, "ratio": moved / ideal, "calls": dict(c.by_group())}
 
 
-def norm_grad_all_reduces(mode: str) -> dict:
-    """All-reduces per step for the norm-weight (Partial) grads: tp=2 × dp_shard=2, sequence parallel."""
+def norm_grad_all_reduces(mode: str, microbatches: int = 1, no_sync: bool = False) -> dict:
+    """tp all-reduces per step for the norm-weight (``Partial``) grads, sequence parallel, tp=2.
+
+    ``mode``: ``tp_only`` (a hand-written loop, tp=2), ``loop`` (a hand-written loop: ``loss.backward()`` per
+    microbatch, tp=2 × dp_shard=2) or ``train_step`` (tp=2 × dp_shard=2). ``no_sync``: FSDP2 reduces only the
+    last microbatch. The tp all-reduces are the ``all_reduce@2`` ones (dp reduces with reduce-scatters;
+    train_step's token count and clipping all-reduce over all 4 ranks).
+    """
     import meshplan
     import torch.nn.functional as F
     from llama import build, tiny_args
@@ -124,17 +76,21 @@ def norm_grad_all_reduces(mode: str) -> dict:
              "layers.*.attention.wo": "rowwise", "layers.*.feed_forward.w2": "rowwise"}
     meshplan.parallelize(model, {"tensor_parallel": {"sequence_parallel": True, "loss_parallel": False,
                                                      "rules": rules}, "data_parallel": {}}, topo)
-    x = torch.randint(0, 128, (2, 16))
+    x = torch.randint(0, 128, (2 * microbatches, 16))
     loss_fn = lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten(), reduction="sum")  # noqa: E731
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    with CollectiveCounter() as c:
+    with CommLog() as c:
         if mode == "train_step":
-            train_step(model, (x, x), loss_fn, opt, topology=topo)
+            train_step(model, (x, x), loss_fn, opt, topology=topo, microbatches=microbatches)
         else:
-            loss_fn(model(x), x).backward()
+            for i, xm in enumerate(x.chunk(microbatches)):
+                if no_sync:
+                    model.set_requires_gradient_sync(i == microbatches - 1)
+                loss_fn(model(xm), xm).backward()
     dist.destroy_process_group()
-    ar = {k: v for k, v in c.calls.items() if k.startswith("all_reduce")}
-    return {"mode": mode, "all_reduces": ar, "norm_weights": 2 * 2 + 1}
+    ar = {k: v for k, v in c.by_group().items() if k.startswith("all_reduce")}
+    return {"mode": mode, "microbatches": microbatches, "no_sync": no_sync, "tp_all_reduces": ar.get("all_reduce@2", 0),
+            "all_reduces": ar, "norm_weights": 2 * 2 + 1}
 
 
 def main() -> None:
@@ -147,10 +103,17 @@ def main() -> None:
             root_col = str(root) if reshard else "-"  # "root": the root module reshards too (torch: it does not)
             print(f"{world:>2} {str(reshard):>8} {root_col:>5} {r['psi']:>10} {r['bytes']:>11.0f} "
                   f"{theory:>11.0f} {r['ratio']:>6.3f}  {r['calls']}")
-    print("\nall-reduces per step for norm-weight grads (5 norm weights: 2 per block + final), tp=2")
-    for mode in ("tp_only", "eager", "train_step"):
-        r = norm_grad_all_reduces(mode)
-        print(f"{mode:>11}: {r['all_reduces']}")
+    print("\ntp all-reduces per step for norm-weight grads (5 norm weights: 2 per block + final), SP, tp=2"
+          "\n(before meshplan's TpGradSync covered FSDP2, a hand-written loop got FSDP2's own path: 5 per backward)")
+    print(f"{'loop':>10} {'layout':>15} {'microbatches':>12} {'tp all-reduces':>14}  all all-reduces")
+    for mode, mb, no_sync, layout in (("tp_only", 1, False, "tp2"), ("loop", 1, False, "tp2 x dp_shard2"),
+                                      ("loop", 2, False, "tp2 x dp_shard2"), ("loop", 2, True, "tp2 x dp_shard2"),
+                                      ("train_step", 1, False, "tp2 x dp_shard2"),
+                                      ("train_step", 2, False, "tp2 x dp_shard2")):
+        r = norm_grad_all_reduces(mode, mb, no_sync)
+        label = {"tp_only": "hand", "loop": "hand", "train_step": "train_step"}[mode]
+        mbs = f"{mb}{' no-sync' if no_sync else ''}"
+        print(f"{label:>10} {layout:>15} {mbs:>12} {r['tp_all_reduces']:>14}  {r['all_reduces']}")
 
 
 if __name__ == "__main__":

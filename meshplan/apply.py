@@ -64,6 +64,8 @@ def parallelize(model: nn.Module, plan: Plan | Mapping[str, Any] | str | Path | 
     if mesh is None:
         mesh = current_topology() or build_mesh(p.layout or {})
     tp_mesh = _tp_mesh(mesh)
+    if isinstance(mesh, Topology):
+        model._meshplan_topology = mesh  # train_step's default without a data_parallel section (tp only)
     if p.tensor_parallel is not None:
         from .tp import apply_tensor_parallel
         applied = apply_tensor_parallel(model, p.tensor_parallel, tp_mesh, p.source)

@@ -38,7 +38,9 @@ seed on every rank, every head shard gets the *same* dropout mask, and the
 result differs from single-device dropout. With ``is_causal=True`` the math
 path builds a plain-tensor causal mask and fails with ``aten.add.Tensor got
 mixed torch.Tensor and DTensor``. Plain local q/k/v (``use_local_output=True``)
-run SDPA locally and only have the shared-mask behaviour.
+run SDPA locally; meshplan gives them per-shard masks (``dropout_rng: per_shard``,
+:mod:`meshplan.rng`) or the single-device masks (``dropout_rng: single_device``,
+:mod:`meshplan.dropout`), which is how dropout inside TP regions should run.
 
 The torch-private DTensor internals this rule needs are imported here only,
 and each one is pinned by ``tests/test_attention_rule.py``.

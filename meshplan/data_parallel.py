@@ -130,7 +130,8 @@ class DataParallelState:
         data_axes: mesh keys whose ranks hold different data (``dp_replicate``, ``dp_shard``, ``cp``, + ``tp`` in
             smp's batch mode); the token count is summed over them.
         blocks: paths of the blocks.
-        grad_sync: the :class:`meshplan.train.TpGradSync` (tp reductions of replicated grads under FSDP).
+        grad_sync: the live :class:`meshplan.grads.TpGradSync` (coalesced tp reductions of replicated grads,
+            re-installed on FSDP2's parameters), or None when nothing needs one.
     """
 
     mode: str
@@ -265,7 +266,7 @@ def apply_data_parallel(model: "nn.Module", section: DataParallel | Mapping[str,
     from torch.distributed.tensor import DTensor
 
     from .topology import current_topology
-    from .train import TpGradSync
+    from .grads import TpGradSync, grad_sync
     if section is None:
         section = DataParallel()
     elif not isinstance(section, DataParallel):
@@ -295,12 +296,14 @@ def apply_data_parallel(model: "nn.Module", section: DataParallel | Mapping[str,
     if section.compile:
         for path in blocks:
             model.get_submodule(path).compile()
-    plain = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)] if batch and layout.tp > 1 else []
+    sync = grad_sync(model) or (TpGradSync.for_model(model, topology["tp"], sequence_parallel)
+                                if has_dtensor or (batch and layout.tp > 1) else None)
     data_axes = ("dp_replicate", "dp_shard", "cp") + (("tp",) if batch else ())
     state = DataParallelState(mode=mode, section=section, topology=topology, data_axes=data_axes, blocks=blocks)
     if mode != "none":
         _shard(model, blocks, section, topology, mode, shard_axes, rep_axes)
-    state.grad_sync = TpGradSync(model, topology, plain_names=plain, fsdp=mode != "none")
+    if sync is not None:
+        state.grad_sync = sync.install(model)  # on FSDP2's parameters: the ones tensor parallelism made are gone
     setattr(model, _STATE_ATTR, state)
     return model
 

@@ -11,6 +11,9 @@ of the shared stream plus the tp rank; ``shared`` hooks switch back inside a
 forked region. Deriving the stream from the shared generator (instead of
 keeping state) keeps activation-checkpoint recomputation exact: checkpoint
 restores the shared state, so the same masks are drawn again.
+
+This is ``dropout_rng: per_shard`` (the default); ``single_device`` (masks equal
+to the one-device run's) lives in :mod:`meshplan.dropout`.
 """
 
 from __future__ import annotations

@@ -24,7 +24,8 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                RowwiseParallel, SequenceParallel, parallelize_module)
 
 from .errors import PlanError
-from .grads import PartialGradFinalizer
+from .dropout import INHERIT, OUTSIDE, REGION, SHARED, SingleDeviceDropout
+from .grads import TpGradSync
 from .packed import needs_packed_style, packed_style
 from .rng import TpRng
 from .rules import match_rules
@@ -59,12 +60,18 @@ def _lay(value, default):
 
 @dataclass
 class TpApplied:
-    """What :func:`apply_tensor_parallel` did: the torch plan, adjusted head counts, the grad finaliser."""
+    """What :func:`apply_tensor_parallel` did: the torch plan, adjusted head counts, the grad finaliser.
+
+    ``finalizer`` is the live :class:`~meshplan.grads.TpGradSync` (coalesced tp reduction of replicated grads;
+    :func:`~meshplan.data_parallel.apply_data_parallel` re-installs it on FSDP2's parameters);
+    ``sequence_parallel`` the section's mode (``"batch"``: tp ranks hold different samples).
+    """
 
     plan: dict[str, Any]
     head_counts: dict[str, dict[str, tuple[int, int]]] = field(default_factory=dict)
-    finalizer: PartialGradFinalizer | None = None
-    rng: TpRng | None = None
+    finalizer: TpGradSync | None = None
+    rng: TpRng | SingleDeviceDropout | None = None
+    sequence_parallel: bool | str = False
 
 
 def _where(source: str | None) -> str:
@@ -251,12 +258,31 @@ def apply_tensor_parallel(model: nn.Module, section: TensorParallel, tp_mesh: De
         for path, style in plan.items():
             parallelize_module(modules[path] if path else model, tp_mesh, style, src_data_rank=src)
     _retie(model, tied, where)
-    replicated = [p for p in model.parameters()
-                  if hasattr(p, "placements") and all(isinstance(pl, Replicate) for pl in p.placements)]
-    finalizer = PartialGradFinalizer(replicated) if replicated else None
+    finalizer = TpGradSync.for_model(model, tp_mesh, section.sequence_parallel)
+    if finalizer is not None:
+        finalizer.install(model)
+    return TpApplied(plan=plan, head_counts=heads, finalizer=finalizer,
+                     rng=_attach_rng(model, modules, meta, section, tp_mesh, where),
+                     sequence_parallel=section.sequence_parallel)
+
+
+def _attach_rng(model: nn.Module, modules: dict, meta: dict, section: TensorParallel, tp_mesh: DeviceMesh,
+                where: str) -> TpRng | SingleDeviceDropout:
+    """Dropout randomness per ``section.dropout_rng``: per-shard streams, or the single-device masks."""
+    if section.dropout_rng == "single_device":  # draws nothing extra: TpRng's fork would consume the shared stream
+        sdd = SingleDeviceDropout(tp_mesh, section.sequence_parallel,
+                                  where.replace("tensor_parallel.rules", "tensor_parallel.dropout_rng"))
+        sdd.attach(model, "", OUTSIDE)
+        for parent in meta["fanout"]:
+            sdd.attach(modules[parent] if parent else model, parent, REGION)
+        shared = set(meta["norm_dropouts"])
+        for path, mod in modules.items():
+            if isinstance(mod, nn.modules.dropout._DropoutNd):
+                sdd.attach(mod, path, SHARED if path in shared else INHERIT)
+        return sdd
     rng = TpRng(tp_mesh.get_local_rank(), tp_mesh.device_type)
     for parent in meta["fanout"]:
         rng.fork(modules[parent] if parent else model)
     for path in meta["norm_dropouts"]:
         (rng.fork if section.sequence_parallel is not False else rng.shared)(modules[path])
-    return TpApplied(plan=plan, head_counts=heads, finalizer=finalizer, rng=rng)
+    return rng

@@ -168,6 +168,14 @@ class TensorParallel(Strict):
                           "residual stream; 'batch': smp's mode, each tp rank keeps its own part of the batch.")
     loss_parallel: bool = Field(
         True, description="Keep the logits vocab-sharded (DTensor) for meshplan.cross_entropy instead of gathering them.")
+    dropout_rng: Literal["per_shard", "single_device"] = Field(
+        "per_shard", description="How dropout inside TP regions draws its masks. 'per_shard' (Megatron): each tp "
+                                 "rank draws from its own stream (one draw of the shared stream + the tp rank), "
+                                 "statistically the same as one full mask, but not the single-device one. "
+                                 "'single_device': every rank draws the mask of the global tensor from the shared "
+                                 "generator and keeps its slice, so dropout equals the one-device run (any device, "
+                                 "no communication, tp-times the RNG work: a CPU/testing path; on CUDA torch's "
+                                 "OffsetBasedRNGTracker does this for DTensors).")
     adjust_head_counts: bool = Field(
         True, description="Divide stored head counts (n_heads, num_key_value_heads, …) of modules that own colwise "
                           "projections by tp, so models that reshape with them work on local shards.")

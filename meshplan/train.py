@@ -17,8 +17,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import weakref
-from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
@@ -29,8 +27,9 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from .errors import PlanError
+from .grads import TpGradSync, grad_sync
 
-__all__ = ["StepResult", "train_step", "clip_grad_norm_", "TpGradSync"]
+__all__ = ["StepResult", "train_step", "clip_grad_norm_", "TpGradSync"]  # TpGradSync: moved to meshplan.grads
 
 
 @dataclass(frozen=True)
@@ -41,118 +40,6 @@ class StepResult:
     loss: float
     grad_norm: float | None
     num_tokens: int
-
-
-def _clean(name: str) -> str:
-    """A parameter path without checkpoint-wrapper segments (its own ``named_parameters`` strips them)."""
-    return name.replace("_checkpoint_wrapped_module.", "")
-
-
-class TpGradSync:
-    """tp reductions of tp-replicated gradients under FSDP2, eager or deferred.
-
-    Two kinds of gradients need a sum over tp: ``Partial`` grads of ``Replicate`` DTensor parameters
-    (norm weights under sequence parallelism) and, in smp's batch mode, plain parameters. Eagerly (the
-    default, any training loop) FSDP2 redistributes each ``Partial`` grad itself (one all-reduce per
-    parameter) and plain grads are all-reduced per parameter by a hook. Inside :meth:`deferred` (used by
-    :func:`train_step`) the hooks only relabel/mark them; FSDP reduces the tp-partial sums over dp and
-    :meth:`finish` all-reduces them over tp in ONE flat buffer per (group, dtype) per step.
-
-    Args:
-        model: the model (hooks go on the FSDP modules, or on plain parameters without FSDP).
-        topology: its :class:`~meshplan.Topology`.
-        plain_names: paths of plain parameters to reduce over tp (smp batch mode).
-        fsdp: whether FSDP2 (fully_shard/replicate) manages the parameters.
-    """
-
-    def __init__(self, model: nn.Module, topology: Any, plain_names: Iterable[str] = (), fsdp: bool = True):
-        self.plain = {_clean(n) for n in plain_names}
-        self.tp_group = topology["tp"].get_group() if topology.layout.tp > 1 else None
-        self.is_deferred = False
-        self.pending: dict[str, tuple[str, ...]] = {}
-        self._hooked: dict[int, weakref.ref] = {}  # id → weakref (tensors compare elementwise, so no WeakSet)
-        self._model = weakref.ref(model)
-        if self.tp_group is None:
-            return
-        if fsdp:
-            from torch.distributed.fsdp import FSDPModule
-            for prefix, mod in model.named_modules():
-                if isinstance(mod, FSDPModule):  # runs after FSDP's own (prepended) pre-forward: params gathered
-                    mod.register_forward_pre_hook(self._make_pre_forward(prefix))
-        else:
-            for name, p in model.named_parameters():
-                if _clean(name) in self.plain:
-                    self._hook(_clean(name), p)
-
-    def _make_pre_forward(self, prefix: str) -> Callable:
-        def pre_forward(module: nn.Module, args: Any) -> None:
-            for name, p in module.named_parameters(prefix=prefix):
-                ref = self._hooked.get(id(p))
-                if p.requires_grad and (ref is None or ref() is not p):
-                    self._hook(_clean(name), p)
-        return pre_forward
-
-    def _hook(self, name: str, p: torch.Tensor) -> None:
-        self._hooked[id(p)] = weakref.ref(p)
-        p.register_hook(lambda g: self._on_grad(name, g))
-
-    def _on_grad(self, name: str, g: torch.Tensor) -> torch.Tensor | None:
-        if isinstance(g, DTensor):
-            partial = [i for i, pl in enumerate(g.placements) if isinstance(pl, Partial)]
-            if not partial or not self.is_deferred:
-                return None  # FSDP2 redistributes it (one all-reduce per parameter)
-            names = g.device_mesh.mesh_dim_names or ()
-            self.pending[name] = tuple(names[i] for i in partial)
-            placements = tuple(Replicate() if isinstance(pl, Partial) else pl for pl in g.placements)
-            return DTensor.from_local(g._local_tensor, g.device_mesh, placements, run_check=False,
-                                      shape=g.shape, stride=g.stride())
-        if name not in self.plain:
-            return None
-        if self.is_deferred:
-            self.pending[name] = ("tp",)
-            return None
-        g = g.clone()
-        dist.all_reduce(g, group=self.tp_group)
-        return g
-
-    @contextlib.contextmanager
-    def deferred(self):
-        """Within: tp reductions are only recorded; call :meth:`finish` after the last backward."""
-        self.pending.clear()
-        self.is_deferred = True
-        try:
-            yield self
-        finally:
-            self.is_deferred = False
-
-    def finish(self) -> int:
-        """All-reduce the recorded gradients over tp: one flat buffer per (group, dtype). Returns the count."""
-        model = self._model()
-        if not self.pending or model is None:
-            return 0
-        params = {_clean(n): p for n, p in model.named_parameters()}
-        buckets: dict[tuple, list[torch.Tensor]] = defaultdict(list)
-        for name, dims in self.pending.items():
-            g = params[name].grad
-            if g is None:
-                continue
-            if isinstance(g, DTensor):
-                mesh = g.device_mesh
-                groups = tuple(mesh.get_group(d) if d in (mesh.mesh_dim_names or ()) else self.tp_group for d in dims)
-                g = g._local_tensor
-            else:
-                groups = (self.tp_group,)
-            buckets[(groups, g.dtype)].append(g)
-        for (groups, _), grads in buckets.items():
-            flat = torch.cat([t.reshape(-1) for t in grads])
-            for group in groups:
-                dist.all_reduce(flat, group=group)
-            offset = 0
-            for t in grads:
-                t.copy_(flat[offset:offset + t.numel()].view(t.shape))
-                offset += t.numel()
-        self.pending.clear()
-        return len(buckets)
 
 
 def _grad_norm_parts(params: Iterable[nn.Parameter], ranks_per_stage: int,
@@ -290,14 +177,15 @@ def train_step(model: nn.Module, batch: tuple[Any, torch.Tensor], loss_fn: Calla
         loss_fn: ``loss_fn(output, targets)`` returning the SUM of per-token losses over valid targets.
             :func:`meshplan.cross_entropy` itself is recognised and called with ``reduction="sum"``.
         optimizer: stepped once; gradients are zeroed (set to None) before and after.
-        topology: default: the model's data-parallel topology, else the active one; without any (and no DTensor
+        topology: default: the model's data-parallel topology, else the one :func:`meshplan.parallelize` used,
+            else the active one; without any (and no DTensor
             parameters) the step is local.
         microbatches: gradient-accumulation steps; FSDP parameters stay gathered between them (see
             ``data_parallel.accumulate_unsharded``).
         max_grad_norm: clip the total L2 norm (over every mesh) to this; None: no clipping, no norm.
         ignore_index: targets equal to it are not counted.
-        sequence_parallel: ``"batch"`` if tp ranks hold different data and the model has no data-parallel
-            state saying so.
+        sequence_parallel: ``"batch"`` if tp ranks hold different data; default: what the model's plan
+            said (its data-parallel state or :class:`~meshplan.tp.TpApplied`).
 
     Returns:
         :class:`StepResult` with the global mean loss, the norm before clipping and the global token count.
@@ -316,7 +204,8 @@ def train_step(model: nn.Module, batch: tuple[Any, torch.Tensor], loss_fn: Calla
     if loss_fn is cross_entropy:  # its default is "mean"; the contract here is a sum
         loss_fn = functools.partial(cross_entropy, reduction="sum", ignore_index=ignore_index)
     state = data_parallel_state(model)
-    topology = topology or (state.topology if state else None) or current_topology()
+    topology = (topology or (state.topology if state else None) or getattr(model, "_meshplan_topology", None)
+                or current_topology())
     has_dtensor = any(isinstance(p, DTensor) for p in model.parameters())
     distributed = dist.is_initialized() and (topology is not None or has_dtensor)
     replicas = 1
@@ -327,7 +216,10 @@ def train_step(model: nn.Module, batch: tuple[Any, torch.Tensor], loss_fn: Calla
         lay = topology.layout
         if lay.pp > 1:
             raise PlanError(f"train_step: pp({lay.pp}) > 1; pipeline schedules are not handled by train_step")
-        batch_mode = (sequence_parallel or "") == "batch"
+        tp_applied = getattr(model, "_meshplan_tp", None)
+        sync = grad_sync(model)
+        batch_mode = "batch" in (sequence_parallel, getattr(tp_applied, "sequence_parallel", None),
+                                 getattr(sync, "sequence_parallel", None))
         axes = state.data_axes if state else ("dp_replicate", "dp_shard", "cp") + (("tp",) if batch_mode else ())
         replicas = dist.get_world_size() // math.prod(getattr(lay, a) for a in axes)
     inputs, targets = batch
@@ -340,7 +232,7 @@ def train_step(model: nn.Module, batch: tuple[Any, torch.Tensor], loss_fn: Calla
     count = count.to(_comm_device()) if distributed else count
     work = dist.all_reduce(count, async_op=True) if distributed else None  # overlaps the first forward
     root = model if state is not None and state.mode != "none" else None  # an FSDPModule (ddp: replicate)
-    sync = state.grad_sync if state is not None else None
+    sync = grad_sync(model)  # the tp reductions of replicated grads: one collective per step, after all microbatches
     loss_sum = 0.0
     with sync.deferred() if sync is not None else contextlib.nullcontext():
         try:

@@ -298,3 +298,113 @@ def test_norm_weights_never_double_count_replicate(fake_pg):
             p.grad = distribute_tensor(torch.ones(4, 4), mesh, placements)
             local = p.grad.to_local().numel()
             assert float(_grad_norm_parts([p], 8)) == pytest.approx(local * weight)
+
+
+# ---------------------------------------------------------------- tp reductions of replicated grads (grads.py)
+_TP_RULES = {"layers.*.attention_norm": "norm", "layers.*.ffn_norm": "norm", "norm": "norm",
+             "tok_embeddings": "embedding", "output": "lm_head", "layers.*.attention.wo": "rowwise",
+             "layers.*.feed_forward.w2": "rowwise",
+             **{f"layers.*.{m}": "colwise" for m in ("attention.wq", "attention.wk", "attention.wv",
+                                                      "feed_forward.w1", "feed_forward.w3")}}
+
+
+def _assert_final_grads(model):
+    from torch.distributed.tensor import DTensor
+    for name, p in model.named_parameters():
+        assert p.grad is not None, name
+        if isinstance(p, DTensor):  # the parameter's placement and local shape: no Partial left
+            assert p.grad.placements == p.placements, (name, p.grad.placements)
+            assert p.grad.to_local().shape == p.to_local().shape, name
+
+
+@pytest.mark.parametrize("no_sync", [False, True])
+def test_hand_written_loop_one_tp_all_reduce_under_fsdp(fake_pg, no_sync):
+    """FSDP×TP+SP, plain ``loss.backward()``: all 5 norm grads in ONE tp all-reduce (FSDP2 alone: 5)."""
+    from benchmarks._comm import CommLog
+    from meshplan.grads import grad_sync
+    with fake_pg(4):
+        topo = meshplan.build_mesh({"dp_shard": 2, "tp": 2})
+        model = meshplan.parallelize(build(tiny_args()), {"tensor_parallel": {
+            "sequence_parallel": True, "loss_parallel": False, "rules": _TP_RULES}, "data_parallel": {}}, topo)
+        sync = grad_sync(model)
+        assert sync is model._meshplan_tp.finalizer is data_parallel_state(model).grad_sync
+        x = torch.randint(0, 128, (2, 16))
+        per_backward = []
+        for i in range(2):  # two microbatches; no_sync: FSDP2 reduces only the second
+            if no_sync:
+                model.set_requires_gradient_sync(i == 1)
+            with CommLog() as c:
+                _ce_sum(model(x), x).backward()
+            per_backward.append(c.by_group()["all_reduce@2"])  # dp reduce-scatters; tp all-reduces are the @2 ones
+        assert per_backward == ([0, 1] if no_sync else [1, 1])
+        _assert_final_grads(model)
+        assert not sync._pending and not sync._stash
+
+
+def test_accumulated_backwards_match_one_device():
+    """Two backwards (no zero_grad between) under TP+SP: each reduces only its own contribution, once."""
+    import copy
+
+    from _local import assert_close_rel, local_ranks
+    torch.manual_seed(0)
+    ref = build(tiny_args(n_kv_heads=4))
+    x, y = _batch()
+    _ce_sum(ref(x), y).backward()
+    with local_ranks(2):
+        model = copy.deepcopy(ref)
+        model.zero_grad(set_to_none=True)
+        meshplan.parallelize(model, {"tensor_parallel": {"sequence_parallel": True, "loss_parallel": False,
+                                                         "rules": _TP_RULES}}, meshplan.build_mesh({"tp": 2}))
+        for xm, ym in zip(x.chunk(2), y.chunk(2)):
+            _ce_sum(model(xm), ym).backward()
+        _assert_final_grads(model)
+        refp = dict(ref.named_parameters())
+        for name, p in model.named_parameters():
+            assert_close_rel(p.grad, refp[name].grad, 1e-5)
+
+
+def test_batch_mode_plain_parameters_reduce_over_tp():
+    """smp batch mode without a data_parallel section: plain parameters' grads are summed over tp."""
+    from _local import assert_close_rel, from_ranks, local_ranks, on_rank
+
+    class Toy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.norm, self.out = nn.Embedding(16, 8), nn.LayerNorm(8), nn.Linear(8, 16, bias=False)
+
+        def forward(self, x):
+            return self.out(self.norm(self.emb(x)))
+
+    torch.manual_seed(0)
+    ref, model = Toy(), Toy()
+    model.load_state_dict(ref.state_dict())
+    x = torch.randint(0, 16, (4, 6))
+    _ce_sum(ref(x), x).backward()
+    with local_ranks(2):  # emb: no rule, a plain parameter; each tp rank embeds its own two rows
+        meshplan.parallelize(model, {"tensor_parallel": {"sequence_parallel": "batch", "loss_parallel": False,
+                                                         "rules": {"norm": "norm", "out": "lm_head"}}},
+                             meshplan.build_mesh({"tp": 2}))
+        assert model._meshplan_tp.sequence_parallel == "batch" and model._meshplan_tp.finalizer.plain == {
+            "emb.weight"}
+        xs = from_ranks({r: x[2 * r:2 * r + 2] for r in range(2)})
+        _ce_sum(model(xs), xs).backward()
+        _assert_final_grads(model)
+        for r in range(2):
+            torch.testing.assert_close(on_rank(model.emb.weight.grad, r), ref.emb.weight.grad, rtol=1e-5, atol=1e-6)
+        assert_close_rel(model.norm.weight.grad, ref.norm.weight.grad, 1e-5)
+
+
+def test_meta_init_keeps_the_tp_reduction(fake_pg):
+    """materialize swaps the parameters' storage (and drops tensor hooks): the norm grads still end Replicate."""
+    from torch.distributed.tensor import DTensor
+    with fake_pg(2):
+        with torch.device("meta"):
+            model = build(tiny_args())
+        meshplan.parallelize(model, {"tensor_parallel": {"sequence_parallel": True, "loss_parallel": False,
+                                                         "rules": _TP_RULES}}, meshplan.build_mesh({"tp": 2}))
+        meshplan.materialize(model, seed=0)
+        x = torch.randint(0, 128, (2, 16))
+        _ce_sum(model(x), x).backward()
+        _assert_final_grads(model)
+        assert model._meshplan_tp.finalizer.collectives == 1
+        assert all(p.grad.placements == p.placements for p in model.parameters() if isinstance(p, DTensor))

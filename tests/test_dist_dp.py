@@ -1,6 +1,8 @@
 """Real torchrun/gloo launches (world 2, 4, 8): data parallelism ± TP vs one device, and collective counts.
 
-Parity: 3 AdamW steps with clipping (the reference's norm exceeds max_norm every step), fp32, the same
+Parity: train_step and hand-written loops (``loop_*``: loss / global count, ``backward`` per microbatch,
+``meshplan.clip_grad_norm_``, ``opt.step``; with FSDP2 reducing every microbatch or only the last), 3 AdamW steps
+with clipping (the reference's norm exceeds max_norm every step), fp32, the same
 global batch with very uneven valid-token counts per rank (one row has none); every parameter within
 ‖Δ‖/‖ref‖ ≤ 1e-5, the step's loss and pre-clip norm within 1e-5 relative.
 """
@@ -36,19 +38,22 @@ def _parity(results, case, n):
 
 
 @pytest.mark.parametrize("case", ["fsdp", "fsdp_accum2", "fsdp_accum2_sharded", "ddp", "fsdp_ac_selective",
-                                  "tp_only", "tp_only_batch"])
+                                  "tp_only", "tp_only_batch", "tp_only_batch_no_dp_section", "loop_tp_only_accum2",
+                                  "loop_tp_only_batch"])
 def test_parity_world2(world2, case):
     _parity(world2, case, 2)
 
 
 @pytest.mark.parametrize("case", ["fsdp_tp", "hsdp", "ddp_tp", "fsdp_tp_loss_parallel", "fsdp_tp_batch",
-                                  "fsdp_reshard2_accum2"])
+                                  "fsdp_reshard2_accum2", "loop_fsdp_tp", "loop_fsdp_tp_accum2", "loop_fsdp_tp_nosync2",
+                                  "loop_ddp_tp_accum2", "loop_fsdp_tp_batch"])
 def test_parity_world4(world4, case):
     _parity(world4, case, 4)
 
 
-def test_parity_hsdp_tp_accumulation_world8(world8):
-    _parity(world8, "hsdp_tp_accum2", 8)
+@pytest.mark.parametrize("case", ["hsdp_tp_accum2", "loop_hsdp_tp_nosync2"])
+def test_parity_world8(world8, case):
+    _parity(world8, case, 8)
 
 
 def test_mixed_precision(world2):
@@ -78,8 +83,11 @@ def test_hsdp_collectives_with_accumulation(world4):
 
 
 def test_norm_grads_one_tp_all_reduce_per_step_under_fsdp(world4):
+    # all_reduce@2 are the tp all-reduces (dp reduces with reduce-scatters, the step's own all-reduces are @4)
     eager = case_result(world4, "counts_fsdp_tp_eager", 4)[0]
-    assert eager["all_reduce@2"] == 5  # FSDP2 redistributes each Partial norm grad on its own
+    assert eager["all_reduce@2"] == 1  # a hand-written loop: ONE for the 5 norm grads (FSDP2 alone: 5)
+    first, last = case_result(world4, "counts_fsdp_tp_eager_nosync2", 4)[0]
+    assert "all_reduce@2" not in first and last["all_reduce@2"] == 1  # no-sync microbatch: nothing reduced yet
     step = case_result(world4, "counts_fsdp_tp", 4)[0]
     assert step["all_reduce@2"] == 1 and step["all_reduce@4"] == 2
     accum = case_result(world4, "counts_fsdp_tp_accum2", 4)[0]

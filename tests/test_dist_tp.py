@@ -1,4 +1,4 @@
-"""Real torchrun/gloo launches (world 2 and 4): TP parity over 3 AdamW steps, dropout streams."""
+"""Real torchrun/gloo launches (world 2 and 4): TP parity over 3 AdamW steps (dropout 0 and > 0), dropout streams."""
 
 import pytest
 
@@ -17,6 +17,15 @@ def test_three_adamw_steps_match_one_device(results):
     values = case_result(res, "parity", n)
     for rank, per_config in values.items():
         assert len(per_config) == (6 if n == 2 else 12)
+        assert max(per_config.values()) <= 1e-5, per_config
+
+
+def test_three_adamw_steps_with_dropout_match_one_device(results):
+    """dropout_rng single_device: dropout 0.1 everywhere, SP off/on/batch, loss_parallel on/off, checkpointing."""
+    n, res = results
+    values = case_result(res, "dropout_parity", n)
+    for rank, per_config in values.items():
+        assert len(per_config) == (6 if n == 2 else 12) + 2
         assert max(per_config.values()) <= 1e-5, per_config
 
 

@@ -1,6 +1,7 @@
 """Real gloo processes: data parallelism (FSDP2/HSDP/replicate, ± TP) vs one device, collective counts."""
 
 import os
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -9,7 +10,7 @@ from torch.distributed.tensor import DTensor
 
 import meshplan
 from _launch import run_cases
-from benchmarks.dp import CollectiveCounter
+from benchmarks._comm import CommLog
 from llama import build, tiny_args
 from meshplan.data_parallel import apply_data_parallel
 from meshplan.train import train_step
@@ -57,20 +58,27 @@ def reference(steps, args):
     return model, losses, norms
 
 
-def parallel(layout, dp_section, steps, args, microbatches, tp=False, sp=True, lp=False):
+def _build(layout, dp_section, args, tp, sp, lp):
+    """The parallel model; ``dp_section`` None: a plan without a data_parallel section (tp only)."""
     topo = meshplan.build_mesh(layout)
     torch.manual_seed(0)
     model = build(args)
     if tp:
-        plan = {"tensor_parallel": {"sequence_parallel": sp, "loss_parallel": lp, "rules": TP_RULES},
-                "data_parallel": dp_section}
+        plan = {"tensor_parallel": {"sequence_parallel": sp, "loss_parallel": lp, "rules": TP_RULES}}
+        if dp_section is not None:
+            plan["data_parallel"] = dp_section
         meshplan.parallelize(model, plan, topo)  # TP, then apply_data_parallel(section, sequence_parallel=sp)
     else:
         apply_data_parallel(model, dp_section, topo)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
     dp, r = topo.data_world_size, topo.data_rank
     if sp == "batch":  # smp: every tp rank loads its own part of the batch
         dp, r = dp * topo.layout.tp, r * topo.layout.tp + topo.tp_rank
+    return model, dp, r
+
+
+def parallel(layout, dp_section, steps, args, microbatches, tp=False, sp=True, lp=False):
+    model, dp, r = _build(layout, dp_section, args, tp, sp, lp)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
     rows = GLOBAL_BATCH // dp
     results = []
     for s in range(steps):
@@ -81,10 +89,50 @@ def parallel(layout, dp_section, steps, args, microbatches, tp=False, sp=True, l
     return model, results
 
 
-def compare(layout, section=None, microbatches=1, tp=False, sp=True, lp=False):
+def _final_grads(model):
+    """After backward every gradient has its parameter's placement and local shape (no Partial left)."""
+    for name, p in model.named_parameters():
+        if isinstance(p, DTensor) and p.grad is not None:
+            assert p.grad.placements == p.placements, (name, p.grad.placements, p.placements)
+            assert p.grad.to_local().shape == p.to_local().shape, name
+
+
+def hand_loop(layout, dp_section, steps, args, microbatches, sp=True, no_sync=False):
+    """A hand-written loop, no train_step: loss / global count, one backward per microbatch, clip, AdamW."""
+    model, dp, r = _build(layout, dp_section, args, True, sp, False)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    rows = GLOBAL_BATCH // dp
+    results = []
+    for s in range(steps):
+        x, y = global_batch(s, args.vocab_size)
+        count = int((y != -100).sum())  # every rank knows the global batch here
+        xs, ys = x[r * rows:(r + 1) * rows].chunk(microbatches), y[r * rows:(r + 1) * rows].chunk(microbatches)
+        total = torch.zeros((), dtype=torch.float64)
+        for i, (xm, ym) in enumerate(zip(xs, ys)):
+            if no_sync:  # FSDP2 reduces only the last microbatch's (accumulated) gradients
+                model.set_requires_gradient_sync(i == microbatches - 1)
+            loss = sum_ce(model(xm), ym)
+            (loss / count).backward()
+            total += loss.detach().double()
+            if not no_sync or i == microbatches - 1:
+                _final_grads(model)
+        norm = meshplan.clip_grad_norm_(model.parameters(), MAX_NORM)
+        opt.step()
+        opt.zero_grad()
+        dist.all_reduce(total)  # each data shard is held by WORLD / dp ranks
+        results.append(SimpleNamespace(loss=float(total) * dp / WORLD / count, grad_norm=norm, num_tokens=count))
+    return model, results
+
+
+def compare(layout, section=None, microbatches=1, tp=False, sp=True, lp=False, hand=False, no_sync=False,
+            no_dp=False):
     args = tiny_args()
     ref, ref_losses, ref_norms = reference(STEPS, args)
-    model, results = parallel(layout, section or {}, STEPS, args, microbatches, tp, sp, lp)
+    section = None if no_dp else section or {}
+    if hand:
+        model, results = hand_loop(layout, section, STEPS, args, microbatches, sp, no_sync)
+    else:
+        model, results = parallel(layout, section, STEPS, args, microbatches, tp, sp, lp)
     ref_params = dict(ref.named_parameters())
     worst, worst_name = 0.0, ""
     for name, p in model.named_parameters():
@@ -116,17 +164,24 @@ def _model(layout, section, tp):
     return model, topo, (x[:rows], y[:rows])
 
 
-def comm_counts(layout, section=None, tp=False, microbatches=1, eager=False):
-    """Collectives of one step (after a warm-up step), by op name."""
+def comm_counts(layout, section=None, tp=False, microbatches=1, eager=False, no_sync=False):
+    """Collectives of one step (after a warm-up step), by op name; eager: the backwards of a hand-written loop."""
     model, topo, batch = _model(layout, section or {}, tp)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     train_step(model, batch, sum_ce, opt, microbatches=microbatches, max_grad_norm=MAX_NORM)
-    with CollectiveCounter() as counter:
-        if eager:  # a hand-written loop: FSDP2's own handling of Partial grads
-            sum_ce(model(batch[0]), batch[1]).backward()
-        else:
+    if not eager:
+        with CommLog() as counter:
             train_step(model, batch, sum_ce, opt, microbatches=microbatches, max_grad_norm=MAX_NORM)
-    return dict(counter.calls)
+        return dict(counter.by_group())
+    per_backward = []
+    for i, (x, y) in enumerate(zip(batch[0].chunk(microbatches), batch[1].chunk(microbatches))):
+        if no_sync:
+            model.set_requires_gradient_sync(i == microbatches - 1)
+        with CommLog() as counter:
+            sum_ce(model(x), y).backward()
+        _final_grads(model)
+        per_backward.append(dict(counter.by_group()))
+    return per_backward[0] if microbatches == 1 else per_backward
 
 
 def mixed_precision():
@@ -170,12 +225,21 @@ CASES_BY_WORLD = {
         "fsdp_reshard2_accum2": lambda: compare({"dp_shard": 4}, {"reshard_after_forward": 2}, microbatches=2),
         "counts_fsdp_tp": lambda: comm_counts({"dp_shard": 2, "tp": 2}, tp=True),
         "counts_fsdp_tp_eager": lambda: comm_counts({"dp_shard": 2, "tp": 2}, tp=True, eager=True),
+        "counts_fsdp_tp_eager_nosync2": lambda: comm_counts({"dp_shard": 2, "tp": 2}, tp=True, eager=True,
+                                                            microbatches=2, no_sync=True),
+        "loop_fsdp_tp": lambda: compare({"dp_shard": 2, "tp": 2}, hand=True),
+        "loop_fsdp_tp_accum2": lambda: compare({"dp_shard": 2, "tp": 2}, microbatches=2, hand=True),
+        "loop_fsdp_tp_nosync2": lambda: compare({"dp_shard": 2, "tp": 2}, microbatches=2, hand=True, no_sync=True),
+        "loop_ddp_tp_accum2": lambda: compare({"dp_replicate": 2, "tp": 2}, microbatches=2, hand=True),
+        "loop_fsdp_tp_batch": lambda: compare({"dp_shard": 2, "tp": 2}, microbatches=2, hand=True, sp="batch"),
         "counts_fsdp_tp_accum2": lambda: comm_counts({"dp_shard": 2, "tp": 2}, tp=True, microbatches=2),
         "counts_hsdp_accum2": lambda: comm_counts({"dp_replicate": 2, "dp_shard": 2}, microbatches=2),
     },
     8: {
         "hsdp_tp_accum2": lambda: compare({"dp_replicate": 2, "dp_shard": 2, "tp": 2}, {"activation_checkpointing": {
             "mode": "selective", "every": 2, "ops": ["aten.mm.default"]}}, microbatches=2, tp=True),
+        "loop_hsdp_tp_nosync2": lambda: compare({"dp_replicate": 2, "dp_shard": 2, "tp": 2}, microbatches=2,
+                                                hand=True, no_sync=True),
     },
     2: {
         "fsdp": lambda: compare({"dp_shard": 2}),
@@ -184,6 +248,9 @@ CASES_BY_WORLD = {
         "ddp": lambda: compare({"dp_replicate": 2}, microbatches=2),
         "tp_only": lambda: compare({"tp": 2}, tp=True),
         "tp_only_batch": lambda: compare({"tp": 2}, microbatches=2, tp=True, sp="batch"),
+        "tp_only_batch_no_dp_section": lambda: compare({"tp": 2}, microbatches=2, tp=True, sp="batch", no_dp=True),
+        "loop_tp_only_accum2": lambda: compare({"tp": 2}, microbatches=2, hand=True, no_dp=True),
+        "loop_tp_only_batch": lambda: compare({"tp": 2}, microbatches=2, hand=True, sp="batch", no_dp=True),
         "counts_fsdp": lambda: comm_counts({"dp_shard": 2}),
         "counts_fsdp_accum2": lambda: comm_counts({"dp_shard": 2}, microbatches=2),
         "counts_fsdp_accum2_sharded": lambda: comm_counts({"dp_shard": 2}, {"accumulate_unsharded": False},

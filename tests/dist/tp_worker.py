@@ -1,4 +1,5 @@
-"""Real gloo processes: TP parity over 3 AdamW steps vs one device, and per-shard dropout streams."""
+"""Real gloo processes: TP parity over 3 AdamW steps vs one device (dropout 0, and dropout 0.1 with
+dropout_rng single_device, also under activation checkpointing), and per-shard dropout streams."""
 
 import copy
 import os
@@ -7,6 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
@@ -24,15 +26,20 @@ def _rel(a, b):
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def _parity(tp, sp, lp, steps=3, batch=4, seq=16):
+def _parity(tp, sp, lp, steps=3, batch=4, seq=16, dropout=0.0, ckpt=False):
     mesh = init_device_mesh("cpu", (WORLD // tp, tp), mesh_dim_names=("dp", "tp"))["tp"]
-    args = llama.tiny_args(n_kv_heads=4)
+    args = llama.tiny_args(n_kv_heads=4, dropout=dropout)
     torch.manual_seed(0)
     ref = llama.build(args)
     model = copy.deepcopy(ref)
     plan = copy.deepcopy(PLAN)
     plan["tensor_parallel"].update(sequence_parallel=sp, loss_parallel=lp)
+    if dropout:
+        plan["tensor_parallel"]["dropout_rng"] = "single_device"
     meshplan.parallelize(model, plan, mesh)
+    if ckpt:  # recomputation in backward must draw the same masks (checkpoint restores the RNG state)
+        for i, layer in enumerate(model.layers):
+            model.layers[i] = checkpoint_wrapper(layer, preserve_rng_state=True)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     r, n = mesh.get_local_rank(), batch // tp
@@ -41,10 +48,12 @@ def _parity(tp, sp, lp, steps=3, batch=4, seq=16):
         tokens = torch.randint(0, args.vocab_size, (batch, seq), generator=g)
         labels = torch.randint(0, args.vocab_size, (batch, seq), generator=g)
         labels[step % batch, : 3 + step] = -100
+        torch.manual_seed(100 + step)  # the dropout masks: the same seed on every rank, as on one device
         F.cross_entropy(ref(tokens).flatten(0, 1), labels.flatten()).backward()
         opt_ref.step()
         opt_ref.zero_grad()
         x = tokens[r * n:(r + 1) * n] if sp == "batch" else tokens
+        torch.manual_seed(100 + step)
         logits = model(x)
         if lp:
             loss = meshplan.cross_entropy(logits, labels)
@@ -63,9 +72,9 @@ def _parity(tp, sp, lp, steps=3, batch=4, seq=16):
     errs = {}
     for name, p in model.named_parameters():
         full = p.full_tensor() if isinstance(p, DTensor) else p
-        errs[name] = _rel(full.detach(), refp[name].detach())
+        errs[name] = _rel(full.detach(), refp[name.replace("._checkpoint_wrapped_module", "")].detach())
     worst = max(errs, key=errs.get)
-    assert errs[worst] <= 1e-5, (tp, sp, lp, worst, errs[worst])
+    assert errs[worst] <= 1e-5, (tp, sp, lp, dropout, ckpt, worst, errs[worst])
     return errs[worst]
 
 
@@ -75,6 +84,18 @@ def case_parity():
         for sp in (True, False, "batch"):
             for lp in (True, False):
                 out[f"tp{tp}-sp{sp}-lp{lp}"] = _parity(tp, sp, lp)
+    return out
+
+
+def case_dropout_parity():
+    """dropout 0.1 (SDPA, resid, FFN) with dropout_rng single_device: the same 3 AdamW steps as one device."""
+    out = {}
+    for tp in sorted({2, WORLD}):
+        for sp in (True, False, "batch"):
+            for lp in (True, False):
+                out[f"tp{tp}-sp{sp}-lp{lp}"] = _parity(tp, sp, lp, dropout=0.1)
+    for sp in (True, False):
+        out[f"tp{WORLD}-sp{sp}-ckpt"] = _parity(WORLD, sp, True, dropout=0.1, ckpt=True)
     return out
 
 
@@ -146,5 +167,5 @@ def case_dropout_training():
 
 if __name__ == "__main__":
     dist.init_process_group("gloo")
-    run_cases({"parity": case_parity, "dropout_streams": case_dropout_streams,
+    run_cases({"parity": case_parity, "dropout_parity": case_dropout_parity, "dropout_streams": case_dropout_streams,
                "dropout_training": case_dropout_training})
