@@ -11,11 +11,16 @@ The subclass adds a rule for the module it adds, merged over the parent's plan.
 
 from __future__ import annotations
 
+import os
+import sys
+
 import torch
 import torch.nn as nn
 
-import meshplan
-from examples.llama import Transformer, tiny_args
+if __package__ in (None, ""):  # run as a script (torchrun examples/decorated.py): make `examples` importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import meshplan  # noqa: E402
+from examples.llama import Transformer, tiny_args  # noqa: E402
 
 __all__ = ["PlannedLlama", "PlannedLlamaWithAdapter"]
 

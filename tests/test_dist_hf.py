@@ -31,6 +31,22 @@ def test_three_adamw_steps_match_one_device(results):
             assert worst["key_bias"] <= 1e-2, (rank, name, worst)
 
 
+@pytest.fixture(scope="module")
+def results4():
+    return launch("tests/dist/hf_worker.py", 4, "llama_matrix")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_hf_llama_matrix_three_adamw_steps(world, results, results4):
+    """transformers' Llama, tp 2 and 4 x SP off/on/batch x loss_parallel on/off: loss, every grad at each of
+    3 AdamW steps and every parameter after each step within 1e-5 (relative) of one device."""
+    per_rank = case_result(results if world == 2 else results4, "llama_matrix", world)
+    for rank, per_config in per_rank.items():
+        assert len(per_config) == 6, per_config
+        for config, worst in per_config.items():
+            assert max(worst["loss"], worst["grad"], worst["param"]) <= 1e-5, (world, rank, config, worst)
+
+
 def test_meta_init_equals_one_device_init(results):
     for rank, per_model in case_result(results, "meta_init", 2).items():
         assert per_model == {m: 0.0 for m in MODELS}, (rank, per_model)

@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 
 import meshplan
-from _local import assert_close_rel, local_ranks
+from _local import assert_close_rel, from_ranks, local_ranks
 from examples.hf_models import FACTORIES, llama
 from meshplan import PlanError
 from meshplan.convert import BUILTIN, from_hf, plan_yaml, to_hf
@@ -79,6 +79,57 @@ def test_one_step_parity_with_hf_loss(name):
     # before lm_head costs nothing; meshplan.cross_entropy: 3 all-reduces
     assert fwd == {"all_gather": 2 * layers + 1, "reduce_scatter": 2 * layers + embeddings, "all_reduce": 3}, fwd
     assert bwd == {"all_gather": 2 * layers + embeddings, "reduce_scatter": 2 * layers + 1, "all_reduce": 1}, bwd
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("sequence_parallel", [False, True, "batch"])
+@pytest.mark.parametrize("loss_parallel", [True, False])
+def test_hf_llama_parity_matrix(tp, sequence_parallel, loss_parallel):
+    """transformers' Llama (GQA: 8 heads, 4 KV heads) with plans/hf_llama.yaml: tp 2/4 x SP off/on/batch x
+    loss_parallel on/off; loss, logits and every grad within 1e-5 of one device, grads in their params'
+    placements (SP off: norms stay plain modules). Called as users call it: ``model(input_ids, labels=...)``,
+    transformers' own loss; in smp's batch mode each tp rank feeds its own part of the batch, and without
+    loss_parallel its logits are its own part too, so the loss is normalised by the global token count."""
+    torch.manual_seed(0)
+    ref = llama(num_attention_heads=8, num_key_value_heads=4)
+    batch = 4
+    tokens = torch.randint(0, 128, (batch, 16))
+    labels = tokens.clone()
+    labels[0, :3] = -100
+    labels[3, 5:] = -100
+    ref_out = ref(input_ids=tokens, labels=labels)
+    ref_out.loss.backward()
+    data = meshplan.load_plan("plans/hf_llama.yaml").model_dump(exclude_unset=True)
+    data["tensor_parallel"].update(loss_parallel=loss_parallel, sequence_parallel=sequence_parallel)
+    batch_mode = sequence_parallel == "batch"
+    with local_ranks(tp):
+        topo = meshplan.build_mesh({"tp": tp})
+        model = copy.deepcopy(ref)
+        model.zero_grad(set_to_none=True)
+        meshplan.parallelize(model, data, topo)
+        n = batch // tp
+        part = from_ranks({r: tokens[r * n:(r + 1) * n] for r in range(tp)}) if batch_mode else tokens
+        with CommDebugMode() as fwd:
+            if batch_mode and not loss_parallel:
+                logits = model(input_ids=part).logits
+                shift = from_ranks({r: labels[r * n:(r + 1) * n, 1:] for r in range(tp)})
+                loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), shift.flatten(), reduction="sum")
+                loss = loss / (labels[:, 1:] != -100).sum()
+            else:
+                out = model(input_ids=part, labels=labels)
+                loss, logits = out.loss, out.logits
+        loss.backward()
+        if not (batch_mode and not loss_parallel):  # there each rank holds its part of the loss
+            assert_close_rel(loss, ref_out.loss)
+            assert_close_rel(logits, ref_out.logits)
+        assert (type(logits) is DTensor) == loss_parallel
+        for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+            if sequence_parallel is not False or not name.endswith("norm.weight"):
+                assert isinstance(p, DTensor) and p.grad.placements == p.placements, name
+                assert p.grad.to_local().shape == p.to_local().shape, name
+            assert_close_rel(p.grad, q.grad)
+    if sequence_parallel is True:
+        assert counts(fwd)["all_gather"] == 2 * 2 + 1 + (0 if loss_parallel else 1), counts(fwd)
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
