@@ -77,7 +77,25 @@ def _param(t: DTensor, like: nn.Parameter) -> nn.Parameter:
     return nn.Parameter(t, requires_grad=like.requires_grad)
 
 
-class PackedColwiseParallel(ColwiseParallel):
+class _PackedApply:
+    """``_apply`` and ``__repr__`` shared by the packed styles (torch's, with ``Conv1D`` admitted and
+    ``self._partition`` sharding each fused part separately)."""
+
+    packed: int
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if features(module) is None:
+            raise NotImplementedError(f"{type(self).__name__} needs nn.Linear or Conv1D, got {type(module).__name__}")
+        return distribute_module(module, device_mesh, self._partition,
+                                 partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
+                                 partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
+
+    def __repr__(self) -> str:
+        return (f"{self.__class__.__name__}(packed={self.packed}, input_layouts={self.input_layouts}, "
+                f"output_layouts={self.output_layouts}, use_local_output={self.use_local_output})")
+
+
+class PackedColwiseParallel(_PackedApply, ColwiseParallel):
     """``ColwiseParallel`` for packed weights and ``Conv1D`` (also plain ``nn.Linear``).
 
     Keyword Args:
@@ -100,19 +118,9 @@ class PackedColwiseParallel(ColwiseParallel):
             dim = out_dim if p.ndim == 2 else 0
             module.register_parameter(pname, _param(shard_packed(p, mesh, dim, self.packed, self.src_data_rank), p))
 
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        if features(module) is None:
-            raise NotImplementedError(f"PackedColwiseParallel needs nn.Linear or Conv1D, got {type(module).__name__}")
-        return distribute_module(module, device_mesh, self._partition,
-                                 partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
-                                 partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
-
-    def __repr__(self) -> str:
-        return (f"{self.__class__.__name__}(packed={self.packed}, input_layouts={self.input_layouts}, "
-                f"output_layouts={self.output_layouts}, use_local_output={self.use_local_output})")
 
 
-class PackedRowwiseParallel(RowwiseParallel):
+class PackedRowwiseParallel(_PackedApply, RowwiseParallel):
     """``RowwiseParallel`` for packed input features and ``Conv1D`` (also plain ``nn.Linear``).
 
     The bias is replicated and added once, after the reduction (DTensor's ``addmm``).
@@ -129,6 +137,7 @@ class PackedRowwiseParallel(RowwiseParallel):
         super().__init__(input_layouts=input_layouts or packed_placement(-1, packed), output_layouts=output_layouts,
                          use_local_output=use_local_output)
         self.packed = packed
+        self.desired_input_layouts = (packed_placement(-1, packed),)  # torch's _apply would pick it per module type
 
     def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
         in_dim = 0 if is_conv1d(module) else 1
@@ -139,17 +148,6 @@ class PackedRowwiseParallel(RowwiseParallel):
                 d = distribute_tensor(p.detach(), mesh, [Replicate()], src_data_rank=self.src_data_rank)
             module.register_parameter(pname, _param(d, p))
 
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        if features(module) is None:
-            raise NotImplementedError(f"PackedRowwiseParallel needs nn.Linear or Conv1D, got {type(module).__name__}")
-        self.desired_input_layouts = (packed_placement(-1, self.packed),)
-        return distribute_module(module, device_mesh, self._partition,
-                                 partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
-                                 partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
-
-    def __repr__(self) -> str:
-        return (f"{self.__class__.__name__}(packed={self.packed}, input_layouts={self.input_layouts}, "
-                f"output_layouts={self.output_layouts}, use_local_output={self.use_local_output})")
 
 
 def packed_style(style: str, module: nn.Module, overrides: dict, tp: int, where: str, path: str,

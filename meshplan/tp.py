@@ -190,8 +190,7 @@ def generate_tp_plan(model: nn.Module, section: TensorParallel, tp: int, source:
 
 
 def _adjust_heads(model: nn.Module, fanout: list[str], tp: int, where: str, adjust: bool,
-                  modules: dict[str, nn.Module] | None = None) -> dict:
-    modules = modules if modules is not None else dict(model.named_modules())
+                  modules: dict[str, nn.Module]) -> dict:
     changed: dict[str, dict[str, tuple[int, int]]] = {}
     config = getattr(model, "config", None)
     for name in _CONFIG_DIVISIBLE:

@@ -27,9 +27,9 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from .errors import PlanError
-from .grads import TpGradSync, grad_sync
+from .grads import grad_sync
 
-__all__ = ["StepResult", "train_step", "clip_grad_norm_", "TpGradSync"]  # TpGradSync: moved to meshplan.grads
+__all__ = ["StepResult", "train_step", "clip_grad_norm_"]
 
 
 @dataclass(frozen=True)

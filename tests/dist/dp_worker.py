@@ -76,16 +76,21 @@ def _build(layout, dp_section, args, tp, sp, lp):
     return model, dp, r
 
 
+def _my_batches(steps, args, dp, r):
+    """Per step: this data rank's rows of the global batch, and the global targets."""
+    rows = GLOBAL_BATCH // dp
+    for s in range(steps):
+        x, y = global_batch(s, args.vocab_size)
+        yield x[r * rows:(r + 1) * rows], y[r * rows:(r + 1) * rows], y
+
+
 def parallel(layout, dp_section, steps, args, microbatches, tp=False, sp=True, lp=False):
     model, dp, r = _build(layout, dp_section, args, tp, sp, lp)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    rows = GLOBAL_BATCH // dp
+    loss_fn = (lambda out, y: meshplan.cross_entropy(out, y, reduction="sum")) if lp else sum_ce
     results = []
-    for s in range(steps):
-        x, y = global_batch(s, args.vocab_size)
-        batch = (x[r * rows:(r + 1) * rows], y[r * rows:(r + 1) * rows])
-        loss_fn = (lambda out, y: meshplan.cross_entropy(out, y, reduction="sum")) if lp else sum_ce
-        results.append(train_step(model, batch, loss_fn, opt, microbatches=microbatches, max_grad_norm=MAX_NORM))
+    for *batch, _ in _my_batches(steps, args, dp, r):
+        results.append(train_step(model, tuple(batch), loss_fn, opt, microbatches=microbatches, max_grad_norm=MAX_NORM))
     return model, results
 
 
@@ -101,12 +106,10 @@ def hand_loop(layout, dp_section, steps, args, microbatches, sp=True, no_sync=Fa
     """A hand-written loop, no train_step: loss / global count, one backward per microbatch, clip, AdamW."""
     model, dp, r = _build(layout, dp_section, args, True, sp, False)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    rows = GLOBAL_BATCH // dp
     results = []
-    for s in range(steps):
-        x, y = global_batch(s, args.vocab_size)
-        count = int((y != -100).sum())  # every rank knows the global batch here
-        xs, ys = x[r * rows:(r + 1) * rows].chunk(microbatches), y[r * rows:(r + 1) * rows].chunk(microbatches)
+    for x, y, y_global in _my_batches(steps, args, dp, r):
+        count = int((y_global != -100).sum())  # every rank knows the global batch here
+        xs, ys = x.chunk(microbatches), y.chunk(microbatches)
         total = torch.zeros((), dtype=torch.float64)
         for i, (xm, ym) in enumerate(zip(xs, ys)):
             if no_sync:  # FSDP2 reduces only the last microbatch's (accumulated) gradients
