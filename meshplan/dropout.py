@@ -35,6 +35,7 @@ the same seed, as with ``per_shard``: single-device equivalence is per tp group.
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 import torch.nn as nn
@@ -130,18 +131,23 @@ def _bind(names, defaults, args, kwargs) -> list:
 
 
 class _Mode(TorchFunctionMode):
+    # Weak: every collective issued under the mode captures the mode stack in its thread-local state; a gloo
+    # worker thread must never drop the last reference to the owner's mesh (and so to a process group).
     def __init__(self, owner: "SingleDeviceDropout"):
         super().__init__()
-        self.owner = owner
+        self.owner = weakref.ref(owner)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        owner = self.owner()
+        if owner is None:
+            return func(*args, **kwargs)
         if func in _DROPOUT:
-            return self.owner._dropout(func, args, kwargs)
+            return owner._dropout(func, args, kwargs)
         if func is F.scaled_dot_product_attention:
-            return self.owner._sdpa(func, args, kwargs)
+            return owner._sdpa(func, args, kwargs)
         if func in _UNMAPPED:
-            self.owner._unmapped(func, args, kwargs)
+            owner._unmapped(func, args, kwargs)
         return func(*args, **kwargs)
 
 

@@ -47,6 +47,8 @@ from torch.distributed.tensor.parallel import loss_parallel as _torch_loss_paral
 
 __all__ = ["cross_entropy", "loss_parallel"]
 
+_LOG_SOFTMAX = torch.ops.aten._log_softmax.default  # one of the ops torch's loss_parallel patches
+
 
 def _all_reduce(t: torch.Tensor, op: str, groups: list) -> torch.Tensor:
     for g in groups:
@@ -223,9 +225,6 @@ def cross_entropy(
     )
 
 
-_depth = 0
-
-
 @contextlib.contextmanager
 def loss_parallel() -> Iterator[None]:
     """torch's :func:`~torch.distributed.tensor.parallel.loss_parallel`, made exception- and nesting-safe.
@@ -248,19 +247,14 @@ def loss_parallel() -> Iterator[None]:
         ...     loss = F.cross_entropy(logits_shard1, target)
         ...     loss.backward()
     """
-    global _depth
-    if _depth:
-        _depth += 1
-        try:
-            yield
-        finally:
-            _depth -= 1
+    # The patch lives in DTensor's process-wide dispatcher table, so that table (not a counter of ours) says
+    # whether an outer loss_parallel -- meshplan's or torch's -- is active: then leave it to that one.
+    if _LOG_SOFTMAX in DTensor._op_dispatcher._custom_op_handlers:
+        yield
         return
     cm = _torch_loss_parallel()
     cm.__enter__()
-    _depth = 1
     try:
         yield
     finally:
-        _depth = 0
         cm.__exit__(None, None, None)  # resume torch's generator past its yield: runs the unpatch

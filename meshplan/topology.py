@@ -8,6 +8,7 @@ can coexist in one process.
 from __future__ import annotations
 
 import contextvars
+import weakref
 from typing import Any, Mapping
 
 import torch.distributed as dist
@@ -18,7 +19,11 @@ from .layout import Layout, ResolvedLayout
 
 __all__ = ["Topology", "build_mesh", "current_topology", "MESH_KEYS"]
 
-_ACTIVE: contextvars.ContextVar["Topology | None"] = contextvars.ContextVar("meshplan_topology", default=None)
+# Holds a weak reference: torch's backward stashes a copy of the context in the thread-local state that every
+# collective captures, so a strong reference would let a gloo worker thread drop the last reference to the
+# topology (and destroy its own process group, or need the GIL during interpreter exit) -- a native crash.
+_ACTIVE: contextvars.ContextVar["weakref.ref[Topology] | None"] = contextvars.ContextVar("meshplan_topology",
+                                                                                         default=None)
 
 # flattened dense keys -> their dims (any order; sliced in mesh order)
 _FLAT = {
@@ -34,7 +39,8 @@ MESH_KEYS = ("tp", "cp", "pp", "dp_replicate", "dp_shard", *_FLAT, *_EXPERT)
 
 def current_topology() -> "Topology | None":
     """The topology made active by ``with topology:`` (or ``with meshplan.init(...):``), else ``None``."""
-    return _ACTIVE.get()
+    ref = _ACTIVE.get()
+    return ref() if ref is not None else None
 
 
 def _device_type(device_type: str | None) -> str:
@@ -109,7 +115,7 @@ class Topology:
         return self.layout.dp
 
     def __enter__(self) -> "Topology":
-        self._tokens.append(_ACTIVE.set(self))
+        self._tokens.append(_ACTIVE.set(weakref.ref(self)))  # the `with` statement keeps `self` alive
         return self
 
     def __exit__(self, *exc: Any) -> None:

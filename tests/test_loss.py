@@ -223,6 +223,12 @@ def test_loss_parallel_wrapper_restores_after_exception_and_nests():
             pass
         assert _handlers() != before  # the inner exit must not unpatch
     assert _handlers() == before
+    from torch.distributed.tensor.parallel import loss_parallel as torch_loss_parallel
+    with torch_loss_parallel():  # inside torch's own: ours leaves the patch to the outer one
+        with loss_parallel():
+            pass
+        assert _handlers() != before
+    assert _handlers() == before
 
 
 def test_loss_parallel_wrapper_runs_torch_path():

@@ -90,6 +90,24 @@ def test_two_topologies_coexist(fake_pg):
         assert meshplan.current_topology() is None
 
 
+def test_context_copies_do_not_own_the_topology(fake_pg):
+    """torch's backward stashes ``contextvars.copy_context()`` in the thread-local state every collective
+    captures; a strong reference there let a gloo worker thread drop the topology's last reference (and with
+    it a process group) during interpreter exit: ``terminate called without an active exception``."""
+    import contextvars
+    import gc
+    import weakref
+    with fake_pg(8, 0):
+        topo = meshplan.build_mesh({"tp": 2})
+        with topo:
+            ctx = contextvars.copy_context()
+        assert ctx.run(meshplan.current_topology) is topo
+        ref = weakref.ref(topo)
+        del topo
+        gc.collect()
+        assert ref() is None and ctx.run(meshplan.current_topology) is None
+
+
 def test_errors(fake_pg):
     with pytest.raises(PlanError, match="needs an initialized process group"):
         meshplan.build_mesh({"tp": 2})
