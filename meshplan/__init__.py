@@ -2,24 +2,7 @@
 
 from .errors import PlanError
 from .layout import Layout, ResolvedLayout
-from .plan import Plan, load_plan
-
-
-def _make_plan_callable() -> None:
-    """``meshplan.plan`` is the module :mod:`meshplan.plan` (``meshplan.plan.Plan``) and, called, the
-    ``@meshplan.plan(PLAN)`` class decorator (:func:`meshplan.decorator.plan`, imported on first use)."""
-    import sys
-    import types
-
-    class _PlanModule(types.ModuleType):
-        def __call__(self, *args, **kwargs):
-            from .decorator import plan
-            return plan(*args, **kwargs)
-
-    sys.modules[__name__ + ".plan"].__class__ = _PlanModule
-
-
-_make_plan_callable()
+from .plan_file import Plan, load_plan
 
 __all__ = ["PlanError", "Layout", "ResolvedLayout", "Plan", "load_plan", "build_mesh", "init",
            "Topology", "current_topology", "parallelize", "cross_entropy", "loss_parallel",
@@ -42,9 +25,12 @@ def __getattr__(name: str):
     if name in ("train_step", "clip_grad_norm_", "StepResult"):
         from . import train
         return getattr(train, name)
-    if name in ("materialize", "load_state_dict", "load_full_state_dict", "load_safetensors"):
-        import importlib  # not `from . import init`: that finds the runtime's init() below
-        return getattr(importlib.import_module(".init", __name__), name)
+    if name == "materialize":
+        from .meta_init import materialize
+        return materialize
+    if name in ("load_state_dict", "load_full_state_dict", "load_safetensors"):
+        from . import loading
+        return getattr(loading, name)
     if name == "plan":
         from .decorator import plan
         return plan

@@ -9,7 +9,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .errors import PlanError
-from .plan import Plan, as_plan
+from .plan_file import Plan, as_plan
 from .topology import Topology, build_mesh, current_topology
 
 __all__ = ["parallelize"]

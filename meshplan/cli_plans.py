@@ -136,7 +136,7 @@ def _check(args: argparse.Namespace) -> int:
     import warnings
 
     from .explain import render_table
-    from .plan import load_plan
+    from .plan_file import load_plan
     from .validate import check
     plan = load_plan(args.plan)
     base = plan.layout.model_dump(exclude_unset=True) if plan.layout else None
@@ -160,7 +160,7 @@ def _convert(args: argparse.Namespace) -> int:
                                  loss_parallel=not args.no_loss_parallel))
     elif (args.from_, args.to) == ("meshplan", "hf"):
         from .convert import to_hf
-        from .plan import load_plan
+        from .plan_file import load_plan
         text = json.dumps(to_hf(load_plan(args.source)), indent=2) + "\n"
     else:
         raise PlanError(f"convert: --from {args.from_} --to {args.to} is not supported; use --from hf --to meshplan "

@@ -171,7 +171,7 @@ def to_hf(plan) -> dict[str, str]:
     Raises:
         PlanError: a rule has no transformers equivalent.
     """
-    from .plan import as_plan
+    from .plan_file import as_plan
     p = as_plan(plan)
     if p.tensor_parallel is None:
         return {}

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from .errors import PlanError
-from .plan import Plan
+from .plan_file import Plan
 
 __all__ = ["plan"]
 

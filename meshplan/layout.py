@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from math import prod
 
 from pydantic import Field, field_validator
 
@@ -148,7 +147,6 @@ class Layout(Strict):
                 )
         tokens = _parse_order(self.order)
         sizes = {"tp": tp, "cp": cp, "ep": ep, "dp": dp, "pp": pp}
-        expert_sizes = {"tp": etp, "cp": 1, "ep": ep, "dp": edp, "pp": pp}
         for name, size in [*sizes.items(), ("etp", etp), ("edp", edp)]:
             tok = {"etp": "tp", "edp": "dp"}.get(name, name)
             if size > 1 and tok not in tokens:

@@ -26,7 +26,7 @@ def _env_int(name: str) -> int:
 
 
 def _layout_of(layout_or_plan: Any) -> Layout:
-    from .plan import Plan, load_plan
+    from .plan_file import Plan, load_plan
     if isinstance(layout_or_plan, Layout):
         return layout_or_plan
     if isinstance(layout_or_plan, (str, Path)):

@@ -12,7 +12,7 @@ SCHEMA_PATH = Path(__file__).resolve().parent.parent / "plans" / "plan.schema.js
 
 def plan_schema() -> dict:
     """JSON Schema (draft 2020-12) of a plan file."""
-    from .plan import Plan
+    from .plan_file import Plan
     schema = Plan.model_json_schema(mode="validation")
     schema.get("properties", {}).pop("source", None)
     schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"

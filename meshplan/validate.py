@@ -25,7 +25,7 @@ import torch.nn as nn
 from .errors import PlanError
 from .layout import Layout
 from .packed import features
-from .plan import Plan, as_plan
+from .plan_file import Plan, as_plan
 from .rules import match_rules
 
 __all__ = ["check", "Report"]

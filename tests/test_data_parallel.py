@@ -12,7 +12,8 @@ from pydantic import BaseModel, ValidationError
 import meshplan
 from llama import build, tiny_args
 from meshplan import Layout, PlanError
-from meshplan.data_parallel import DataParallel, apply_data_parallel, data_parallel_state, resolve_mode
+from meshplan.data_parallel import apply_data_parallel, data_parallel_state, resolve_mode
+from meshplan.dp_plan import DataParallel
 from meshplan.train import StepResult, _grad_norm_parts, train_step
 
 pytestmark = pytest.mark.fast

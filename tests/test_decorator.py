@@ -99,6 +99,11 @@ def test_extension_errors_name_the_parent_file():
             pass
 
 
-def test_meshplan_plan_is_still_the_module():
-    assert meshplan.plan.Plan is meshplan.Plan and callable(meshplan.plan)
+def test_meshplan_plan_is_the_decorator():
+    import importlib
+    from meshplan.decorator import plan
+    assert meshplan.plan is plan  # no module of that name shadows it, however meshplan was imported
+    for mod in ("plan_file", "meta_init", "loading", "runtime"):
+        importlib.import_module(f"meshplan.{mod}")
+    assert meshplan.plan is plan and meshplan.init is importlib.import_module("meshplan.runtime").init
     assert copy.deepcopy(PlannedLlama.__meshplan_plan__) == PlannedLlama.__meshplan_plan__

@@ -1,7 +1,6 @@
 """Real gloo processes: meshplan.init, the layout fingerprint, topology groups, collectives on each mesh."""
 
 import os
-import sys
 
 import torch
 import torch.distributed as dist

@@ -12,7 +12,7 @@ from .layout import Layout
 from .loader import pydantic_message, read_plan_data
 from .strict import Strict
 from .tp_plan import TensorParallel
-from .data_parallel import DataParallel
+from .dp_plan import DataParallel
 
 __all__ = ["Plan", "load_plan", "as_plan"]
 
