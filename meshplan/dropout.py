@@ -140,8 +140,7 @@ class _Mode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         owner = self.owner()
-        if owner is None:
-            return func(*args, **kwargs)
+        assert owner is not None  # the mode is entered only while its owner's model runs
         if func in _DROPOUT:
             return owner._dropout(func, args, kwargs)
         if func is F.scaled_dot_product_attention:
