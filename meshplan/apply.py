@@ -68,6 +68,8 @@ def parallelize(model: nn.Module, plan: Plan | Mapping[str, Any] | str | Path | 
         model._meshplan_topology = mesh  # train_step's default without a data_parallel section (tp only)
     if p.tensor_parallel is not None:
         from .tp import apply_tensor_parallel
+        from .validate import validate_plan
+        validate_plan(model, p, tp_mesh.size())  # what `meshplan check` checks, before anything changes
         applied = apply_tensor_parallel(model, p.tensor_parallel, tp_mesh, p.source)
         model._meshplan_tp = applied  # the finaliser and RNG hooks live as long as the model
         from .hf_aliases import install_hf_loss

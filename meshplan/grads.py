@@ -122,10 +122,12 @@ class TpGradSync:
         self._handles: list = []
 
     @classmethod
-    def for_model(cls, model: nn.Module, tp_mesh: Any, sequence_parallel: bool | str = False) -> "TpGradSync | None":
-        """The sync for a tensor-parallel ``model`` (before FSDP): its ``Replicate`` DTensor parameters, and its
-        plain parameters in batch mode with tp > 1. None when there is nothing to reduce."""
-        names, plain = [], []
+    def for_model(cls, model: nn.Module, tp_mesh: Any, sequence_parallel: bool | str = False,
+                  summed: Iterable[str] = ()) -> "TpGradSync | None":
+        """The sync for a tensor-parallel ``model`` (before FSDP): its ``Replicate`` DTensor parameters, its
+        plain parameters in batch mode with tp > 1, and the plain parameters named in ``summed`` (``head_norm``
+        modules: each rank's gradient covers its heads). None when there is nothing to reduce."""
+        names, plain = [], [n for n in summed if tp_mesh.size() > 1]
         batch = sequence_parallel == "batch" and tp_mesh.size() > 1
         for n, p in model.named_parameters():
             if not p.requires_grad:
@@ -133,7 +135,7 @@ class TpGradSync:
             if isinstance(p, DTensor):
                 if all(isinstance(pl, Replicate) for pl in p.placements):
                     names.append(n)
-            elif batch:
+            elif batch and n not in plain:
                 plain.append(n)
         if not names and not plain:
             return None

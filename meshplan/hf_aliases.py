@@ -55,6 +55,8 @@ HF_ALIASES: dict[str, dict[str, Any]] = {
     "replicate": {"style": "replicate"},
     "local": {"style": "replicate"},
     "isolated": {"style": "replicate"},
+    # a replicated module fed by local head shards (Qwen3/Gemma3 q_norm, k_norm): grads summed over tp
+    "replicated_with_grad_allreduce": {"style": "head_norm"},
     # all-reduce a module's partial output
     "gather": {"style": "prepare_output", "output_layouts": "partial", "desired_output_layouts": _REP},
     "all_reduce": {"style": "prepare_output", "output_layouts": "partial", "desired_output_layouts": _REP},
@@ -70,9 +72,6 @@ HF_UNSUPPORTED: dict[str, str] = {
     "moe_tp_gate_up_colwise": _MOE, "moe_tp_down_rowwise": _MOE,
     "local_params": _PARAM,
     "mla_kv_a_proj": "DeepSeek MLA's split kv_a projection needs a model-specific style",
-    "replicated_with_grad_allreduce": "a replicated norm fed by local head shards (Qwen3 q_norm/k_norm) needs "
-                                      "its gradient summed over tp; meshplan's replicate style assumes replicated "
-                                      "inputs",
     "activation_seq_dim_2": "meshplan's sequence-parallel stream shards dim 1",
     "keep_full_weight": "it is an FSDP plan string, not a tensor-parallel style",
     "free_full_weight": "it is an FSDP plan string, not a tensor-parallel style",
@@ -80,7 +79,7 @@ HF_UNSUPPORTED: dict[str, str] = {
 
 #: meshplan's own style names
 MESHPLAN_STYLES = ("colwise", "rowwise", "norm", "embedding", "embedding_colwise", "embedding_tables", "lm_head",
-                   "replicate", "prepare_input", "prepare_output")
+                   "replicate", "head_norm", "prepare_input", "prepare_output")
 
 
 def resolve_alias(name: str) -> dict[str, Any]:
@@ -124,7 +123,8 @@ def to_hf_style(rule: Any) -> str:
             return "packed_rowwise"
         return "rowwise_rep" if data.get("input_layouts") == _REP else "rowwise"
     simple = {"embedding": "embedding_rowwise", "embedding_colwise": "embedding_colwise", "norm": "sequence_parallel",
-              "lm_head": "colwise_gather_output", "replicate": "replicate"}
+              "lm_head": "colwise_gather_output", "replicate": "replicate",
+              "head_norm": "replicated_with_grad_allreduce"}
     if style in simple:
         return simple[style]
     if style == "prepare_output" and data.get("output_layouts") == "partial":

@@ -24,8 +24,9 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
+
+from .styles import ColwiseParallel, RowwiseParallel
 
 __all__ = ["PackedColwiseParallel", "PackedRowwiseParallel", "is_conv1d", "features", "packed_placement",
            "shard_packed", "packed_style", "needs_packed_style", "local_slices", "take_slices"]

@@ -11,7 +11,7 @@ import torch.nn as nn
 
 from .errors import PlanError
 
-__all__ = ["match_rules", "is_pattern"]
+__all__ = ["match_rules", "is_pattern", "claimed_paths"]
 
 
 def is_pattern(path: str) -> bool:
@@ -91,3 +91,8 @@ def match_rules(model: nn.Module, rules: Mapping[str, Any], where: str = "tensor
         if not clash:
             out[path] = cands[0]
     return out
+
+
+def claimed_paths(modules: Mapping[str, nn.Module], rules: Mapping[str, Any]) -> set[str]:
+    """Every module path some rule's pattern matches (whether or not the rule was assigned)."""
+    return {path for path in modules if path and any(_matches(p, path) for p in rules)}

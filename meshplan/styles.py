@@ -11,12 +11,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.tensor import DeviceMesh, DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel as _TorchColwise
 from torch.distributed.tensor.parallel import ParallelStyle
+from torch.distributed.tensor.parallel import RowwiseParallel as _TorchRowwise
+from torch.overrides import TorchFunctionMode
 
 from .errors import PlanError
 
-__all__ = ["PrepareHiddenInput", "VocabParallelEmbedding", "ReplicateParallel", "TableWiseEmbedding",
-           "hidden_arg_name"]
+__all__ = ["PrepareHiddenInput", "VocabParallelEmbedding", "ReplicateParallel", "TableWiseEmbedding", "ColwiseParallel",
+           "RowwiseParallel", "owned_local", "hidden_arg_name"]
 
 
 def hidden_arg_name(module: nn.Module) -> str | None:
@@ -39,6 +42,53 @@ def _to_dtensor(x: Any, mesh: DeviceMesh, layout, desired, use_local: bool) -> A
     if x.placements != (desired,):
         x = x.redistribute(mesh, (desired,))
     return x.to_local() if use_local else x
+
+
+class _OwnedLocal(torch.autograd.Function):
+    """``DTensor.to_local()`` whose result is not an autograd view, so model code may modify it in place."""
+
+    @staticmethod
+    def forward(ctx, x: DTensor) -> torch.Tensor:
+        local = x._local_tensor
+        if hasattr(local, "wait") and callable(local.wait):  # an async collective's result: wait for it
+            local = local.wait()
+        ctx.spec = (x.device_mesh, x.placements, x.shape, x.stride(), local.stride())
+        return local.detach()  # a new tensor object on the same storage, not an autograd view
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> DTensor:
+        mesh, placements, shape, stride, local_stride = ctx.spec
+        return DTensor.from_local(grad, mesh, placements, run_check=False, shape=shape,
+                                  stride=stride if grad.stride() == local_stride else None)
+
+
+def owned_local(x: Any) -> Any:
+    """``x.to_local()`` for a DTensor (else ``x``), safe for in-place ops in model code (``clamp_``).
+
+    torch's ``to_local`` returns a view created inside a custom Function, which autograd forbids
+    modifying in place (Olmo's ``clip_qkv`` does ``q.clamp_(...)`` on a projection's output).
+    """
+    return _OwnedLocal.apply(x) if isinstance(x, DTensor) else x
+
+
+class ColwiseParallel(_TorchColwise):
+    """torch's ``ColwiseParallel`` whose local outputs may be modified in place (see :func:`owned_local`)."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        if outputs.placements != output_layouts:
+            outputs = outputs.redistribute(placements=output_layouts, async_op=True)
+        return owned_local(outputs) if use_local_output else outputs
+
+
+class RowwiseParallel(_TorchRowwise):
+    """torch's ``RowwiseParallel`` whose local outputs may be modified in place (see :func:`owned_local`)."""
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        if outputs.placements != output_layouts:
+            outputs = outputs.redistribute(placements=output_layouts, async_op=True)
+        return owned_local(outputs) if use_local_output else outputs
 
 
 class PrepareHiddenInput(ParallelStyle):
@@ -103,12 +153,37 @@ class _MaskedLookup(torch.autograd.Function):
         return None, dw, None, None
 
 
+class _LookupMode(TorchFunctionMode):
+    """Inside the wrapped embedding's own ``forward``: ``F.embedding`` on its vocab-sharded weight becomes the
+    masked local lookup, returned as a ``Partial`` DTensor (what the subclass does next — a scale — is DTensor
+    math on it, so any subclass behaviour survives)."""
+
+    def __init__(self, style: "VocabParallelEmbedding", mesh: DeviceMesh, module: nn.Module):
+        super().__init__()
+        self.style, self.mesh, self.module = style, mesh, module
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (F.embedding, torch.embedding) and len(args) >= 2 and args[1] is self.module.weight:
+            ids, weight = args[0], args[1]
+            if func is F.embedding:
+                padding_idx = args[2] if len(args) > 2 else kwargs.get("padding_idx")
+            else:  # torch.embedding(weight, ids, padding_idx, ...)
+                ids, weight = args[1], args[0]
+                padding_idx = args[2] if len(args) > 2 else kwargs.get("padding_idx", -1)
+                padding_idx = None if padding_idx is None or padding_idx < 0 else padding_idx
+            return self.style._lookup(self.mesh, ids, weight, padding_idx)
+        return func(*args, **kwargs)
+
+
 class VocabParallelEmbedding(ParallelStyle):
     """Vocabulary-parallel ``nn.Embedding`` (Megatron's VocabParallelEmbedding).
 
-    The weight is ``Shard(0)`` over tp. Each rank looks up the ids in its slice
-    (others give zero rows), and the partial sums are reduced straight into
-    ``output_layouts`` (a reduce-scatter to ``Shard(1)`` with sequence
+    The weight is ``Shard(0)`` over tp. The module's own ``forward`` runs (a
+    subclass that scales or adds to the lookup keeps doing so); inside it, the
+    lookup of its weight looks the ids up in this rank's slice (others give zero
+    rows) and yields a ``Partial`` DTensor, which the output hook reduces straight
+    into ``output_layouts`` (a reduce-scatter to ``Shard(1)`` with sequence
     parallelism, an all-reduce to ``Replicate()`` without). Unlike
     ``RowwiseParallel`` on an embedding, the weight's gradient stays a local
     ``Shard(0)`` slice: no full-vocabulary replicated gradient.
@@ -136,20 +211,36 @@ class VocabParallelEmbedding(ParallelStyle):
         module.register_parameter("weight", nn.Parameter(distribute_tensor(module.weight, mesh, [Shard(0)],
                                                                            src_data_rank=self.src_data_rank)))
 
-    def _forward(self, mesh: DeviceMesh, module: nn.Embedding, ids: torch.Tensor) -> Any:
+    def _lookup(self, mesh: DeviceMesh, ids: torch.Tensor, weight: DTensor, padding_idx) -> DTensor:
         if isinstance(ids, DTensor):
             ids = ids.redistribute(mesh, (Replicate(),)).to_local()
         elif self.input_layouts != Replicate():
             ids = DTensor.from_local(ids, mesh, (self.input_layouts,), run_check=False).full_tensor()
-        w = module.weight.to_local()
+        w = weight.to_local()
         lo = torch.ones((), dtype=ids.dtype, device=ids.device) * (mesh.get_local_rank() * w.shape[0])
-        out = _MaskedLookup.apply(ids, w, lo, module.padding_idx)
-        out = DTensor.from_local(out, mesh, (Partial(),), run_check=False).redistribute(mesh, (self.output_layouts,))
-        return out.to_local() if self.use_local_output else out
+        out = _MaskedLookup.apply(ids, w, lo, padding_idx)
+        return DTensor.from_local(out, mesh, (Partial(),), run_check=False)
+
+    def _output(self, mesh: DeviceMesh, out: Any) -> Any:
+        if isinstance(out, DTensor):
+            if out.placements != (self.output_layouts,):
+                out = out.redistribute(mesh, (self.output_layouts,))
+            return owned_local(out) if self.use_local_output else out
+        return out
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         module = distribute_module(module, device_mesh, self._partition)
-        module.forward = lambda ids, _m=module: self._forward(device_mesh, _m, ids)  # instance-level override
+        modes: list[_LookupMode] = []
+
+        def enter(mod, args):
+            modes.append(_LookupMode(self, device_mesh, mod))
+            modes[-1].__enter__()
+
+        def leave(mod, args, out):
+            modes.pop().__exit__(None, None, None)
+            return self._output(device_mesh, out)
+        module.register_forward_pre_hook(enter)
+        module.register_forward_hook(leave, always_call=True)
         return module
 
     def __repr__(self) -> str:

@@ -13,6 +13,7 @@ each way with SP, 2 all-reduces each way without.
 
 from __future__ import annotations
 
+import copy
 import functools
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,8 +21,7 @@ from typing import Any
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
-                                               RowwiseParallel, SequenceParallel, parallelize_module)
+from torch.distributed.tensor.parallel import PrepareModuleInput, PrepareModuleOutput, SequenceParallel, parallelize_module
 
 from .errors import PlanError
 from .dropout import INHERIT, OUTSIDE, REGION, SHARED, SingleDeviceDropout
@@ -29,8 +29,8 @@ from .grads import TpGradSync
 from .packed import needs_packed_style, packed_style
 from .rng import TpRng
 from .rules import match_rules
-from .styles import (PrepareHiddenInput, ReplicateParallel, TableWiseEmbedding, VocabParallelEmbedding,
-                     hidden_arg_name)
+from .styles import (ColwiseParallel, PrepareHiddenInput, ReplicateParallel, RowwiseParallel, TableWiseEmbedding,
+                     VocabParallelEmbedding, hidden_arg_name)
 from .tp_plan import TensorParallel, parse_layout
 
 __all__ = ["generate_tp_plan", "apply_tensor_parallel", "TpApplied", "HEAD_ATTRS"]
@@ -103,6 +103,8 @@ def generate_tp_plan(model: nn.Module, section: TensorParallel, tp: int, source:
     modules = dict(model.named_modules())
     plan: dict[str, Any] = {}
     fanout: dict[str, None] = {}
+    local_heads: dict[str, None] = {}  # parents with a colwise child whose local output is this rank's heads
+    head_norms: list[str] = []
     norm_dropouts: list[str] = []
     overrides: dict[int, dict] = {}  # one per rule, not per module (126-layer models: 1.6k modules, 14 rules)
     for path, (pattern, rule) in matched.items():
@@ -111,6 +113,8 @@ def generate_tp_plan(model: nn.Module, section: TensorParallel, tp: int, source:
             o = overrides[id(rule)] = rule.overrides()
         mod, style = modules[path], rule.style
         loc = f"{where}.{pattern!r}"
+        if style == "colwise" and gives_local_shards(o):
+            local_heads[path.rpartition(".")[0]] = None
         if needs_packed_style(mod, rule):  # packed fused weights, transformers' Conv1D
             plan[path] = packed_style(style, mod, o, tp, loc, path, stream, local_stream)
             if style == "colwise" and "input_layouts" not in o:
@@ -158,6 +162,8 @@ def generate_tp_plan(model: nn.Module, section: TensorParallel, tp: int, source:
             plan[path] = ColwiseParallel(input_layouts=_lay(o.get("input_layouts"), stream),
                                          output_layouts=_lay(o.get("output_layouts"), out_default),
                                          use_local_output=o.get("use_local_output", not lp))
+        elif style == "head_norm":
+            head_norms.append(path)  # runs unchanged on local heads; its grads join TpGradSync's tp sum
         elif style == "replicate":
             plan[path] = ReplicateParallel(input_layouts=_lay(o.get("input_layouts"), Replicate()),
                                            use_local_output=o.get("use_local_output", True))
@@ -186,30 +192,70 @@ def generate_tp_plan(model: nn.Module, section: TensorParallel, tp: int, source:
         else:
             name = arg_names[type(target)] = hidden_arg_name(target)
         plan[parent] = PrepareHiddenInput(input_layout=stream, desired_layout=Replicate(), arg_name=name)
-    return plan, {"fanout": list(fanout), "norm_dropouts": norm_dropouts, "matched": matched, "modules": modules}
+    return plan, {"fanout": list(fanout), "local_heads": list(local_heads), "head_norms": head_norms,
+                  "norm_dropouts": norm_dropouts, "matched": matched, "modules": modules}
 
 
-def _adjust_heads(model: nn.Module, fanout: list[str], tp: int, where: str, adjust: bool,
+def gives_local_shards(overrides: dict) -> bool:
+    """Does a colwise rule hand its module's caller this rank's shard (local heads) as a plain tensor?
+    Not when its output is gathered (``output_layouts: replicate``) or kept a DTensor (global shape)."""
+    return overrides.get("output_layouts") in (None, "shard(-1)") and overrides.get("use_local_output", True)
+
+
+def _adjust_heads(model: nn.Module, local_heads: list[str], tp: int, where: str, adjust: bool,
                   modules: dict[str, nn.Module]) -> dict:
+    """Divide the stored head counts of the modules that really see local heads (``local_heads``: parents of
+    colwise layers whose local outputs they reshape), and of their own ``config`` (a per-module copy: Phi-3
+    splits its fused qkv at ``config.num_attention_heads · head_dim``). Modules fed gathered or DTensor
+    outputs keep the global counts."""
     changed: dict[str, dict[str, tuple[int, int]]] = {}
+    if not local_heads:
+        return changed
     config = getattr(model, "config", None)
     for name in _CONFIG_DIVISIBLE:
         n = getattr(config, name, None)
         if isinstance(n, int) and n % tp:
             raise PlanError(f"{where}: tp({tp}) does not divide {name}({n}) of the model config; valid tp: {_divisors(n)}")
-    for parent in fanout:
+    copies: dict[int, Any] = {}  # one adjusted copy per original config object
+    for parent in local_heads:
         mod = modules[parent] if parent else model
-        for attr in HEAD_ATTRS:
-            # instance attributes first; a miss through nn.Module.__getattr__ raises (slow for 9 x 126 layers)
-            n = mod.__dict__[attr] if attr in mod.__dict__ else getattr(mod, attr, None) if hasattr(type(mod), attr) else None
-            if isinstance(n, int) and not isinstance(n, bool) and n > 0:
-                if n % tp:
-                    raise PlanError(f"{where}: module {parent or '(root)'!r}: tp({tp}) does not divide {attr}({n}); "
-                                    f"valid tp: {_divisors(n)}")
-                if adjust:
-                    setattr(mod, attr, n // tp)
-                    changed.setdefault(parent, {})[attr] = (n, n // tp)
+        errors = head_count_errors(mod, parent, tp, where)
+        if errors:
+            raise PlanError(errors[0])
+        for attr, n in _head_counts(mod).items():
+            if adjust:
+                setattr(mod, attr, n // tp)
+                changed.setdefault(parent, {})[attr] = (n, n // tp)
+        cfg = mod.__dict__.get("config")
+        if adjust and parent and cfg is not None and not isinstance(cfg, nn.Module) and \
+                any(isinstance(getattr(cfg, a, None), int) for a in _CONFIG_DIVISIBLE):
+            if id(cfg) not in copies:
+                local = copy.copy(cfg)
+                for a in _CONFIG_DIVISIBLE:
+                    n = getattr(cfg, a, None)
+                    if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+                        setattr(local, a, n // tp)
+                copies[id(cfg)] = local
+            mod.config = copies[id(cfg)]
+            changed.setdefault(parent, {})["config"] = (0, 0)
     return changed
+
+
+def _head_counts(mod: nn.Module) -> dict[str, int]:
+    """The stored head counts (:data:`HEAD_ATTRS`) of ``mod``."""
+    out = {}
+    for attr in HEAD_ATTRS:
+        # instance attributes first; a miss through nn.Module.__getattr__ raises (slow for 9 x 126 layers)
+        n = mod.__dict__[attr] if attr in mod.__dict__ else getattr(mod, attr, None) if hasattr(type(mod), attr) else None
+        if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+            out[attr] = n
+    return out
+
+
+def head_count_errors(mod: nn.Module, path: str, tp: int, where: str) -> list[str]:
+    """Head counts of a module that sees local heads which tp does not divide (with the valid tp values)."""
+    return [f"{where}: module {path or '(root)'!r}: tp({tp}) does not divide {attr}({n}); valid tp: {_divisors(n)}"
+            for attr, n in _head_counts(mod).items() if n % tp]
 
 
 def _tied_parameters(model: nn.Module) -> list[list[tuple[str, str]]]:
@@ -247,7 +293,7 @@ def apply_tensor_parallel(model: nn.Module, section: TensorParallel, tp_mesh: De
     where = _where(source)
     plan, meta = generate_tp_plan(model, section, tp, source)
     modules = meta["modules"]  # styles change modules in place: one traversal serves every step
-    heads = _adjust_heads(model, meta["fanout"], tp, where, section.adjust_head_counts, modules)
+    heads = _adjust_heads(model, meta["local_heads"], tp, where, section.adjust_head_counts, modules)
     tied = _tied_parameters(model)
     if tp > 1 or plan:
         # the plan's keys are exact paths: apply each style to its module directly (handing torch the dict
@@ -257,7 +303,8 @@ def apply_tensor_parallel(model: nn.Module, section: TensorParallel, tp_mesh: De
         for path, style in plan.items():
             parallelize_module(modules[path] if path else model, tp_mesh, style, src_data_rank=src)
     _retie(model, tied, where)
-    finalizer = TpGradSync.for_model(model, tp_mesh, section.sequence_parallel)
+    summed = [f"{p}.{n}" if p else n for p in meta["head_norms"] for n, _ in modules[p].named_parameters()]
+    finalizer = TpGradSync.for_model(model, tp_mesh, section.sequence_parallel, summed=summed)
     if finalizer is not None:
         finalizer.install(model)
     return TpApplied(plan=plan, head_counts=heads, finalizer=finalizer,

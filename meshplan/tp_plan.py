@@ -109,6 +109,14 @@ class ReplicateRule(_Rule):
     use_local_output: bool | None = Field(None, description="Return plain local tensors. Default: generated (true unless the residual stream needs otherwise).")
 
 
+class HeadNorm(_Rule):
+    """A module that runs on this rank's attention heads: per-head ``q_norm``/``k_norm`` on tp-sharded heads."""
+    style: Literal["head_norm"] = Field(
+        description="The module runs unchanged on this rank's local heads (a colwise sibling's local output); its "
+                    "parameters stay replicated and their gradients, each rank's heads' part, are summed over tp "
+                    "in the one coalesced post-backward reduction (transformers' replicated_with_grad_allreduce).")
+
+
 class PrepareInput(_Rule):
     """torch ``PrepareModuleInput``."""
     style: Literal["prepare_input"] = Field(description="Redistribute the module's inputs.")
@@ -128,12 +136,12 @@ class PrepareOutput(_Rule):
 
 
 Rule = Annotated[
-    Union[Colwise, Rowwise, Norm, Embedding, EmbeddingColwise, EmbeddingTables, LmHead, ReplicateRule,
+    Union[Colwise, Rowwise, Norm, Embedding, EmbeddingColwise, EmbeddingTables, LmHead, ReplicateRule, HeadNorm,
           PrepareInput, PrepareOutput],
     Field(discriminator="style"),
 ]
 STYLE_NAMES = ("colwise", "rowwise", "norm", "embedding", "embedding_colwise", "embedding_tables", "lm_head",
-               "replicate", "prepare_input", "prepare_output")
+               "replicate", "head_norm", "prepare_input", "prepare_output")
 
 
 def _normalise_rule(v: Any) -> Any:

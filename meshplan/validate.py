@@ -26,9 +26,11 @@ from .errors import PlanError
 from .layout import Layout
 from .packed import features
 from .plan_file import Plan, as_plan
+from .regions import local_head_regions, region_errors, unequal_packed_parts
 from .rules import match_rules
+from .tp import gives_local_shards, head_count_errors
 
-__all__ = ["check", "Report"]
+__all__ = ["check", "Report", "validate_plan"]
 
 _NORM_RE = re.compile(r"(LayerNorm|RMSNorm|GroupNorm|BatchNorm)", re.I)
 
@@ -119,7 +121,16 @@ class _Checker:
                 n, what = (mod.embedding_dim, "embedding_dim") if style == "colwise" else (mod.num_embeddings, "num_embeddings")
             else:
                 n, what = (feats[1], "out_features") if style == "colwise" else (feats[0], "in_features")
-            if self.divides(loc, path, what, n, packed) and style == "colwise":
+            parent = self.modules[path.rpartition(".")[0]] if "." in path else self.model
+            why = unequal_packed_parts(parent, self.model, n, packed) if style == "colwise" else None
+            if why:
+                self.err(f"{loc}: module {path!r}: packed({packed}) cannot shard out_features({n}): {why}")
+            elif n % packed:
+                self.err(f"{loc}: module {path!r}: packed({packed}) splits {what}({n}) into {packed} equal parts, but "
+                         f"{n} is not a multiple of {packed}: the fused parts are unequal, and packed shards equal "
+                         f"parts only; found {n}, expected a multiple of {packed} (or gather the output: "
+                         f"output_layouts: replicate)")
+            elif self.divides(loc, path, what, n, packed) and style == "colwise" and gives_local_shards(rule.overrides()):
                 self.heads(loc, path, n // packed)
         elif style in ("embedding", "embedding_colwise"):
             if not isinstance(mod, nn.Embedding):
@@ -145,7 +156,10 @@ class _Checker:
                      f"(out_features {out} / head_dim {hd}); found {out // hd} heads, expected a multiple of {self.tp}")
 
     # -- model-wide -----------------------------------------------------------------------------------
-    def config(self) -> None:
+    def config(self, matched: dict[str, tuple[str, Any]]) -> None:
+        """Head counts of the model config must divide by tp where modules see local heads."""
+        if not local_head_regions(matched, self.modules) or not self.section.adjust_head_counts:
+            return
         cfg = getattr(self.model, "config", None)
         names = ("num_attention_heads", "num_key_value_heads") if hasattr(cfg, "num_attention_heads") else \
             ("n_head", "n_heads", "n_kv_heads")
@@ -209,6 +223,17 @@ class _Checker:
                                  f"rowwise children, or drop the rule)")
         self.fanout = fanout
 
+    def regions(self, matched: dict[str, tuple[str, Any]]) -> None:
+        from .rules import claimed_paths
+        claimed = claimed_paths(self.modules, self.section.rules) - set(matched)
+        for msg in region_errors(self.model, self.modules, matched, self.section.sequence_parallel, self.where,
+                                 claimed):
+            self.err(msg)
+        for parent in sorted(local_head_regions(matched, self.modules)):
+            for msg in head_count_errors(self.modules[parent] if parent else self.model, parent, self.tp,
+                                         self.where):
+                self.err(msg)
+
     def stream_norms(self, matched: dict[str, tuple[str, Any]]) -> None:
         if self.section.sequence_parallel is False:
             return
@@ -256,22 +281,40 @@ def check(model: nn.Module, plan: Plan | Mapping[str, Any] | str, world_size: in
         report.errors.append(PlanError(f"{report.source}: layout: {e}"))
         return report
     report.tp, report.world_size = resolved.tp, resolved.world_size
-    matched: dict = {}
-    checker = None
-    if p.tensor_parallel is not None:
-        checker = _Checker(model, p, resolved.tp, report)
-        matched = checker.match()
-        for path, (pattern, rule) in matched.items():
-            checker.module(path, pattern, rule)
-        checker.config()
-        checker.chain(matched)
-        checker.stream_norms(matched)
+    matched, checker = _static(model, p, resolved.tp, report)
     applied = None
     if report.ok and p.tensor_parallel is not None and dry_run:
         applied = meta_dry_run(model, p, resolved.tp, report)
     explain(report, model, p, resolved.tp, matched, getattr(checker, "fanout", set()), applied)
     report.errors = _fold(report.errors)
     return report
+
+
+def _static(model: nn.Module, p: Plan, tp: int, report: Report) -> tuple[dict, "_Checker | None"]:
+    """Every check that needs no dry run, into ``report.errors``: ``(matched rules, checker)``."""
+    if p.tensor_parallel is None:
+        return {}, None
+    checker = _Checker(model, p, tp, report)
+    matched = checker.match()
+    for path, (pattern, rule) in matched.items():
+        checker.module(path, pattern, rule)
+    checker.config(matched)
+    checker.chain(matched)
+    checker.stream_norms(matched)
+    checker.regions(matched)
+    return matched, checker
+
+
+def validate_plan(model: nn.Module, plan: Plan, tp: int) -> None:
+    """The checks of :func:`check` that need no dry run; :func:`meshplan.parallelize` runs them first.
+
+    Raises:
+        PlanError: one error listing every problem (numbered), as :meth:`Report.raise_if_errors`.
+    """
+    report = Report(source=plan.source or "<plan>", model=type(model).__name__, tp=tp, world_size=tp)
+    _static(model, plan, tp, report)
+    report.errors = _fold(report.errors)
+    report.raise_if_errors()
 
 
 def _fold(errors: list[PlanError]) -> list[PlanError]:

@@ -199,7 +199,7 @@ def test_reshard_int_with_tensor_parallel_is_rejected(fake_pg):
     with fake_pg(8):
         topo = meshplan.build_mesh({"tp": 2})
         model = build(tiny_args())
-        plan = {"tensor_parallel": {"rules": {"layers.*.attention.wq": "colwise"}},
+        plan = {"tensor_parallel": meshplan.load_plan("plans/llama.yaml").tensor_parallel.model_dump(exclude_unset=True),
                 "data_parallel": {"reshard_after_forward": 2}}
         with pytest.raises(PlanError, match=r"reshard_after_forward: 2 \(an int\) does not work with tensor-parallel"):
             meshplan.parallelize(model, plan, topo)

@@ -140,7 +140,7 @@ def test_errors_name_plan_rule_module_and_numbers():
         with pytest.raises(PlanError, match=r"module 'layers.0.attention.wq' is claimed by"):
             meshplan.parallelize(copy.deepcopy(model), clash, topo)
         wrong = plan_with(rules={"layers.*.attention_norm": "colwise"})
-        with pytest.raises(PlanError, match=r"module 'layers.0.attention_norm' is RMSNorm; style colwise needs nn.Linear"):
+        with pytest.raises(PlanError, match=r"module 'layers.0.attention_norm' is RMSNorm; style colwise expects nn.Linear"):
             meshplan.parallelize(copy.deepcopy(model), wrong, topo)
         exact = plan_with(rules={"layers.*.attention.wq": "colwise", "layers.0.attention.wq": "rowwise"})
         from meshplan.rules import match_rules

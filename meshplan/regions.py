@@ -1,0 +1,124 @@
+"""Checks of what runs where: modules inside tensor-parallel regions, embeddings on the sequence-parallel
+stream, fused projections with unequal parts.
+
+A *local-heads region* is a module whose colwise children hand it their local shards (plain tensors: this
+rank's heads or features). Any other parameterised module in it runs on those shards: a per-head norm
+(``q_norm``/``k_norm`` over ``head_dim``) is right only with ``head_norm`` (its gradient, each rank's heads'
+part, summed over tp); with no rule or ``replicate`` each rank's copy would train on its own heads' gradient
+and drift. Under sequence parallelism every embedding outside the regions writes to the sequence-sharded
+stream and must produce it (``embedding``/``embedding_colwise``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.nn as nn
+
+__all__ = ["local_head_regions", "region_errors", "unequal_packed_parts"]
+
+
+def local_head_regions(matched: dict[str, tuple[str, Any]], modules: dict[str, nn.Module] | None = None) -> set[str]:
+    """Parents of colwise rules whose local outputs they see (see :func:`meshplan.tp.gives_local_shards`)."""
+    from .packed import features
+    from .tp import gives_local_shards
+    return {path.rpartition(".")[0] for path, (_, rule) in matched.items()
+            if rule.style == "colwise" and gives_local_shards(rule.overrides())
+            and (modules is None or features(modules[path]) is not None or isinstance(modules[path], nn.Embedding))}
+
+
+def _head_dim(parent: nn.Module, model: nn.Module) -> int | None:
+    hd = getattr(parent, "head_dim", None)
+    if isinstance(hd, int) and hd > 0:
+        return hd
+    cfg = getattr(model, "config", None)
+    h, n = getattr(cfg, "hidden_size", None), getattr(cfg, "num_attention_heads", None)
+    hd = getattr(cfg, "head_dim", None)
+    if isinstance(hd, int) and hd > 0:
+        return hd
+    return h // n if isinstance(h, int) and isinstance(n, int) and n > 0 and h % n == 0 else None
+
+
+def unequal_packed_parts(parent: nn.Module, model: nn.Module, out: int, packed: int) -> str | None:
+    """Why a ``packed: k`` colwise on a fused q|k|v of ``out`` features cannot be split in k equal parts, or None."""
+    cfg = getattr(parent, "config", None) or getattr(model, "config", None)
+    heads, kv = getattr(cfg, "num_attention_heads", None), getattr(cfg, "num_key_value_heads", None)
+    hd = _head_dim(parent, model)
+    if packed != 3 or not all(isinstance(x, int) and x > 0 for x in (heads, kv, hd)):
+        return None
+    if out == (heads + 2 * kv) * hd and heads != kv:
+        return (f"its fused q|k|v parts are unequal ({heads * hd}|{kv * hd}|{kv * hd}: num_attention_heads {heads}, "
+                f"num_key_value_heads {kv}, head_dim {hd}) and packed shards equal parts only; gather its output "
+                f"instead (output_layouts: replicate, with the o_proj rule input_layouts: replicate)")
+    return None
+
+
+def region_errors(model: nn.Module, modules: dict[str, nn.Module], matched: dict[str, tuple[str, Any]],
+                  sequence_parallel: bool | str, where: str, claimed: set[str] = frozenset()) -> list[str]:
+    """Every problem of modules that run on tp-local shards, and of embeddings on the SP stream.
+
+    ``claimed``: paths some rule matches although no rule was assigned (conflicting rules, reported apart).
+    """
+    errors: list[str] = []
+    regions = local_head_regions(matched, modules)
+    ruled = set(matched) | set(claimed)
+    above = {path.rsplit(".", k)[0] for path in ruled for k in range(1, path.count(".") + 1)}  # ruled descendants
+    for parent in sorted(regions):
+        pmod = modules[parent] if parent else model
+        hd = _head_dim(pmod, model)
+        siblings = [p for p in matched if p.rpartition(".")[0] == parent and matched[p][1].style == "colwise"]
+        for name, child in pmod.named_children():
+            path = f"{parent}.{name}" if parent else name
+            if path in ruled or path in above:
+                rule = matched.get(path)
+                if rule is not None and rule[1].style == "replicate" and _per_head(child, hd):
+                    errors.append(f"{where}.{rule[0]!r}: module {path!r} ({type(child).__name__}) runs on this "
+                                  f"rank's heads (the local outputs of {', '.join(sorted(siblings))}), but "
+                                  f"'replicate' assumes replicated inputs; found replicate, expected head_norm")
+                continue
+            if not any(True for _ in child.parameters()):
+                continue
+            star, kind, near = _star(path), type(child).__name__, ", ".join(sorted(siblings))
+            if isinstance(child, (nn.Linear, nn.Embedding)) or type(child).__name__ == "Conv1D":
+                errors.append(f"{where}: module {path!r} ({kind}) sits beside the colwise {near} but no rule covers "
+                              f"it; there it gets the block's converted input (a DTensor) or their local shards; "
+                              f"found no rule, expected '{star}: colwise' (or rowwise if it consumes their outputs)")
+                continue
+            want = f"'{star}: head_norm'" if _per_head(child, hd) else "a rule that shards it, or gather the " \
+                   "colwise outputs (output_layouts: replicate)"
+            errors.append(f"{where}: module {path!r} ({kind}) runs on this rank's shards (the local outputs of "
+                          f"{near}) but no rule covers it; its parameters' gradients would cover only this rank's "
+                          f"part; found no rule, expected {want}")
+    for path, (pattern, rule) in matched.items():
+        if rule.style == "head_norm" and path.rpartition(".")[0] not in regions:
+            errors.append(f"{where}.{pattern!r}: module {path!r} (head_norm) is not inside a module whose colwise "
+                          f"children output local shards, so its input is replicated and summing its gradients over "
+                          f"tp would multiply them by tp; found no colwise sibling with local outputs, expected one "
+                          f"(or use 'replicate')")
+        if rule.style == "norm" and isinstance(modules.get(path), (nn.Linear, nn.Embedding)):
+            errors.append(f"{where}.{pattern!r}: module {path!r} is {type(modules[path]).__name__}; style norm expects a "
+                          f"norm or dropout on the residual stream; found {type(modules[path]).__name__}, expected "
+                          f"colwise, rowwise, embedding or lm_head")
+    if sequence_parallel is True:  # batch mode: an unruled embedding's output is this rank's samples, as wanted
+        inside = tuple(p + "." for p in regions if p)
+        for path, mod in modules.items():
+            if not isinstance(mod, nn.Embedding) or path.startswith(inside) or "" in regions:
+                continue
+            style = matched[path][1].style if path in matched else None
+            if style in (None, "replicate"):
+                errors.append(f"{where}: module {path!r} (nn.Embedding) writes to the sequence-sharded residual "
+                              f"stream (sequence_parallel: {str(sequence_parallel).lower()}) but "
+                              f"{'no rule covers it' if style is None else 'its rule is replicate'}, so its full "
+                              f"output would be taken as one rank's shard; found {style or 'no rule'}, expected "
+                              f"'{_star(path)}: embedding' (or embedding_colwise)")
+    return errors
+
+
+def _per_head(mod: nn.Module, head_dim: int | None) -> bool:
+    w = getattr(mod, "weight", None)
+    return head_dim is not None and getattr(w, "ndim", 0) == 1 and w.shape[0] == head_dim
+
+
+def _star(path: str) -> str:
+    import re
+    return re.sub(r"\.\d+(?=\.|$)", ".*", path)
