@@ -115,16 +115,20 @@ def _structure(cls, config, hf_rules: dict[str, str]) -> tuple[dict[str, str], l
     return out, [star(p) for p in names.values()]
 
 
-def from_hf(source: str | Path, *, sequence_parallel: bool = True, loss_parallel: bool = True) -> dict:
+def from_hf(source: str | Path, *, sequence_parallel: bool = True, loss_parallel: bool = True,
+            tp: int | None = 2) -> dict:
     """A meshplan plan (plain data) from transformers' own tp_plan of a model.
 
     Args:
         source: a model type (``"llama"``), a ``config.json`` path or a directory holding one.
         sequence_parallel: write ``sequence_parallel`` (and the norm rules it needs).
         loss_parallel: keep the logits vocab-sharded.
+        tp: the tensor-parallel degree written to ``layout`` (dp_shard is inferred from the world size at run
+            time); None writes no layout (then every consumer must be given one).
 
     Returns:
-        ``{"version": 1, "tensor_parallel": {...}}``, ready for :meth:`Plan.from_data` or :func:`plan_yaml`.
+        ``{"version": 1, "layout": {"tp": tp}, "tensor_parallel": {...}}``, ready for :meth:`Plan.from_data`
+        or :func:`plan_yaml`.
 
     Raises:
         PlanError: unknown model type, no plan known for it, or an HF style meshplan cannot express.
@@ -154,8 +158,10 @@ def from_hf(source: str | Path, *, sequence_parallel: bool = True, loss_parallel
         rank = {p: i for i, p in enumerate(order)}
         rules = dict(sorted(rules.items(), key=lambda kv: rank.get(kv[0], len(rank))))
         origin = f"transformers {_version()} {type(config).__name__}.base_model_tp_plan + {cls.__name__}._tp_plan"
-    plan = {"version": 1, "tensor_parallel": {"sequence_parallel": sequence_parallel, "loss_parallel": loss_parallel,
-                                              "rules": rules}}
+    plan: dict[str, Any] = {"version": 1}
+    if tp is not None:
+        plan["layout"] = {"tp": tp}
+    plan["tensor_parallel"] = {"sequence_parallel": sequence_parallel, "loss_parallel": loss_parallel, "rules": rules}
     plan["_origin"] = f"{origin}; model class {cls.__name__}"
     return plan
 

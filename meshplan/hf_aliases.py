@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["resolve_alias", "HF_ALIASES", "HF_UNSUPPORTED", "MESHPLAN_STYLES", "to_hf_style", "install_hf_loss"]
+__all__ = ["resolve_alias", "HF_ALIASES", "HF_UNSUPPORTED", "MESHPLAN_STYLES", "to_hf_style", "install_hf_loss",
+           "labels_shifted"]
 
 _REP = "replicate"
 
@@ -172,5 +173,16 @@ def install_hf_loss(model: Any, section: Any) -> bool:
                              reduction=reduction)
         return loss / num_items_in_batch if reduction == "sum" else loss
 
+    loss_function.causal = causal  # type: ignore[attr-defined]  (read by labels_shifted)
     model.loss_function = loss_function
     return True
+
+
+def labels_shifted(model: Any) -> bool:
+    """Does ``model``'s own loss shift its labels (transformers' causal-LM loss: the first label of each row is
+    no target)? :func:`meshplan.train_step` counts the tokens the same way."""
+    if "loss_function" not in getattr(model, "__dict__", {}) and not isinstance(
+            getattr(type(model), "loss_function", None), property):
+        return False
+    fn = model.loss_function
+    return bool(getattr(fn, "causal", False)) or getattr(fn, "__name__", "") == "ForCausalLMLoss"

@@ -91,7 +91,8 @@ def _is_hf(model: nn.Module) -> bool:
 
 def default_batch(model: nn.Module, tp: int, seed: int = 0) -> dict[str, Any]:
     """Token ids ``(2, 8·tp)`` below the vocabulary size, labels with a few ``-100``; as keyword arguments
-    for a transformers model (``input_ids``, ``labels``), else ``{"tokens", "labels"}``.
+    for a transformers model (``input_ids``, ``labels`` = the ids: the model shifts them), else
+    ``{"tokens", "labels"}`` with random labels (a tied model would otherwise predict its input at ~0 loss).
 
     Raises:
         PlanError: the model has no vocabulary (no ``config.vocab_size``, no ``nn.Embedding``).
@@ -102,9 +103,10 @@ def default_batch(model: nn.Module, tp: int, seed: int = 0) -> dict[str, Any]:
                         f"and no nn.Embedding; pass batch=")
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (2, 8 * tp), generator=g)
-    labels = ids.clone()
+    hf = _is_hf(model)  # transformers shifts the labels itself; other models get next-token-like targets
+    labels = ids.clone() if hf else torch.randint(0, vocab, (2, 8 * tp), generator=g)
     labels[0, :3] = -100
-    return {"input_ids" if _is_hf(model) else "tokens": ids, "labels": labels}
+    return {"input_ids" if hf else "tokens": ids, "labels": labels}
 
 
 def _loss(model: nn.Module, batch: Mapping[str, Any], vocab: int | None) -> torch.Tensor:

@@ -295,6 +295,10 @@ def apply_tensor_parallel(model: nn.Module, section: TensorParallel, tp_mesh: De
     modules = meta["modules"]  # styles change modules in place: one traversal serves every step
     heads = _adjust_heads(model, meta["local_heads"], tp, where, section.adjust_head_counts, modules)
     tied = _tied_parameters(model)
+    if tp_mesh.device_type == "cpu" and any(r.style == "colwise" and r.overrides().get("use_local_output") is False
+                                            for _, r in meta["matched"].values()):
+        from .attention import register_cpu_attention_rule
+        register_cpu_attention_rule()  # DTensor q/k/v reach SDPA: torch 2.13 has no CPU rule for it
     if tp > 1 or plan:
         # the plan's keys are exact paths: apply each style to its module directly (handing torch the dict
         # makes parallelize_module fnmatch every child of every level for every key: O(keys x children))

@@ -164,7 +164,26 @@ def _accumulation_knobs(model: nn.Module, state: Any, i: int, n: int) -> None:
         model.set_reshard_after_forward(False, recurse=False)  # torch's root default
 
 
-def train_step(model: nn.Module, batch: tuple[Any, torch.Tensor], loss_fn: Callable, optimizer: torch.optim.Optimizer,
+def _own_loss(model: nn.Module, batch: Any, loss_fn: Callable | None) -> tuple[tuple, Callable, bool]:
+    """``(batch, loss_fn, shift)``: with ``loss_fn=None`` the model's own summed loss and its label shift."""
+    if loss_fn is not None:
+        return batch, loss_fn, False
+    from .hf_aliases import labels_shifted
+    inputs = batch[0] if isinstance(batch, tuple) else batch
+    if not isinstance(inputs, dict) or "labels" not in inputs:
+        raise PlanError("train_step: loss_fn=None uses the model's own loss, so the inputs must be a dict of keyword "
+                        f"arguments holding 'labels'; got {type(inputs).__name__}")
+
+    def own(out: Any, _targets: Any) -> torch.Tensor:
+        loss = getattr(out, "loss", None)
+        if loss is None:
+            raise PlanError(f"train_step: loss_fn=None but {type(model).__name__} returned no loss")
+        return loss
+    return ({**inputs, "num_items_in_batch": 1}, inputs["labels"]), own, labels_shifted(model)
+
+
+def train_step(model: nn.Module, batch: tuple[Any, torch.Tensor] | dict, loss_fn: Callable | None,
+               optimizer: torch.optim.Optimizer,
                *, topology: Any = None, microbatches: int = 1, max_grad_norm: float | None = None,
                ignore_index: int = -100, sequence_parallel: bool | str | None = None) -> StepResult:
     """One optimizer step on ``batch`` with globally normalised loss, clipping and accumulation.
@@ -173,9 +192,12 @@ def train_step(model: nn.Module, batch: tuple[Any, torch.Tensor], loss_fn: Calla
         model: a plain model, or one from :func:`meshplan.parallelize` or
             :func:`~meshplan.data_parallel.apply_data_parallel`.
         batch: ``(inputs, targets)``; inputs a tensor, a tuple (positional) or a dict (keyword arguments); both
-            split along dim 0 into ``microbatches``. This rank's part of the global batch.
+            split along dim 0 into ``microbatches``. This rank's part of the global batch. With ``loss_fn=None``
+            a dict of keyword arguments holding ``labels`` (transformers style).
         loss_fn: ``loss_fn(output, targets)`` returning the SUM of per-token losses over valid targets.
-            :func:`meshplan.cross_entropy` itself is recognised and called with ``reduction="sum"``.
+            :func:`meshplan.cross_entropy` itself is recognised and called with ``reduction="sum"``. ``None``:
+            the model's own loss (transformers: ``model(**inputs, num_items_in_batch=...)``), with tokens
+            counted as it counts them (a causal LM shifts its labels: the first label of each row is not a target).
         optimizer: stepped once; gradients are zeroed (set to None) before and after.
         topology: default: the model's data-parallel topology, else the one :func:`meshplan.parallelize` used,
             else the active one; without any (and no DTensor
@@ -203,6 +225,7 @@ def train_step(model: nn.Module, batch: tuple[Any, torch.Tensor], loss_fn: Calla
     from .topology import current_topology
     if loss_fn is cross_entropy:  # its default is "mean"; the contract here is a sum
         loss_fn = functools.partial(cross_entropy, reduction="sum", ignore_index=ignore_index)
+    batch, loss_fn, shift = _own_loss(model, batch, loss_fn)
     state = data_parallel_state(model)
     topology = (topology or (state.topology if state else None) or getattr(model, "_meshplan_topology", None)
                 or current_topology())
@@ -228,7 +251,7 @@ def train_step(model: nn.Module, batch: tuple[Any, torch.Tensor], loss_fn: Calla
         raise PlanError(f"train_step: microbatches must be >= 1, got {n}")
     xs, ys = _split(inputs, n, "inputs"), _split(targets, n, "targets")
     model.zero_grad(set_to_none=True)
-    count = torch.stack([(y != ignore_index).sum() for y in ys]).sum().double().reshape(1)
+    count = torch.stack([((y[..., 1:] if shift else y) != ignore_index).sum() for y in ys]).sum().double().reshape(1)
     count = count.to(_comm_device()) if distributed else count
     work = dist.all_reduce(count, async_op=True) if distributed else None  # overlaps the first forward
     root = model if state is not None and state.mode != "none" else None  # an FSDPModule (ddp: replicate)

@@ -281,6 +281,9 @@ def check(model: nn.Module, plan: Plan | Mapping[str, Any] | str, world_size: in
         report.errors.append(PlanError(f"{report.source}: layout: {e}"))
         return report
     report.tp, report.world_size = resolved.tp, resolved.world_size
+    if layout is None and p.layout is None:
+        report.warnings.append(f"{report.source}: the plan has no layout and none was given: checked at tp=1, where "
+                               f"nothing is sharded; add `layout: {{tp: N}}` (CLI: --tp N)")
     matched, checker = _static(model, p, resolved.tp, report)
     applied = None
     if report.ok and p.tensor_parallel is not None and dry_run:
