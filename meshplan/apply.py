@@ -64,6 +64,8 @@ def parallelize(model: nn.Module, plan: Plan | Mapping[str, Any] | str | Path | 
     if mesh is None:
         mesh = current_topology() or build_mesh(p.layout or {})
     tp_mesh = _tp_mesh(mesh)
+    from .runtime import check_same_plan
+    check_same_plan(p, mesh if isinstance(mesh, Topology) else tp_mesh)  # a rank with another plan fails, not hangs
     if isinstance(mesh, Topology):
         model._meshplan_topology = mesh  # train_step's default without a data_parallel section (tp only)
     if p.tensor_parallel is not None:

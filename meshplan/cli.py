@@ -1,6 +1,16 @@
 """The ``meshplan`` command: inspect layouts and plans without a GPU.
 
-Bad input prints one line (``meshplan: error: …``) and exits 2; never a traceback.
+Exit codes:
+
+* 0: done (``--help`` too);
+* 2: bad input: ONE line ``meshplan: error: …`` on stderr (several problems joined
+  with ``"; "``), never a traceback;
+* 130: interrupted (Ctrl-C): the line ``meshplan: error: interrupted``; 128 + SIGINT,
+  the Unix shells' convention.
+
+Sizes are bounded so that bad input fails instead of exhausting memory: every
+degree and world size is at most :data:`~meshplan.layout.MAX_RANKS` (2**20), and
+``meshplan ranks`` prints worlds of at most :data:`MAX_TABLE_RANKS` (2**16) ranks.
 """
 
 from __future__ import annotations
@@ -12,7 +22,11 @@ from typing import Callable, Sequence
 
 from .errors import PlanError
 
-__all__ = ["main"]
+__all__ = ["main", "MAX_TABLE_RANKS"]
+
+#: ``meshplan ranks`` refuses larger worlds: the JSON of 2**16 ranks is 16 MB and takes ~2.5 s on a laptop
+#: core; 2**20 ranks would be 280 MB (svg: 1 GB) and take a minute.
+MAX_TABLE_RANKS = 1 << 16
 
 _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {}
 
@@ -22,13 +36,32 @@ class _Parser(argparse.ArgumentParser):
         raise PlanError(f"{self.prog}: {message}")
 
 
-def _add_layout_flags(p: argparse.ArgumentParser, world_required: bool) -> None:
-    p.add_argument("--world-size", type=int, required=world_required, help="number of ranks")
+def int_arg(lo: int, hi: int, why: str = "") -> Callable[[str], int]:
+    """An argparse ``type``: an integer in ``[lo, hi]``; the error names the bound (and ``why``)."""
+    def parse(text: str) -> int:
+        shown = text if len(text) <= 40 else f"{text[:40]}… ({len(text)} characters)"
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {shown!r}") from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"expected an integer in [{lo}, {hi}]{why}, got {shown}")
+        return value
+    return parse
+
+
+def _add_layout_flags(p: argparse.ArgumentParser, world_required: bool, max_world: int | None = None,
+                      why: str = " (2**20)") -> None:
+    from .layout import MAX_RANKS
+    hi = max_world or MAX_RANKS
+    p.add_argument("--world-size", type=int_arg(1, hi, why), required=world_required,
+                   help=f"number of ranks, 1 to {hi}")
     for name, help_ in [("tp", "tensor parallel"), ("pp", "pipeline parallel"), ("cp", "context parallel"),
                         ("ep", "expert parallel"), ("etp", "expert tensor parallel (default: tp)"),
                         ("vpp", "virtual stages per pp rank"), ("dp-replicate", "dp replicas"),
                         ("dp-shard", "dp sharding degree (-1: inferred)")]:
-        p.add_argument(f"--{name}", type=int, default=None, help=help_)
+        lo = -1 if name == "dp-shard" else 1
+        p.add_argument(f"--{name}", type=int_arg(lo, MAX_RANKS, " (2**20)"), default=None, help=help_)
     p.add_argument("--order", default=None, help="Megatron order, innermost first (default tp-cp-ep-dp-pp)")
 
 
@@ -64,7 +97,8 @@ def _build_parser() -> _Parser:
     parser = _Parser(prog="meshplan", description="Validate and inspect meshplan plans and layouts (no GPU needed).")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     r = sub.add_parser("ranks", help="groups and per-rank coordinates of a layout (Megatron-exact)")
-    _add_layout_flags(r, world_required=True)
+    _add_layout_flags(r, world_required=True, max_world=MAX_TABLE_RANKS,
+                      why=" (2**16: the tables of larger worlds take minutes and gigabytes to print)")
     r.add_argument("--format", choices=("table", "json", "svg"), default="table")
     r.set_defaults(func=_ranks)
     s = sub.add_parser("schema", help="print the JSON Schema of plan files")
@@ -92,10 +126,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = _build_parser().parse_args(argv)
         return args.func(args)
     except PlanError as e:
-        print(f"meshplan: error: {' '.join(str(e).split())}", file=sys.stderr)
+        _error(str(e))
         return 2
     except KeyboardInterrupt:
+        _error("interrupted")
         return 130
+
+
+def _error(message: str) -> None:
+    """The one stderr line of a failure: every run of whitespace (newlines included) becomes one space."""
+    print(f"meshplan: error: {' '.join(message.split())}", file=sys.stderr)
 
 
 if __name__ == "__main__":  # pragma: no cover

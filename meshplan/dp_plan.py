@@ -33,6 +33,11 @@ class ActivationCheckpointing(Strict):
         (), description="selective, op level: ops whose outputs are SAVED (e.g. aten.mm.default); everything "
                         "else in a checkpointed block is recomputed.")
 
+    @field_validator("ops", mode="before")
+    @classmethod
+    def _list_to_tuple(cls, ops: object) -> object:
+        return tuple(ops) if isinstance(ops, list) else ops  # plan files have lists, not tuples (strict base)
+
     @field_validator("ops")
     @classmethod
     def _check_ops(cls, ops: tuple[str, ...]) -> tuple[str, ...]:

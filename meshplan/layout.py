@@ -17,7 +17,12 @@ from .errors import PlanError
 from .ranks import AXES, RankGrid, pipeline_end_groups
 from .strict import Strict
 
-__all__ = ["Layout", "ResolvedLayout", "GROUP_KINDS", "SMP_ALIASES"]
+__all__ = ["Layout", "ResolvedLayout", "GROUP_KINDS", "SMP_ALIASES", "MAX_RANKS"]
+
+#: Upper bound of every degree and of the world size: 2**20 = 1,048,576 ranks, ten times today's largest jobs.
+#: Rank tables are built in memory, so an unbounded size (``tp: 100000000``) would exhaust it instead of failing.
+MAX_RANKS = 1 << 20
+_AT_MOST = "; at most 1048576 (2**20), as is the world size."
 
 #: smp's placement strategies. In smp's strings the right-most letter is the
 #: innermost axis; ``cluster`` is smp's default ``DPT``, ``spread`` is ``TPD``.
@@ -33,7 +38,8 @@ _EXPERT_TOKEN = {"tp": "etp", "cp": "cp", "ep": "ep", "dp": "edp", "pp": "pp"}
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
+    return sorted({*small, *(n // d for d in small)})
 
 
 def _fmt(values: list[int]) -> str:
@@ -67,17 +73,22 @@ class Layout(Strict):
         2
     """
 
-    tp: int = Field(1, ge=1, description="Tensor-parallel degree (Megatron's tensor_model_parallel_size).")
-    cp: int = Field(1, ge=1, description="Context-parallel degree: the sequence is split over cp ranks.")
-    ep: int = Field(1, ge=1, description="Expert-parallel degree for MoE layers.")
+    tp: int = Field(1, ge=1, le=MAX_RANKS, description=f"Tensor-parallel degree (Megatron's "
+                    f"tensor_model_parallel_size){_AT_MOST}")
+    cp: int = Field(1, ge=1, le=MAX_RANKS,
+                    description=f"Context-parallel degree: the sequence is split over cp ranks{_AT_MOST}")
+    ep: int = Field(1, ge=1, le=MAX_RANKS, description=f"Expert-parallel degree for MoE layers{_AT_MOST}")
     etp: int | None = Field(
-        None, ge=1, description="Expert tensor-parallel degree; default: tp, as in Megatron-LM."
+        None, ge=1, le=MAX_RANKS, description=f"Expert tensor-parallel degree; default: tp, as in Megatron-LM{_AT_MOST}"
     )
-    pp: int = Field(1, ge=1, description="Pipeline-parallel degree (number of stages).")
-    vpp: int = Field(1, ge=1, description="Virtual pipeline stages per pp rank (interleaved schedules); needs pp > 1.")
-    dp_replicate: int = Field(1, ge=1, description="Data-parallel replicas (DDP, or HSDP's replicate axis).")
+    pp: int = Field(1, ge=1, le=MAX_RANKS, description=f"Pipeline-parallel degree (number of stages){_AT_MOST}")
+    vpp: int = Field(1, ge=1, le=MAX_RANKS,
+                     description=f"Virtual pipeline stages per pp rank (interleaved schedules); needs pp > 1{_AT_MOST}")
+    dp_replicate: int = Field(1, ge=1, le=MAX_RANKS,
+                              description=f"Data-parallel replicas (DDP, or HSDP's replicate axis){_AT_MOST}")
     dp_shard: int = Field(
-        -1, ge=-1, description="Data-parallel sharding degree (FSDP); -1 infers it from the world size."
+        -1, ge=-1, le=MAX_RANKS,
+        description=f"Data-parallel sharding degree (FSDP); -1 infers it from the world size{_AT_MOST}"
     )
     order: str = Field(
         "tp-cp-ep-dp-pp",
@@ -108,8 +119,8 @@ class Layout(Strict):
             PlanError: a rule of Megatron-LM's is broken; the message names the
                 fields, their numbers and, where one exists, the valid values.
         """
-        if world_size < 1:
-            raise PlanError(f"world_size must be >= 1, got {world_size}")
+        if type(world_size) is not int or not 1 <= world_size <= MAX_RANKS:
+            raise PlanError(f"world_size must be an integer in [1, {MAX_RANKS}] (2**20), got {world_size!r}")
         tp, cp, ep, pp = self.tp, self.cp, self.ep, self.pp
         etp = self.tp if self.etp is None else self.etp
         w = world_size

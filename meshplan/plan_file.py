@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, field_validator
 
 from .errors import PlanError
 from .layout import Layout
@@ -32,6 +32,13 @@ class Plan(Strict):
         None, description="Data parallelism over dp_replicate × dp_shard: FSDP2, HSDP or replication, activation "
                           "checkpointing, mixed precision.")
     source: str | None = Field(None, exclude=True, description="Where the plan was read from (set by the loader).")
+
+    @field_validator("version", mode="before")
+    @classmethod
+    def _exact_version(cls, v: Any) -> Any:
+        if type(v) is not int:  # a Literal compares by ==: true and 1.0 would pass as 1
+            raise ValueError("Input should be the integer 1")
+        return v
 
     @classmethod
     def from_data(cls, data: Mapping[str, Any], source: str | None = None) -> "Plan":

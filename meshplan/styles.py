@@ -58,8 +58,11 @@ class _OwnedLocal(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> DTensor:
         mesh, placements, shape, stride, local_stride = ctx.spec
-        return DTensor.from_local(grad, mesh, placements, run_check=False, shape=shape,
-                                  stride=stride if grad.stride() == local_stride else None)
+        if grad.stride() != local_stride:  # torch takes shape and stride together, or neither
+            grad = grad.contiguous()
+            if grad.stride() != local_stride:
+                return DTensor.from_local(grad, mesh, placements, run_check=False)
+        return DTensor.from_local(grad, mesh, placements, run_check=False, shape=shape, stride=stride)
 
 
 def owned_local(x: Any) -> Any:

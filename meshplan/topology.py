@@ -58,6 +58,8 @@ class Topology:
             ``dp_replicate, dp_shard`` (``pp, dp_replicate, dp_shard, cp, tp`` by default).
         expert: DeviceMesh of the folded expert grid (``pp, edp, ep, etp`` by default).
         rank: this process's global rank.
+        plan_fingerprint: hash of the plan given to ``meshplan.init`` (every rank had the same), else None;
+            ``meshplan.parallelize`` names ranks that pass another plan.
 
     ``topo["tp"]``, ``topo["dp_shard_cp"]``, … return the (flattened where
     needed) 1-D meshes; see :data:`MESH_KEYS`. ``with topo:`` makes it the
@@ -71,6 +73,7 @@ class Topology:
         self.expert = expert
         self._flat = dict(flat)
         self.rank = rank
+        self.plan_fingerprint: str | None = None
         self._owns_pg = owns_process_group
         self._tokens: list[contextvars.Token] = []
 

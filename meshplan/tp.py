@@ -209,6 +209,7 @@ def _adjust_heads(model: nn.Module, local_heads: list[str], tp: int, where: str,
     splits its fused qkv at ``config.num_attention_heads · head_dim``). Modules fed gathered or DTensor
     outputs keep the global counts."""
     changed: dict[str, dict[str, tuple[int, int]]] = {}
+    local_heads = [p for p in local_heads if sees_heads(modules[p] if p else model)]
     if not local_heads:
         return changed
     config = getattr(model, "config", None)
@@ -250,6 +251,11 @@ def _head_counts(mod: nn.Module) -> dict[str, int]:
         if isinstance(n, int) and not isinstance(n, bool) and n > 0:
             out[attr] = n
     return out
+
+
+def sees_heads(mod: nn.Module) -> bool:
+    """Is ``mod`` an attention module (it stores a ``head_dim`` or head counts), not e.g. an MLP?"""
+    return isinstance(getattr(mod, "head_dim", None), int) or bool(_head_counts(mod))
 
 
 def head_count_errors(mod: nn.Module, path: str, tp: int, where: str) -> list[str]:

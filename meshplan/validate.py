@@ -28,7 +28,7 @@ from .packed import features
 from .plan_file import Plan, as_plan
 from .regions import local_head_regions, region_errors, unequal_packed_parts
 from .rules import match_rules
-from .tp import gives_local_shards, head_count_errors
+from .tp import gives_local_shards, head_count_errors, sees_heads
 
 __all__ = ["check", "Report", "validate_plan"]
 
@@ -158,7 +158,9 @@ class _Checker:
     # -- model-wide -----------------------------------------------------------------------------------
     def config(self, matched: dict[str, tuple[str, Any]]) -> None:
         """Head counts of the model config must divide by tp where modules see local heads."""
-        if not local_head_regions(matched, self.modules) or not self.section.adjust_head_counts:
+        regions = local_head_regions(matched, self.modules)
+        if not any(sees_heads(self.modules[p] if p else self.model) for p in regions) or \
+                not self.section.adjust_head_counts:
             return
         cfg = getattr(self.model, "config", None)
         names = ("num_attention_heads", "num_key_value_heads") if hasattr(cfg, "num_attention_heads") else \

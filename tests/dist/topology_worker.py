@@ -1,6 +1,8 @@
-"""Real gloo processes: meshplan.init, the layout fingerprint, topology groups, collectives on each mesh."""
+"""Real gloo processes: meshplan.init, the layout and plan fingerprints, topology groups, collectives on each mesh."""
 
+import copy
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -40,14 +42,71 @@ def case_mismatch_fails_everywhere():
     raise AssertionError("no error")
 
 
+PLAN = {"layout": {"tp": 2},
+        "tensor_parallel": {"sequence_parallel": False, "loss_parallel": False,
+                            "rules": {"layers.*.a": "colwise", "layers.*.b": "rowwise"}}}
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+class _Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([_Block()])
+
+    def forward(self, x):
+        return self.layers[0](x)
+
+
+def _rank_plan():
+    """Rank 1 loads another plan: another sequence_parallel and another rule for ``layers.*.b``."""
+    plan = copy.deepcopy(PLAN)
+    if dist.get_rank() == 1:
+        plan["tensor_parallel"]["sequence_parallel"] = True
+        plan["tensor_parallel"]["rules"]["layers.*.b"] = "colwise"
+    return plan
+
+
+def _raises_plan_error(fn):
+    t = time.monotonic()
+    try:
+        fn()
+    except meshplan.PlanError as e:
+        return {"message": str(e), "seconds": time.monotonic() - t}
+    raise AssertionError("no PlanError")
+
+
+def case_init_plan_mismatch():
+    """meshplan.init(plan) compares the whole plan, not only the layout: every rank fails, at once."""
+    return _raises_plan_error(lambda: meshplan.init(_rank_plan()))
+
+
+def case_parallelize_plan_mismatch():
+    """init with one plan everywhere, then parallelize with another plan on rank 1: every rank fails, at once."""
+    topo = meshplan.init(copy.deepcopy(PLAN))
+    out = _raises_plan_error(lambda: meshplan.parallelize(_Net(), _rank_plan(), topo))
+    same = meshplan.parallelize(_Net(), copy.deepcopy(PLAN), topo)  # the same plan everywhere still works
+    assert same(torch.ones(2, 8)).shape == (2, 8)
+    return out
+
+
 def setup():
     return None
 
 
 if __name__ == "__main__":
-    topo = meshplan.init({"tp": 2})
+    topo = meshplan.init({"tp": 2}, timeout_s=120)  # a hang in a case fails in 2 minutes, not 10
     assert meshplan.current_topology() is None
     with topo:
         assert meshplan.current_topology() is topo
         assert dist.get_backend() == "gloo"
-        run_cases({"init_and_groups": case_init_and_groups, "mismatch": case_mismatch_fails_everywhere})
+        run_cases({"init_and_groups": case_init_and_groups, "mismatch": case_mismatch_fails_everywhere,
+                   "init_plan_mismatch": case_init_plan_mismatch,
+                   "parallelize_plan_mismatch": case_parallelize_plan_mismatch})

@@ -1,0 +1,369 @@
+"""Fuzz: any plan file ends in a ``Plan`` or one ``PlanError``; any ``meshplan`` argv exits 0 or 2 with one line.
+
+Inputs: random plan-shaped data and mutated copies of ``plans/*.yaml`` written as YAML, JSON and TOML; byte-level
+mutations of real plan files; random bytes; deep nesting; integers past Python's 4,300-digit limit; non-scalar YAML
+keys and YAML tags. Hypothesis runs derandomized here (a few seconds); ``python benchmarks/fuzz.py`` runs the same
+strategies with random seeds and thousands of inputs and prints the outcome counts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import math
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from meshplan import Plan, PlanError, load_plan
+from meshplan.cli import main
+
+pytestmark = pytest.mark.fast
+
+ROOT = Path(__file__).resolve().parent.parent
+REAL_PLANS = sorted((ROOT / "plans").glob("*.yaml"))
+SUFFIXES = (".yaml", ".yml", ".json", ".toml")
+KEYS = ("version", "layout", "tensor_parallel", "data_parallel", "tp", "cp", "ep", "etp", "pp", "vpp", "dp_replicate",
+        "dp_shard", "order", "sequence_parallel", "loss_parallel", "dropout_rng", "adjust_head_counts", "rules",
+        "style", "input_layouts", "output_layouts", "use_local_output", "packed", "mode", "blocks", "param_dtype",
+        "reduce_dtype", "reshard_after_forward", "activation_checkpointing", "every", "ops", "compile", "source",
+        "layers.*.wq", "output", "", "x" * 40)
+WORDS = ("colwise", "rowwise", "norm", "embedding", "lm_head", "replicate", "shard(1)", "shard(-1)", "partial",
+         "batch", "tp-cp-ep-dp-pp", "DPT", "cluster", "fsdp", "selective", "aten.mm.default", "bfloat16", "yes",
+         "true", "2", "2.0", "layers.*", "colwise_rep", "embedding_rowwise")
+HUGE = 10 ** 4400  # past Python's int-to-str limit
+
+scalars = st.one_of(
+    st.none(), st.booleans(), st.integers(-3, 10), st.integers(-2 ** 70, 2 ** 70),
+    st.sampled_from([2 ** 20, 2 ** 20 + 1, 10 ** 8]), st.sampled_from([1, -1]).map(lambda sign: sign * HUGE),
+    st.floats(allow_nan=True), st.sampled_from(WORDS),
+    st.text(max_size=12))
+keys = st.one_of(st.sampled_from(KEYS), st.text(max_size=8))
+data = st.recursive(scalars, lambda ch: st.lists(ch, max_size=4) | st.dictionaries(keys, ch, max_size=5),
+                    max_leaves=25)
+
+
+def _real_plans() -> list[dict]:
+    return [yaml.safe_load(p.read_text()) for p in REAL_PLANS]
+
+
+@st.composite
+def mutated_plans(draw) -> dict:
+    """A real plan with 1-4 random edits: a value replaced, a key dropped or added, a section wrapped in a list."""
+    plan = json.loads(json.dumps(draw(st.sampled_from(_real_plans()))))
+    for _ in range(draw(st.integers(1, 4))):
+        node = plan
+        while isinstance(node, dict) and node and draw(st.booleans()):
+            child = node[draw(st.sampled_from(sorted(node)))]
+            if not isinstance(child, dict):
+                break
+            node = child
+        if not isinstance(node, dict) or not node:
+            continue
+        key = draw(st.sampled_from(sorted(node)))
+        op = draw(st.sampled_from(("set", "drop", "add", "wrap")))
+        if op == "set":
+            node[key] = draw(data)
+        elif op == "drop":
+            del node[key]
+        elif op == "add":
+            node[draw(keys)] = draw(data)
+        else:
+            node[key] = [node[key]]
+    return plan
+
+
+def _toml_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int):
+        return hex(v) if v > 10 ** 4000 else (str(v) if abs(v) < 10 ** 4000 else "-0")
+    if isinstance(v, float):
+        return "nan" if math.isnan(v) else ("inf" if v == math.inf else "-inf" if v == -math.inf else repr(v))
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v if x is not None) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{json.dumps(str(k))} = {_toml_value(x)}" for k, x in v.items() if x is not None) + "}"
+    return '"null"'  # TOML has no null
+
+
+class _Dumper(yaml.SafeDumper):
+    """Writes an int past 4300 digits in hex (``str`` refuses it; YAML reads ``0x…`` back)."""
+
+    def represent_int(self, data):
+        return self.represent_scalar("tag:yaml.org,2002:int", hex(data) if abs(data) > 10 ** 4000 else str(data))
+
+
+_Dumper.add_representer(int, _Dumper.represent_int)
+
+
+def serialize(obj, suffix: str) -> bytes:
+    """``obj`` as a ``suffix`` file (YAML, JSON, or inline-table TOML); huge ints survive only where they can."""
+    if suffix in (".yaml", ".yml"):
+        return yaml.dump(obj, Dumper=_Dumper, allow_unicode=True).encode("utf-8", "surrogatepass")
+    if suffix == ".json":
+        return json.dumps(obj, default=str).encode("utf-8", "surrogatepass") if _small(obj) else b'{"tp": 1}'
+    body = obj if isinstance(obj, dict) else {"top": obj}
+    return "\n".join(f"{json.dumps(str(k))} = {_toml_value(v)}" for k, v in body.items()
+                     if v is not None).encode("utf-8", "surrogatepass")
+
+
+def _small(obj) -> bool:
+    """json.dumps cannot write an int past 4300 digits either."""
+    if isinstance(obj, int) and not isinstance(obj, bool):
+        return abs(obj) < 10 ** 4000
+    if isinstance(obj, dict):
+        return all(_small(v) for v in obj.values())
+    if isinstance(obj, list):
+        return all(_small(v) for v in obj)
+    return True
+
+
+def _nesting(suffix: str, n: int, kind: str) -> bytes:
+    if suffix == ".json":
+        inner = "[" * n + "]" * n if kind == "list" else '{"a": ' * n + "1" + "}" * n
+        return f'{{"layout": {inner}}}'.encode()
+    if suffix == ".toml":
+        return (f"a = {'[' * n}{']' * n}" if kind == "list" else "a = " + "{b = " * n + "1" + "}" * n).encode()
+    if kind == "block":
+        return "".join("  " * i + "a:\n" for i in range(min(n, 400))).encode()
+    return (f"layout: {'[' * n}{']' * n}" if kind == "list" else "layout: " + "{a: " * n + "1" + "}" * n).encode()
+
+
+HUGE_TEXT = {
+    ".yaml": ["layout:\n  tp: {d}\n", "layout:\n  tp: 0x{h}\n", "layout: {{tp: 0b{b}}}\n", "{d}: 1\n", "0x{h}: 1\n",
+              "tensor_parallel:\n  rules:\n    0x{h}: colwise\n", "version: 0x{h}\n"],
+    ".json": ['{{"layout": {{"tp": {d}}}}}', '{{"version": {d}}}', '{{"layout": {{"tp": {d}.5}}}}'],
+    ".toml": ["[layout]\ntp = {d}\n", "[layout]\ntp = 0x{h}\n", "version = 0o{o}\n"],
+}
+YAML_ODDITIES = [
+    "? [1, 2]\n: x\n", "{[1]: 2}\n", "? {a: 1}\n: x\n", "layout:\n  ? [tp]\n  : 2\n", "!!set {a, b}\n",
+    "layout: !!set {? [1]}\n", "a: &x {tp: 2}\nlayout:\n  <<: *x\n", "layout:\n  <<: 1\n", "layout: !!binary AAAA\n",
+    "layout: !!timestamp 2020-13-45\n", "!!omap [a: 1, a: 2]\n", "layout: !!python/name:os.system\n",
+    "layout: !!float x\n", "layout: !!int x\n", "layout:\n  tp: 1:2:3\n", "layout: *nope\n", "%YAML 9.9\n---\n",
+    "--- 1\n--- 2\n", "layout: {tp: .inf}\n", "version: !!bool yes\n", "null: 1\n", "1.5: x\n", "2020-01-01: x\n",
+]
+
+
+@st.composite
+def plan_files(draw) -> tuple[str, bytes]:
+    """``(suffix, content)`` of a plan file, valid or not."""
+    kind = draw(st.sampled_from(("data", "mutated", "bytes_mutated", "random_bytes", "nesting", "huge", "yaml_odd")))
+    suffix = draw(st.sampled_from(SUFFIXES))
+    if kind == "data":
+        return suffix, serialize(draw(st.dictionaries(keys, data, max_size=5) | data), suffix)
+    if kind == "mutated":
+        return suffix, serialize(draw(mutated_plans()), suffix)
+    if kind == "bytes_mutated":
+        raw = bytearray(serialize(draw(st.sampled_from(_real_plans())), suffix))
+        for _ in range(draw(st.integers(1, 8))):
+            i = draw(st.integers(0, len(raw)))
+            op = draw(st.sampled_from(("replace", "insert", "delete", "repeat")))
+            if op == "replace" and i < len(raw):
+                raw[i] = draw(st.integers(0, 255))
+            elif op == "insert":
+                raw[i:i] = draw(st.binary(min_size=1, max_size=4))
+            elif op == "delete":
+                del raw[i:i + draw(st.integers(1, 20))]
+            else:
+                raw[i:i] = raw[i:i + draw(st.integers(1, 40))] * draw(st.integers(1, 50))
+        return suffix, bytes(raw)
+    if kind == "random_bytes":
+        return suffix, draw(st.binary(max_size=300))
+    if kind == "nesting":
+        n = draw(st.sampled_from((5, 31, 32, 33, 100, 999, 1000, 5000, 100_000)))
+        return suffix, _nesting(suffix, n, draw(st.sampled_from(("list", "map", "block"))))
+    if kind == "huge":
+        suffix = ".yaml" if suffix == ".yml" else suffix
+        k = draw(st.sampled_from((4299, 4301, 5000, 20_000)))
+        text = draw(st.sampled_from(HUGE_TEXT[suffix]))
+        return suffix, text.format(d="9" * k, h="f" * k, b="1" * k, o="7" * k).encode()
+    return ".yaml", draw(st.sampled_from(YAML_ODDITIES)).encode()
+
+
+def load_outcome(path: Path) -> str:
+    """``"plan"`` or ``"error"``; anything else escapes (and fails the caller)."""
+    try:
+        plan = load_plan(path)
+    except PlanError as e:
+        assert "\n" not in str(e), str(e)
+        return "error"
+    assert isinstance(plan, Plan)
+    return "plan"
+
+
+@settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(plan_files())
+def test_plan_files_end_in_plan_or_plan_error(tmp_path_factory, case):
+    suffix, content = case
+    path = tmp_path_factory.getbasetemp() / f"fuzz{suffix}"
+    path.write_bytes(content)
+    load_outcome(path)
+
+
+# ---- the CLI ----------------------------------------------------------------------------------------------------
+
+LLAMA_CFG = json.dumps({"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 128, "ffn_dim": 128})
+NUMBERS = st.one_of(st.integers(-2, 2048).map(str), st.sampled_from(
+    ["0", "1", "2", "4", "8", "65537", "1048577", "100000000", "1" * 31, "9" * 5000, "x", "", "1e3", " 8 ", "0x10",
+     "-0", "٣"]))
+FACTORIES = '''import sys
+def exit0(**kw): sys.exit(0)
+def exit3(**kw): sys.exit(3)
+def exit_str(**kw): sys.exit("bye\\nnow")
+def multiline(**kw): raise ValueError("line one\\nline two")
+def printer(**kw):
+    print("noise on stdout"); print("noise on stderr", file=sys.stderr)
+    import warnings; warnings.warn("a warning")
+    raise RuntimeError("printed first")
+def not_a_module(**kw): return 42
+def recursion(**kw): return recursion()
+'''
+
+
+def make_pool(root: Path) -> dict[str, list[str]]:
+    """Files the CLI fuzz points at: plans (good and bad), configs, factory modules, output paths."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "meshplan_fuzz_exit_at_import.py").write_text("import sys\nsys.exit(0)\n")
+    (root / "meshplan_fuzz_factories.py").write_text(FACTORIES)
+    files = {"bin.yaml": b"\xff\xfe\x00bad", "deep.json": b"[" * 5000 + b"]" * 5000, "huge.toml": b"tp = " + b"9" * 5000,
+             "ok.json": b'{"layout": {"tp": 2}}', "coerced.yaml": b"layout: {tp: '2'}\n",
+             "cfg_dict.json": b'{"model_type": "llama", "num_attention_heads": {"a": 1}}',
+             "cfg_list.json": b"[1]", "cfg_type.json": b'{"model_type": ["llama"]}', "cfg_none.json": b"{}",
+             "cfg_bin.json": b"\xff", "cfg_deep.json": b'{"model_type": "llama", "x": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+             "llama_cfg.json": LLAMA_CFG.encode()}
+    for name, content in files.items():
+        (root / name).write_bytes(content)
+    (root / "dir.yaml").mkdir(exist_ok=True)
+    plans = [str(p.relative_to(ROOT)) for p in REAL_PLANS] + [str(root / n) for n in
+                                                             ("bin.yaml", "deep.json", "huge.toml", "ok.json",
+                                                              "coerced.yaml", "dir.yaml", "missing.yaml")] + ["", "-"]
+    configs = [LLAMA_CFG, '{"num_hidden_layers": 1}', '{"nonexistent_key": 1}', '{"num_hiden_layers": 1}',
+               '{"vocab_size": -1}', '{"hidden_size": "x"}', "{bad", "[1]", '{"a": ' + "9" * 5000 + "}",
+               "{" + '"a": [' * 3000 + "]" * 3000 + "}", str(root / "llama_cfg.json"), str(root / "cfg_bin.json"),
+               str(root / "dir.yaml"), "@" + str(root / "missing.json"), ""]
+    models = ["llama:build", "examples.llama:build", "examples.hf_models:llama", "examples.hf_models:gpt2",
+              "transformers:LlamaForCausalLM", "nope_module:x", "examples.hf_models", "examples.hf_models:FACTORIES",
+              ":", "a:b:c", "..x:y", "meshplan_fuzz_exit_at_import:f", "os:getcwd"] + [
+        f"meshplan_fuzz_factories:{f}" for f in ("exit0", "exit3", "exit_str", "multiline", "printer",
+                                                 "not_a_module", "recursion")]
+    sources = ["llama", "gpt2", "qwen2", "falcon_x", "", "bert", str(root / "cfg_dict.json"),
+               str(root / "cfg_list.json"), str(root / "cfg_type.json"), str(root / "cfg_none.json"),
+               str(root / "cfg_bin.json"), str(root / "cfg_deep.json"), str(root / "missing" / "config.json"),
+               str(root / "dir.yaml"), *plans[:2]]
+    outputs = [str(root / "out.yaml"), str(root), str(root / "missing" / "x.yaml"), str(root / "bin.yaml" / "x")]
+    return {"plans": plans, "configs": configs, "models": models, "sources": sources, "outputs": outputs,
+            "path": [str(root)]}
+
+
+@st.composite
+def argvs(draw, pool: dict[str, list[str]]) -> list[str]:
+    """A random ``meshplan`` command line: a subcommand, its flags with random values, sometimes junk."""
+    cmd = draw(st.sampled_from(("ranks", "ranks", "check", "check", "convert", "convert", "schema", "nope", "")))
+    argv = [cmd] if cmd else []
+    layout_flags = ["--world-size", "--tp", "--pp", "--cp", "--ep", "--etp", "--vpp", "--dp-replicate", "--dp-shard"]
+    if cmd == "check":
+        argv += [draw(st.sampled_from(pool["plans"])), "--model", draw(st.sampled_from(pool["models"]))]
+        if draw(st.booleans()):
+            argv += ["--config", draw(st.sampled_from(pool["configs"]))]
+        if draw(st.booleans()):
+            argv += ["--path", pool["path"][0]]
+    if cmd == "convert":
+        argv.append(draw(st.sampled_from(pool["sources"])))
+        for flag, choices in (("--from", ("hf", "meshplan", "x")), ("--to", ("meshplan", "hf", "x"))):
+            if draw(st.booleans()):
+                argv += [flag, draw(st.sampled_from(choices))]
+        if draw(st.booleans()):
+            argv += ["-o", draw(st.sampled_from(pool["outputs"]))]
+        argv += draw(st.lists(st.sampled_from(("--no-sequence-parallel", "--no-loss-parallel")), max_size=2))
+    if cmd in ("ranks", "check"):
+        for flag in draw(st.lists(st.sampled_from(layout_flags), max_size=4)):
+            argv += [flag, draw(NUMBERS)]
+        if draw(st.booleans()):
+            argv += ["--order", draw(st.sampled_from(("tp-dp", "DPT", "spread", "tp-xx", "pp-tp-dp", "")))]
+        if draw(st.booleans()):
+            argv += ["--format", draw(st.sampled_from(("table", "json", "svg", "png")))]
+    if draw(st.integers(0, 9)) == 0:
+        argv.insert(draw(st.integers(0, len(argv))), draw(st.sampled_from(("--bogus", "-x", "--", "x", "\x00"))))
+    return argv
+
+
+def cli_outcome(argv: list[str]) -> tuple[int, str, str]:
+    """``(exit code, stdout, stderr)`` of ``meshplan argv`` in this process; asserts the CLI contract."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as e:  # argparse's --help/--version only
+            code = e.code
+    text = err.getvalue()
+    assert code in (0, 2), (argv, code, text)
+    assert text == "" or (text.count("\n") == 1 and text.endswith("\n") and re.match(r"meshplan: error: \S", text)), (
+        argv, text)
+    assert code == 2 or text == "", (argv, text)
+    return code, out.getvalue(), text
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory):
+    saved = list(sys.path)  # --path and the cwd's examples/ land on sys.path: leave it as it was
+    yield make_pool(tmp_path_factory.mktemp("cli_pool"))
+    sys.path[:] = saved
+
+
+@settings(max_examples=100, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(st.data())
+def test_cli_exits_0_or_2_with_one_line(pool, data):
+    cli_outcome(data.draw(argvs(pool)))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["ranks", "--world-size", "100000000", "--tp", "8"], "argument --world-size: expected an integer in [1, 65536]"),
+    (["ranks", "--world-size", "1" * 31, "--tp", "8"], "expected an integer in [1, 65536] (2**16"),
+    (["ranks", "--world-size", "8", "--tp", "100000000"], "argument --tp: expected an integer in [1, 1048576] (2**20)"),
+    (["check", "plans/llama.yaml", "--model", "llama:build", "--world-size", "0"],
+     "argument --world-size: expected an integer in [1, 1048576] (2**20), got 0"),
+    (["check", "plans/llama.yaml", "--model", "meshplan_fuzz_exit_at_import:f"], "called sys.exit(0)"),
+    (["check", "plans/llama.yaml", "--model", "meshplan_fuzz_factories:exit0"], "the factory failed: called sys.exit(0)"),
+    (["check", "plans/llama.yaml", "--model", "meshplan_fuzz_factories:exit3"], "the factory failed: called sys.exit(3)"),
+    (["check", "plans/llama.yaml", "--model", "meshplan_fuzz_factories:multiline"], "ValueError: line one line two"),
+    (["check", "plans/llama.yaml", "--model", "meshplan_fuzz_factories:printer"], "RuntimeError: printed first"),
+    (["check", "plans/hf_llama.yaml", "--model", "transformers:LlamaForCausalLM", "--config",
+      '{"nonexistent_key": 1}'], "--config key(s) 'nonexistent_key' are not attributes of LlamaConfig"),
+    (["check", "plans/hf_llama.yaml", "--model", "examples.hf_models:llama", "--config", '{"num_hiden_layers": 1}'],
+     "'num_hiden_layers' (did you mean num_hidden_layers"),
+    (["convert", "{root}/cfg_dict.json"], "transformers cannot use this config: StrictDataclassFieldValidationError"),
+    (["convert", "{root}/cfg_list.json"], "transformers cannot use this config: TypeError"),
+    (["convert", "llama", "-o", "{root}"], "is a directory, expected a file path"),
+    (["convert", "llama", "-o", "{root}/missing/x.yaml"], "cannot write: No such file or directory"),
+    (["check", "{root}/bin.yaml", "--model", "x:y"], "bin.yaml: not UTF-8 text: byte 0xff at offset 0"),
+    (["check", "{root}/dir.yaml", "--model", "x:y"], "dir.yaml: is a directory, expected a plan file"),
+    (["check", "{root}/coerced.yaml", "--model", "x:y"], "layout.tp: Input should be a valid integer (got '2')"),
+])
+def test_issue_inputs_one_line_exit_2(tmp_path, argv, message):
+    pool = make_pool(tmp_path)
+    saved = list(sys.path)
+    try:
+        code, out, err = cli_outcome([a.replace("{root}", str(tmp_path)) for a in argv] + (
+            ["--path", pool["path"][0]] if argv[0] == "check" else []))
+    finally:
+        sys.path[:] = saved
+    assert code == 2 and out == "" and message in err, err
+
+
+def test_keyboard_interrupt_is_one_line_exit_130(tmp_path, monkeypatch):
+    def interrupted(args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr("meshplan.cli._schema", interrupted)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(["schema"])
+    assert code == 130 and err.getvalue() == "meshplan: error: interrupted\n"
