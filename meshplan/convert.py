@@ -6,9 +6,10 @@ download: the config class's ``base_model_tp_plan`` (paths relative to the base
 model, so prefixed with the class's ``base_model_prefix``) plus the task
 class's ``_tp_plan`` (``lm_head``). HF plans shard only the linear layers; the
 meshplan plan adds what sequence and loss parallelism need, read from the model
-structure (built on the meta device from a 1-layer copy of the config): the
-input embedding (``embedding``), every norm on the residual stream (``norm``)
-and the output embedding (``lm_head``). Models transformers ships no plan for
+structure (built on the meta device from a copy of the config shrunk by :mod:`meshplan.hf_tiny`, every layer kind kept): the
+input embedding (``embedding``), every norm on the residual stream (``norm``),
+the output embedding (``lm_head``) and, beside colwise projections, per-head norms and scalar-parameter
+activations that transformers' plan leaves out (``head_norm``). Models transformers ships no plan for
 use :data:`BUILTIN` (GPT-2).
 """
 
@@ -84,20 +85,20 @@ def _rule(style: str) -> Any:
     return data["style"] if len(data) == 1 else data
 
 
-def _structure(cls, config, hf_rules: dict[str, str]) -> tuple[dict[str, str], list[str]]:
-    """Embedding, stream norms and lm_head rules read from a meta-device 1-layer instance, and the
-    instance's module paths (wildcarded) in model order."""
-    import copy
-
+def _small_instance(cls, config):
+    """A meta-device instance of ``cls`` from a shrunken copy of ``config`` that keeps every layer kind."""
     import torch
 
-    from .validate import _is_norm
-    small = copy.deepcopy(config)
-    for key in ("num_hidden_layers", "n_layer"):
-        if hasattr(small, key):
-            setattr(small, key, min(getattr(small, key), 1))
+    from .hf_tiny import tiny_config
     with torch.device("meta"):
-        model = cls(small)
+        return cls(tiny_config(config, tp=2))
+
+
+def _structure(model, hf_rules: dict[str, str]) -> tuple[dict[str, str], list[str]]:
+    """Embedding, stream norms and lm_head rules read from a small meta-device instance (every layer kind of
+    the model kept), and the instance's module paths (wildcarded) in model order."""
+    from .regions import summable_on_shards
+    from .validate import _is_norm
     names = {id(m): n for n, m in model.named_modules()}
     star = lambda p: re.sub(r"\.\d+(?=\.|$)", ".*", p)  # noqa: E731
     parents = {k.rpartition(".")[0] for k, v in hf_rules.items() if resolve_alias(v)["style"] == "colwise"}
@@ -105,10 +106,17 @@ def _structure(cls, config, hf_rules: dict[str, str]) -> tuple[dict[str, str], l
     emb = model.get_input_embeddings()
     if emb is not None and id(emb) in names:
         out[names[id(emb)]] = "embedding"
-    for path, mod in model.named_modules():
+    local = {k.rpartition(".")[0] for k, v in hf_rules.items() if resolve_alias(v)["style"] == "colwise"
+             and resolve_alias(v).get("output_layouts") in (None, "shard(-1)")}
+    modules = dict(model.named_modules())
+    for path, mod in modules.items():
         pattern = star(path)
+        parent = path.rpartition(".")[0]
         if path and _is_norm(mod) and not any(pattern.startswith(p + ".") for p in parents if p):
             out[pattern] = "norm"
+        elif path and star(parent) in local and pattern not in hf_rules and \
+                summable_on_shards(mod, modules[parent], model):
+            out[pattern] = "head_norm"  # a per-head norm or a scalar-parameter activation on this rank's shards
     head = model.get_output_embeddings()
     if head is not None and id(head) in names:
         out[names[id(head)]] = "lm_head"
@@ -133,6 +141,7 @@ def from_hf(source: str | Path, *, sequence_parallel: bool = True, loss_parallel
     Raises:
         PlanError: unknown model type, no plan known for it, or an HF style meshplan cannot express.
     """
+    import torch
     config, model_type, archs = _config(source)
     cls = _model_class(config, model_type, archs)
     base = getattr(config, "base_model_tp_plan", None) or {}
@@ -143,14 +152,23 @@ def from_hf(source: str | Path, *, sequence_parallel: bool = True, loss_parallel
         raise PlanError(f"transformers ships no tp_plan for model type {model_type!r} and meshplan has no built-in "
                         f"one; write the rules by hand (see plans/hf_llama.yaml)")
     else:
-        prefix = f"{cls.base_model_prefix}." if cls.base_model_prefix else ""
+        try:
+            model = _small_instance(cls, config)
+        except Exception as e:
+            raise PlanError(f"{model_type}: cannot build a small {cls.__name__} to read its structure: "
+                            f"{type(e).__name__}: {' '.join(str(e).split())[:300]}") from None
+        # a task model holds the base model under base_model_prefix; the base model class itself does not
+        p = cls.base_model_prefix
+        prefix = f"{p}." if p and isinstance(getattr(model, p, None), torch.nn.Module) else ""
         hf = {prefix + k: v for k, v in base.items()}
         hf.update(getattr(cls, "_tp_plan", None) or {})
-        try:
-            rules = {k: _rule(v) for k, v in hf.items()}
-        except ValueError as e:
-            raise PlanError(f"{model_type}: {e}") from None
-        found, order = _structure(cls, config, hf)
+        rules = {}
+        for k, v in hf.items():
+            try:
+                rules[k] = _rule(v)
+            except ValueError as e:
+                raise PlanError(f"{model_type}: tp_plan rule {k!r} ({cls.__name__}): {e}") from None
+        found, order = _structure(model, hf)
         for path, style in found.items():
             if style == "norm" and not sequence_parallel:
                 continue

@@ -244,7 +244,7 @@ def _meta_copy(model: nn.Module) -> nn.Module:
 @contextlib.contextmanager
 def _fake_group(world: int):
     import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from ._torch import FakeStore
     prior = dist.get_world_size() if dist.is_initialized() else None
     prior_rank = dist.get_rank() if prior is not None else 0
     if prior is not None and dist.get_backend() != "fake":

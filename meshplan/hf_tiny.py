@@ -24,7 +24,7 @@ HEAD_DIM = 16
 #: per model type: config overrides the generic rules cannot derive, and why
 OVERRIDES: dict[str, tuple[dict[str, Any], str]] = {
     "deepseek_ocr2_text": ({"mlp_layer_types": ["dense", "sparse"], "num_experts_per_tok": 2},
-                           "default config leaves mlp_layer_types and num_experts_per_tok None, which the model indexes"),
+                           "default leaves mlp_layer_types and num_experts_per_tok None, which the model indexes"),
     "lfm2_moe": ({"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
                  "default config leaves layer_types None, which the model indexes"),
     "qwen4_exp_text": ({"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 16, "indexer_budget": 8,

@@ -2,9 +2,10 @@
 
 Safe loaders only (no object construction), duplicate keys rejected in every
 format, and size limits so a plan file cannot exhaust memory or the stack: at
-most :data:`MAX_PLAN_BYTES` bytes of UTF-8 text, :data:`MAX_PLAN_NODES` values
-and :data:`MAX_PLAN_DEPTH` levels of nesting. Whatever the bytes, the result is
-a dict or one :class:`PlanError` naming the file.
+most :data:`MAX_PLAN_BYTES` bytes of UTF-8 text, :data:`MAX_PLAN_NODES` values,
+:data:`MAX_PLAN_DEPTH` levels of nesting and integers of :data:`MAX_INT_BITS`
+bits. Whatever the bytes, the result is a dict or one :class:`PlanError` naming
+the file.
 """
 
 from __future__ import annotations
@@ -24,11 +25,13 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-__all__ = ["read_plan_data", "pydantic_message", "MAX_PLAN_BYTES", "MAX_PLAN_NODES", "MAX_PLAN_DEPTH"]
+__all__ = ["read_plan_data", "check_data", "pydantic_message", "MAX_PLAN_BYTES", "MAX_PLAN_NODES", "MAX_PLAN_DEPTH",
+           "MAX_INT_BITS"]
 
 MAX_PLAN_BYTES = 1 << 20     #: a plan file larger than 1 MiB is rejected
 MAX_PLAN_NODES = 100_000     #: so is one expanding (YAML aliases) to more values than this
 MAX_PLAN_DEPTH = 32          #: or nested deeper than this (a real plan nests 5 levels)
+MAX_INT_BITS = 13_000        #: or holding an integer of more bits (about 3,900 digits; Python prints up to 4,300)
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -61,18 +64,34 @@ def _json_pairs(pairs: list[tuple[str, Any]]) -> dict:
     return out
 
 
-def _count(obj: Any, limit: int, max_depth: int = MAX_PLAN_DEPTH) -> int:
-    stack, n = [(obj, 1)], 0
+def check_data(obj: Any, max_nodes: int = MAX_PLAN_NODES, max_depth: int = MAX_PLAN_DEPTH) -> None:
+    """Bound plain data before validation: at most ``max_nodes`` values, ``max_depth`` levels, no huge integer.
+
+    An integer of more than :data:`MAX_INT_BITS` bits (about 3,900 digits) is refused here: Python cannot print
+    it (``repr`` raises past 4,300 digits), so no error message could show it, and no plan value comes close.
+
+    Raises:
+        PlanError: naming the key path of the offending value.
+    """
+    stack: list[tuple[Any, int, str]] = [(obj, 1, "")]
+    n = 0
     while stack:
-        o, depth = stack.pop()
+        o, depth, path = stack.pop()
         n += 1
-        if n > limit:
-            raise PlanError(f"more than {limit} values (YAML aliases expanding?)")
+        if n > max_nodes:
+            raise PlanError(f"more than {max_nodes} values (YAML aliases expanding?)")
+        if isinstance(o, int) and o.bit_length() > MAX_INT_BITS:
+            raise PlanError(f"{path or '(top)'}: an integer of {o.bit_length()} bits; plan integers have at most "
+                            f"{MAX_INT_BITS} bits")
         if isinstance(o, (dict, list)):
             if depth > max_depth:
-                raise PlanError(f"nested deeper than {max_depth} levels")
-            stack.extend((v, depth + 1) for v in (o.values() if isinstance(o, dict) else o))
-    return n
+                raise PlanError(f"{path}: nested deeper than {max_depth} levels")
+            items = o.items() if isinstance(o, dict) else enumerate(o)
+            for k, v in items:
+                if isinstance(k, int) and k.bit_length() > MAX_INT_BITS:
+                    raise PlanError(f"{path or '(top)'}: a key that is an integer of {k.bit_length()} bits")
+                key = k if isinstance(k, str) and k.isprintable() and 0 < len(k) <= 80 else _shown(k)
+                stack.append((v, depth + 1, f"{path}.{key}" if path else key))
 
 
 def _read_text(p: Path) -> str:
@@ -117,13 +136,16 @@ def read_plan_data(path: str | Path) -> dict:
             data = tomllib.loads(text)
         if data is None:
             data = {}
-        _count(data, MAX_PLAN_NODES)
+        check_data(data)
     except PlanError as e:
         raise PlanError(f"{p}: {e}") from None
     except RecursionError:
         raise PlanError(f"{p}: nested deeper than {MAX_PLAN_DEPTH} levels") from None
     except (yaml.YAMLError, ValueError, TypeError) as e:  # JSON/TOML decode errors, ints past 4300 digits, …
-        raise PlanError(f"{p}: not valid {suffix.lstrip('.').upper()}: {_one_line(str(e))}") from None
+        why = _one_line(str(e))
+        if "integer string conversion" in why:
+            why = f"an integer of more than {sys.get_int_max_str_digits()} digits; plan integers are far smaller"
+        raise PlanError(f"{p}: not valid {suffix.lstrip('.').upper()}: {why}") from None
     if not isinstance(data, dict):
         raise PlanError(f"{p}: the top level must be a mapping, got {type(data).__name__}")
     return data
@@ -149,7 +171,7 @@ def pydantic_message(err: Exception) -> str:
         return str(err)
     parts = []
     for e in errors():
-        loc = ".".join(x if isinstance(x, str) and x.isprintable() and len(x) <= 80 else _shown(x)
+        loc = ".".join(x if isinstance(x, str) and x and x.isprintable() and len(x) <= 80 else _shown(x)
                        for x in e.get("loc", ()) if not (isinstance(x, str) and x.startswith("function-")))
         msg = _one_line(e.get("msg", "").removeprefix("Value error, "))
         msg = msg if len(msg) <= 300 else f"{msg[:300]}…"

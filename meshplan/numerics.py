@@ -114,10 +114,11 @@ def _loss(model: nn.Module, batch: Mapping[str, Any], vocab: int | None) -> torc
 
     from .loss import cross_entropy
     if _is_hf(model):
-        out = model(**batch)
+        out = model(**batch) if _takes_labels(model) else model(**{k: v for k, v in batch.items() if k != "labels"})
         if getattr(out, "loss", None) is not None:
             return out.loss
-        out = out.logits
+        logits = getattr(out, "logits", None)
+        out = logits if logits is not None else getattr(out, "last_hidden_state", out)
     else:
         out = model(*[v for k, v in batch.items() if k != "labels"])
     out = out[0] if isinstance(out, (tuple, list)) else getattr(out, "logits", out)
@@ -129,6 +130,15 @@ def _loss(model: nn.Module, batch: Mapping[str, Any], vocab: int | None) -> torc
     if isinstance(out, DTensor):
         out = out.full_tensor()
     return out.float().square().mean()
+
+
+def _takes_labels(model: nn.Module) -> bool:
+    import inspect
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return True
+    return "labels" in params
 
 
 def _per_rank(t: torch.Tensor) -> dict[int, torch.Tensor]:
@@ -203,9 +213,10 @@ def check_numerics(model: nn.Module, plan: Any, *, tp: int = 2, batch: Mapping[s
             parallelize(work, p, build_mesh({"tp": tp}))
             loss = loss_fn(work, batch)
             loss.backward()
-            losses = _per_rank(loss)
-            report.loss_error = max(_rel(v.reshape(()), ref_loss.detach().reshape(()), 0.0) for v in losses.values())
-            report.loss = (float(ref_loss), float(max(losses.values(), key=lambda v: _rel(v.reshape(()), ref_loss.detach().reshape(()), 0.0))))
+            want = ref_loss.detach().reshape(())
+            worst = max(_per_rank(loss).values(), key=lambda v: _rel(v.reshape(()), want, 0.0))
+            report.loss_error = _rel(worst.reshape(()), want, 0.0)
+            report.loss = (float(want), float(worst))
             for name, q in work.named_parameters():
                 want = ref.get(name)
                 if want is None:

@@ -9,7 +9,7 @@ from pydantic import Field, ValidationError, field_validator
 
 from .errors import PlanError
 from .layout import Layout
-from .loader import pydantic_message, read_plan_data
+from .loader import check_data, pydantic_message, read_plan_data
 from .strict import Strict
 from .tp_plan import TensorParallel
 from .dp_plan import DataParallel
@@ -49,6 +49,10 @@ class Plan(Strict):
         """
         if "source" in data:
             raise PlanError(f"{source or '<plan>'}: source: is set by the loader, not the file")
+        try:
+            check_data(data)  # sizes, depth, integers Python cannot print: before pydantic sees them
+        except PlanError as e:
+            raise PlanError(f"{source or '<plan>'}: {e}") from None
         try:
             return cls.model_validate({**data, "source": source})
         except ValidationError as e:

@@ -15,7 +15,9 @@ from typing import Any
 
 import torch.nn as nn
 
-__all__ = ["local_head_regions", "region_errors", "unequal_packed_parts"]
+from .heads import safe_attr
+
+__all__ = ["local_head_regions", "region_errors", "summable_on_shards", "unequal_packed_parts"]
 
 
 def local_head_regions(matched: dict[str, tuple[str, Any]], modules: dict[str, nn.Module] | None = None) -> set[str]:
@@ -28,12 +30,11 @@ def local_head_regions(matched: dict[str, tuple[str, Any]], modules: dict[str, n
 
 
 def _head_dim(parent: nn.Module, model: nn.Module) -> int | None:
-    hd = getattr(parent, "head_dim", None)
+    hd = safe_attr(parent, "head_dim")
     if isinstance(hd, int) and hd > 0:
         return hd
-    cfg = getattr(model, "config", None)
-    h, n = getattr(cfg, "hidden_size", None), getattr(cfg, "num_attention_heads", None)
-    hd = getattr(cfg, "head_dim", None)
+    cfg = safe_attr(model, "config")
+    h, n, hd = safe_attr(cfg, "hidden_size"), safe_attr(cfg, "num_attention_heads"), safe_attr(cfg, "head_dim")
     if isinstance(hd, int) and hd > 0:
         return hd
     return h // n if isinstance(h, int) and isinstance(n, int) and n > 0 and h % n == 0 else None
@@ -41,8 +42,8 @@ def _head_dim(parent: nn.Module, model: nn.Module) -> int | None:
 
 def unequal_packed_parts(parent: nn.Module, model: nn.Module, out: int, packed: int) -> str | None:
     """Why a ``packed: k`` colwise on a fused q|k|v of ``out`` features cannot be split in k equal parts, or None."""
-    cfg = getattr(parent, "config", None) or getattr(model, "config", None)
-    heads, kv = getattr(cfg, "num_attention_heads", None), getattr(cfg, "num_key_value_heads", None)
+    cfg = safe_attr(parent, "config") or safe_attr(model, "config")
+    heads, kv = safe_attr(cfg, "num_attention_heads"), safe_attr(cfg, "num_key_value_heads")
     hd = _head_dim(parent, model)
     if packed != 3 or not all(isinstance(x, int) and x > 0 for x in (heads, kv, hd)):
         return None
@@ -84,8 +85,8 @@ def region_errors(model: nn.Module, modules: dict[str, nn.Module], matched: dict
                               f"it; there it gets the block's converted input (a DTensor) or their local shards; "
                               f"found no rule, expected '{star}: colwise' (or rowwise if it consumes their outputs)")
                 continue
-            want = f"'{star}: head_norm'" if _per_head(child, hd) else "a rule that shards it, or gather the " \
-                   "colwise outputs (output_layouts: replicate)"
+            want = f"'{star}: head_norm'" if summable_on_shards(child, pmod, model) else "a rule that shards it, " \
+                   "or gather the colwise outputs (output_layouts: replicate)"
             errors.append(f"{where}: module {path!r} ({kind}) runs on this rank's shards (the local outputs of "
                           f"{near}) but no rule covers it; its parameters' gradients would cover only this rank's "
                           f"part; found no rule, expected {want}")
@@ -99,6 +100,8 @@ def region_errors(model: nn.Module, modules: dict[str, nn.Module], matched: dict
             errors.append(f"{where}.{pattern!r}: module {path!r} is {type(modules[path]).__name__}; style norm expects a "
                           f"norm or dropout on the residual stream; found {type(modules[path]).__name__}, expected "
                           f"colwise, rowwise, embedding or lm_head")
+    if sequence_parallel is True:
+        errors += _unruled_on_stream(modules, matched, regions, where)
     if sequence_parallel is True:  # batch mode: an unruled embedding's output is this rank's samples, as wanted
         inside = tuple(p + "." for p in regions if p)
         for path, mod in modules.items():
@@ -112,6 +115,42 @@ def region_errors(model: nn.Module, modules: dict[str, nn.Module], matched: dict
                               f"output would be taken as one rank's shard; found {style or 'no rule'}, expected "
                               f"'{_star(path)}: embedding' (or embedding_colwise)")
     return errors
+
+
+def _unruled_on_stream(modules: dict[str, nn.Module], matched: dict[str, tuple[str, Any]], regions: set[str],
+                       where: str) -> list[str]:
+    """Under sequence parallelism every parameterised module outside the local-heads regions needs a rule.
+
+    Without one it meets the sequence-sharded stream: as a DTensor (torch fails on mixed tensors) or, after
+    model code made it local, as this rank's part of the sequence, whose gradient nobody sums (silently
+    wrong). Norms and embeddings are reported by their own checks.
+    """
+    from .validate import _is_norm
+    errors = []
+    inside = tuple(p + "." for p in regions if p)
+    ruled = tuple(p + "." for p in matched)
+    # a projection group with a rowwise but no colwise rule is the chain check's to report, once
+    groups = {p.rpartition(".")[0] for p, (_, r) in matched.items() if r.style in ("colwise", "rowwise")}
+    for path, mod in modules.items():
+        own = [n for n, _ in mod.named_parameters(recurse=False)]
+        if not own or path in matched or path.startswith(ruled) or path in regions or path.startswith(inside) \
+                or "" in regions or isinstance(mod, nn.Embedding) or _is_norm(mod) or \
+                path.rpartition(".")[0] in groups:
+            continue
+        errors.append(f"{where}: module {path or '(root)'!r} ({type(mod).__name__}) has parameters "
+                      f"({', '.join(own)}) but no rule covers it, and with sequence_parallel: true it would run on the "
+                      f"sequence-sharded stream (torch fails on the mixed tensors, or, made local, each rank's "
+                      f"gradient covers only its part of the sequence); found no rule, expected a rule for "
+                      f"'{_star(path)}' or one of its parents, or sequence_parallel: false")
+    return errors
+
+
+def summable_on_shards(mod: nn.Module, parent: nn.Module, model: nn.Module) -> bool:
+    """Is ``mod`` a module whose gradient on local shards is right once summed over tp (``head_norm``): a
+    per-head norm (1-D parameters of ``head_dim``) or a module with scalar parameters only (a learnable
+    activation such as XIELU)?"""
+    params = [p for _, p in mod.named_parameters()]
+    return bool(params) and (_per_head(mod, _head_dim(parent, model)) or all(p.numel() == 1 for p in params))
 
 
 def _per_head(mod: nn.Module, head_dim: int | None) -> bool:

@@ -34,7 +34,10 @@ def _env_int(name: str) -> int:
     if value is None:
         raise PlanError(f"meshplan.init: environment variable {name} is not set; launch with torchrun "
                         f"(e.g. torchrun --nproc-per-node 4 train.py) or call torch.distributed.init_process_group first")
-    return int(value)
+    try:
+        return int(value)
+    except ValueError:
+        raise PlanError(f"meshplan.init: environment variable {name} must be an integer, got {value!r}") from None
 
 
 def _plan_and_layout(layout_or_plan: Any) -> tuple[Any, Layout]:
@@ -81,23 +84,27 @@ def plan_fingerprint(plan: Any) -> str:
     return hashlib.sha256(_canonical(plan).encode()).hexdigest()
 
 
-def _plan_diff(plans: list[Any]) -> str:
-    """``key: rank 0 has X, rank R has Y; …`` for the first rank whose plan differs from rank 0's."""
-    odd = next(r for r, p in enumerate(plans) if p != plans[0])
+def _plan_diff(plans: list[Any], ranks: list[int]) -> str:
+    """``key: rank 0 has X, rank R has Y; …`` for the first rank whose plan differs from the first rank's.
+
+    ``plans[i]`` is global rank ``ranks[i]``'s plan (JSON data, or None when it gave a layout only).
+    """
+    odd = next(i for i, p in enumerate(plans) if p != plans[0])
     more = sum(p != plans[0] for p in plans) - 1
+    r0, r1 = ranks[0], ranks[odd]
     if plans[0] is None or plans[odd] is None:
-        has = lambda p: "no plan (a layout only)" if p is None else "a plan"  # noqa: E731
-        return f"rank 0 has {has(plans[0])}, rank {odd} has {has(plans[odd])}"
+        kinds = ["no plan (a layout only)" if p is None else "a plan" for p in (plans[0], plans[odd])]
+        return f"rank {r0} has {kinds[0]}, rank {r1} has {kinds[1]}"
     a, b = _flat(plans[0]), _flat(plans[odd])
     keys = [k for k in sorted(a.keys() | b.keys()) if a.get(k, ...) != b.get(k, ...)]
 
     def shown(d: dict[str, Any], k: str) -> str:
         return json.dumps(d[k]) if k in d else "no such key"
 
-    parts = [f"{k}: rank 0 has {shown(a, k)}, rank {odd} has {shown(b, k)}" for k in keys[:_MAX_DIFF_KEYS]]
+    parts = [f"{k}: rank {r0} has {shown(a, k)}, rank {r1} has {shown(b, k)}" for k in keys[:_MAX_DIFF_KEYS]]
     if len(keys) > _MAX_DIFF_KEYS:
         parts.append(f"and {len(keys) - _MAX_DIFF_KEYS} more keys")
-    return "; ".join(parts) + (f" ({more} more rank(s) differ from rank 0)" if more else "")
+    return "; ".join(parts) + (f" ({more} more rank(s) differ from rank {r0})" if more else "")
 
 
 def _agree(layout_fp: str | None, plan: Any, group: Any = None, where: str = "meshplan.init",
@@ -116,10 +123,11 @@ def _agree(layout_fp: str | None, plan: Any, group: Any = None, where: str = "me
     if any(e[1] != everyone[0][1] for e in everyone):
         plans: list[Any] = [None] * len(everyone)
         dist.all_gather_object(plans, json.loads(_canonical(plan)) if plan is not None else None, group=group)
-        changed = [r for r, (_, d, i) in enumerate(everyone) if i is not None and d != i]
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(len(everyone)))
+        changed = [r for r, (_, d, i) in zip(ranks, everyone) if i is not None and d != i]
         since = f"; rank(s) {changed} pass another plan than they gave meshplan.init" if changed else ""
-        raise PlanError(f"ranks disagree on the plan given to {where}: {_plan_diff(plans)}{since}; every rank must "
-                        f"load the same plan")
+        raise PlanError(f"ranks disagree on the plan given to {where}: {_plan_diff(plans, ranks)}{since}; every rank "
+                        f"must load the same plan")
 
 
 def check_same_plan(plan: Any, mesh: Topology | Any) -> None:

@@ -13,7 +13,6 @@ each way with SP, 2 all-reduces each way without.
 
 from __future__ import annotations
 
-import copy
 import functools
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,23 +25,18 @@ from torch.distributed.tensor.parallel import PrepareModuleInput, PrepareModuleO
 from .errors import PlanError
 from .dropout import INHERIT, OUTSIDE, REGION, SHARED, SingleDeviceDropout
 from .grads import TpGradSync
+from .heads import HEAD_ATTRS, adjust_heads, valid_tp
 from .packed import needs_packed_style, packed_style
 from .rng import TpRng
 from .rules import match_rules
 from .styles import (ColwiseParallel, PrepareHiddenInput, ReplicateParallel, RowwiseParallel, TableWiseEmbedding,
-                     VocabParallelEmbedding, hidden_arg_name)
+                     hidden_arg_name)
+from .vocab_embedding import VocabParallelEmbedding
 from .tp_plan import TensorParallel, parse_layout
 
 __all__ = ["generate_tp_plan", "apply_tensor_parallel", "TpApplied", "HEAD_ATTRS"]
 
-#: stored head counts that models reshape with; divided by tp on modules that own colwise projections
-HEAD_ATTRS = ("n_heads", "n_kv_heads", "n_head", "num_heads", "num_kv_heads", "num_key_value_heads",
-              "num_attention_heads", "n_local_heads", "n_local_kv_heads", "split_size")
-_CONFIG_DIVISIBLE = ("num_attention_heads", "num_key_value_heads", "n_head")
 
-
-def _divisors(n: int) -> str:
-    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
 @functools.lru_cache(maxsize=None)
@@ -80,7 +74,7 @@ def _where(source: str | None) -> str:
 
 def _check_divisible(where: str, path: str, what: str, n: int, tp: int) -> None:
     if n % tp:
-        raise PlanError(f"{where}: module {path!r}: tp({tp}) does not divide {what}({n}); valid tp: {_divisors(n)}")
+        raise PlanError(f"{where}: module {path!r}: tp({tp}) does not divide {what}({n}); valid tp: {valid_tp(n)}")
 
 
 def generate_tp_plan(model: nn.Module, section: TensorParallel, tp: int, source: str | None = None
@@ -202,68 +196,6 @@ def gives_local_shards(overrides: dict) -> bool:
     return overrides.get("output_layouts") in (None, "shard(-1)") and overrides.get("use_local_output", True)
 
 
-def _adjust_heads(model: nn.Module, local_heads: list[str], tp: int, where: str, adjust: bool,
-                  modules: dict[str, nn.Module]) -> dict:
-    """Divide the stored head counts of the modules that really see local heads (``local_heads``: parents of
-    colwise layers whose local outputs they reshape), and of their own ``config`` (a per-module copy: Phi-3
-    splits its fused qkv at ``config.num_attention_heads · head_dim``). Modules fed gathered or DTensor
-    outputs keep the global counts."""
-    changed: dict[str, dict[str, tuple[int, int]]] = {}
-    local_heads = [p for p in local_heads if sees_heads(modules[p] if p else model)]
-    if not local_heads:
-        return changed
-    config = getattr(model, "config", None)
-    for name in _CONFIG_DIVISIBLE:
-        n = getattr(config, name, None)
-        if isinstance(n, int) and n % tp:
-            raise PlanError(f"{where}: tp({tp}) does not divide {name}({n}) of the model config; valid tp: {_divisors(n)}")
-    copies: dict[int, Any] = {}  # one adjusted copy per original config object
-    for parent in local_heads:
-        mod = modules[parent] if parent else model
-        errors = head_count_errors(mod, parent, tp, where)
-        if errors:
-            raise PlanError(errors[0])
-        for attr, n in _head_counts(mod).items():
-            if adjust:
-                setattr(mod, attr, n // tp)
-                changed.setdefault(parent, {})[attr] = (n, n // tp)
-        cfg = mod.__dict__.get("config")
-        if adjust and parent and cfg is not None and not isinstance(cfg, nn.Module) and \
-                any(isinstance(getattr(cfg, a, None), int) for a in _CONFIG_DIVISIBLE):
-            if id(cfg) not in copies:
-                local = copy.copy(cfg)
-                for a in _CONFIG_DIVISIBLE:
-                    n = getattr(cfg, a, None)
-                    if isinstance(n, int) and not isinstance(n, bool) and n > 0:
-                        setattr(local, a, n // tp)
-                copies[id(cfg)] = local
-            mod.config = copies[id(cfg)]
-            changed.setdefault(parent, {})["config"] = (0, 0)
-    return changed
-
-
-def _head_counts(mod: nn.Module) -> dict[str, int]:
-    """The stored head counts (:data:`HEAD_ATTRS`) of ``mod``."""
-    out = {}
-    for attr in HEAD_ATTRS:
-        # instance attributes first; a miss through nn.Module.__getattr__ raises (slow for 9 x 126 layers)
-        n = mod.__dict__[attr] if attr in mod.__dict__ else getattr(mod, attr, None) if hasattr(type(mod), attr) else None
-        if isinstance(n, int) and not isinstance(n, bool) and n > 0:
-            out[attr] = n
-    return out
-
-
-def sees_heads(mod: nn.Module) -> bool:
-    """Is ``mod`` an attention module (it stores a ``head_dim`` or head counts), not e.g. an MLP?"""
-    return isinstance(getattr(mod, "head_dim", None), int) or bool(_head_counts(mod))
-
-
-def head_count_errors(mod: nn.Module, path: str, tp: int, where: str) -> list[str]:
-    """Head counts of a module that sees local heads which tp does not divide (with the valid tp values)."""
-    return [f"{where}: module {path or '(root)'!r}: tp({tp}) does not divide {attr}({n}); valid tp: {_divisors(n)}"
-            for attr, n in _head_counts(mod).items() if n % tp]
-
-
 def _tied_parameters(model: nn.Module) -> list[list[tuple[str, str]]]:
     owners: dict[int, list[tuple[str, str]]] = {}
     for mod_name, mod in model.named_modules(remove_duplicate=False):
@@ -299,7 +231,7 @@ def apply_tensor_parallel(model: nn.Module, section: TensorParallel, tp_mesh: De
     where = _where(source)
     plan, meta = generate_tp_plan(model, section, tp, source)
     modules = meta["modules"]  # styles change modules in place: one traversal serves every step
-    heads = _adjust_heads(model, meta["local_heads"], tp, where, section.adjust_head_counts, modules)
+    heads = adjust_heads(model, meta["local_heads"], tp, where, section.adjust_head_counts, modules)
     tied = _tied_parameters(model)
     if tp_mesh.device_type == "cpu" and any(r.style == "colwise" and r.overrides().get("use_local_output") is False
                                             for _, r in meta["matched"].values()):

@@ -59,7 +59,7 @@ class Colwise(_Rule):
     input_layouts: Layouts = Field(None, description="Layout of the input as it arrives (default: generated).")
     output_layouts: Layouts = Field(None, description="Layout of the output (default shard(-1)).")
     use_local_output: bool | None = Field(None, description="Return a plain local tensor instead of a DTensor. Default: generated (true unless the residual stream needs otherwise).")
-    packed: int | None = Field(None, ge=1, description="The output features pack k fused projections (gate_up: 2, qkv: 3); each is sharded separately.")
+    packed: int | None = Field(None, ge=1, le=64, description="The output features pack k (1 to 64) equal fused projections (gate_up: 2, qkv: 3 with as many KV heads as heads); each is sharded separately.")
 
 
 class Rowwise(_Rule):
@@ -68,7 +68,7 @@ class Rowwise(_Rule):
     input_layouts: Layouts = Field(None, description="Layout of the input (default shard(-1)).")
     output_layouts: Layouts = Field(None, description="Layout of the reduced output (default: the residual stream's).")
     use_local_output: bool | None = Field(None, description="Return a plain local tensor instead of a DTensor. Default: generated (false unless the residual stream needs otherwise).")
-    packed: int | None = Field(None, ge=1, description="The input features pack k fused inputs; each is sharded separately.")
+    packed: int | None = Field(None, ge=1, le=64, description="The input features pack k (1 to 64) equal fused inputs; each is sharded separately.")
 
 
 class Norm(_Rule):

@@ -17,62 +17,23 @@ the local parameter shapes of the explain table (:mod:`meshplan.explain`).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import torch.nn as nn
 
+from .check_report import Report, fold_errors
 from .errors import PlanError
 from .layout import Layout
 from .packed import features
 from .plan_file import Plan, as_plan
 from .regions import local_head_regions, region_errors, unequal_packed_parts
 from .rules import match_rules
-from .tp import gives_local_shards, head_count_errors, sees_heads
+from .heads import head_count_errors, safe_attr, sees_heads
+from .tp import gives_local_shards
 
 __all__ = ["check", "Report", "validate_plan"]
 
 _NORM_RE = re.compile(r"(LayerNorm|RMSNorm|GroupNorm|BatchNorm)", re.I)
-
-
-@dataclass
-class Report:
-    """What :func:`check` found.
-
-    Attributes:
-        ok: no errors.
-        errors: every :class:`PlanError`, in check order.
-        warnings: layouts that work but cost extra collectives.
-        modules: one explain row per parallelized module (see :mod:`meshplan.explain`).
-        unsharded: ``{parameter: reason}`` for parameters every tp rank holds whole.
-        totals: parameter counts/bytes and collectives per forward/backward.
-    """
-
-    source: str
-    model: str
-    tp: int
-    world_size: int
-    errors: list[PlanError] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
-    modules: list[dict] = field(default_factory=list)
-    unsharded: dict[str, str] = field(default_factory=dict)
-    totals: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def ok(self) -> bool:
-        return not self.errors
-
-    def raise_if_errors(self) -> None:
-        """Raise one PlanError listing every error (numbered), if there are any."""
-        if self.errors:
-            lines = "\n".join(f"  {i}. {e}" for i, e in enumerate(self.errors, 1))
-            raise PlanError(f"{len(self.errors)} problem(s) in {self.source}:\n{lines}")
-
-    def to_dict(self) -> dict:
-        """The ``--format json`` document: ``{ok, errors, warnings, modules, unsharded, totals}``."""
-        return {"ok": self.ok, "source": self.source, "model": self.model, "tp": self.tp,
-                "world_size": self.world_size, "errors": [str(e) for e in self.errors], "warnings": self.warnings,
-                "modules": self.modules, "unsharded": self.unsharded, "totals": self.totals}
 
 
 def _is_norm(mod: nn.Module) -> bool:
@@ -163,10 +124,10 @@ class _Checker:
                 not self.section.adjust_head_counts:
             return
         cfg = getattr(self.model, "config", None)
-        names = ("num_attention_heads", "num_key_value_heads") if hasattr(cfg, "num_attention_heads") else \
+        names = ("num_attention_heads", "num_key_value_heads") if safe_attr(cfg, "num_attention_heads") is not None else \
             ("n_head", "n_heads", "n_kv_heads")
         for name in names:
-            n = getattr(cfg, name, None)
+            n = safe_attr(cfg, name)
             if isinstance(n, int) and not isinstance(n, bool) and n > 0 and n % self.tp:
                 valid = ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
                 self.err(f"{self.where}: model config {type(cfg).__name__}.{name}: tp({self.tp}) does not divide "
@@ -286,17 +247,20 @@ def check(model: nn.Module, plan: Plan | Mapping[str, Any] | str, world_size: in
     if layout is None and p.layout is None:
         report.warnings.append(f"{report.source}: the plan has no layout and none was given: checked at tp=1, where "
                                f"nothing is sharded; add `layout: {{tp: N}}` (CLI: --tp N)")
-    matched, checker = _static(model, p, resolved.tp, report)
+    import torch.distributed as dist
+    shadow = dry_run and (not dist.is_initialized() or dist.get_backend() == "fake")  # as the dry run
+    matched, checker = _static(model, p, resolved.tp, report, shadow)
     applied = None
     if report.ok and p.tensor_parallel is not None and dry_run:
         applied = meta_dry_run(model, p, resolved.tp, report)
     explain(report, model, p, resolved.tp, matched, getattr(checker, "fanout", set()), applied)
-    report.errors = _fold(report.errors)
+    report.errors = fold_errors(report.errors)
     return report
 
 
-def _static(model: nn.Module, p: Plan, tp: int, report: Report) -> tuple[dict, "_Checker | None"]:
-    """Every check that needs no dry run, into ``report.errors``: ``(matched rules, checker)``."""
+def _static(model: nn.Module, p: Plan, tp: int, report: Report, shadow: bool) -> tuple[dict, "_Checker | None"]:
+    """Every check that needs no dry run, into ``report.errors``: ``(matched rules, checker)``; with ``shadow``
+    the cross-shard shadow run too (:mod:`meshplan.shadow`; it needs a fake process group of its own)."""
     if p.tensor_parallel is None:
         return {}, None
     checker = _Checker(model, p, tp, report)
@@ -307,25 +271,21 @@ def _static(model: nn.Module, p: Plan, tp: int, report: Report) -> tuple[dict, "
     checker.chain(matched)
     checker.stream_norms(matched)
     checker.regions(matched)
+    if report.ok and shadow:  # needs a plan that applies
+        from .shadow import cross_shard_errors
+        for msg in cross_shard_errors(model, p, tp, checker.where, report.warnings):
+            checker.err(msg)
     return matched, checker
 
 
 def validate_plan(model: nn.Module, plan: Plan, tp: int) -> None:
-    """The checks of :func:`check` that need no dry run; :func:`meshplan.parallelize` runs them first.
+    """The checks of :func:`check` that need no dry run and no process group of their own (all but the
+    cross-shard shadow run); :func:`meshplan.parallelize` runs them first.
 
     Raises:
         PlanError: one error listing every problem (numbered), as :meth:`Report.raise_if_errors`.
     """
     report = Report(source=plan.source or "<plan>", model=type(model).__name__, tp=tp, world_size=tp)
-    _static(model, plan, tp, report)
-    report.errors = _fold(report.errors)
+    _static(model, plan, tp, report, shadow=False)  # the shadow run needs its own fake group: check() only
+    report.errors = fold_errors(report.errors)
     report.raise_if_errors()
-
-
-def _fold(errors: list[PlanError]) -> list[PlanError]:
-    """One error per message that differs only in layer indices (``layers.0`` … ``layers.125``)."""
-    groups: dict[str, list[str]] = {}
-    for e in errors:
-        groups.setdefault(re.sub(r"\.\d+(?=[.'])", ".*", str(e)), []).append(str(e))
-    return [PlanError(v[0] if len(v) == 1 else f"{v[0]} (and {len(v) - 1} more module(s) of the same rule)")
-            for v in groups.values()]

@@ -127,13 +127,13 @@ def test_train_step_counts_tokens_as_the_models_loss():
 
 def test_numerics_flags_a_style_that_drops_subclass_behaviour(monkeypatch):
     """The old embedding style replaced forward: Gemma2's sqrt(hidden) scale was lost."""
-    from meshplan import styles
+    from meshplan import vocab_embedding
 
     def replacing_apply(self, module, mesh):
-        module = styles.distribute_module(module, mesh, self._partition)
+        module = vocab_embedding.distribute_module(module, mesh, self._partition)
         module.forward = lambda ids, _m=module: self._output(mesh, self._lookup(mesh, ids, _m.weight, _m.padding_idx))
         return module
-    monkeypatch.setattr(styles.VocabParallelEmbedding, "_apply", replacing_apply)
+    monkeypatch.setattr(vocab_embedding.VocabParallelEmbedding, "_apply", replacing_apply)
     torch.manual_seed(0)
     report = check_numerics(gemma2(), "plans/gemma2.yaml", tp=2)
     assert not report.ok and report.loss_error > 1e-4 and "model.embed_tokens.weight" in report.failed
@@ -141,7 +141,6 @@ def test_numerics_flags_a_style_that_drops_subclass_behaviour(monkeypatch):
 
 
 def test_numerics_flags_per_head_norm_grads_not_summed(monkeypatch):
-    from meshplan import regions
     from meshplan import validate
     monkeypatch.setattr(validate, "region_errors", lambda *a, **k: [])
     torch.manual_seed(0)
@@ -184,3 +183,52 @@ def test_cli_check_numerics(capsys, tmp_path):
     code = main(["check", str(f), "--model", "examples.architectures:qwen3"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and "the plan has no layout and no --tp was given" in err and "\n" not in err
+
+
+class _CenteredMLP(torch.nn.Module):
+    """An MLP whose own code centres the gate over its features (as Gemma-3n's activation sparsity takes the
+    mean and std of the gate projection): on tp-sharded features each rank would centre its shard alone."""
+
+    def __init__(self, dim=16, hidden=32):
+        super().__init__()
+        self.gate, self.down = torch.nn.Linear(dim, hidden), torch.nn.Linear(hidden, dim)
+
+    def forward(self, x):
+        g = self.gate(x)
+        return self.down(torch.relu(g - g.mean(-1, keepdim=True)))
+
+
+class _Toy(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.mlp, self.out = torch.nn.Embedding(32, 16), _CenteredMLP(), torch.nn.Linear(16, 32)
+
+    def forward(self, tokens):
+        h = self.emb(tokens)
+        return self.out(h + self.mlp(h))
+
+
+_TOY_PLAN = {"layout": {"tp": 2}, "tensor_parallel": {"sequence_parallel": False, "rules": {
+    "emb": "embedding", "mlp.gate": "colwise", "mlp.down": "rowwise", "out": "lm_head"}}}
+
+
+def test_check_finds_code_that_computes_across_shards():
+    """The shadow run: the MLP's own mean over the sharded features needs a collective once the gate output is
+    kept a DTensor, so check refuses it, naming the module; the numerics check confirms it is really wrong."""
+    torch.manual_seed(0)
+    report = meshplan.check(_Toy(), _TOY_PLAN)
+    assert not report.ok and len(report.errors) == 1
+    assert "module 'mlp' computes across the tp-sharded features of its colwise outputs" in str(report.errors[0])
+    gathered = copy.deepcopy(_TOY_PLAN)
+    gathered["tensor_parallel"]["rules"].update({"mlp.gate": {"style": "colwise", "output_layouts": "replicate"},
+                                                 "mlp.down": {"style": "rowwise", "input_layouts": "replicate"}})
+    assert meshplan.check(_Toy(), gathered).ok
+    assert check_numerics(_Toy(), gathered, tp=2).ok
+
+
+def test_numerics_flags_cross_shard_code_that_check_missed(monkeypatch):
+    from meshplan import shadow
+    monkeypatch.setattr(shadow, "cross_shard_errors", lambda *a, **k: [])
+    torch.manual_seed(0)
+    report = check_numerics(_Toy(), _TOY_PLAN, tp=2)
+    assert not report.ok and "mlp.gate.weight" in report.failed

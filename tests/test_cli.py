@@ -60,6 +60,13 @@ def test_svg(capsys):
     (["ranks", "--world-size", "8", "--order", "tp-xx"], "order: order 'tp-xx' has unknown token(s) ['xx']"),
     (["ranks", "--world-size", "8", "--format", "png"], "invalid choice: 'png'"),
     (["nope"], "invalid choice: 'nope'"),
+    (["ranks", "--world-size", "100000000", "--tp", "8"],
+     "argument --world-size: expected an integer in [1, 65536] (2**16: the tables of larger worlds take minutes"),
+    (["ranks", "--world-size", "1" * 31], "expected an integer in [1, 65536] (2**16"),
+    (["ranks", "--world-size", "0"], "argument --world-size: expected an integer in [1, 65536]"),
+    (["ranks", "--world-size", "8", "--tp", "0"], "argument --tp: expected an integer in [1, 1048576] (2**20), got 0"),
+    (["ranks", "--world-size", "8", "--dp-shard", "-2"], "argument --dp-shard: expected an integer in [-1, 1048576]"),
+    (["ranks", "--world-size", "9" * 5000], "argument --world-size: invalid int value: '9999"),
 ])
 def test_bad_input_one_line_exit_2(capsys, argv, message):
     code, out, err = run(capsys, *argv)
@@ -72,6 +79,14 @@ def test_console_entry_point_no_traceback():
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip() == "meshplan: error: tp(4) does not divide world_size(6); valid tp: 1, 2, 3, 6"
+
+
+def test_keyboard_interrupt_one_line_exit_130(capsys, monkeypatch):
+    def interrupted(args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr("meshplan.cli._ranks", interrupted)
+    code, out, err = run(capsys, "ranks", "--world-size", "8")
+    assert code == 130 and out == "" and err == "meshplan: error: interrupted\n"
 
 
 def test_schema_command(capsys):

@@ -71,3 +71,13 @@ def test_strict_and_frozen():
 
 def test_plan_error_is_value_error():
     assert issubclass(PlanError, ValueError)
+
+
+def test_degrees_and_world_size_are_bounded():
+    Layout(tp=2 ** 20, dp_shard=2 ** 20)  # the bound itself is allowed
+    for field in ("tp", "cp", "ep", "etp", "pp", "vpp", "dp_replicate", "dp_shard"):
+        with pytest.raises(ValueError, match=rf"{field}\n.*less than or equal to 1048576"):
+            Layout(**{field: 2 ** 20 + 1})
+    for world in (0, 2 ** 20 + 1, 10 ** 30, True):
+        with pytest.raises(PlanError, match=r"world_size must be an integer in \[1, 1048576\] \(2\*\*20\), got"):
+            Layout().resolve(world)

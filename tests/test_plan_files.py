@@ -86,3 +86,67 @@ def test_plan_is_frozen():
     plan = meshplan.Plan.from_data({"layout": {"tp": 2}})
     with pytest.raises(ValueError):
         plan.version = 1
+
+
+@pytest.mark.parametrize("data, message", [
+    ({"layout": {"tp": "2"}}, r"layout\.tp: Input should be a valid integer \(got '2'\)"),
+    ({"layout": {"tp": 2.0}}, r"layout\.tp: Input should be a valid integer \(got 2\.0\)"),
+    ({"layout": {"tp": True}}, r"layout\.tp: Input should be a valid integer \(got True\)"),
+    ({"tensor_parallel": {"loss_parallel": "yes"}}, r"loss_parallel: Input should be a valid boolean \(got 'yes'\)"),
+    ({"tensor_parallel": {"sequence_parallel": 1}}, r"sequence_parallel\.bool: Input should be a valid boolean"),
+    ({"version": True}, r"version: Input should be the integer 1 \(got True\)"),
+    ({"version": 1.0}, r"version: Input should be the integer 1 \(got 1\.0\)"),
+    ({"layout": {"tp": 2 ** 20 + 1}}, r"layout\.tp: Input should be less than or equal to 1048576"),
+])
+def test_strict_types_no_coercion(data, message):
+    with pytest.raises(PlanError, match=message):
+        meshplan.Plan.from_data(data)
+
+
+def test_strict_keeps_file_shapes():
+    """Lists for tuple fields, style shorthands, literals and the discriminated rules still load."""
+    plan = meshplan.Plan.from_data({
+        "version": 1, "layout": {"tp": 2, "order": "DPT"},
+        "tensor_parallel": {"sequence_parallel": "batch", "rules": {
+            "a": "colwise", "b": {"style": "rowwise", "input_layouts": ["shard(-1)", None]}}},
+        "data_parallel": {"reshard_after_forward": 2,
+                          "activation_checkpointing": {"mode": "selective", "ops": ["aten.mm.default"]}}})
+    assert plan.data_parallel.activation_checkpointing.ops == ("aten.mm.default",)
+    assert plan.tensor_parallel.rules["a"].style == "colwise" and plan.tensor_parallel.sequence_parallel == "batch"
+    for path in sorted(SCHEMA_PATH.parent.glob("*.yaml")):
+        assert load_plan(path).layout is not None, path
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("b.yaml", b"\xff\xfe", r"b\.yaml: not UTF-8 text: byte 0xff at offset 0"),
+    ("d.json", b"[" * 5000 + b"]" * 5000, r"d\.json: nested deeper than 32 levels"),
+    ("d.toml", b"a = " + b"[" * 5000 + b"]" * 5000, r"d\.toml: nested deeper than 32 levels"),
+    ("d.yaml", b"a: " + b"[" * 40 + b"]" * 40, r"d\.yaml: a\.0\.0(\.0)*: nested deeper than 32 levels"),
+    ("h.yaml", b"layout: {tp: " + b"9" * 5000 + b"}", r"h\.yaml: not valid YAML: an integer of more than 4300 digits"),
+    ("h.json", b'{"layout": {"tp": ' + b"9" * 5000 + b"}}", r"h\.json: not valid JSON: an integer of more than 4300"),
+    ("h.toml", b"tp = " + b"9" * 5000, r"h\.toml: not valid TOML: an integer of more than 4300 digits"),
+    ("x.yaml", b"tensor_parallel: {rules: {a: {style: 0x" + b"f" * 5000 + b"}}}",
+     r"x\.yaml: tensor_parallel\.rules\.a\.style: an integer of 20000 bits; plan integers have at most 13000 bits"),
+    ("k.yaml", b"? [1, 2]\n: x\n", r"k\.yaml: line 1: a mapping key must be a scalar \(a name\), got a list"),
+    ("k2.yaml", b"layout:\n  {[1]: 2}\n", r"k2\.yaml: line 2: a mapping key must be a scalar"),
+])
+def test_hostile_files_one_plan_error(tmp_path, name, content, message):
+    f = tmp_path / name
+    f.write_bytes(content)
+    with pytest.raises(PlanError, match=message) as info:
+        load_plan(f)
+    assert "\n" not in str(info.value)
+
+
+def test_unreadable_files(tmp_path, monkeypatch):
+    (tmp_path / "dir.yaml").mkdir()
+    with pytest.raises(PlanError, match=r"dir\.yaml: is a directory, expected a plan file"):
+        load_plan(tmp_path / "dir.yaml")
+    f = tmp_path / "p.yaml"
+    f.write_text("layout: {tp: 2}\n")
+
+    def denied(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+    monkeypatch.setattr(type(f), "open", denied)
+    with pytest.raises(PlanError, match=r"p\.yaml: cannot read the plan file: Permission denied"):
+        load_plan(f)
