@@ -2,7 +2,7 @@
 
 For each model type (``CONFIG_MAPPING`` entries whose default config has a non-empty ``base_model_tp_plan``):
 
-1. build it tiny (``meshplan.hf_tiny.tiny_model``: every layer kind kept, every sharded size divisible by tp);
+1. build it tiny (``meshplan.hf_tiny_models.tiny_model``: every layer kind kept, every sharded size divisible by tp);
 2. convert transformers' tp_plan with ``meshplan.convert.from_hf`` (sequence and loss parallel on, the default),
    ``meshplan.check`` it at world size 2, and when it passes run ``check_numerics`` (tp=2 simulated ranks in one
    process, one forward + backward vs one device, every gradient on every rank within 1e-5 relative). When the
@@ -229,7 +229,7 @@ def hf_side(model) -> dict:
 def classify(model_type: str, hf: bool = True) -> dict:
     """One zoo row: ``{type, model, class, reason, …, hf: {class, reason}}`` (see the module docstring)."""
     _quiet()
-    from meshplan.hf_tiny import tiny_model
+    from meshplan.hf_tiny_models import tiny_model
     t0 = time.perf_counter()
     model, why = tiny_model(model_type, tp=TP)
     row = {"type": model_type, "model": type(model).__name__ if model is not None else None}

@@ -56,40 +56,16 @@ def unequal_packed_parts(parent: nn.Module, model: nn.Module, out: int, packed: 
 
 def region_errors(model: nn.Module, modules: dict[str, nn.Module], matched: dict[str, tuple[str, Any]],
                   sequence_parallel: bool | str, where: str, claimed: set[str] = frozenset()) -> list[str]:
-    """Every problem of modules that run on tp-local shards, and of embeddings on the SP stream.
+    """Every problem of modules that run on tp-local shards, and of modules on the SP stream.
 
     ``claimed``: paths some rule matches although no rule was assigned (conflicting rules, reported apart).
     """
-    errors: list[str] = []
     regions = local_head_regions(matched, modules)
     ruled = set(matched) | set(claimed)
     above = {path.rsplit(".", k)[0] for path in ruled for k in range(1, path.count(".") + 1)}  # ruled descendants
+    errors: list[str] = []
     for parent in sorted(regions):
-        pmod = modules[parent] if parent else model
-        hd = _head_dim(pmod, model)
-        siblings = [p for p in matched if p.rpartition(".")[0] == parent and matched[p][1].style == "colwise"]
-        for name, child in pmod.named_children():
-            path = f"{parent}.{name}" if parent else name
-            if path in ruled or path in above:
-                rule = matched.get(path)
-                if rule is not None and rule[1].style == "replicate" and _per_head(child, hd):
-                    errors.append(f"{where}.{rule[0]!r}: module {path!r} ({type(child).__name__}) runs on this "
-                                  f"rank's heads (the local outputs of {', '.join(sorted(siblings))}), but "
-                                  f"'replicate' assumes replicated inputs; found replicate, expected head_norm")
-                continue
-            if not any(True for _ in child.parameters()):
-                continue
-            star, kind, near = _star(path), type(child).__name__, ", ".join(sorted(siblings))
-            if isinstance(child, (nn.Linear, nn.Embedding)) or type(child).__name__ == "Conv1D":
-                errors.append(f"{where}: module {path!r} ({kind}) sits beside the colwise {near} but no rule covers "
-                              f"it; there it gets the block's converted input (a DTensor) or their local shards; "
-                              f"found no rule, expected '{star}: colwise' (or rowwise if it consumes their outputs)")
-                continue
-            want = f"'{star}: head_norm'" if summable_on_shards(child, pmod, model) else "a rule that shards it, " \
-                   "or gather the colwise outputs (output_layouts: replicate)"
-            errors.append(f"{where}: module {path!r} ({kind}) runs on this rank's shards (the local outputs of "
-                          f"{near}) but no rule covers it; its parameters' gradients would cover only this rank's "
-                          f"part; found no rule, expected {want}")
+        errors += _region_children(model, modules, matched, parent, ruled | above, where)
     for path, (pattern, rule) in matched.items():
         if rule.style == "head_norm" and path.rpartition(".")[0] not in regions:
             errors.append(f"{where}.{pattern!r}: module {path!r} (head_norm) is not inside a module whose colwise "
@@ -100,20 +76,58 @@ def region_errors(model: nn.Module, modules: dict[str, nn.Module], matched: dict
             errors.append(f"{where}.{pattern!r}: module {path!r} is {type(modules[path]).__name__}; style norm expects a "
                           f"norm or dropout on the residual stream; found {type(modules[path]).__name__}, expected "
                           f"colwise, rowwise, embedding or lm_head")
-    if sequence_parallel is True:
-        errors += _unruled_on_stream(modules, matched, regions, where)
-    if sequence_parallel is True:  # batch mode: an unruled embedding's output is this rank's samples, as wanted
-        inside = tuple(p + "." for p in regions if p)
-        for path, mod in modules.items():
-            if not isinstance(mod, nn.Embedding) or path.startswith(inside) or "" in regions:
-                continue
-            style = matched[path][1].style if path in matched else None
-            if style in (None, "replicate"):
-                errors.append(f"{where}: module {path!r} (nn.Embedding) writes to the sequence-sharded residual "
-                              f"stream (sequence_parallel: {str(sequence_parallel).lower()}) but "
-                              f"{'no rule covers it' if style is None else 'its rule is replicate'}, so its full "
-                              f"output would be taken as one rank's shard; found {style or 'no rule'}, expected "
-                              f"'{_star(path)}: embedding' (or embedding_colwise)")
+    if sequence_parallel is True:  # batch mode: unruled modules see this rank's samples, summed over tp
+        errors += _unruled_on_stream(modules, matched, regions, where) + _stream_embeddings(
+            modules, matched, regions, where)
+    return errors
+
+
+def _region_children(model: nn.Module, modules: dict[str, nn.Module], matched: dict[str, tuple[str, Any]],
+                     parent: str, covered: set[str], where: str) -> list[str]:
+    """The parameterised children of one local-heads region that no rule (or the wrong one) covers."""
+    errors = []
+    pmod = modules[parent] if parent else model
+    hd = _head_dim(pmod, model)
+    near = ", ".join(sorted(p for p in matched if p.rpartition(".")[0] == parent and matched[p][1].style == "colwise"))
+    for name, child in pmod.named_children():
+        path, kind = f"{parent}.{name}" if parent else name, type(child).__name__
+        star = _star(path)
+        if path in covered:
+            rule = matched.get(path)
+            if rule is not None and rule[1].style == "replicate" and _per_head(child, hd):
+                errors.append(f"{where}.{rule[0]!r}: module {path!r} ({kind}) runs on this rank's heads (the local "
+                              f"outputs of {near}), but 'replicate' assumes replicated inputs; found replicate, "
+                              f"expected head_norm")
+        elif not any(True for _ in child.parameters()):
+            continue
+        elif isinstance(child, (nn.Linear, nn.Embedding)) or kind == "Conv1D":
+            errors.append(f"{where}: module {path!r} ({kind}) sits beside the colwise {near} but no rule covers "
+                          f"it; there it gets the block's converted input (a DTensor) or their local shards; "
+                          f"found no rule, expected '{star}: colwise' (or rowwise if it consumes their outputs)")
+        else:
+            want = f"'{star}: head_norm'" if summable_on_shards(child, pmod, model) else "a rule that shards it, " \
+                   "or gather the colwise outputs (output_layouts: replicate)"
+            errors.append(f"{where}: module {path!r} ({kind}) runs on this rank's shards (the local outputs of "
+                          f"{near}) but no rule covers it; its parameters' gradients would cover only this rank's "
+                          f"part; found no rule, expected {want}")
+    return errors
+
+
+def _stream_embeddings(modules: dict[str, nn.Module], matched: dict[str, tuple[str, Any]], regions: set[str],
+                       where: str) -> list[str]:
+    """Under sequence parallelism every embedding outside the regions must produce the sharded stream."""
+    errors = []
+    inside = tuple(p + "." for p in regions if p)
+    for path, mod in modules.items():
+        if not isinstance(mod, nn.Embedding) or path.startswith(inside) or "" in regions:
+            continue
+        style = matched[path][1].style if path in matched else None
+        if style in (None, "replicate"):
+            errors.append(f"{where}: module {path!r} (nn.Embedding) writes to the sequence-sharded residual "
+                          f"stream (sequence_parallel: true) but "
+                          f"{'no rule covers it' if style is None else 'its rule is replicate'}, so its full "
+                          f"output would be taken as one rank's shard; found {style or 'no rule'}, expected "
+                          f"'{_star(path)}: embedding' (or embedding_colwise)")
     return errors
 
 

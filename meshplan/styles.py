@@ -73,24 +73,23 @@ def owned_local(x: Any) -> Any:
     return _OwnedLocal.apply(x) if isinstance(x, DTensor) else x
 
 
+def _owned_output(output_layouts, use_local_output, mod, outputs, device_mesh):
+    """torch's colwise/rowwise output hook, with :func:`owned_local` in place of ``to_local``."""
+    if outputs.placements != output_layouts:
+        outputs = outputs.redistribute(placements=output_layouts, async_op=True)
+    return owned_local(outputs) if use_local_output else outputs
+
+
 class ColwiseParallel(_TorchColwise):
     """torch's ``ColwiseParallel`` whose local outputs may be modified in place (see :func:`owned_local`)."""
 
-    @staticmethod
-    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
-        if outputs.placements != output_layouts:
-            outputs = outputs.redistribute(placements=output_layouts, async_op=True)
-        return owned_local(outputs) if use_local_output else outputs
+    _prepare_output_fn = staticmethod(_owned_output)
 
 
 class RowwiseParallel(_TorchRowwise):
     """torch's ``RowwiseParallel`` whose local outputs may be modified in place (see :func:`owned_local`)."""
 
-    @staticmethod
-    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
-        if outputs.placements != output_layouts:
-            outputs = outputs.redistribute(placements=output_layouts, async_op=True)
-        return owned_local(outputs) if use_local_output else outputs
+    _prepare_output_fn = staticmethod(_owned_output)
 
 
 class PrepareHiddenInput(ParallelStyle):
