@@ -64,8 +64,13 @@ def region_errors(model: nn.Module, modules: dict[str, nn.Module], matched: dict
     ruled = set(matched) | set(claimed)
     above = {path.rsplit(".", k)[0] for path in ruled for k in range(1, path.count(".") + 1)}  # ruled descendants
     errors: list[str] = []
+    colwise: dict[str, list[str]] = {}
+    for path, (_, rule) in matched.items():
+        if rule.style == "colwise":
+            colwise.setdefault(path.rpartition(".")[0], []).append(path)
     for parent in sorted(regions):
-        errors += _region_children(model, modules, matched, parent, ruled | above, where)
+        errors += _region_children(model, modules, matched, parent, ruled | above, where,
+                                   ", ".join(sorted(colwise.get(parent, []))))
     for path, (pattern, rule) in matched.items():
         if rule.style == "head_norm" and path.rpartition(".")[0] not in regions:
             errors.append(f"{where}.{pattern!r}: module {path!r} (head_norm) is not inside a module whose colwise "
@@ -83,12 +88,12 @@ def region_errors(model: nn.Module, modules: dict[str, nn.Module], matched: dict
 
 
 def _region_children(model: nn.Module, modules: dict[str, nn.Module], matched: dict[str, tuple[str, Any]],
-                     parent: str, covered: set[str], where: str) -> list[str]:
-    """The parameterised children of one local-heads region that no rule (or the wrong one) covers."""
+                     parent: str, covered: set[str], where: str, near: str) -> list[str]:
+    """The parameterised children of one local-heads region that no rule (or the wrong one) covers; ``near``
+    names its colwise children."""
     errors = []
     pmod = modules[parent] if parent else model
     hd = _head_dim(pmod, model)
-    near = ", ".join(sorted(p for p in matched if p.rpartition(".")[0] == parent and matched[p][1].style == "colwise"))
     for name, child in pmod.named_children():
         path, kind = f"{parent}.{name}" if parent else name, type(child).__name__
         star = _star(path)

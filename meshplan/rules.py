@@ -11,7 +11,7 @@ import torch.nn as nn
 
 from .errors import PlanError
 
-__all__ = ["match_rules", "is_pattern", "claimed_paths"]
+__all__ = ["match_rules", "is_pattern"]
 
 
 def is_pattern(path: str) -> bool:
@@ -29,7 +29,7 @@ def _closest(pattern: str, paths: list[str]) -> list[str]:
 
 
 def match_rules(model: nn.Module, rules: Mapping[str, Any], where: str = "tensor_parallel.rules",
-                errors: list[PlanError] | None = None) -> dict[str, tuple[str, Any]]:
+                errors: list[PlanError] | None = None, conflicts: set[str] | None = None) -> dict[str, tuple[str, Any]]:
     """Assign each module path the rule that claims it.
 
     An exact path beats a wildcard; two wildcard rules that claim one module
@@ -41,6 +41,7 @@ def match_rules(model: nn.Module, rules: Mapping[str, Any], where: str = "tensor
         rules: ``{pattern: rule}`` from the plan.
         where: prefix of error messages (plan file and key).
         errors: when given, errors are appended here and matching goes on (validation reports them all).
+        conflicts: when given, the paths claimed by clashing rules (left unassigned) are added here.
 
     Returns:
         ``{module_path: (pattern, rule)}`` in the model's module order.
@@ -85,6 +86,8 @@ def match_rules(model: nn.Module, rules: Mapping[str, Any], where: str = "tensor
             out[path] = exact[0]
             continue
         clash = [c for c in cands[1:] if c[1] != cands[0][1]]
+        if clash and conflicts is not None:
+            conflicts.add(path)
         for other in clash:
             fail(f"{where}: module {path!r} is claimed by {cands[0][0]!r} ({cands[0][1].style}) and "
                  f"{other[0]!r} ({other[1].style}); expected one rule: give it an exact rule or narrow a pattern")
@@ -92,7 +95,3 @@ def match_rules(model: nn.Module, rules: Mapping[str, Any], where: str = "tensor
             out[path] = cands[0]
     return out
 
-
-def claimed_paths(modules: Mapping[str, nn.Module], rules: Mapping[str, Any]) -> set[str]:
-    """Every module path some rule's pattern matches (whether or not the rule was assigned)."""
-    return {path for path in modules if path and any(_matches(p, path) for p in rules)}

@@ -57,7 +57,8 @@ class _Checker:
 
     # -- matching -------------------------------------------------------------------------------------
     def match(self) -> dict[str, tuple[str, Any]]:
-        return match_rules(self.model, self.section.rules, self.where, errors=self.r.errors)
+        self.conflicts: set[str] = set()
+        return match_rules(self.model, self.section.rules, self.where, errors=self.r.errors, conflicts=self.conflicts)
 
     # -- per module -----------------------------------------------------------------------------------
     def divides(self, loc: str, path: str, what: str, n: int, by: int = 1) -> bool:
@@ -187,10 +188,8 @@ class _Checker:
         self.fanout = fanout
 
     def regions(self, matched: dict[str, tuple[str, Any]]) -> None:
-        from .rules import claimed_paths
-        claimed = claimed_paths(self.modules, self.section.rules) - set(matched)
         for msg in region_errors(self.model, self.modules, matched, self.section.sequence_parallel, self.where,
-                                 claimed):
+                                 self.conflicts):
             self.err(msg)
         for parent in sorted(local_head_regions(matched, self.modules)):
             for msg in head_count_errors(self.modules[parent] if parent else self.model, parent, self.tp,
