@@ -89,15 +89,19 @@ def cross_shard_errors(model: nn.Module, plan: Any, tp: int, where: str, notes: 
     from .topology import build_mesh
     from .tp import apply_tensor_parallel, gives_local_shards
     section = plan.tensor_parallel
-    matched = match_rules(model, section.rules, where)
-    regions = local_head_regions(matched, dict(model.named_modules()))
-    if not regions or tp == 1:
+    if tp == 1 or not local_head_regions(match_rules(model, section.rules, where), dict(model.named_modules())):
         return []
+    meta = _small_copy(model, tp, notes)
+    if meta is None:
+        return []
+    unmatched: list = []  # exact paths of layers the small copy does not have: not its concern
+    matched = match_rules(meta, section.rules, where, errors=unmatched)
+    regions = local_head_regions(matched, dict(meta.named_modules()))
     # packed outputs stay local: their split into parts is exactly what packed sharding makes right
     local_rules = sorted({pat for path, (pat, r) in matched.items() if r.style == "colwise"
                           and gives_local_shards(r.overrides()) and (getattr(r, "packed", None) or 1) == 1})
-    meta = _small_copy(model, tp, notes)
-    if meta is None:
+    if unmatched:
+        notes.append(f"cross-shard check skipped: the small copy lacks modules the plan names ({unmatched[0]})")
         return []
     tracker = _Collectives()
     try:

@@ -232,3 +232,11 @@ def test_numerics_flags_cross_shard_code_that_check_missed(monkeypatch):
     torch.manual_seed(0)
     report = check_numerics(_Toy(), _TOY_PLAN, tp=2)
     assert not report.ok and "mlp.gate.weight" in report.failed
+
+
+def test_shadow_run_covers_deeper_models_than_its_small_copy():
+    """The shadow run rebuilds a transformers model small (2 layers); the plan's rules are matched on that copy."""
+    report = meshplan.check(_meta(llama, num_hidden_layers=6), "plans/hf_llama.yaml")
+    assert report.ok and not [w for w in report.warnings if "cross-shard check skipped" in w], report.warnings
+    report = meshplan.check(_meta(gemma2, num_hidden_layers=6), _plan("plans/gemma2.yaml"))
+    assert report.ok and not report.warnings, report.warnings
