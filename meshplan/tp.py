@@ -37,8 +37,6 @@ from .tp_plan import TensorParallel, parse_layout
 __all__ = ["generate_tp_plan", "apply_tensor_parallel", "TpApplied", "HEAD_ATTRS"]
 
 
-
-
 @functools.lru_cache(maxsize=None)
 def _parse(text: str):
     return parse_layout(text)  # placements are immutable: one object per layout text
