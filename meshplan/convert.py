@@ -16,7 +16,6 @@ use :data:`BUILTIN` (GPT-2).
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any
 
@@ -98,9 +97,9 @@ def _structure(model, hf_rules: dict[str, str]) -> tuple[dict[str, str], list[st
     """Embedding, stream norms and lm_head rules read from a small meta-device instance (every layer kind of
     the model kept), and the instance's module paths (wildcarded) in model order."""
     from .regions import summable_on_shards
+    from .rules import wildcard
     from .validate import _is_norm
     names = {id(m): n for n, m in model.named_modules()}
-    star = lambda p: re.sub(r"\.\d+(?=\.|$)", ".*", p)  # noqa: E731
     parents = {k.rpartition(".")[0] for k, v in hf_rules.items() if resolve_alias(v)["style"] == "colwise"}
     out: dict[str, str] = {}
     emb = model.get_input_embeddings()
@@ -110,17 +109,17 @@ def _structure(model, hf_rules: dict[str, str]) -> tuple[dict[str, str], list[st
              and resolve_alias(v).get("output_layouts") in (None, "shard(-1)")}
     modules = dict(model.named_modules())
     for path, mod in modules.items():
-        pattern = star(path)
+        pattern = wildcard(path)
         parent = path.rpartition(".")[0]
         if path and _is_norm(mod) and not any(pattern.startswith(p + ".") for p in parents if p):
             out[pattern] = "norm"
-        elif path and star(parent) in local and pattern not in hf_rules and \
+        elif path and wildcard(parent) in local and pattern not in hf_rules and \
                 summable_on_shards(mod, modules[parent], model):
             out[pattern] = "head_norm"  # a per-head norm or a scalar-parameter activation on this rank's shards
     head = model.get_output_embeddings()
     if head is not None and id(head) in names:
         out[names[id(head)]] = "lm_head"
-    return out, [star(p) for p in names.values()]
+    return out, [wildcard(p) for p in names.values()]
 
 
 def from_hf(source: str | Path, *, sequence_parallel: bool = True, loss_parallel: bool = True,

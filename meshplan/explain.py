@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 
 from .errors import PlanError
+from .rules import wildcard
 
 __all__ = ["explain", "render_table", "meta_dry_run"]
 
@@ -198,7 +199,7 @@ def render_table(report) -> str:
     """Human-readable report: one row per rule (modules of one pattern folded), totals, unsharded, errors."""
     groups: dict[tuple, dict] = {}
     for r in report.modules:
-        key = (r["rule"] if r["rule"] != "(colwise parent)" else re.sub(r"\.\d+(?=\.|$)", ".*", r["module"]), r["style"])
+        key = (r["rule"] if r["rule"] != "(colwise parent)" else wildcard(r["module"]), r["style"])
         g = groups.setdefault(key, {**r, "n": 0, "bytes": 0})
         g["n"] += 1
         g["bytes"] += r["bytes_per_rank"] or 0

@@ -16,6 +16,7 @@ from typing import Any
 import torch.nn as nn
 
 from .heads import safe_attr
+from .rules import wildcard
 
 __all__ = ["local_head_regions", "region_errors", "summable_on_shards", "unequal_packed_parts"]
 
@@ -96,7 +97,7 @@ def _region_children(model: nn.Module, modules: dict[str, nn.Module], matched: d
     hd = _head_dim(pmod, model)
     for name, child in pmod.named_children():
         path, kind = f"{parent}.{name}" if parent else name, type(child).__name__
-        star = _star(path)
+        star = wildcard(path)
         if path in covered:
             rule = matched.get(path)
             if rule is not None and rule[1].style == "replicate" and _per_head(child, hd):
@@ -132,7 +133,7 @@ def _stream_embeddings(modules: dict[str, nn.Module], matched: dict[str, tuple[s
                           f"stream (sequence_parallel: true) but "
                           f"{'no rule covers it' if style is None else 'its rule is replicate'}, so its full "
                           f"output would be taken as one rank's shard; found {style or 'no rule'}, expected "
-                          f"'{_star(path)}: embedding' (or embedding_colwise)")
+                          f"'{wildcard(path)}: embedding' (or embedding_colwise)")
     return errors
 
 
@@ -160,7 +161,7 @@ def _unruled_on_stream(modules: dict[str, nn.Module], matched: dict[str, tuple[s
                       f"({', '.join(own)}) but no rule covers it, and with sequence_parallel: true it would run on the "
                       f"sequence-sharded stream (torch fails on the mixed tensors, or, made local, each rank's "
                       f"gradient covers only its part of the sequence); found no rule, expected a rule for "
-                      f"'{_star(path)}' or one of its parents, or sequence_parallel: false")
+                      f"'{wildcard(path)}' or one of its parents, or sequence_parallel: false")
     return errors
 
 
@@ -176,7 +177,3 @@ def _per_head(mod: nn.Module, head_dim: int | None) -> bool:
     w = getattr(mod, "weight", None)
     return head_dim is not None and getattr(w, "ndim", 0) == 1 and w.shape[0] == head_dim
 
-
-def _star(path: str) -> str:
-    import re
-    return re.sub(r"\.\d+(?=\.|$)", ".*", path)

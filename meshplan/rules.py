@@ -11,11 +11,16 @@ import torch.nn as nn
 
 from .errors import PlanError
 
-__all__ = ["match_rules", "is_pattern"]
+__all__ = ["match_rules", "is_pattern", "wildcard"]
 
 
 def is_pattern(path: str) -> bool:
     return any(c in path for c in "*?[")
+
+
+def wildcard(path: str) -> str:
+    """``model.layers.3.mlp`` → ``model.layers.*.mlp``: the rule pattern that covers a module of every layer."""
+    return re.sub(r"\.\d+(?=\.|$)", ".*", path)
 
 
 def _matches(pattern: str, path: str) -> bool:

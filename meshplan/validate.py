@@ -27,7 +27,7 @@ from .layout import Layout
 from .packed import features
 from .plan_file import Plan, as_plan
 from .regions import local_head_regions, region_errors, unequal_packed_parts
-from .rules import match_rules
+from .rules import match_rules, wildcard
 from .heads import head_count_errors, safe_attr, sees_heads
 from .tp import gives_local_shards
 
@@ -206,7 +206,7 @@ class _Checker:
                 continue
             if any(path.startswith(p + ".") for p, (_, r) in matched.items() if r.style in ("replicate", "norm")):
                 continue
-            pattern = re.sub(r"\.\d+(?=\.|$)", ".*", path)
+            pattern = wildcard(path)
             self.err(f"{self.where}: module {path!r} ({type(mod).__name__}) runs on the sequence-sharded residual "
                      f"stream but no rule covers it; found no rule, expected {pattern!r}: norm")
 
