@@ -96,13 +96,13 @@ def cross_shard_errors(model: nn.Module, plan: Any, tp: int, where: str, notes: 
         return []
     unmatched: list = []  # exact paths of layers the small copy does not have: not its concern
     matched = match_rules(meta, section.rules, where, errors=unmatched)
+    if unmatched:
+        notes.append(f"cross-shard check skipped: the small copy lacks modules the plan names ({unmatched[0]})")
+        return []
     regions = local_head_regions(matched, dict(meta.named_modules()))
     # packed outputs stay local: their split into parts is exactly what packed sharding makes right
     local_rules = sorted({pat for path, (pat, r) in matched.items() if r.style == "colwise"
                           and gives_local_shards(r.overrides()) and (getattr(r, "packed", None) or 1) == 1})
-    if unmatched:
-        notes.append(f"cross-shard check skipped: the small copy lacks modules the plan names ({unmatched[0]})")
-        return []
     tracker = _Collectives()
     try:
         with _fake_group(tp):
