@@ -146,7 +146,7 @@ def main(argv=None) -> list[tuple]:
             sizes[i] = (sum(1 for _ in model.modules()), local)
             del model
     gen = meshplan.load_plan("plans/hf_llama.yaml").tensor_parallel
-    from meshplan.tp import generate_tp_plan
+    from meshplan.tensor_parallel.generate import generate_tp_plan
     model = hf()
     t = time.perf_counter()
     generate_tp_plan(model, gen, 8)

@@ -34,7 +34,7 @@ def fsdp_traffic(world: int, reshard_after_forward: bool, root_reshards: bool = 
     """One forward+backward of the example Llama under FSDP2 over ``world`` ranks; bytes vs Ψ."""
     import meshplan
     from llama import build, tiny_args
-    from meshplan.data_parallel import apply_data_parallel
+    from meshplan.data_parallel.fsdp import apply_data_parallel
     _fake(world)
     topo = meshplan.build_mesh({"dp_shard": world})
     model = build(tiny_args(dim=128, ffn_dim=256, n_layers=4))
@@ -64,7 +64,7 @@ def norm_grad_all_reduces(mode: str, microbatches: int = 1, no_sync: bool = Fals
     import meshplan
     import torch.nn.functional as F
     from llama import build, tiny_args
-    from meshplan.train import train_step
+    from meshplan.training.step import train_step
     _fake(4 if mode != "tp_only" else 2)
     layout = {"tp": 2, "dp_shard": 2} if mode != "tp_only" else {"tp": 2}
     topo = meshplan.build_mesh(layout)

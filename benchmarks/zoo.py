@@ -2,8 +2,8 @@
 
 For each model type (``CONFIG_MAPPING`` entries whose default config has a non-empty ``base_model_tp_plan``):
 
-1. build it tiny (``meshplan.hf_tiny_models.tiny_model``: every layer kind kept, every sharded size divisible by tp);
-2. convert transformers' tp_plan with ``meshplan.convert.from_hf`` (sequence and loss parallel on, the default),
+1. build it tiny (``meshplan.hf.tiny_models.tiny_model``: every layer kind kept, every sharded size divisible by tp);
+2. convert transformers' tp_plan with ``meshplan.hf.convert.from_hf`` (sequence and loss parallel on, the default),
    ``meshplan.check`` it at world size 2, and when it passes run ``check_numerics`` (tp=2 simulated ranks in one
    process, one forward + backward vs one device, every gradient on every rank within 1e-5 relative). When the
    SP + loss-parallel plan is refused but the plain one is not, the plain one is run and that is recorded;
@@ -72,7 +72,7 @@ def zoo_types() -> dict[str, str]:
 
 def _plan(model, model_type: str, sp: bool, lp: bool) -> dict:
     """meshplan's conversion of the tiny model's tp_plan (its config.json, so the built class is converted)."""
-    from meshplan.convert import from_hf
+    from meshplan.hf.convert import from_hf
     with tempfile.TemporaryDirectory() as d:
         data = model.config.to_dict()
         data.update(model_type=model.config.model_type, architectures=[type(model).__name__])
@@ -117,7 +117,7 @@ def loss_fn(model):
 
 def smoke(model) -> str | None:
     """Why the tiny model does not run one forward + backward on token ids on one device, else None."""
-    from meshplan.numerics import _loss, _vocab, default_batch
+    from meshplan.checks.numerics import _loss, _vocab, default_batch
     try:
         batch = default_batch(model, TP)
         fn = loss_fn(model) or (lambda m, b: _loss(m, b, _vocab(m)))
@@ -132,7 +132,7 @@ def smoke(model) -> str | None:
 def meshplan_side(model, model_type: str) -> dict:
     """meshplan's class for a built tiny model: equal / refused / WRONG / crash, with reason and detail."""
     from meshplan import Plan
-    from meshplan.numerics import check_numerics
+    from meshplan.checks.numerics import check_numerics
     out = {"mode": "sp+lp"}
     try:
         plan, errors = _check(model, model_type, True, True)
@@ -155,13 +155,13 @@ def meshplan_side(model, model_type: str) -> dict:
 
 def hf_numerics(model, tp: int = TP, tol: float = 1e-5):
     """transformers' own tp_plan on a copy of ``model`` (``apply_tensor_parallelism``) over ``tp`` simulated
-    ranks, compared with ``model`` as :func:`meshplan.numerics.check_numerics` compares (same batch, loss,
-    floor and tolerance). Returns a :class:`~meshplan.numerics.NumericsReport`, or None without a plan."""
+    ranks, compared with ``model`` as :func:`meshplan.checks.numerics.check_numerics` compares (same batch, loss,
+    floor and tolerance). Returns a :class:`~meshplan.checks.numerics.NumericsReport`, or None without a plan."""
     from torch.distributed.device_mesh import init_device_mesh
     from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 
     from meshplan._torch import simulated_ranks
-    from meshplan.numerics import NumericsReport, _loss, _per_rank, _rel, _vocab, default_batch
+    from meshplan.checks.numerics import NumericsReport, _loss, _per_rank, _rel, _vocab, default_batch
     if not getattr(model, "tp_plan", None):
         return None
     batch, vocab = default_batch(model, tp), _vocab(model)
@@ -229,7 +229,7 @@ def hf_side(model) -> dict:
 def classify(model_type: str, hf: bool = True) -> dict:
     """One zoo row: ``{type, model, class, reason, …, hf: {class, reason}}`` (see the module docstring)."""
     _quiet()
-    from meshplan.hf_tiny_models import tiny_model
+    from meshplan.hf.tiny_models import tiny_model
     t0 = time.perf_counter()
     model, why = tiny_model(model_type, tp=TP)
     row = {"type": model_type, "model": type(model).__name__ if model is not None else None}
@@ -324,7 +324,7 @@ def markdown(rows: list[dict], config_classes: dict[str, str], seconds: float, j
     import torch
     import transformers
 
-    from meshplan.hf_aliases import HF_UNSUPPORTED as HF_UNSUPPORTED_STYLES
+    from meshplan.hf.styles import HF_UNSUPPORTED as HF_UNSUPPORTED_STYLES
     mine = _counts(rows, lambda r: r["class"])
     theirs = _counts([r for r in rows if r["class"] != "not buildable tiny"], lambda r: r["hf"]["class"])
     decoders = [r for r in rows if r.get("model") and r["model"].endswith("ForCausalLM")
@@ -332,7 +332,7 @@ def markdown(rows: list[dict], config_classes: dict[str, str], seconds: float, j
     eq = sum(r["class"] == "equal" for r in decoders)
     hf_eq = sum(r["hf"]["class"] == "equal" for r in decoders)
     # transformers styles that are not tensor parallelism of modules: experts (expert parallelism), DeepSeek's MLA
-    # split projection, bare parameters; meshplan refuses them by name (see meshplan.hf_aliases.HF_UNSUPPORTED)
+    # split projection, bare parameters; meshplan refuses them by name (see meshplan.hf.styles.HF_UNSUPPORTED)
     beyond = [r for r in decoders if r["class"] == "refused" and any(
         f"style '{k}'" in r.get("reason", "") for k in HF_UNSUPPORTED_STYLES)]
     rest = len(decoders) - len(beyond)
@@ -347,8 +347,8 @@ def markdown(rows: list[dict], config_classes: dict[str, str], seconds: float, j
         "",
         "Every config class with a non-empty `base_model_tp_plan`, built tiny by `meshplan/hf_tiny.py` (every layer",
         "kind kept, sizes divisible by tp), one forward + backward at tp=2 (simulated ranks, `LocalTensorMode`) vs",
-        "one device, every gradient on every rank within 1e-5 relative (`meshplan.numerics`). meshplan runs",
-        "`meshplan.convert.from_hf` (sequence + loss parallel) after `meshplan.check`; *transformers* applies",
+        "one device, every gradient on every rank within 1e-5 relative (`meshplan.checks.numerics`). meshplan runs",
+        "`meshplan.hf.convert.from_hf` (sequence + loss parallel) after `meshplan.check`; *transformers* applies",
         "the model's own `tp_plan` with `apply_tensor_parallelism` to a copy of the same model (a tied `lm_head`",
         "re-tied after sharding, as `from_pretrained` does). Causal LMs are compared on their own loss, base models",
         "on the mean square of the last hidden state times a fixed pattern. `not buildable tiny` also covers models",

@@ -1,8 +1,8 @@
 """meshplan: plans that turn an ordinary ``nn.Module`` into an N-D parallel model."""
 
-from .errors import PlanError
-from .layout import Layout, ResolvedLayout
-from .plan_file import Plan, load_plan
+from meshplan.errors import PlanError
+from meshplan.plan_file.layout import Layout, ResolvedLayout
+from meshplan.plan_file.document import Plan, load_plan
 
 __all__ = ["PlanError", "Layout", "ResolvedLayout", "Plan", "load_plan", "build_mesh", "init",
            "Topology", "current_topology", "parallelize", "cross_entropy", "loss_parallel",
@@ -14,30 +14,30 @@ __version__ = "0.1.0"
 def __getattr__(name: str):
     # torch-dependent parts load lazily so `meshplan ranks` / `schema` stay fast and torch-free
     if name in ("build_mesh", "Topology", "current_topology"):
-        from . import topology
+        import meshplan.mesh.topology as topology
         return getattr(topology, name)
     if name == "parallelize":
-        from .apply import parallelize
+        from meshplan.apply import parallelize
         return parallelize
     if name in ("cross_entropy", "loss_parallel"):
-        from . import loss
+        import meshplan.training.loss as loss
         return getattr(loss, name)
     if name in ("train_step", "clip_grad_norm_", "StepResult"):
-        from . import train
+        import meshplan.training.step as train
         return getattr(train, name)
     if name == "materialize":
-        from .meta_init import materialize
+        from meshplan.weights.materialize import materialize
         return materialize
     if name in ("load_state_dict", "load_full_state_dict", "load_safetensors"):
-        from . import loading
+        import meshplan.weights.load as loading
         return getattr(loading, name)
     if name == "plan":
-        from .decorator import plan
+        from meshplan.decorator import plan
         return plan
     if name == "check":
-        from .validate import check
+        from meshplan.checks.validate import check
         return check
     if name == "init":
-        from .runtime import init
+        from meshplan.mesh.runtime import init
         return init
     raise AttributeError(f"module 'meshplan' has no attribute {name!r}")

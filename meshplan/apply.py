@@ -8,9 +8,9 @@ from typing import Any, Mapping
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .errors import PlanError
-from .plan_file import Plan, as_plan
-from .topology import Topology, build_mesh, current_topology
+from meshplan.errors import PlanError
+from meshplan.plan_file.document import Plan, as_plan
+from meshplan.mesh.topology import Topology, build_mesh, current_topology
 
 __all__ = ["parallelize"]
 
@@ -64,21 +64,21 @@ def parallelize(model: nn.Module, plan: Plan | Mapping[str, Any] | str | Path | 
     if mesh is None:
         mesh = current_topology() or build_mesh(p.layout or {})
     tp_mesh = _tp_mesh(mesh)
-    from .runtime import check_same_plan
+    from meshplan.mesh.runtime import check_same_plan
     check_same_plan(p, mesh if isinstance(mesh, Topology) else tp_mesh)  # a rank with another plan fails, not hangs
     if isinstance(mesh, Topology):
         model._meshplan_topology = mesh  # train_step's default without a data_parallel section (tp only)
     if p.tensor_parallel is not None:
-        from .tp import apply_tensor_parallel
-        from .validate import validate_plan
+        from meshplan.tensor_parallel.generate import apply_tensor_parallel
+        from meshplan.checks.validate import validate_plan
         validate_plan(model, p, tp_mesh.size())  # what `meshplan check` checks, before anything changes
         applied = apply_tensor_parallel(model, p.tensor_parallel, tp_mesh, p.source)
         model._meshplan_tp = applied  # the finaliser and RNG hooks live as long as the model
-        from .hf_aliases import install_hf_loss
+        from meshplan.hf.styles import install_hf_loss
         install_hf_loss(model, p.tensor_parallel)  # transformers' own loss on vocab-sharded logits
     dp = getattr(p, "data_parallel", None)
     if dp is not None or (isinstance(mesh, Topology) and mesh.layout.dp > 1 and "data_parallel" in Plan.model_fields):
-        from .data_parallel import apply_data_parallel
+        from meshplan.data_parallel.fsdp import apply_data_parallel
         if not isinstance(mesh, Topology):
             raise PlanError("the data_parallel section needs a meshplan Topology (meshplan.init or build_mesh), "
                             "not a bare DeviceMesh")

@@ -16,8 +16,8 @@ import functools
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from .errors import PlanError
-from .plan_file import Plan
+from meshplan.errors import PlanError
+from meshplan.plan_file.document import Plan
 
 __all__ = ["plan"]
 
@@ -29,7 +29,7 @@ def _data_of(p: Plan | Mapping[str, Any] | str | Path) -> tuple[dict, str | None
     if isinstance(p, Plan):
         return p.model_dump(exclude_unset=True, exclude_none=True), p.source
     if isinstance(p, (str, Path)):
-        from .loader import read_plan_data
+        from meshplan.plan_file.reading import read_plan_data
         return read_plan_data(p), str(p)
     if isinstance(p, Mapping):
         return copy.deepcopy(dict(p)), None
@@ -65,12 +65,12 @@ def _wrap_init(cls: type) -> None:
 
 
 def _auto_parallelize(model: Any) -> None:
-    from .topology import current_topology
+    from meshplan.mesh.topology import current_topology
     topo = current_topology()
     cls = type(model)
     if topo is None or not getattr(cls, "__meshplan_auto__", True) or hasattr(model, "_meshplan_tp"):
         return
-    from .apply import parallelize
+    from meshplan.apply import parallelize
     parallelize(model, cls.__meshplan_plan__, topo)
 
 

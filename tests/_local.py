@@ -51,7 +51,7 @@ torch 2.13 quirks met under LocalTensorMode:
   materialised per-rank gradient infers a SymInt global stride and fails with
   ``TypeError: unhashable type: non-nested SymInt``.  Wrap the gradient
   yourself with ``DTensor.from_local(..., shape=, stride=)`` (as
-  ``meshplan.loss`` does), or use even shapes.
+  ``meshplan.training.loss`` does), or use even shapes.
 * ``CommDebugMode`` entered inside the mode counts each functional collective
   once, keyed ``torch.ops.c10d_functional.<op>``.
 * The fake process group stays initialised between uses (cheap re-entry);

@@ -11,7 +11,7 @@ import meshplan
 from examples.architectures import FACTORIES, gemma2, phi3, qwen3
 from examples.hf_models import llama
 from meshplan import PlanError
-from meshplan.numerics import check_numerics
+from meshplan.checks.numerics import check_numerics
 
 pytestmark = pytest.mark.fast
 warnings.filterwarnings("ignore")
@@ -100,10 +100,10 @@ def test_layout_less_plan():
     data.pop("layout")
     report = meshplan.check(_meta(llama), data)
     assert report.ok and report.tp == 1 and "the plan has no layout and none was given" in report.warnings[0]
-    from meshplan.runtime import _plan_and_layout
+    from meshplan.mesh.runtime import _plan_and_layout
     with pytest.raises(PlanError, match="meshplan.init: the plan has no layout section"):
         _plan_and_layout(data)
-    from meshplan.convert import from_hf
+    from meshplan.hf.convert import from_hf
     assert from_hf("llama")["layout"] == {"tp": 2}
 
 
@@ -127,7 +127,7 @@ def test_train_step_counts_tokens_as_the_models_loss():
 
 def test_numerics_flags_a_style_that_drops_subclass_behaviour(monkeypatch):
     """The old embedding style replaced forward: Gemma2's sqrt(hidden) scale was lost."""
-    from meshplan import vocab_embedding
+    from meshplan.tensor_parallel import vocab_embedding
 
     def replacing_apply(self, module, mesh):
         module = vocab_embedding.distribute_module(module, mesh, self._partition)
@@ -141,7 +141,7 @@ def test_numerics_flags_a_style_that_drops_subclass_behaviour(monkeypatch):
 
 
 def test_numerics_flags_per_head_norm_grads_not_summed(monkeypatch):
-    from meshplan import validate
+    from meshplan.checks import validate
     monkeypatch.setattr(validate, "region_errors", lambda *a, **k: [])
     torch.manual_seed(0)
     report = check_numerics(qwen3(), _plan("plans/qwen3.yaml", drop=["model.layers.*.self_attn.q_norm",
@@ -152,7 +152,8 @@ def test_numerics_flags_per_head_norm_grads_not_summed(monkeypatch):
 
 def test_numerics_reports_a_crash_with_torchs_message(monkeypatch):
     """Head counts divided although the module sees global (DTensor) heads: torch's view fails."""
-    from meshplan import tp, validate
+    from meshplan.tensor_parallel import generate as tp
+    from meshplan.checks import validate
     monkeypatch.setattr(tp, "gives_local_shards", lambda o: True)
     monkeypatch.setattr(validate, "region_errors", lambda *a, **k: [])
     factory, plan = FACTORIES["torch_transformer"]
@@ -162,7 +163,7 @@ def test_numerics_reports_a_crash_with_torchs_message(monkeypatch):
 
 
 def test_numerics_flags_in_place_ops_on_views(monkeypatch):
-    from meshplan import styles
+    from meshplan.tensor_parallel import styles
     monkeypatch.setattr(styles, "owned_local", lambda x: x.to_local() if hasattr(x, "to_local") else x)
     factory, plan = FACTORIES["olmo"]
     torch.manual_seed(0)
@@ -171,7 +172,7 @@ def test_numerics_flags_in_place_ops_on_views(monkeypatch):
 
 
 def test_cli_check_numerics(capsys, tmp_path):
-    from meshplan.cli import main
+    from meshplan.cli.main import main
     code = main(["check", "plans/qwen3.yaml", "--model", "examples.architectures:qwen3", "--numerics"])
     out = capsys.readouterr().out.splitlines()
     assert code == 0 and out[-2] == "ok" and out[-1].startswith("numerics: ok at tp=2: loss rel err")
@@ -227,7 +228,7 @@ def test_check_finds_code_that_computes_across_shards():
 
 
 def test_numerics_flags_cross_shard_code_that_check_missed(monkeypatch):
-    from meshplan import shadow
+    from meshplan.checks import shadow
     monkeypatch.setattr(shadow, "cross_shard_errors", lambda *a, **k: [])
     torch.manual_seed(0)
     report = check_numerics(_Toy(), _TOY_PLAN, tp=2)

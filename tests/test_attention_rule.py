@@ -1,4 +1,4 @@
-"""Tests for meshplan.attention: DTensor sharding of CPU fused SDPA.
+"""Tests for meshplan.tensor_parallel.cpu_attention: DTensor sharding of CPU fused SDPA.
 
 All distributed work is simulated in one process with LocalTensorMode over a
 "fake" process group (tests/_local.py): inside the mode every DTensor's local
@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from _local import LocalTensor, assert_close_rel, distribute, local_ranks, make_mesh, rank_values, shutdown
-from meshplan import attention
-from meshplan.attention import CPU_ATTENTION_OPS, register_cpu_attention_rule
+from meshplan.tensor_parallel import cpu_attention as attention
+from meshplan.tensor_parallel.cpu_attention import CPU_ATTENTION_OPS, register_cpu_attention_rule
 
 pytestmark = pytest.mark.fast
 
@@ -86,7 +86,7 @@ def check(out, grads, ref_out, ref_grads, placements):
 
 
 def test_private_api_pins():
-    """Every torch-private name meshplan.attention relies on, as it relies on it."""
+    """Every torch-private name meshplan.tensor_parallel.cpu_attention relies on, as it relies on it."""
     from torch.distributed.tensor._op_schema import OpSchema, OpStrategy, StrategyType
     from torch.distributed.tensor._ops import utils
 

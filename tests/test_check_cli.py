@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from meshplan.cli import main
+from meshplan.cli.main import main
 
 pytestmark = pytest.mark.fast
 LLAMA_CFG = json.dumps({"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 128, "ffn_dim": 128})

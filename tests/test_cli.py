@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from meshplan.cli import main
+from meshplan.cli.main import main
 
 pytestmark = pytest.mark.fast
 
@@ -84,7 +84,7 @@ def test_console_entry_point_no_traceback():
 def test_keyboard_interrupt_one_line_exit_130(capsys, monkeypatch):
     def interrupted(args):
         raise KeyboardInterrupt
-    monkeypatch.setattr("meshplan.cli._ranks", interrupted)
+    monkeypatch.setattr("meshplan.cli.ranks._ranks", interrupted)
     code, out, err = run(capsys, "ranks", "--world-size", "8")
     assert code == 130 and out == "" and err == "meshplan: error: interrupted\n"
 

@@ -12,9 +12,9 @@ from pydantic import BaseModel, ValidationError
 import meshplan
 from llama import build, tiny_args
 from meshplan import Layout, PlanError
-from meshplan.data_parallel import apply_data_parallel, data_parallel_state, resolve_mode
-from meshplan.dp_plan import DataParallel
-from meshplan.train import StepResult, _grad_norm_parts, train_step
+from meshplan.data_parallel.fsdp import apply_data_parallel, data_parallel_state, resolve_mode
+from meshplan.plan_file.data_parallel import DataParallel
+from meshplan.training.step import StepResult, _grad_norm_parts, train_step
 
 pytestmark = pytest.mark.fast
 
@@ -62,7 +62,7 @@ def test_section_is_frozen_and_nestable():
     with pytest.raises(ValidationError):
         d.mode = "ddp"
 
-    class P(meshplan.strict.Strict):
+    class P(meshplan.plan_file.strict.Strict):
         data_parallel: DataParallel | None = None
 
     assert P.model_validate({"data_parallel": {"mode": "ddp"}}).data_parallel.mode == "ddp"
@@ -71,7 +71,7 @@ def test_section_is_frozen_and_nestable():
 
 
 def test_section_module_is_torch_free():
-    code = "import sys, meshplan.data_parallel; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, meshplan.data_parallel.fsdp; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -322,7 +322,7 @@ def _assert_final_grads(model):
 def test_hand_written_loop_one_tp_all_reduce_under_fsdp(fake_pg, no_sync):
     """FSDP×TP+SP, plain ``loss.backward()``: all 5 norm grads in ONE tp all-reduce (FSDP2 alone: 5)."""
     from benchmarks._comm import CommLog
-    from meshplan.grads import grad_sync
+    from meshplan.tensor_parallel.grad_sync import grad_sync
     with fake_pg(4):
         topo = meshplan.build_mesh({"dp_shard": 2, "tp": 2})
         model = meshplan.parallelize(build(tiny_args()), {"tensor_parallel": {

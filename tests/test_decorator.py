@@ -101,9 +101,13 @@ def test_extension_errors_name_the_parent_file():
 
 def test_meshplan_plan_is_the_decorator():
     import importlib
+    import pkgutil
     from meshplan.decorator import plan
     assert meshplan.plan is plan  # no module of that name shadows it, however meshplan was imported
-    for mod in ("plan_file", "meta_init", "loading", "runtime"):
-        importlib.import_module(f"meshplan.{mod}")
-    assert meshplan.plan is plan and meshplan.init is importlib.import_module("meshplan.runtime").init
+    public = {name: getattr(meshplan, name) for name in meshplan.__all__}
+    for info in pkgutil.walk_packages(meshplan.__path__, "meshplan."):  # every module of the house
+        if not info.name.endswith("__main__"):
+            importlib.import_module(info.name)
+    assert {name: getattr(meshplan, name) for name in meshplan.__all__} == public  # no folder shadows a name
+    assert meshplan.plan is plan and meshplan.init is importlib.import_module("meshplan.mesh.runtime").init
     assert copy.deepcopy(PlannedLlama.__meshplan_plan__) == PlannedLlama.__meshplan_plan__

@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from meshplan import Plan, PlanError, load_plan
-from meshplan.cli import main
+from meshplan.cli.main import main
 
 pytestmark = pytest.mark.fast
 

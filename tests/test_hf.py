@@ -15,8 +15,8 @@ import meshplan
 from _local import assert_close_rel, from_ranks, local_ranks
 from examples.hf_models import FACTORIES, llama
 from meshplan import PlanError
-from meshplan.convert import BUILTIN, from_hf, plan_yaml, to_hf
-from meshplan.hf_aliases import HF_ALIASES, HF_UNSUPPORTED, resolve_alias, to_hf_style
+from meshplan.hf.convert import BUILTIN, from_hf, plan_yaml, to_hf
+from meshplan.hf.styles import HF_ALIASES, HF_UNSUPPORTED, resolve_alias, to_hf_style
 
 pytestmark = pytest.mark.fast
 warnings.filterwarnings("ignore", message=".*loss_type=None.*")
@@ -222,7 +222,7 @@ def test_packed_gate_up_matches_one_device(style):
 def test_every_alias_validates_and_round_trips():
     for name, rule in HF_ALIASES.items():
         data = resolve_alias(name)
-        assert data == rule and data["style"] in meshplan.hf_aliases.MESHPLAN_STYLES, name
+        assert data == rule and data["style"] in meshplan.hf.styles.MESHPLAN_STYLES, name
         try:
             back = to_hf_style(data)
         except ValueError:

@@ -1,4 +1,4 @@
-"""meshplan.loss: vocab-parallel cross-entropy vs F.cross_entropy, simulated ranks (LocalTensorMode)."""
+"""meshplan.training.loss: vocab-parallel cross-entropy vs F.cross_entropy, simulated ranks (LocalTensorMode)."""
 
 import pytest
 import torch
@@ -7,7 +7,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 
 from _local import assert_close_rel, assert_ranks_agree, distribute, local_ranks, make_mesh, on_rank
-from meshplan.loss import cross_entropy, loss_parallel
+from meshplan.training.loss import cross_entropy, loss_parallel
 
 pytestmark = pytest.mark.fast
 

@@ -6,7 +6,7 @@ import pytest
 
 import meshplan
 from meshplan import PlanError, load_plan
-from meshplan.schema import SCHEMA_PATH, plan_schema
+from meshplan.plan_file.json_schema import SCHEMA_PATH, plan_schema
 
 pytestmark = pytest.mark.fast
 

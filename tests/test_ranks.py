@@ -7,8 +7,8 @@ from itertools import permutations
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from meshplan.layout import GROUP_KINDS, Layout
-from meshplan.ranks import RankGrid, pipeline_end_groups
+from meshplan.plan_file.layout import GROUP_KINDS, Layout
+from meshplan.mesh.ranks import RankGrid, pipeline_end_groups
 
 pytestmark = pytest.mark.fast
 
@@ -179,7 +179,7 @@ def test_fast_65536_ranks():
 
 def test_rank_engine_is_torch_free():
     import subprocess
-    code = ("import sys; import meshplan.ranks, meshplan.layout, meshplan.report; "
+    code = ("import sys; import meshplan.mesh.ranks, meshplan.plan_file.layout, meshplan.mesh.rank_table; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
 

@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 import meshplan
 from meshplan import Layout, PlanError
-from meshplan.topology import MESH_KEYS, mesh_axes
+from meshplan.mesh.topology import MESH_KEYS, mesh_axes
 
 pytestmark = pytest.mark.fast
 

@@ -16,7 +16,7 @@ def test_simulated_ranks_compute_collectives_per_rank():
     from torch.distributed.tensor import Partial, Replicate
 
     from meshplan._torch import LocalTensor, simulated_ranks
-    from meshplan.topology import build_mesh
+    from meshplan.mesh.topology import build_mesh
     from torch.distributed.tensor import DTensor
     with simulated_ranks(2):
         mesh = build_mesh({"tp": 2})["tp"]

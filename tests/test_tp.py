@@ -114,7 +114,7 @@ def test_exact_collectives_no_sp():
 
 
 def test_fresh_styles_every_apply():
-    from meshplan.tp import generate_tp_plan
+    from meshplan.tensor_parallel.generate import generate_tp_plan
     model = llama.build(llama.tiny_args())
     a, _ = generate_tp_plan(model, PLAN.tensor_parallel, 2)
     b, _ = generate_tp_plan(model, PLAN.tensor_parallel, 2)
@@ -143,7 +143,7 @@ def test_errors_name_plan_rule_module_and_numbers():
         with pytest.raises(PlanError, match=r"module 'layers.0.attention_norm' is RMSNorm; style colwise expects nn.Linear"):
             meshplan.parallelize(copy.deepcopy(model), wrong, topo)
         exact = plan_with(rules={"layers.*.attention.wq": "colwise", "layers.0.attention.wq": "rowwise"})
-        from meshplan.rules import match_rules
+        from meshplan.plan_file.patterns import match_rules
         m = match_rules(model, meshplan.Plan.from_data(exact).tensor_parallel.rules)
         assert m["layers.0.attention.wq"][1].style == "rowwise" and m["layers.1.attention.wq"][1].style == "colwise"
 

@@ -22,8 +22,8 @@ import meshplan
 from _local import (assert_close_rel, distribute, from_ranks, local_ranks, make_mesh, rank_values,
                     replicated)
 from meshplan import PlanError
-from meshplan.dropout import SingleDeviceDropout, sdpa_math
-from meshplan.rng import TpRng
+from meshplan.tensor_parallel.dropout.single_device import SingleDeviceDropout, sdpa_math
+from meshplan.tensor_parallel.dropout.per_shard import TpRng
 
 pytestmark = pytest.mark.fast
 warnings.filterwarnings("ignore", message=".*loss_type=None.*")

@@ -41,7 +41,7 @@ MODULE = re.compile(r"[A-Za-z_][\w*]*(?:\.[\w*]+)+|module '[\w.*]+'")  # a dotte
 def test_tiny_config_keeps_divisibility(model_type):
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    from meshplan.hf_tiny import tiny_config
+    from meshplan.hf.tiny_config import tiny_config
     for tp in (2, 4):
         full, cfg = CONFIG_MAPPING[model_type](), tiny_config(model_type, tp=tp)
         heads = cfg.num_attention_heads
@@ -60,7 +60,7 @@ def test_tiny_config_keeps_divisibility(model_type):
 
 
 def test_tiny_config_keeps_layer_kinds():
-    from meshplan.hf_tiny import tiny_config
+    from meshplan.hf.tiny_config import tiny_config
     g = tiny_config("gemma3_text")
     assert g.num_hidden_layers == 2 and sorted(g.layer_types) == ["full_attention", "sliding_attention"]
     assert 0 < g.sliding_window < 16

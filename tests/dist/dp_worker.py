@@ -12,8 +12,8 @@ import meshplan
 from _launch import run_cases
 from benchmarks._comm import CommLog
 from llama import build, tiny_args
-from meshplan.data_parallel import apply_data_parallel
-from meshplan.train import train_step
+from meshplan.data_parallel.fsdp import apply_data_parallel
+from meshplan.training.step import train_step
 
 WORLD = int(os.environ["WORLD_SIZE"])
 GLOBAL_BATCH, SEQ, STEPS, LR, MAX_NORM = 8, 16, 3, 1e-3, 0.5

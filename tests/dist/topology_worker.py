@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 import meshplan
 from _launch import run_cases
-from meshplan.topology import MESH_KEYS, mesh_axes
+from meshplan.mesh.topology import MESH_KEYS, mesh_axes
 
 WORLD = int(os.environ["WORLD_SIZE"])
 LAYOUTS = {4: [{"tp": 2}, {"tp": 2, "pp": 2, "order": "pp-tp-dp"}, {"cp": 2, "dp_replicate": 2}],
@@ -32,7 +32,7 @@ def case_init_and_groups():
 
 
 def case_mismatch_fails_everywhere():
-    from meshplan.runtime import _check_same_layout
+    from meshplan.mesh.runtime import _check_same_layout
     mine = "tp=2" if dist.get_rank() != 1 else "tp=4"
     try:
         _check_same_layout(mine)

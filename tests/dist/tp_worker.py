@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 import llama
 import meshplan
 from _launch import run_cases
-from meshplan.rng import TpRng
+from meshplan.tensor_parallel.dropout.per_shard import TpRng
 
 WORLD = int(os.environ["WORLD_SIZE"])
 PLAN = meshplan.load_plan("plans/llama.yaml").model_dump(exclude_unset=True)

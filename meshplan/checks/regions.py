@@ -1,0 +1,179 @@
+"""Checks of what runs where: modules inside tensor-parallel regions, embeddings on the sequence-parallel
+stream, fused projections with unequal parts.
+
+A *local-heads region* is a module whose colwise children hand it their local shards (plain tensors: this
+rank's heads or features). Any other parameterised module in it runs on those shards: a per-head norm
+(``q_norm``/``k_norm`` over ``head_dim``) is right only with ``head_norm`` (its gradient, each rank's heads'
+part, summed over tp); with no rule or ``replicate`` each rank's copy would train on its own heads' gradient
+and drift. Under sequence parallelism every embedding outside the regions writes to the sequence-sharded
+stream and must produce it (``embedding``/``embedding_colwise``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.nn as nn
+
+from meshplan.tensor_parallel.heads import safe_attr
+from meshplan.plan_file.patterns import wildcard
+
+__all__ = ["local_head_regions", "region_errors", "summable_on_shards", "unequal_packed_parts"]
+
+
+def local_head_regions(matched: dict[str, tuple[str, Any]], modules: dict[str, nn.Module] | None = None) -> set[str]:
+    """Parents of colwise rules whose local outputs they see (see :func:`meshplan.tensor_parallel.generate.gives_local_shards`)."""
+    from meshplan.tensor_parallel.packed import features
+    from meshplan.tensor_parallel.generate import gives_local_shards
+    return {path.rpartition(".")[0] for path, (_, rule) in matched.items()
+            if rule.style == "colwise" and gives_local_shards(rule.overrides())
+            and (modules is None or features(modules[path]) is not None or isinstance(modules[path], nn.Embedding))}
+
+
+def _head_dim(parent: nn.Module, model: nn.Module) -> int | None:
+    hd = safe_attr(parent, "head_dim")
+    if isinstance(hd, int) and hd > 0:
+        return hd
+    cfg = safe_attr(model, "config")
+    h, n, hd = safe_attr(cfg, "hidden_size"), safe_attr(cfg, "num_attention_heads"), safe_attr(cfg, "head_dim")
+    if isinstance(hd, int) and hd > 0:
+        return hd
+    return h // n if isinstance(h, int) and isinstance(n, int) and n > 0 and h % n == 0 else None
+
+
+def unequal_packed_parts(parent: nn.Module, model: nn.Module, out: int, packed: int) -> str | None:
+    """Why a ``packed: k`` colwise on a fused q|k|v of ``out`` features cannot be split in k equal parts, or None."""
+    cfg = safe_attr(parent, "config") or safe_attr(model, "config")
+    heads, kv = safe_attr(cfg, "num_attention_heads"), safe_attr(cfg, "num_key_value_heads")
+    hd = _head_dim(parent, model)
+    if packed != 3 or not all(isinstance(x, int) and x > 0 for x in (heads, kv, hd)):
+        return None
+    if out == (heads + 2 * kv) * hd and heads != kv:
+        return (f"its fused q|k|v parts are unequal ({heads * hd}|{kv * hd}|{kv * hd}: num_attention_heads {heads}, "
+                f"num_key_value_heads {kv}, head_dim {hd}) and packed shards equal parts only; gather its output "
+                f"instead (output_layouts: replicate, with the o_proj rule input_layouts: replicate)")
+    return None
+
+
+def region_errors(model: nn.Module, modules: dict[str, nn.Module], matched: dict[str, tuple[str, Any]],
+                  sequence_parallel: bool | str, where: str, claimed: set[str] = frozenset()) -> list[str]:
+    """Every problem of modules that run on tp-local shards, and of modules on the SP stream.
+
+    ``claimed``: paths some rule matches although no rule was assigned (conflicting rules, reported apart).
+    """
+    regions = local_head_regions(matched, modules)
+    ruled = set(matched) | set(claimed)
+    above = {path.rsplit(".", k)[0] for path in ruled for k in range(1, path.count(".") + 1)}  # ruled descendants
+    errors: list[str] = []
+    colwise: dict[str, list[str]] = {}
+    for path, (_, rule) in matched.items():
+        if rule.style == "colwise":
+            colwise.setdefault(path.rpartition(".")[0], []).append(path)
+    for parent in sorted(regions):
+        errors += _region_children(model, modules, matched, parent, ruled | above, where,
+                                   ", ".join(sorted(colwise.get(parent, []))))
+    for path, (pattern, rule) in matched.items():
+        if rule.style == "head_norm" and path.rpartition(".")[0] not in regions:
+            errors.append(f"{where}.{pattern!r}: module {path!r} (head_norm) is not inside a module whose colwise "
+                          f"children output local shards, so its input is replicated and summing its gradients over "
+                          f"tp would multiply them by tp; found no colwise sibling with local outputs, expected one "
+                          f"(or use 'replicate')")
+        if rule.style == "norm" and isinstance(modules.get(path), (nn.Linear, nn.Embedding)):
+            errors.append(f"{where}.{pattern!r}: module {path!r} is {type(modules[path]).__name__}; style norm expects a "
+                          f"norm or dropout on the residual stream; found {type(modules[path]).__name__}, expected "
+                          f"colwise, rowwise, embedding or lm_head")
+    if sequence_parallel is True:  # batch mode: unruled modules see this rank's samples, summed over tp
+        errors += _unruled_on_stream(modules, matched, regions, where) + _stream_embeddings(
+            modules, matched, regions, where)
+    return errors
+
+
+def _region_children(model: nn.Module, modules: dict[str, nn.Module], matched: dict[str, tuple[str, Any]],
+                     parent: str, covered: set[str], where: str, near: str) -> list[str]:
+    """The parameterised children of one local-heads region that no rule (or the wrong one) covers; ``near``
+    names its colwise children."""
+    errors = []
+    pmod = modules[parent] if parent else model
+    hd = _head_dim(pmod, model)
+    for name, child in pmod.named_children():
+        path, kind = f"{parent}.{name}" if parent else name, type(child).__name__
+        star = wildcard(path)
+        if path in covered:
+            rule = matched.get(path)
+            if rule is not None and rule[1].style == "replicate" and _per_head(child, hd):
+                errors.append(f"{where}.{rule[0]!r}: module {path!r} ({kind}) runs on this rank's heads (the local "
+                              f"outputs of {near}), but 'replicate' assumes replicated inputs; found replicate, "
+                              f"expected head_norm")
+        elif not any(True for _ in child.parameters()):
+            continue
+        elif isinstance(child, (nn.Linear, nn.Embedding)) or kind == "Conv1D":
+            errors.append(f"{where}: module {path!r} ({kind}) sits beside the colwise {near} but no rule covers "
+                          f"it; there it gets the block's converted input (a DTensor) or their local shards; "
+                          f"found no rule, expected '{star}: colwise' (or rowwise if it consumes their outputs)")
+        else:
+            want = f"'{star}: head_norm'" if summable_on_shards(child, pmod, model) else "a rule that shards it, " \
+                   "or gather the colwise outputs (output_layouts: replicate)"
+            errors.append(f"{where}: module {path!r} ({kind}) runs on this rank's shards (the local outputs of "
+                          f"{near}) but no rule covers it; its parameters' gradients would cover only this rank's "
+                          f"part; found no rule, expected {want}")
+    return errors
+
+
+def _stream_embeddings(modules: dict[str, nn.Module], matched: dict[str, tuple[str, Any]], regions: set[str],
+                       where: str) -> list[str]:
+    """Under sequence parallelism every embedding outside the regions must produce the sharded stream."""
+    errors = []
+    inside = tuple(p + "." for p in regions if p)
+    for path, mod in modules.items():
+        if not isinstance(mod, nn.Embedding) or path.startswith(inside) or "" in regions:
+            continue
+        style = matched[path][1].style if path in matched else None
+        if style in (None, "replicate"):
+            errors.append(f"{where}: module {path!r} (nn.Embedding) writes to the sequence-sharded residual "
+                          f"stream (sequence_parallel: true) but "
+                          f"{'no rule covers it' if style is None else 'its rule is replicate'}, so its full "
+                          f"output would be taken as one rank's shard; found {style or 'no rule'}, expected "
+                          f"'{wildcard(path)}: embedding' (or embedding_colwise)")
+    return errors
+
+
+def _unruled_on_stream(modules: dict[str, nn.Module], matched: dict[str, tuple[str, Any]], regions: set[str],
+                       where: str) -> list[str]:
+    """Under sequence parallelism every parameterised module outside the local-heads regions needs a rule.
+
+    Without one it meets the sequence-sharded stream: as a DTensor (torch fails on mixed tensors) or, after
+    model code made it local, as this rank's part of the sequence, whose gradient nobody sums (silently
+    wrong). Norms and embeddings are reported by their own checks.
+    """
+    from meshplan.checks.validate import _is_norm
+    errors = []
+    inside = tuple(p + "." for p in regions if p)
+    ruled = tuple(p + "." for p in matched)
+    # a projection group with a rowwise but no colwise rule is the chain check's to report, once
+    groups = {p.rpartition(".")[0] for p, (_, r) in matched.items() if r.style in ("colwise", "rowwise")}
+    for path, mod in modules.items():
+        own = [n for n, _ in mod.named_parameters(recurse=False)]
+        if not own or path in matched or path.startswith(ruled) or path in regions or path.startswith(inside) \
+                or "" in regions or isinstance(mod, nn.Embedding) or _is_norm(mod) or \
+                path.rpartition(".")[0] in groups:
+            continue
+        errors.append(f"{where}: module {path or '(root)'!r} ({type(mod).__name__}) has parameters "
+                      f"({', '.join(own)}) but no rule covers it, and with sequence_parallel: true it would run on the "
+                      f"sequence-sharded stream (torch fails on the mixed tensors, or, made local, each rank's "
+                      f"gradient covers only its part of the sequence); found no rule, expected a rule for "
+                      f"'{wildcard(path)}' or one of its parents, or sequence_parallel: false")
+    return errors
+
+
+def summable_on_shards(mod: nn.Module, parent: nn.Module, model: nn.Module) -> bool:
+    """Is ``mod`` a module whose gradient on local shards is right once summed over tp (``head_norm``): a
+    per-head norm (1-D parameters of ``head_dim``) or a module with scalar parameters only (a learnable
+    activation such as XIELU)?"""
+    params = [p for _, p in mod.named_parameters()]
+    return bool(params) and (_per_head(mod, _head_dim(parent, model)) or all(p.numel() == 1 for p in params))
+
+
+def _per_head(mod: nn.Module, head_dim: int | None) -> bool:
+    w = getattr(mod, "weight", None)
+    return head_dim is not None and getattr(w, "ndim", 0) == 1 and w.shape[0] == head_dim
+

@@ -1,0 +1,60 @@
+"""The result of :func:`meshplan.check`: every error, warning and explain row of one plan on one model."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from meshplan.errors import PlanError
+
+__all__ = ["Report", "fold_errors"]
+
+
+@dataclass
+class Report:
+    """What :func:`check` found.
+
+    Attributes:
+        ok: no errors.
+        errors: every :class:`PlanError`, in check order.
+        warnings: layouts that work but cost extra collectives.
+        modules: one explain row per parallelized module (see :mod:`meshplan.checks.explain`).
+        unsharded: ``{parameter: reason}`` for parameters every tp rank holds whole.
+        totals: parameter counts/bytes and collectives per forward/backward.
+    """
+
+    source: str
+    model: str
+    tp: int
+    world_size: int
+    errors: list[PlanError] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    modules: list[dict] = field(default_factory=list)
+    unsharded: dict[str, str] = field(default_factory=dict)
+    totals: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+    def raise_if_errors(self) -> None:
+        """Raise one PlanError listing every error (numbered), if there are any."""
+        if self.errors:
+            lines = "\n".join(f"  {i}. {e}" for i, e in enumerate(self.errors, 1))
+            raise PlanError(f"{len(self.errors)} problem(s) in {self.source}:\n{lines}")
+
+    def to_dict(self) -> dict:
+        """The ``--format json`` document: ``{ok, errors, warnings, modules, unsharded, totals}``."""
+        return {"ok": self.ok, "source": self.source, "model": self.model, "tp": self.tp,
+                "world_size": self.world_size, "errors": [str(e) for e in self.errors], "warnings": self.warnings,
+                "modules": self.modules, "unsharded": self.unsharded, "totals": self.totals}
+
+
+def fold_errors(errors: list[PlanError]) -> list[PlanError]:
+    """One error per message that differs only in layer indices (``layers.0`` … ``layers.125``)."""
+    groups: dict[str, list[str]] = {}
+    for e in errors:
+        groups.setdefault(re.sub(r"\.\d+(?=[.'])", ".*", str(e)), []).append(str(e))
+    return [PlanError(v[0] if len(v) == 1 else f"{v[0]} (and {len(v) - 1} more module(s) of the same rule)")
+            for v in groups.values()]

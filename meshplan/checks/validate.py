@@ -1,0 +1,290 @@
+"""Static validation of a plan against a model, before any collective: ``meshplan.check``.
+
+Every problem is collected (not only the first) as a :class:`~meshplan.PlanError`
+naming the plan file, the rule, the module path, what was found and what was
+expected. Checks, in order: the layout resolves; every rule matches a module
+(else the closest module paths); no module is claimed by two different rules;
+each style fits its module type; every sharded size divides (features, heads,
+KV heads, vocabulary; packed chunks; ``model.config``); the layouts chain (a
+rowwise needs a colwise sibling, overridden input layouts must match the
+residual stream, an ``lm_head`` takes the stream, a ``gather`` needs a partial
+output, sequence parallelism needs every norm on the stream listed). Then, when
+all of that passes, the plan is applied for real to a meta-device copy under a
+``fake`` process group (nothing allocated, nothing communicated), which gives
+the local parameter shapes of the explain table (:mod:`meshplan.checks.explain`).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Mapping
+
+import torch.nn as nn
+
+from meshplan.checks.report import Report, fold_errors
+from meshplan.errors import PlanError
+from meshplan.plan_file.layout import Layout
+from meshplan.tensor_parallel.packed import features
+from meshplan.plan_file.document import Plan, as_plan
+from meshplan.checks.regions import local_head_regions, region_errors, unequal_packed_parts
+from meshplan.plan_file.patterns import match_rules, wildcard
+from meshplan.tensor_parallel.heads import head_count_errors, safe_attr, sees_heads
+from meshplan.tensor_parallel.generate import gives_local_shards
+
+__all__ = ["check", "Report", "validate_plan"]
+
+_NORM_RE = re.compile(r"(LayerNorm|RMSNorm|GroupNorm|BatchNorm)", re.I)
+
+
+def _is_norm(mod: nn.Module) -> bool:
+    return isinstance(mod, (nn.LayerNorm, nn.GroupNorm)) or bool(_NORM_RE.search(type(mod).__name__))
+
+
+class _Checker:
+    def __init__(self, model: nn.Module, plan: Plan, tp: int, report: Report):
+        self.model, self.plan, self.tp, self.r = model, plan, tp, report
+        self.section = plan.tensor_parallel
+        self.where = f"{plan.source}: tensor_parallel.rules" if plan.source else "tensor_parallel.rules"
+        self.modules = dict(model.named_modules())
+        sp = self.section.sequence_parallel
+        self.stream = "shard(1)" if sp is True else "shard(0)" if sp == "batch" else "replicate"
+
+    def err(self, msg: str) -> None:
+        self.r.errors.append(PlanError(msg))
+
+    def loc(self, pattern: str) -> str:
+        return f"{self.where}.{pattern!r}"
+
+    # -- matching -------------------------------------------------------------------------------------
+    def match(self) -> dict[str, tuple[str, Any]]:
+        self.conflicts: set[str] = set()
+        return match_rules(self.model, self.section.rules, self.where, errors=self.r.errors, conflicts=self.conflicts)
+
+    # -- per module -----------------------------------------------------------------------------------
+    def divides(self, loc: str, path: str, what: str, n: int, by: int = 1) -> bool:
+        if n % (self.tp * by):
+            per = f"packed({by}) x " if by > 1 else ""
+            valid = [d for d in range(1, n + 1) if n % (d * by) == 0]
+            self.err(f"{loc}: module {path!r}: {per}tp({self.tp}) does not divide {what}({n}); found {n}, "
+                     f"expected a multiple of {self.tp * by}; valid tp: {', '.join(map(str, valid))}")
+            return False
+        return True
+
+    def module(self, path: str, pattern: str, rule: Any) -> None:
+        mod, style, loc = self.modules[path], rule.style, self.loc(pattern)
+        kind = type(mod).__name__
+        feats = features(mod)
+        packed = getattr(rule, "packed", None) or 1
+        if style in ("colwise", "rowwise"):
+            if feats is None and not (isinstance(mod, nn.Embedding) and packed == 1):
+                self.err(f"{loc}: module {path!r} is {kind}; style {style} expects nn.Linear, Conv1D or nn.Embedding")
+                return
+            if isinstance(mod, nn.Embedding):
+                n, what = (mod.embedding_dim, "embedding_dim") if style == "colwise" else (mod.num_embeddings, "num_embeddings")
+            else:
+                n, what = (feats[1], "out_features") if style == "colwise" else (feats[0], "in_features")
+            parent = self.modules[path.rpartition(".")[0]] if "." in path else self.model
+            why = unequal_packed_parts(parent, self.model, n, packed) if style == "colwise" else None
+            if why:
+                self.err(f"{loc}: module {path!r}: packed({packed}) cannot shard out_features({n}): {why}")
+            elif n % packed:
+                self.err(f"{loc}: module {path!r}: packed({packed}) splits {what}({n}) into {packed} equal parts, but "
+                         f"{n} is not a multiple of {packed}: the fused parts are unequal, and packed shards equal "
+                         f"parts only; found {n}, expected a multiple of {packed} (or gather the output: "
+                         f"output_layouts: replicate)")
+            elif self.divides(loc, path, what, n, packed) and style == "colwise" and gives_local_shards(rule.overrides()):
+                self.heads(loc, path, n // packed)
+        elif style in ("embedding", "embedding_colwise"):
+            if not isinstance(mod, nn.Embedding):
+                self.err(f"{loc}: module {path!r} is {kind}; style {style} expects nn.Embedding")
+            elif style == "embedding":
+                self.divides(loc, path, "num_embeddings", mod.num_embeddings)
+            else:
+                self.divides(loc, path, "embedding_dim", mod.embedding_dim)
+        elif style == "lm_head":
+            if not isinstance(mod, nn.Linear):
+                self.err(f"{loc}: module {path!r} is {kind}; style lm_head expects nn.Linear")
+            else:
+                self.divides(loc, path, "out_features", mod.out_features)
+        elif style == "embedding_tables" and not any(isinstance(c, nn.Embedding) for c in mod.children()):
+            self.err(f"{loc}: module {path!r} is {kind} with no nn.Embedding children; style embedding_tables "
+                     f"expects a module holding embedding tables")
+
+    def heads(self, loc: str, path: str, out: int) -> None:
+        parent = self.modules[path.rpartition(".")[0]] if "." in path else self.model
+        hd = getattr(parent, "head_dim", None)
+        if isinstance(hd, int) and hd > 0 and out % hd == 0 and (out // hd) % self.tp:
+            self.err(f"{loc}: module {path!r}: tp({self.tp}) does not divide its {out // hd} heads "
+                     f"(out_features {out} / head_dim {hd}); found {out // hd} heads, expected a multiple of {self.tp}")
+
+    # -- model-wide -----------------------------------------------------------------------------------
+    def config(self, matched: dict[str, tuple[str, Any]]) -> None:
+        """Head counts of the model config must divide by tp where modules see local heads."""
+        regions = local_head_regions(matched, self.modules)
+        if not any(sees_heads(self.modules[p] if p else self.model) for p in regions) or \
+                not self.section.adjust_head_counts:
+            return
+        cfg = getattr(self.model, "config", None)
+        names = ("num_attention_heads", "num_key_value_heads") if safe_attr(cfg, "num_attention_heads") is not None else \
+            ("n_head", "n_heads", "n_kv_heads")
+        for name in names:
+            n = safe_attr(cfg, name)
+            if isinstance(n, int) and not isinstance(n, bool) and n > 0 and n % self.tp:
+                valid = ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+                self.err(f"{self.where}: model config {type(cfg).__name__}.{name}: tp({self.tp}) does not divide "
+                         f"{name}({n}); found {n}, expected a multiple of {self.tp}; valid tp: {valid}")
+
+    def chain(self, matched: dict[str, tuple[str, Any]]) -> None:
+        by_parent: dict[str, list[tuple[str, str, Any]]] = {}
+        for path, (pattern, rule) in matched.items():
+            by_parent.setdefault(path.rpartition(".")[0], []).append((path, pattern, rule))
+        fanout = set()
+        for parent, kids in by_parent.items():
+            cols = [k for k in kids if k[2].style == "colwise"]
+            default_in = [k for k in cols if k[2].input_layouts is None]
+            if default_in:
+                fanout.add(parent)
+            for path, pattern, rule in kids:
+                o = rule.overrides()
+                if rule.style == "rowwise" and o.get("input_layouts") in (None, "shard(-1)"):
+                    if not cols:
+                        self.err(f"{self.loc(pattern)}: module {path!r} (rowwise) expects its input sharded on the "
+                                 f"last dim by a colwise sibling, but {parent or '(root)'!r} has no colwise child; found "
+                                 f"input layout {self.stream}, expected shard(-1); add colwise rules for the projections "
+                                 f"feeding it or set input_layouts")
+                    elif any(c[2].output_layouts not in (None, "shard(-1)") for c in cols):
+                        bad = [c for c in cols if c[2].output_layouts not in (None, "shard(-1)")]
+                        self.err(f"{self.loc(pattern)}: module {path!r} (rowwise) expects shard(-1) input, but its "
+                                 f"colwise sibling(s) {', '.join(c[0] for c in bad)} output {bad[0][2].output_layouts}; "
+                                 f"found {bad[0][2].output_layouts}, expected shard(-1)")
+                if rule.style == "colwise" and "input_layouts" in o:
+                    given = o["input_layouts"]
+                    if default_in:
+                        self.err(f"{self.loc(pattern)}: module {path!r} (colwise) overrides input_layouts ({given}) "
+                                 f"but its colwise siblings {', '.join(k[0] for k in default_in)} take {parent!r}'s "
+                                 f"converted input; found {given}, expected the same input_layouts on every colwise "
+                                 f"child of {parent or '(root)'!r}")
+                    elif given != self.stream and parent not in matched:
+                        self.err(f"{self.loc(pattern)}: module {path!r} (colwise) input_layouts {given} does not match "
+                                 f"the residual stream; found {given}, expected {self.stream}")
+                if rule.style in ("lm_head", "embedding", "rowwise") or rule.style == "embedding_colwise":
+                    key = "input_layouts" if rule.style == "lm_head" else "output_layouts"
+                    given = o.get(key)
+                    if given is not None and given != self.stream and key == "input_layouts":
+                        self.err(f"{self.loc(pattern)}: module {path!r} (lm_head) input_layouts {given} does not match "
+                                 f"the residual stream (sequence_parallel: {self.section.sequence_parallel}); found "
+                                 f"{given}, expected {self.stream}")
+                    elif given is not None and given not in (self.stream, "partial") and key == "output_layouts":
+                        self.r.warnings.append(f"{self.loc(pattern)}: module {path!r} ({rule.style}) outputs {given} "
+                                               f"but the residual stream is {self.stream}: an extra redistribute")
+                if rule.style == "prepare_output" and rule.output_layouts == "partial":
+                    below = [p for p, (_, r) in matched.items() if p.startswith(path + ".") and r.style == "rowwise"
+                             and r.output_layouts == "partial"]
+                    if not below:
+                        self.err(f"{self.loc(pattern)}: module {path!r} declares a partial output to reduce "
+                                 f"(gather/all_reduce), but no rowwise rule below it outputs partial; found "
+                                 f"{self.stream} outputs, expected partial (set output_layouts: partial on its "
+                                 f"rowwise children, or drop the rule)")
+        self.fanout = fanout
+
+    def regions(self, matched: dict[str, tuple[str, Any]]) -> None:
+        for msg in region_errors(self.model, self.modules, matched, self.section.sequence_parallel, self.where,
+                                 self.conflicts):
+            self.err(msg)
+        for parent in sorted(local_head_regions(matched, self.modules)):
+            for msg in head_count_errors(self.modules[parent] if parent else self.model, parent, self.tp,
+                                         self.where):
+                self.err(msg)
+
+    def stream_norms(self, matched: dict[str, tuple[str, Any]]) -> None:
+        if self.section.sequence_parallel is False:
+            return
+        inside = tuple(p + "." for p in self.fanout if p)
+        root_fanout = "" in self.fanout
+        for path, mod in self.modules.items():
+            if not path or path in matched or not _is_norm(mod) or path.startswith(inside) or root_fanout:
+                continue
+            if any(path.startswith(p + ".") for p, (_, r) in matched.items() if r.style in ("replicate", "norm")):
+                continue
+            pattern = wildcard(path)
+            self.err(f"{self.where}: module {path!r} ({type(mod).__name__}) runs on the sequence-sharded residual "
+                     f"stream but no rule covers it; found no rule, expected {pattern!r}: norm")
+
+
+def check(model: nn.Module, plan: Plan | Mapping[str, Any] | str, world_size: int | None = None,
+          layout: Layout | Mapping[str, Any] | None = None, *, dry_run: bool = True) -> Report:
+    """Validate ``plan`` against ``model`` without running it; collect every problem.
+
+    Args:
+        model: the model (any device; a meta-device copy is used, the model is not changed).
+        plan: a path, a dict of a file's content, or a :class:`Plan`.
+        world_size: ranks to check for; default: the layout's tp·cp·pp.
+        layout: a :class:`Layout` or dict overriding the plan's ``layout`` section.
+        dry_run: also apply the plan to a meta copy under a ``fake`` process group (exact
+            local shapes); skipped when a real process group is initialized.
+
+    Returns:
+        A :class:`Report`; ``report.ok`` is False when any check failed.
+
+    Example::
+
+        >>> with torch.device("meta"):
+        ...     model = LlamaForCausalLM(config)
+        >>> report = meshplan.check(model, "plans/hf_llama.yaml", world_size=8)
+        >>> report.raise_if_errors()
+    """
+    from meshplan.checks.explain import explain, meta_dry_run
+    p = as_plan(plan)
+    lay = Layout.model_validate(dict(layout)) if isinstance(layout, Mapping) else layout or p.layout or Layout()
+    report = Report(source=p.source or "<plan>", model=type(model).__name__, tp=lay.tp, world_size=world_size or 0)
+    try:
+        resolved = lay.resolve(world_size or lay.tp * lay.cp * lay.pp)
+    except PlanError as e:
+        report.errors.append(PlanError(f"{report.source}: layout: {e}"))
+        return report
+    report.tp, report.world_size = resolved.tp, resolved.world_size
+    if layout is None and p.layout is None:
+        report.warnings.append(f"{report.source}: the plan has no layout and none was given: checked at tp=1, where "
+                               f"nothing is sharded; add `layout: {{tp: N}}` (CLI: --tp N)")
+    import torch.distributed as dist
+    shadow = dry_run and (not dist.is_initialized() or dist.get_backend() == "fake")  # as the dry run
+    matched, checker = _static(model, p, resolved.tp, report, shadow)
+    applied = None
+    if report.ok and p.tensor_parallel is not None and dry_run:
+        applied = meta_dry_run(model, p, resolved.tp, report)
+    explain(report, model, p, resolved.tp, matched, getattr(checker, "fanout", set()), applied)
+    report.errors = fold_errors(report.errors)
+    return report
+
+
+def _static(model: nn.Module, p: Plan, tp: int, report: Report, shadow: bool) -> tuple[dict, "_Checker | None"]:
+    """Every check that needs no dry run, into ``report.errors``: ``(matched rules, checker)``; with ``shadow``
+    the cross-shard shadow run too (:mod:`meshplan.checks.shadow`; it needs a fake process group of its own)."""
+    if p.tensor_parallel is None:
+        return {}, None
+    checker = _Checker(model, p, tp, report)
+    matched = checker.match()
+    for path, (pattern, rule) in matched.items():
+        checker.module(path, pattern, rule)
+    checker.config(matched)
+    checker.chain(matched)
+    checker.stream_norms(matched)
+    checker.regions(matched)
+    if report.ok and shadow:  # needs a plan that applies
+        from meshplan.checks.shadow import cross_shard_errors
+        for msg in cross_shard_errors(model, p, tp, checker.where, report.warnings):
+            checker.err(msg)
+    return matched, checker
+
+
+def validate_plan(model: nn.Module, plan: Plan, tp: int) -> None:
+    """The checks of :func:`check` that need no dry run and no process group of their own (all but the
+    cross-shard shadow run); :func:`meshplan.parallelize` runs them first.
+
+    Raises:
+        PlanError: one error listing every problem (numbered), as :meth:`Report.raise_if_errors`.
+    """
+    report = Report(source=plan.source or "<plan>", model=type(model).__name__, tp=tp, world_size=tp)
+    _static(model, plan, tp, report, shadow=False)  # the shadow run needs its own fake group: check() only
+    report.errors = fold_errors(report.errors)
+    report.raise_if_errors()

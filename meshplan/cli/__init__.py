@@ -1,0 +1,5 @@
+"""The ``meshplan`` command (``meshplan.cli:main``): see :mod:`meshplan.cli.main`."""
+
+from meshplan.cli.main import main
+
+__all__ = ["main"]

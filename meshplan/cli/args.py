@@ -1,0 +1,64 @@
+"""What the ``meshplan`` subcommands share: the one-line-error parser, bounded integers and the layout flags."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Callable
+
+from meshplan.errors import PlanError
+
+__all__ = ["Parser", "int_arg", "add_layout_flags", "layout_from_args", "error_line"]
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2
+        raise PlanError(f"{self.prog}: {message}")
+
+
+def int_arg(lo: int, hi: int, why: str = "") -> Callable[[str], int]:
+    """An argparse ``type``: an integer in ``[lo, hi]``; the error names the bound (and ``why``)."""
+    def parse(text: str) -> int:
+        shown = text if len(text) <= 40 else f"{text[:40]}… ({len(text)} characters)"
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {shown!r}") from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"expected an integer in [{lo}, {hi}]{why}, got {shown}")
+        return value
+    return parse
+
+
+def add_layout_flags(p: argparse.ArgumentParser, world_required: bool, max_world: int | None = None,
+                      why: str = " (2**20)") -> None:
+    from meshplan.plan_file.layout import MAX_RANKS
+    hi = max_world or MAX_RANKS
+    p.add_argument("--world-size", type=int_arg(1, hi, why), required=world_required,
+                   help=f"number of ranks, 1 to {hi}")
+    for name, help_ in [("tp", "tensor parallel"), ("pp", "pipeline parallel"), ("cp", "context parallel"),
+                        ("ep", "expert parallel"), ("etp", "expert tensor parallel (default: tp)"),
+                        ("vpp", "virtual stages per pp rank"), ("dp-replicate", "dp replicas"),
+                        ("dp-shard", "dp sharding degree (-1: inferred)")]:
+        lo = -1 if name == "dp-shard" else 1
+        p.add_argument(f"--{name}", type=int_arg(lo, MAX_RANKS, " (2**20)"), default=None, help=help_)
+    p.add_argument("--order", default=None, help="Megatron order, innermost first (default tp-cp-ep-dp-pp)")
+
+
+def layout_from_args(args: argparse.Namespace, base: dict | None = None):
+    """A Layout from the layout flags, over ``base`` (a plan's layout section)."""
+    from meshplan.plan_file.layout import Layout
+    from meshplan.plan_file.reading import pydantic_message
+    data = dict(base or {})
+    for k in ("tp", "pp", "cp", "ep", "etp", "vpp", "dp_replicate", "dp_shard", "order"):
+        v = getattr(args, k, None)
+        if v is not None:
+            data[k] = v
+    try:
+        return Layout.model_validate(data)
+    except Exception as e:
+        raise PlanError(pydantic_message(e)) from None
+
+
+def error_line(message: str) -> str:
+    """The one stderr line of a failure: every run of whitespace (newlines included) becomes one space."""
+    return f"meshplan: error: {' '.join(message.split())}"

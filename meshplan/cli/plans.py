@@ -1,0 +1,144 @@
+"""``meshplan check`` and ``meshplan convert``: added to the parser by :mod:`meshplan.cli.main`.
+
+The model convention of ``check --model MODULE:FACTORY [--config JSON]``:
+
+* ``MODULE`` is imported with the ``--path`` directories, the current directory and its
+  ``examples/`` directory on ``sys.path`` (``examples.llama:build`` and ``llama:build`` both work
+  from a repo root);
+* ``FACTORY`` (a dotted attribute of the module) is called **under** ``torch.device("meta")``, so
+  nothing is allocated, with the ``--config`` object (JSON text or a ``.json`` file) as:
+
+  1. ``FACTORY(HFConfigClass(**config))`` when it is a transformers ``PreTrainedModel`` class
+     (``--model transformers:LlamaForCausalLM``);
+  2. ``FACTORY(**config)`` when its signature takes those keywords (``examples.hf_models:llama``);
+  3. ``FACTORY(Args(**config))`` when it takes one argument annotated with a class
+     (``examples.llama:build`` with ``args: ModelArgs``).
+
+  It must return an ``nn.Module``. Any failure is one ``meshplan: error:`` line and exit 2, and so
+  is a module or factory that calls ``sys.exit``. What they print is discarded (stdout carries the
+  report). A ``--config`` key that a transformers config does not have (not an attribute of its
+  default instance, e.g. ``num_hiden_layers``) is an error naming the key and its close matches,
+  not a silently stored extra attribute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+from meshplan.cli.args import add_layout_flags, layout_from_args
+from meshplan.errors import PlanError
+from meshplan.checks.model_factory import _config_arg, _failure, _hf_config_of, _quiet_transformers, _silenced, build_model
+
+__all__ = ["register"]
+
+
+def _check(args: argparse.Namespace) -> int:
+    import warnings
+
+    from meshplan.checks.explain import render_table
+    from meshplan.plan_file.document import load_plan
+    from meshplan.checks.validate import check
+    plan = load_plan(args.plan)
+    base = plan.layout.model_dump(exclude_unset=True) if plan.layout else None
+    layout = layout_from_args(args, base)
+    layout.resolve(args.world_size or layout.tp * layout.cp * layout.pp)  # bad flags: one line, before the model
+    if plan.layout is None and args.tp is None:
+        raise PlanError(f"{args.plan}: the plan has no layout and no --tp was given, so nothing would be sharded; "
+                        f"add `layout: {{tp: N}}` to the plan or pass --tp N")
+    model = build_model(args.model, _config_arg(args.config), args.path or [])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = check(model, plan, world_size=args.world_size, layout=layout)
+    numerics = _numerics(args, model, plan, layout.tp) if args.numerics and report.ok else None
+    if args.format == "json":
+        doc = {**report.to_dict(), **({"numerics": numerics.to_dict()} if numerics else {})}
+        sys.stdout.write(json.dumps(doc, separators=(",", ":")) + "\n")
+    else:
+        sys.stdout.write(render_table(report) + "\n" + (f"numerics: {numerics.summary()}\n" if numerics else ""))
+    return 0 if report.ok and (numerics is None or numerics.ok) else 2
+
+
+def _numerics(args: argparse.Namespace, meta_model: Any, plan: Any, tp: int):
+    """``check --numerics``: a small real instance (a transformers model: its config shrunk by
+    :func:`meshplan.hf.tiny_config.tiny_config`, keeping the architecture; else the factory with ``--config``), then
+    :func:`meshplan.checks.numerics.check_numerics` at the plan's tp."""
+    import torch
+
+    from meshplan.checks.numerics import check_numerics
+    torch.manual_seed(0)
+    hf_config = _hf_config_of(meta_model)
+    if hf_config is not None:
+        from meshplan.hf.tiny_config import tiny_config
+        try:
+            with _quiet_transformers(), _silenced():
+                model = type(meta_model)(tiny_config(hf_config, tp=tp))
+        except Exception as e:
+            raise PlanError(f"check --numerics: cannot build a small {type(meta_model).__name__}: {_failure(e)}") from None
+    else:
+        model = build_model(args.model, _config_arg(args.config), args.path or [], device="cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return check_numerics(model, plan, tp=tp)
+
+
+def _convert(args: argparse.Namespace) -> int:
+    if (args.from_, args.to) == ("hf", "meshplan"):
+        from meshplan.hf.convert import from_hf, plan_yaml
+        try:
+            with _quiet_transformers(), _silenced():
+                rules = from_hf(args.source, sequence_parallel=not args.no_sequence_parallel,
+                                loss_parallel=not args.no_loss_parallel)
+        except PlanError:
+            raise
+        except (Exception, SystemExit) as e:  # transformers rejecting a malformed config.json
+            raise PlanError(f"convert {args.source!r}: transformers cannot use this config: {_failure(e)}") from None
+        text = plan_yaml(rules)
+    elif (args.from_, args.to) == ("meshplan", "hf"):
+        from meshplan.hf.convert import to_hf
+        from meshplan.plan_file.document import load_plan
+        text = json.dumps(to_hf(load_plan(args.source)), indent=2) + "\n"
+    else:
+        raise PlanError(f"convert: --from {args.from_} --to {args.to} is not supported; use --from hf --to meshplan "
+                        f"or --from meshplan --to hf")
+    if args.output:
+        out = Path(args.output)
+        if out.is_dir():
+            raise PlanError(f"-o {args.output!r}: is a directory, expected a file path")
+        try:
+            out.write_text(text, encoding="utf-8")
+        except (OSError, ValueError) as e:  # missing folder, no permission, a NUL in the path
+            raise PlanError(f"-o {args.output!r}: cannot write: {getattr(e, 'strerror', None) or e}") from None
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def register(sub) -> None:
+    """Add ``check`` and ``convert`` to the ``meshplan`` subparsers."""
+    c = sub.add_parser("check", help="validate a plan against a model on the meta device and explain it",
+                       description=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    c.add_argument("plan", help="plan file (.yaml/.json/.toml)")
+    c.add_argument("--model", required=True, help="MODULE:FACTORY building the model (see below)")
+    c.add_argument("--config", default=None, help="JSON object (or .json file) passed to the factory")
+    c.add_argument("--path", action="append", help="extra import directory for MODULE (repeatable)")
+    add_layout_flags(c, world_required=False)
+    c.add_argument("--format", choices=("table", "json"), default="table")
+    c.add_argument("--numerics", action="store_true",
+                   help="also run the plan on a small real instance, tp ranks simulated in this process, and "
+                        "compare the loss and every gradient with the unparallelized model (exit 2 if any differs)")
+    c.set_defaults(func=_check)
+    v = sub.add_parser("convert", help="convert a transformers tp_plan to a meshplan plan (offline), or back")
+    v.add_argument("source", help="--from hf: a model type (llama, mistral, qwen2, gpt2, …), a config.json or a "
+                                  "directory holding one; --from meshplan: a plan file")
+    v.add_argument("--from", dest="from_", choices=("hf", "meshplan"), default="hf")
+    v.add_argument("--to", choices=("meshplan", "hf"), default="meshplan")
+    v.add_argument("-o", "--output", default=None, help="write here instead of stdout")
+    v.add_argument("--no-sequence-parallel", action="store_true", help="write sequence_parallel: false")
+    v.add_argument("--no-loss-parallel", action="store_true", help="write loss_parallel: false")
+    v.set_defaults(func=_convert)
+

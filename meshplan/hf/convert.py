@@ -1,0 +1,224 @@
+"""Convert transformers ``tp_plan``\\ s to meshplan plans, and back; offline.
+
+``from_hf("llama")`` (a model type, a ``config.json`` path or a directory
+holding one) reads the plan transformers ships with the model class, with no
+download: the config class's ``base_model_tp_plan`` (paths relative to the base
+model, so prefixed with the class's ``base_model_prefix``) plus the task
+class's ``_tp_plan`` (``lm_head``). HF plans shard only the linear layers; the
+meshplan plan adds what sequence and loss parallelism need, read from the model
+structure (built on the meta device from a copy of the config shrunk by :mod:`meshplan.hf.tiny_config`, every layer kind kept): the
+input embedding (``embedding``), every norm on the residual stream (``norm``),
+the output embedding (``lm_head``) and, beside colwise projections, per-head norms and scalar-parameter
+activations that transformers' plan leaves out (``head_norm``). Models transformers ships no plan for
+use :data:`BUILTIN` (GPT-2).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from meshplan.errors import PlanError
+from meshplan.hf.styles import resolve_alias, to_hf_style
+
+__all__ = ["from_hf", "to_hf", "plan_yaml", "BUILTIN"]
+
+#: meshplan rules for causal-LM model types transformers ships no tp_plan for (full module paths)
+BUILTIN: dict[str, dict[str, Any]] = {
+    "gpt2": {
+        "transformer.wte": "embedding",
+        "transformer.wpe": "embedding",
+        "transformer.drop": "norm",
+        "transformer.h.*.ln_1": "norm",
+        "transformer.h.*.attn.c_attn": {"style": "colwise", "packed": 3},
+        "transformer.h.*.attn.c_proj": "rowwise",
+        "transformer.h.*.attn.resid_dropout": "norm",
+        "transformer.h.*.ln_2": "norm",
+        "transformer.h.*.mlp.c_fc": "colwise",
+        "transformer.h.*.mlp.c_proj": "rowwise",
+        "transformer.h.*.mlp.dropout": "norm",
+        "transformer.ln_f": "norm",
+        "lm_head": "lm_head",
+    },
+}
+
+
+def _config(source: str | Path):
+    import transformers
+    path = Path(source)
+    if path.is_dir():
+        path = path / "config.json"
+    if path.suffix == ".json" or path.is_file():
+        if not path.is_file():
+            raise PlanError(f"{path}: no such config file")
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as e:
+            raise PlanError(f"{path}: not valid JSON: {e}") from None
+        model_type = data.pop("model_type", None)
+        if not model_type:
+            raise PlanError(f"{path}: has no model_type")
+        archs = data.get("architectures") or []
+    else:
+        model_type, data, archs = str(source), {}, []
+    try:
+        config = transformers.AutoConfig.for_model(model_type, **data)
+    except ValueError:
+        raise PlanError(f"unknown transformers model type {model_type!r} (from {source})") from None
+    return config, model_type, archs
+
+
+def _model_class(config, model_type: str, archs: list[str]):
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    name = next((a for a in archs if hasattr(transformers, a)), None) or MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    if name is None:
+        raise PlanError(f"model type {model_type!r} has no causal-LM class in transformers; pass a config.json whose "
+                        f"'architectures' names one")
+    return getattr(transformers, name)
+
+
+def _rule(style: str) -> Any:
+    data = resolve_alias(style)
+    return data["style"] if len(data) == 1 else data
+
+
+def _small_instance(cls, config):
+    """A meta-device instance of ``cls`` from a shrunken copy of ``config`` that keeps every layer kind."""
+    import torch
+
+    from meshplan.hf.tiny_config import tiny_config
+    with torch.device("meta"):
+        return cls(tiny_config(config, tp=2))
+
+
+def _structure(model, hf_rules: dict[str, str]) -> tuple[dict[str, str], list[str]]:
+    """Embedding, stream norms and lm_head rules read from a small meta-device instance (every layer kind of
+    the model kept), and the instance's module paths (wildcarded) in model order."""
+    from meshplan.checks.regions import summable_on_shards
+    from meshplan.plan_file.patterns import wildcard
+    from meshplan.checks.validate import _is_norm
+    names = {id(m): n for n, m in model.named_modules()}
+    parents = {k.rpartition(".")[0] for k, v in hf_rules.items() if resolve_alias(v)["style"] == "colwise"}
+    out: dict[str, str] = {}
+    emb = model.get_input_embeddings()
+    if emb is not None and id(emb) in names:
+        out[names[id(emb)]] = "embedding"
+    local = {k.rpartition(".")[0] for k, v in hf_rules.items() if resolve_alias(v)["style"] == "colwise"
+             and resolve_alias(v).get("output_layouts") in (None, "shard(-1)")}
+    modules = dict(model.named_modules())
+    for path, mod in modules.items():
+        pattern = wildcard(path)
+        parent = path.rpartition(".")[0]
+        if path and _is_norm(mod) and not any(pattern.startswith(p + ".") for p in parents if p):
+            out[pattern] = "norm"
+        elif path and wildcard(parent) in local and pattern not in hf_rules and \
+                summable_on_shards(mod, modules[parent], model):
+            out[pattern] = "head_norm"  # a per-head norm or a scalar-parameter activation on this rank's shards
+    head = model.get_output_embeddings()
+    if head is not None and id(head) in names:
+        out[names[id(head)]] = "lm_head"
+    return out, [wildcard(p) for p in names.values()]
+
+
+def from_hf(source: str | Path, *, sequence_parallel: bool = True, loss_parallel: bool = True,
+            tp: int | None = 2) -> dict:
+    """A meshplan plan (plain data) from transformers' own tp_plan of a model.
+
+    Args:
+        source: a model type (``"llama"``), a ``config.json`` path or a directory holding one.
+        sequence_parallel: write ``sequence_parallel`` (and the norm rules it needs).
+        loss_parallel: keep the logits vocab-sharded.
+        tp: the tensor-parallel degree written to ``layout`` (dp_shard is inferred from the world size at run
+            time); None writes no layout (then every consumer must be given one).
+
+    Returns:
+        ``{"version": 1, "layout": {"tp": tp}, "tensor_parallel": {...}}``, ready for :meth:`Plan.from_data`
+        or :func:`plan_yaml`.
+
+    Raises:
+        PlanError: unknown model type, no plan known for it, or an HF style meshplan cannot express.
+    """
+    import torch
+    config, model_type, archs = _config(source)
+    cls = _model_class(config, model_type, archs)
+    base = getattr(config, "base_model_tp_plan", None) or {}
+    if not base and model_type in BUILTIN:
+        rules = dict(BUILTIN[model_type])
+        origin = f"meshplan's built-in table (transformers ships no tp_plan for {model_type})"
+    elif not base:
+        raise PlanError(f"transformers ships no tp_plan for model type {model_type!r} and meshplan has no built-in "
+                        f"one; write the rules by hand (see plans/hf_llama.yaml)")
+    else:
+        try:
+            model = _small_instance(cls, config)
+        except Exception as e:
+            raise PlanError(f"{model_type}: cannot build a small {cls.__name__} to read its structure: "
+                            f"{type(e).__name__}: {' '.join(str(e).split())[:300]}") from None
+        # a task model holds the base model under base_model_prefix; the base model class itself does not
+        p = cls.base_model_prefix
+        prefix = f"{p}." if p and isinstance(getattr(model, p, None), torch.nn.Module) else ""
+        hf = {prefix + k: v for k, v in base.items()}
+        hf.update(getattr(cls, "_tp_plan", None) or {})
+        rules = {}
+        for k, v in hf.items():
+            try:
+                rules[k] = _rule(v)
+            except ValueError as e:
+                raise PlanError(f"{model_type}: tp_plan rule {k!r} ({cls.__name__}): {e}") from None
+        found, order = _structure(model, hf)
+        for path, style in found.items():
+            if style == "norm" and not sequence_parallel:
+                continue
+            rules[path] = style  # lm_head: colwise_gather_output becomes meshplan's lm_head
+        rank = {p: i for i, p in enumerate(order)}
+        rules = dict(sorted(rules.items(), key=lambda kv: rank.get(kv[0], len(rank))))
+        origin = f"transformers {_version()} {type(config).__name__}.base_model_tp_plan + {cls.__name__}._tp_plan"
+    plan: dict[str, Any] = {"version": 1}
+    if tp is not None:
+        plan["layout"] = {"tp": tp}
+    plan["tensor_parallel"] = {"sequence_parallel": sequence_parallel, "loss_parallel": loss_parallel, "rules": rules}
+    plan["_origin"] = f"{origin}; model class {cls.__name__}"
+    return plan
+
+
+def _version() -> str:
+    import transformers
+    return transformers.__version__
+
+
+def to_hf(plan) -> dict[str, str]:
+    """The transformers ``tp_plan`` (``{module path pattern: style string}``) of a meshplan plan.
+
+    Raises:
+        PlanError: a rule has no transformers equivalent.
+    """
+    from meshplan.plan_file.document import as_plan
+    p = as_plan(plan)
+    if p.tensor_parallel is None:
+        return {}
+    out = {}
+    for pattern, rule in p.tensor_parallel.rules.items():
+        try:
+            out[pattern] = to_hf_style(rule)
+        except ValueError as e:
+            raise PlanError(f"{p.source or '<plan>'}: tensor_parallel.rules.{pattern!r}: {e}") from None
+    return out
+
+
+def plan_yaml(plan: dict) -> str:
+    """YAML text of :func:`from_hf`'s result, with a header saying where the rules came from."""
+    import yaml
+    data = dict(plan)
+    origin = data.pop("_origin", None)
+    tp = dict(data.pop("tensor_parallel", {}))
+    rules = tp.pop("rules", {})
+    lines = ["# Generated by `meshplan convert --from hf --to meshplan`"] + ([f"# from {origin}"] if origin else [])
+    lines += yaml.safe_dump(data, sort_keys=False).splitlines() + ["tensor_parallel:"]
+    lines += ["  " + x for x in yaml.safe_dump(tp, sort_keys=False).splitlines()] + ["  rules:"]
+    for pattern, rule in rules.items():
+        value = yaml.safe_dump(rule, default_flow_style=True, width=1000, sort_keys=False)
+        value = value.strip().removesuffix("...").strip()
+        lines.append(f"    {pattern}: {value}")
+    return "\n".join(lines) + "\n"

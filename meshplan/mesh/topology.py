@@ -1,0 +1,197 @@
+"""Build DeviceMeshes whose groups equal the rank engine's (Megatron's) groups.
+
+The only module that touches torch's private mesh API (``DeviceMesh._flatten``);
+tests pin it. Nothing here is global: a :class:`Topology` is a value, and two
+can coexist in one process.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import weakref
+from typing import Any, Mapping
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from meshplan.errors import PlanError
+from meshplan.plan_file.layout import Layout, ResolvedLayout
+
+__all__ = ["Topology", "build_mesh", "current_topology", "MESH_KEYS"]
+
+# Holds a weak reference: torch's backward stashes a copy of the context in the thread-local state that every
+# collective captures, so a strong reference would let a gloo worker thread drop the last reference to the
+# topology (and destroy its own process group, or need the GIL during interpreter exit) -- a native crash.
+_ACTIVE: contextvars.ContextVar["weakref.ref[Topology] | None"] = contextvars.ContextVar("meshplan_topology",
+                                                                                         default=None)
+
+# flattened dense keys -> their dims (any order; sliced in mesh order)
+_FLAT = {
+    "dp": ("dp_replicate", "dp_shard"),
+    "dp_cp": ("dp_replicate", "dp_shard", "cp"),
+    "dp_shard_cp": ("dp_shard", "cp"),
+    "tp_cp": ("cp", "tp"),
+}
+_EXPERT = {"ep": "ep", "etp": "etp", "edp": "edp"}
+#: every key ``Topology[...]`` accepts
+MESH_KEYS = ("tp", "cp", "pp", "dp_replicate", "dp_shard", *_FLAT, *_EXPERT)
+
+
+def current_topology() -> "Topology | None":
+    """The topology made active by ``with topology:`` (or ``with meshplan.init(...):``), else ``None``."""
+    ref = _ACTIVE.get()
+    return ref() if ref is not None else None
+
+
+def _device_type(device_type: str | None) -> str:
+    if device_type is not None:
+        return device_type
+    return "cuda" if dist.get_backend() == "nccl" else "cpu"
+
+
+class Topology:
+    """The meshes of one resolved layout.
+
+    Attributes:
+        layout: the :class:`~meshplan.plan_file.layout.ResolvedLayout`.
+        dense: DeviceMesh with dims = the order reversed, dp split into
+            ``dp_replicate, dp_shard`` (``pp, dp_replicate, dp_shard, cp, tp`` by default).
+        expert: DeviceMesh of the folded expert grid (``pp, edp, ep, etp`` by default).
+        rank: this process's global rank.
+        plan_fingerprint: hash of the plan given to ``meshplan.init`` (every rank had the same), else None;
+            ``meshplan.parallelize`` names ranks that pass another plan.
+
+    ``topo["tp"]``, ``topo["dp_shard_cp"]``, … return the (flattened where
+    needed) 1-D meshes; see :data:`MESH_KEYS`. ``with topo:`` makes it the
+    active topology (a context variable) for code that finds it implicitly.
+    """
+
+    def __init__(self, layout: ResolvedLayout, dense: DeviceMesh, expert: DeviceMesh,
+                 flat: Mapping[str, DeviceMesh], rank: int, owns_process_group: bool = False):
+        self.layout = layout
+        self.dense = dense
+        self.expert = expert
+        self._flat = dict(flat)
+        self.rank = rank
+        self.plan_fingerprint: str | None = None
+        self._owns_pg = owns_process_group
+        self._tokens: list[contextvars.Token] = []
+
+    def __getitem__(self, key: str) -> DeviceMesh:
+        if key in self._flat:
+            return self._flat[key]
+        if key in _EXPERT:
+            return self.expert[_EXPERT[key]]
+        if key in self.dense.mesh_dim_names:
+            return self.dense[key]
+        raise KeyError(f"unknown mesh {key!r}; keys: {', '.join(MESH_KEYS)}")
+
+    # smp-style ranks and data-loading coordinates
+    @property
+    def tp_rank(self) -> int:
+        return self.layout.smp_ranks(self.rank)["tp_rank"]
+
+    @property
+    def pp_rank(self) -> int:
+        return self.layout.smp_ranks(self.rank)["pp_rank"]
+
+    @property
+    def rdp_rank(self) -> int:
+        return self.layout.smp_ranks(self.rank)["rdp_rank"]
+
+    @property
+    def dp_rank(self) -> int:
+        return self.layout.smp_ranks(self.rank)["dp_rank"]
+
+    @property
+    def mp_rank(self) -> int:
+        return self.layout.smp_ranks(self.rank)["mp_rank"]
+
+    @property
+    def data_rank(self) -> int:
+        """Which shard of the global batch this rank loads (its dp coordinate)."""
+        return self.layout.dense_grid.coords(self.rank)["dp"]
+
+    @property
+    def data_world_size(self) -> int:
+        """How many distinct batch shards there are (dp); tp, cp and pp ranks share one."""
+        return self.layout.dp
+
+    def __enter__(self) -> "Topology":
+        self._tokens.append(_ACTIVE.set(weakref.ref(self)))  # the `with` statement keeps `self` alive
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _ACTIVE.reset(self._tokens.pop())
+        if self._owns_pg and not self._tokens and dist.is_initialized():
+            dist.destroy_process_group()
+
+    def __repr__(self) -> str:
+        s = self.layout
+        return (f"Topology(world_size={s.world_size}, order={s.order_str!r}, dense={dict(zip(self.dense.mesh_dim_names, self.dense.shape))}, "
+                f"expert={dict(zip(self.expert.mesh_dim_names, self.expert.shape))}, rank={self.rank})")
+
+
+def _as_layout(layout: Layout | Mapping[str, Any]) -> Layout:
+    if isinstance(layout, Layout):
+        return layout
+    try:
+        return Layout.model_validate(dict(layout))
+    except Exception as e:  # pydantic.ValidationError
+        from meshplan.plan_file.reading import pydantic_message
+        raise PlanError(f"layout: {pydantic_message(e)}") from None
+
+
+def build_mesh(layout: Layout | Mapping[str, Any] | ResolvedLayout, device_type: str | None = None,
+               *, _owns_process_group: bool = False) -> Topology:
+    """Build the dense and expert DeviceMeshes of ``layout`` on the default process group.
+
+    Args:
+        layout: a :class:`Layout`, a resolved layout, or a dict such as ``{"tp": 4}``
+            (unnamed degrees are 1, ``dp_shard`` inferred).
+        device_type: ``"cpu"`` / ``"cuda"``; default from the process group's backend.
+
+    Returns:
+        A :class:`Topology`.
+
+    Raises:
+        PlanError: no process group, or the layout does not fit its world size.
+
+    Example::
+
+        >>> topo = meshplan.build_mesh({"tp": 2})          # under torchrun --nproc-per-node 4
+        >>> topo["tp"], topo["dp"]
+    """
+    if not dist.is_initialized():
+        raise PlanError("build_mesh needs an initialized process group (torch.distributed.init_process_group "
+                        "or meshplan.init)")
+    world = dist.get_world_size()
+    if isinstance(layout, ResolvedLayout):
+        resolved = layout
+        if resolved.world_size != world:
+            raise PlanError(f"layout resolved for world_size({resolved.world_size}) but the process group has {world}")
+    else:
+        resolved = _as_layout(layout).resolve(world)
+    dev = _device_type(device_type)
+    grid = resolved.mesh_grid
+    names = tuple(reversed(grid.order))
+    dense = init_device_mesh(dev, tuple(grid.size(n) for n in names), mesh_dim_names=names)
+    flat = {}
+    for key, dims in _FLAT.items():
+        ordered = tuple(n for n in names if n in dims)
+        flat[key] = dense[ordered]._flatten(key)
+    eg = resolved.expert_grid
+    enames = tuple(n for n in reversed(eg.order) if n != "cp")
+    expert = init_device_mesh(dev, tuple(eg.size(n) for n in enames), mesh_dim_names=enames)
+    return Topology(resolved, dense, expert, flat, dist.get_rank(), _owns_process_group)
+
+
+def mesh_axes(key: str) -> tuple[str, tuple[str, ...]]:
+    """Which grid (``"dense"`` on :attr:`ResolvedLayout.mesh_grid` or ``"expert"``) and axes a key spans."""
+    if key in _EXPERT:
+        return "expert", (key,)
+    if key in _FLAT:
+        return "dense", _FLAT[key]
+    if key in MESH_KEYS:
+        return "dense", (key,)
+    raise KeyError(key)

@@ -1,0 +1,84 @@
+"""The plan: a Pydantic document with one optional section per kind of parallelism."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+from pydantic import Field, ValidationError, field_validator
+
+from meshplan.errors import PlanError
+from meshplan.plan_file.layout import Layout
+from meshplan.plan_file.reading import check_data, pydantic_message, read_plan_data
+from meshplan.plan_file.strict import Strict
+from meshplan.plan_file.tensor_parallel import TensorParallel
+from meshplan.plan_file.data_parallel import DataParallel
+
+__all__ = ["Plan", "load_plan", "as_plan"]
+
+
+class Plan(Strict):
+    """A parallelization plan, as checked into a model repo.
+
+    Every section is optional. ``source`` (not part of the file) remembers
+    where the plan came from, so errors can name the file.
+    """
+
+    version: Literal[1] = Field(1, description="Plan format version.")
+    layout: Layout | None = Field(None, description="Parallel degrees and their order; a mesh passed at apply time wins.")
+    tensor_parallel: TensorParallel | None = Field(
+        None, description="Tensor and sequence parallelism: layer rules → sharding styles.")
+    data_parallel: DataParallel | None = Field(
+        None, description="Data parallelism over dp_replicate × dp_shard: FSDP2, HSDP or replication, activation "
+                          "checkpointing, mixed precision.")
+    source: str | None = Field(None, exclude=True, description="Where the plan was read from (set by the loader).")
+
+    @field_validator("version", mode="before")
+    @classmethod
+    def _exact_version(cls, v: Any) -> Any:
+        if type(v) is not int:  # a Literal compares by ==: true and 1.0 would pass as 1
+            raise ValueError("Input should be the integer 1")
+        return v
+
+    @classmethod
+    def from_data(cls, data: Mapping[str, Any], source: str | None = None) -> "Plan":
+        """Validate plain data (a file's content) into a Plan.
+
+        Raises:
+            PlanError: naming ``source`` and the key path of every problem.
+        """
+        if "source" in data:
+            raise PlanError(f"{source or '<plan>'}: source: is set by the loader, not the file")
+        try:
+            check_data(data)  # sizes, depth, integers Python cannot print: before pydantic sees them
+        except PlanError as e:
+            raise PlanError(f"{source or '<plan>'}: {e}") from None
+        try:
+            return cls.model_validate({**data, "source": source})
+        except ValidationError as e:
+            raise PlanError(f"{source or '<plan>'}: {pydantic_message(e)}") from None
+
+
+def load_plan(path: str | Path) -> Plan:
+    """Read and validate a plan file (``.yaml``/``.yml``/``.json``/``.toml``).
+
+    Raises:
+        PlanError: the file cannot be read or parsed, or does not validate; the
+            message names the file and the key path.
+
+    Example::
+
+        >>> plan = meshplan.load_plan("plans/llama.yaml")
+    """
+    return Plan.from_data(read_plan_data(path), source=str(path))
+
+
+def as_plan(plan: Plan | Mapping[str, Any] | str | Path) -> Plan:
+    """Accept a Plan, a dict of a file's content, or a path."""
+    if isinstance(plan, Plan):
+        return plan
+    if isinstance(plan, (str, Path)):
+        return load_plan(plan)
+    if isinstance(plan, Mapping):
+        return Plan.from_data(plan)
+    raise PlanError(f"a plan is a path, a dict or a meshplan.Plan, got {type(plan).__name__}")

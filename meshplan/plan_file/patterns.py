@@ -1,0 +1,102 @@
+"""Match plan rules (module-path patterns) to a model's modules."""
+
+from __future__ import annotations
+
+import difflib
+import re
+from fnmatch import fnmatchcase
+from typing import Any, Mapping
+
+import torch.nn as nn
+
+from meshplan.errors import PlanError
+
+__all__ = ["match_rules", "is_pattern", "wildcard"]
+
+
+def is_pattern(path: str) -> bool:
+    return any(c in path for c in "*?[")
+
+
+def wildcard(path: str) -> str:
+    """``model.layers.3.mlp`` → ``model.layers.*.mlp``: the rule pattern that covers a module of every layer."""
+    return re.sub(r"\.\d+(?=\.|$)", ".*", path)
+
+
+def _matches(pattern: str, path: str) -> bool:
+    ps, qs = pattern.split("."), path.split(".")
+    return len(ps) == len(qs) and all(fnmatchcase(q, p) for p, q in zip(ps, qs))
+
+
+def _closest(pattern: str, paths: list[str]) -> list[str]:
+    probe = re.sub(r"\*", "0", pattern)
+    return difflib.get_close_matches(probe, paths, n=3, cutoff=0.3)
+
+
+def match_rules(model: nn.Module, rules: Mapping[str, Any], where: str = "tensor_parallel.rules",
+                errors: list[PlanError] | None = None, conflicts: set[str] | None = None) -> dict[str, tuple[str, Any]]:
+    """Assign each module path the rule that claims it.
+
+    An exact path beats a wildcard; two wildcard rules that claim one module
+    with different rules are an error, and so is a rule that matches nothing
+    (the message names the closest module paths).
+
+    Args:
+        model: the module whose paths the patterns match.
+        rules: ``{pattern: rule}`` from the plan.
+        where: prefix of error messages (plan file and key).
+        errors: when given, errors are appended here and matching goes on (validation reports them all).
+        conflicts: when given, the paths claimed by clashing rules (left unassigned) are added here.
+
+    Returns:
+        ``{module_path: (pattern, rule)}`` in the model's module order.
+
+    Raises:
+        PlanError: unmatched rule or conflicting rules (when ``errors`` is None); names ``where`` and the pattern.
+    """
+    def fail(msg: str) -> None:
+        if errors is None:
+            raise PlanError(msg)
+        errors.append(PlanError(msg))
+
+    paths = [name for name, _ in model.named_modules() if name]
+    known = set(paths)
+    by_depth: dict[int, list[tuple[str, list[str]]]] = {}  # split once; a pattern only meets paths as deep
+    for p in paths:
+        segs = p.split(".")
+        by_depth.setdefault(len(segs), []).append((p, segs))
+    claims: dict[str, list[tuple[str, Any]]] = {}
+    for pattern, rule in rules.items():
+        if not is_pattern(pattern):
+            hits = [pattern] if pattern in known else []
+        else:
+            ps = [(s, is_pattern(s)) for s in pattern.split(".")]
+            last, last_wild = ps[-1]
+            hits = [p for p, segs in by_depth.get(len(ps), ()) if (last_wild or segs[-1] == last)
+                    and all(fnmatchcase(q, s) if wild else q == s for (s, wild), q in zip(ps, segs))]
+        if not hits:
+            near = _closest(pattern, paths)
+            hint = f"closest module paths: {', '.join(near)}" if near else f"the model has {len(paths)} modules"
+            fail(f"{where}.{pattern!r}: matches no module of {type(model).__name__}; found none, expected at least "
+                 f"one; {hint}")
+        for h in hits:
+            claims.setdefault(h, []).append((pattern, rule))
+    out: dict[str, tuple[str, Any]] = {}
+    for path in paths:
+        cands = claims.get(path)
+        if not cands:
+            continue
+        exact = [c for c in cands if not is_pattern(c[0])]
+        if exact:
+            out[path] = exact[0]
+            continue
+        clash = [c for c in cands[1:] if c[1] != cands[0][1]]
+        if clash and conflicts is not None:
+            conflicts.add(path)
+        for other in clash:
+            fail(f"{where}: module {path!r} is claimed by {cands[0][0]!r} ({cands[0][1].style}) and "
+                 f"{other[0]!r} ({other[1].style}); expected one rule: give it an exact rule or narrow a pattern")
+        if not clash:
+            out[path] = cands[0]
+    return out
+

@@ -1,0 +1,207 @@
+"""The ``tensor_parallel`` plan section: layer rules → sharding styles, as data.
+
+A rule maps a module-path pattern (``layers.*.attention.wq``; ``*`` is one path
+segment) to a style name or to a mapping ``{style: …}`` with torch's keyword
+arguments as data. Layouts are written ``replicate``, ``shard(N)`` or ``partial``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import Field, field_validator, model_validator
+
+from meshplan.plan_file.strict import Strict
+
+__all__ = ["TensorParallel", "Rule", "STYLE_NAMES", "parse_layout", "LayoutText"]
+
+_LAYOUT_RE = re.compile(r"^(replicate|partial|shard\((-?\d+)\))$")
+
+
+def parse_layout(text: str | None):
+    """``"shard(1)"`` → ``Shard(1)`` (``None`` stays ``None``: a non-tensor argument)."""
+    if text is None:
+        return None
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    m = _LAYOUT_RE.match(text)
+    assert m, text  # validated by LayoutText
+    if m.group(1) == "replicate":
+        return Replicate()
+    if m.group(1) == "partial":
+        return Partial()
+    return Shard(int(m.group(2)))
+
+
+def _check_layout(v: Any) -> Any:
+    if v is None:
+        return v
+    if not isinstance(v, str) or not _LAYOUT_RE.match(v.strip().lower()):
+        raise ValueError(f"a layout is 'replicate', 'shard(N)' or 'partial', got {v!r}")
+    return v.strip().lower()
+
+
+from pydantic import BeforeValidator  # noqa: E402
+
+LayoutText = Annotated[str | None, BeforeValidator(_check_layout)]
+Layouts = Union[LayoutText, list[LayoutText]]
+
+
+class _Rule(Strict):
+    def overrides(self) -> dict[str, Any]:
+        """The keyword arguments the user set (they override the generated ones)."""
+        return {k: v for k, v in self if k != "style" and v is not None}
+
+
+class Colwise(_Rule):
+    """Linear/Embedding sharded by output features (torch ``ColwiseParallel``)."""
+    style: Literal["colwise"] = Field(description="Shard the weight's output features over tp.")
+    input_layouts: Layouts = Field(None, description="Layout of the input as it arrives (default: generated).")
+    output_layouts: Layouts = Field(None, description="Layout of the output (default shard(-1)).")
+    use_local_output: bool | None = Field(None, description="Return a plain local tensor instead of a DTensor. Default: generated (true unless the residual stream needs otherwise).")
+    packed: int | None = Field(None, ge=1, le=64, description="The output features pack k (1 to 64) equal fused projections (gate_up: 2, qkv: 3 with as many KV heads as heads); each is sharded separately.")
+
+
+class Rowwise(_Rule):
+    """Linear/Embedding sharded by input features (torch ``RowwiseParallel``)."""
+    style: Literal["rowwise"] = Field(description="Shard the weight's input features over tp; output reduced.")
+    input_layouts: Layouts = Field(None, description="Layout of the input (default shard(-1)).")
+    output_layouts: Layouts = Field(None, description="Layout of the reduced output (default: the residual stream's).")
+    use_local_output: bool | None = Field(None, description="Return a plain local tensor instead of a DTensor. Default: generated (false unless the residual stream needs otherwise).")
+    packed: int | None = Field(None, ge=1, le=64, description="The input features pack k (1 to 64) equal fused inputs; each is sharded separately.")
+
+
+class Norm(_Rule):
+    """LayerNorm/RMSNorm/Dropout in the sequence-parallel region (torch ``SequenceParallel``)."""
+    style: Literal["norm"] = Field(description="Run on the sharded residual stream; untouched when SP is off.")
+
+
+class Embedding(_Rule):
+    """Vocab-parallel embedding: each tp rank holds a slice of the vocabulary."""
+    style: Literal["embedding"] = Field(description="Shard the vocabulary over tp (Megatron's VocabParallelEmbedding).")
+    output_layouts: Layouts = Field(None, description="Layout of the output (default: the residual stream's).")
+
+
+class EmbeddingColwise(_Rule):
+    """Embedding sharded along the embedding dim."""
+    style: Literal["embedding_colwise"] = Field(description="Shard the embedding dim over tp; output gathered.")
+    output_layouts: Layouts = Field(None, description="Layout of the output (default: the residual stream's).")
+
+
+class EmbeddingTables(_Rule):
+    """Several embedding tables placed whole, table-wise, across the tp ranks."""
+    style: Literal["embedding_tables"] = Field(
+        description="Children nn.Embedding tables are placed round-robin on tp ranks; outputs broadcast.")
+
+
+class LmHead(_Rule):
+    """Output projection: vocab-sharded DTensor logits for loss_parallel, gathered otherwise."""
+    style: Literal["lm_head"] = Field(description="Shard the vocabulary of the output projection over tp.")
+    input_layouts: Layouts = Field(None, description="Layout of the input (default: the residual stream's).")
+    output_layouts: Layouts = Field(None, description="Layout of the logits (default: shard(-1) with loss_parallel, else replicate).")
+    use_local_output: bool | None = Field(None, description="Plain tensor output (default: not loss_parallel).")
+
+
+class ReplicateRule(_Rule):
+    """Parameters as Replicate DTensors with correct gradient reduction."""
+    style: Literal["replicate"] = Field(description="Replicate the module's parameters over tp.")
+    input_layouts: Layouts = Field(None, description="Layout of tensor inputs (default: replicate).")
+    use_local_output: bool | None = Field(None, description="Return plain local tensors. Default: generated (true unless the residual stream needs otherwise).")
+
+
+class HeadNorm(_Rule):
+    """A module that runs on this rank's attention heads: per-head ``q_norm``/``k_norm`` on tp-sharded heads."""
+    style: Literal["head_norm"] = Field(
+        description="The module runs unchanged on this rank's local heads (a colwise sibling's local output); its "
+                    "parameters stay replicated and their gradients, each rank's heads' part, are summed over tp "
+                    "in the one coalesced post-backward reduction (transformers' replicated_with_grad_allreduce).")
+
+
+class PrepareInput(_Rule):
+    """torch ``PrepareModuleInput``."""
+    style: Literal["prepare_input"] = Field(description="Redistribute the module's inputs.")
+    input_layouts: Layouts = Field(None, description="Layouts of the positional inputs as they arrive.")
+    desired_input_layouts: Layouts = Field(None, description="Layouts the module needs.")
+    input_kwarg_layouts: dict[str, LayoutText] | None = Field(None, description="Keyword inputs as they arrive.")
+    desired_input_kwarg_layouts: dict[str, LayoutText] | None = Field(None, description="Keyword inputs as needed.")
+    use_local_output: bool | None = Field(None, description="Hand plain local tensors to the module. Default: generated (false unless the residual stream needs otherwise).")
+
+
+class PrepareOutput(_Rule):
+    """torch ``PrepareModuleOutput``."""
+    style: Literal["prepare_output"] = Field(description="Redistribute the module's outputs.")
+    output_layouts: Layouts = Field(description="Layouts of the outputs as produced.")
+    desired_output_layouts: Layouts = Field(description="Layouts the consumer needs.")
+    use_local_output: bool | None = Field(None, description="Return plain local tensors. Default: generated (true unless the residual stream needs otherwise).")
+
+
+Rule = Annotated[
+    Union[Colwise, Rowwise, Norm, Embedding, EmbeddingColwise, EmbeddingTables, LmHead, ReplicateRule, HeadNorm,
+          PrepareInput, PrepareOutput],
+    Field(discriminator="style"),
+]
+STYLE_NAMES = ("colwise", "rowwise", "norm", "embedding", "embedding_colwise", "embedding_tables", "lm_head",
+               "replicate", "head_norm", "prepare_input", "prepare_output")
+
+
+def _normalise_rule(v: Any) -> Any:
+    from meshplan.hf.styles import resolve_alias
+    if isinstance(v, str):
+        return resolve_alias(v)
+    if isinstance(v, dict) and isinstance(v.get("style"), str):
+        alias = resolve_alias(v["style"])
+        return {**alias, **{k: x for k, x in v.items() if k != "style"}}
+    return v
+
+
+class TensorParallel(Strict):
+    """Tensor and sequence parallelism over the ``tp`` mesh axis.
+
+    Example (YAML)::
+
+        tensor_parallel:
+          sequence_parallel: true
+          loss_parallel: true
+          rules:
+            tok_embeddings: embedding
+            layers.*.attention_norm: norm
+            layers.*.attention.wq: colwise
+            layers.*.attention.wo: rowwise
+            norm: norm
+            output: lm_head
+    """
+
+    sequence_parallel: bool | Literal["batch"] = Field(
+        True, description="true: shard the sequence dim between TP regions (Megatron-SP); false: replicate the "
+                          "residual stream; 'batch': smp's mode, each tp rank keeps its own part of the batch.")
+    loss_parallel: bool = Field(
+        True, description="Keep the logits vocab-sharded (DTensor) for meshplan.cross_entropy instead of gathering them.")
+    dropout_rng: Literal["per_shard", "single_device"] = Field(
+        "per_shard", description="How dropout inside TP regions draws its masks. 'per_shard' (Megatron): each tp "
+                                 "rank draws from its own stream (one draw of the shared stream + the tp rank), "
+                                 "statistically the same as one full mask, but not the single-device one. "
+                                 "'single_device': every rank draws the mask of the global tensor from the shared "
+                                 "generator and keeps its slice, so dropout equals the one-device run (any device, "
+                                 "no communication, tp-times the RNG work: a CPU/testing path; on CUDA torch's "
+                                 "OffsetBasedRNGTracker does this for DTensors).")
+    adjust_head_counts: bool = Field(
+        True, description="Divide stored head counts (n_heads, num_key_value_heads, …) of modules that own colwise "
+                          "projections by tp, so models that reshape with them work on local shards.")
+    rules: dict[str, Annotated[Rule, BeforeValidator(_normalise_rule)]] = Field(
+        default_factory=dict, description="Module-path pattern ('*' = one path segment) → style name or {style: …, "
+                                          "torch keyword arguments}. An exact path beats a wildcard.")
+
+    @field_validator("rules")
+    @classmethod
+    def _check_patterns(cls, rules: dict) -> dict:
+        for pattern in rules:
+            if not pattern or any(not seg for seg in pattern.split(".")):
+                raise ValueError(f"rule pattern {pattern!r} has an empty path segment")
+        return rules
+
+    @model_validator(mode="after")
+    def _check_lm_head(self) -> "TensorParallel":
+        heads = [p for p, r in self.rules.items() if r.style == "lm_head"]
+        if len(heads) > 1 and not all("*" in p for p in heads):
+            raise ValueError(f"more than one lm_head rule: {heads}")
+        return self

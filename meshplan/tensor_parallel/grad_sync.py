@@ -1,0 +1,282 @@
+"""Final gradients after backward: every tp reduction of a step in ONE collective, in any training loop.
+
+Two kinds of gradients need a sum over tp after backward:
+
+* ``Partial`` grads of ``Replicate`` DTensor parameters (norm weights under sequence parallelism,
+  ``replicate`` modules): each tp rank saw a different part of the sequence;
+* in smp's batch mode (``sequence_parallel: batch``), grads of plain (non-DTensor) parameters: each tp
+  rank saw different samples.
+
+Left alone, DTensor (or FSDP2, which redistributes each ``Partial`` grad before its reduce-scatter)
+issues one all-reduce per parameter. :class:`TpGradSync` (created by
+:func:`meshplan.tensor_parallel.generate.apply_tensor_parallel`, re-installed by :func:`meshplan.data_parallel.fsdp.apply_data_parallel`
+on FSDP2's parameters) does it with one flat all-reduce per (process groups, dtype):
+
+1. a hook on each such parameter (the tensor autograd writes to: the parameter itself, or FSDP2's
+   unsharded parameter) relabels a ``Partial`` grad as ``Replicate`` (local values unchanged) and
+   records it as pending; FSDP2 then reduce(-scatters) the tp-partial sums over dp like any gradient
+   (sharded: cheaper than all-reducing the full norm grads over tp first);
+2. at the start of each backward the tracked parameters' current (final) grads are set aside, so after
+   backward their ``.grad`` holds only this backward's contribution;
+3. an autograd-engine final callback, queued after FSDP2's own root post-backward callback (FSDP2 queues
+   it in its root pre-backward hook, before any parameter hook fires; callbacks run in order), all-reduces
+   the pending contributions over tp in one buffer and adds them to the set-aside grads.
+
+Only new contributions are reduced, so every accumulation pattern is exact: several backwards per step,
+FSDP2's no-sync microbatches (their contributions wait in FSDP2's unsharded grads and are reduced with the
+syncing backward; until then they stay pending), ``zero_grad`` between backwards or not. Inside
+:meth:`TpGradSync.deferred` (used by :func:`meshplan.train_step`) the callback is not queued: grads of
+all microbatches accumulate and one :meth:`TpGradSync.finish` reduces them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections import defaultdict
+from typing import Any, Iterable
+
+import torch
+import torch.distributed._functional_collectives as funcol
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Partial, Replicate
+
+__all__ = ["TpGradSync", "grad_sync"]
+
+_ATTR = "_meshplan_grad_sync"
+
+
+def grad_sync(model: nn.Module) -> "TpGradSync | None":
+    """The :class:`TpGradSync` installed on ``model``, or None."""
+    return getattr(model, _ATTR, None)
+
+
+def _clean(name: str) -> str:
+    """A parameter path without checkpoint-wrapper segments."""
+    return name.replace("_checkpoint_wrapped_module.", "")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _partial_groups(g: DTensor) -> tuple:
+    """The process groups of ``g``'s ``Partial(sum)`` mesh dims (empty: nothing to reduce)."""
+    dims = [i for i, pl in enumerate(g.placements) if isinstance(pl, Partial)]
+    if not dims or any(g.placements[i].reduce_op != "sum" for i in dims):
+        return ()
+    return tuple(g.device_mesh.get_group(i) for i in dims)
+
+
+def _relabel(g: DTensor, local: torch.Tensor) -> DTensor:
+    """``local`` as a DTensor like ``g`` with ``Partial`` placements relabelled ``Replicate`` (no communication)."""
+    placements = tuple(Replicate() if isinstance(pl, Partial) else pl for pl in g.placements)
+    stride = g.stride() if local.stride() == g._local_tensor.stride() else None
+    return DTensor.from_local(local, g.device_mesh, placements, run_check=False, shape=g.shape, stride=stride)
+
+
+def _same_holder(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Can ``b`` replace ``a`` as the holder of final grads (same kind and mesh; not FSDP2's unsharded one)?"""
+    if isinstance(a, DTensor) != isinstance(b, DTensor):
+        return False
+    return not isinstance(a, DTensor) or a.device_mesh == b.device_mesh
+
+
+def _add_into(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """``old + new``, in ``old``'s storage where the layouts agree."""
+    if type(old) is type(new) and getattr(old, "placements", None) == getattr(new, "placements", None):
+        _local(old).add_(_local(new))
+        return old
+    return old + new
+
+
+class TpGradSync:
+    """Coalesced tp reduction of tp-replicated gradients at the end of every backward (or of a step).
+
+    Args:
+        tp_group: the tp process group (plain parameters in batch mode reduce over it).
+        names: paths of the tracked parameters (checkpoint-wrapper segments are ignored).
+        plain: the subset of ``names`` that are plain tensors reduced over tp (smp batch mode).
+        sequence_parallel: the plan's ``tensor_parallel.sequence_parallel``.
+
+    Example::
+
+        >>> sync = TpGradSync.for_model(model, tp_mesh, sequence_parallel=True)
+        >>> sync.install(model)            # after fully_shard too: hooks go on FSDP2's parameters
+        >>> loss.backward()                # one all-reduce over tp for all norm grads
+    """
+
+    def __init__(self, tp_group: Any, names: Iterable[str], plain: Iterable[str] = (),
+                 sequence_parallel: bool | str = False):
+        self.tp_group = tp_group
+        self.plain = {_clean(n) for n in plain}
+        self.names = {_clean(n) for n in names} | self.plain
+        self.sequence_parallel = sequence_parallel
+        self.collectives = 0  # all-reduces issued so far (diagnostics)
+        self._params: dict[str, torch.Tensor] = {}  # clean name -> the parameter that holds the final grad
+        self._raw: dict[str, str] = {}  # clean name -> its path in the model
+        self._pending: dict[str, tuple] = {}  # clean name -> process groups to sum its next grad over
+        self._stash: dict[str, torch.Tensor] = {}
+        self._open = self._queued = self._deferred = self._fsdp = False
+        self._hooked: dict[int, Any] = {}  # id(tensor) -> hook handle (no weakrefs: they block swap_tensors)
+        self._handles: list = []
+
+    @classmethod
+    def for_model(cls, model: nn.Module, tp_mesh: Any, sequence_parallel: bool | str = False,
+                  summed: Iterable[str] = ()) -> "TpGradSync | None":
+        """The sync for a tensor-parallel ``model`` (before FSDP): its ``Replicate`` DTensor parameters, its
+        plain parameters in batch mode with tp > 1, and the plain parameters named in ``summed`` (``head_norm``
+        modules: each rank's gradient covers its heads). None when there is nothing to reduce."""
+        names, plain = [], [n for n in summed if tp_mesh.size() > 1]
+        batch = sequence_parallel == "batch" and tp_mesh.size() > 1
+        for n, p in model.named_parameters():
+            if not p.requires_grad:
+                continue
+            if isinstance(p, DTensor):
+                if all(isinstance(pl, Replicate) for pl in p.placements):
+                    names.append(n)
+            elif batch and n not in plain:
+                plain.append(n)
+        if not names and not plain:
+            return None
+        return cls(tp_mesh.get_group(), names, plain, sequence_parallel)
+
+    # ------------------------------------------------------------------ installation
+    def install(self, model: nn.Module) -> "TpGradSync":
+        """(Re)install the hooks on ``model``; call again after ``fully_shard``/``replicate``.
+
+        Without FSDP2 only the root's outputs are hooked (backward starts there; the grads' own placements
+        say what is partial). Under FSDP2 each FSDP module's outputs are hooked, and its gathered parameters
+        (``Partial`` grads are relabelled there, before FSDP2 would redistribute each one)."""
+        from torch.distributed.fsdp import FSDPModule
+        self.remove()
+        self._raw = {_clean(n): n for n, _ in model.named_parameters() if _clean(n) in self.names}
+        self._params = {c: model.get_parameter(r) for c, r in self._raw.items()}
+        fsdp = [(prefix, m) for prefix, m in model.named_modules() if isinstance(m, FSDPModule)]
+        self._fsdp = bool(fsdp)
+        self._handles.append(model.register_forward_pre_hook(self._refresh, prepend=True))
+        for prefix, mod in fsdp:  # after FSDP2's own hooks: parameters gathered, its pre-backward hook set
+            self._handles.append(mod.register_forward_pre_hook(functools.partial(self._hook_gathered, prefix)))
+            self._handles.append(mod.register_forward_hook(self._hook_output))
+        if not fsdp:
+            self._handles.append(model.register_forward_hook(self._hook_output))
+        setattr(model, _ATTR, self)
+        return self
+
+    def remove(self) -> None:
+        """Remove every hook."""
+        for h in self._handles:
+            h.remove()
+        for h in self._hooked.values():
+            h.remove()
+        self._handles, self._hooked = [], {}
+
+    def _refresh(self, model: nn.Module, args: Any) -> None:
+        """Root pre-forward: follow parameters replaced since install (``to_empty``, loading)."""
+        for c, raw in self._raw.items():
+            try:
+                p = model.get_parameter(raw)
+            except AttributeError:
+                continue
+            old = self._params.get(c)
+            if p is not old and (old is None or _same_holder(old, p)):
+                self._params[c] = p
+
+    def _hook_gathered(self, prefix: str, module: nn.Module, args: Any) -> None:
+        for name, p in module.named_parameters(prefix=prefix):
+            c = _clean(name)
+            if c in self.names and p.requires_grad:
+                self._hook(c, p)
+
+    def _hook_output(self, module: nn.Module, args: Any, output: Any) -> None:
+        if torch.is_grad_enabled():
+            from torch.utils._pytree import tree_leaves
+            for t in tree_leaves(output):
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(self._on_output_grad)
+
+    def _hook(self, name: str, p: torch.Tensor) -> None:
+        handle = self._hooked.get(id(p))  # FSDP2's unsharded parameters persist (nothing swaps them)
+        if handle is not None and handle.id in (p._backward_hooks or {}):
+            return  # hooked already (handle ids are unique, so a reused id(p) is told apart)
+        self._hooked[id(p)] = p.register_hook(functools.partial(self._on_grad, name))
+
+    # ------------------------------------------------------------------ backward
+    def _on_output_grad(self, grad: torch.Tensor) -> None:
+        self._begin()
+
+    def _on_grad(self, name: str, g: torch.Tensor) -> torch.Tensor | None:
+        """FSDP2's gathered parameter: relabel a ``Partial`` grad ``Replicate``, remember its groups."""
+        groups, out = None, None
+        if isinstance(g, DTensor):
+            groups = _partial_groups(g)
+            if groups:
+                out = _relabel(g, g._local_tensor)
+        elif name in self.plain:
+            groups = (self.tp_group,)
+        if groups:
+            self._begin()
+            self._pending[name] = groups
+        return out
+
+    def _begin(self) -> None:
+        """First event of a backward: set the final grads aside, queue :meth:`finish`."""
+        if not self._open:
+            self._open = True
+            for c, p in self._params.items():
+                if p.grad is not None:
+                    self._stash[c] = p.grad
+                    p.grad = None
+        if not self._queued and not self._deferred:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+
+    @contextlib.contextmanager
+    def deferred(self):
+        """Within: backwards accumulate without tp reductions; call :meth:`finish` after the last one."""
+        self._deferred = True
+        try:
+            yield self
+        finally:
+            self._deferred = False
+
+    def finish(self) -> int:
+        """All-reduce the pending contributions over tp, one flat buffer per (groups, dtype), and add them to
+        the grads set aside. Returns the number of buffers reduced."""
+        self._queued = False
+        if not self._open:
+            return 0
+        self._open = False
+        stash, self._stash = self._stash, {}
+        buckets: dict[tuple, list] = defaultdict(list)
+        for c, p in self._params.items():
+            g, old = p.grad, stash.get(c)
+            if g is None:  # no new grad (FSDP2 no-sync: the contribution is still unsharded and pending)
+                if old is not None:
+                    p.grad = old
+                continue
+            # FSDP2: what the hooks recorded; else the grad says (Partial dims; plain grads in batch mode)
+            groups = self._pending.pop(c, None) or (_partial_groups(g) if isinstance(g, DTensor) else
+                                                    (self.tp_group,) if c in self.plain else ())
+            if groups:
+                local = _local(g)
+                buckets[(groups, local.dtype, local.device)].append((p, g, local, old))
+            elif old is not None:
+                p.grad = _add_into(old, g)
+        for (groups, _, _), items in buckets.items():
+            flat = torch.cat([local.reshape(-1) for _, _, local, _ in items])
+            for group in groups:
+                flat = funcol.all_reduce(flat, "sum", group)
+            if isinstance(flat, funcol.AsyncCollectiveTensor):
+                flat = funcol.wait_tensor(flat)
+            offset = 0
+            for p, g, local, old in items:
+                piece = flat[offset:offset + local.numel()].view(local.shape)
+                offset += local.numel()
+                if old is not None:
+                    _local(old).add_(piece)
+                    p.grad = old
+                else:  # the flat buffer's slice, labelled with the parameter's placements
+                    p.grad = _relabel(g, piece) if isinstance(g, DTensor) else piece
+        self.collectives += len(buckets)
+        return len(buckets)

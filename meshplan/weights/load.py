@@ -1,0 +1,126 @@
+"""Load a full (unsharded) checkpoint into a parallelized model without materializing it on one rank.
+
+:func:`load_state_dict` fills the shards from a full state dict without ever
+holding more than one full tensor: from a safetensors file (every rank reads
+only its slices with ``safe_open(...).get_slice``) or from a dict on one rank
+(broadcast tensor by tensor; the other ranks pass ``None``). A model still on
+the meta device is allocated first and its non-persistent buffers (RoPE
+tables, …) computed by its own initializer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+import torch.nn as nn
+
+from meshplan.errors import PlanError
+from meshplan.weights.materialize import _device, _init_buffers, _local, _store, _to_empty
+from meshplan.tensor_parallel.packed import local_slices, take_slices
+
+__all__ = ["load_state_dict", "load_full_state_dict", "load_safetensors"]
+
+def _sources(src: str | Path) -> dict[str, Path]:
+    p = Path(src)
+    if p.is_dir():
+        idx = p / "model.safetensors.index.json"
+        p = idx if idx.is_file() else p / "model.safetensors"
+    if p.name.endswith(".index.json"):
+        weight_map = json.loads(p.read_text())["weight_map"]
+        return {k: p.parent / v for k, v in weight_map.items()}
+    if not p.is_file():
+        raise PlanError(f"{src}: no safetensors checkpoint (a .safetensors file, an index.json or a directory)")
+    from safetensors import safe_open
+    with safe_open(str(p), "pt") as f:
+        return {k: p for k in f.keys()}
+
+
+def _header(state: Mapping[str, torch.Tensor], targets: dict[str, torch.Tensor]) -> dict | str:
+    bad = [f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(t.shape)}" for k, t in targets.items()
+           if k in state and tuple(state[k].shape) != tuple(t.shape)]
+    return "shape mismatch: " + "; ".join(bad) if bad else {k: tuple(v.shape) for k, v in state.items()}
+
+
+def load_state_dict(model: nn.Module, source: str | Path | Mapping[str, torch.Tensor] | None, *, device=None,
+                    src_rank: int = 0, strict: bool = True) -> nn.Module:
+    """Load a full (unsharded) state dict into a parallelized model, shard by shard.
+
+    Args:
+        model: parallelized; on the meta device (its shards are allocated here and its
+            non-persistent buffers computed by its initializer on meta parameters) or materialized.
+        source: a ``.safetensors`` file, a ``*.safetensors.index.json`` or a directory holding
+            either: every rank reads only its own slices. Or a ``{name: full tensor}`` dict on
+            rank ``src_rank`` (``None`` on the others), broadcast one tensor at a time.
+        device: where the shards live. Default: the tp mesh's device type.
+        src_rank: the global rank holding the dict.
+        strict: missing or unexpected keys are an error (tied parameters count once).
+
+    Returns:
+        ``model``.
+
+    Raises:
+        PlanError: missing/unexpected keys (``strict``) or a shape mismatch, on every rank.
+    """
+    dev = _device(model, device)
+    targets = model.state_dict(keep_vars=True)
+    if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+        _to_empty(model, dev)
+        _init_buffers(model, dev)
+        targets = model.state_dict(keep_vars=True)
+    loaded: set[int] = set()
+    if isinstance(source, (str, Path)):
+        from safetensors import safe_open
+        files = _sources(source)
+        keys = set(files)
+        with contextlib.ExitStack() as stack:
+            handles: dict[Path, Any] = {}
+            for k, t in targets.items():
+                if id(t) in loaded or k not in files:
+                    continue
+                if files[k] not in handles:
+                    handles[files[k]] = stack.enter_context(safe_open(str(files[k]), "pt", device="cpu"))
+                sl = handles[files[k]].get_slice(k)
+                if tuple(sl.get_shape()) != tuple(t.shape):
+                    raise PlanError(f"{files[k]}: {k}: checkpoint shape {tuple(sl.get_shape())}, model {tuple(t.shape)}")
+                full_ranges = [[(0, n)] for n in t.shape]
+                ranges = local_slices(tuple(t.shape), t.placements, t.device_mesh) if hasattr(t, "placements") \
+                    else full_ranges
+                with torch.no_grad():
+                    _local(t).copy_(take_slices(lambda s: sl[s], ranges).to(t.dtype))
+                loaded.add(id(t))
+    else:
+        import torch.distributed as dist
+        mine = dist.get_rank() == src_rank
+        head = [_header(source, targets) if mine else None]
+        dist.broadcast_object_list(head, src=src_rank)
+        if isinstance(head[0], str):
+            raise PlanError(f"load_state_dict from rank {src_rank}: {head[0]}")
+        keys = set(head[0])
+        for k, t in targets.items():
+            if id(t) in loaded or k not in keys:
+                continue
+            full = source[k].to(device=dev, dtype=t.dtype) if mine else torch.empty(t.shape, dtype=t.dtype, device=dev)
+            dist.broadcast(full, src=src_rank)
+            _store(t, full)
+            loaded.add(id(t))
+    missing = [k for k, t in targets.items() if id(t) not in loaded]
+    unexpected = sorted(keys - set(targets))
+    if strict and (missing or unexpected):
+        raise PlanError(f"load_state_dict: missing keys {missing[:8]}{' …' if len(missing) > 8 else ''}; unexpected "
+                        f"keys {unexpected[:8]}{' …' if len(unexpected) > 8 else ''}")
+    return model
+
+
+def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor] | None, *, src_rank: int = 0,
+                         device=None, strict: bool = True) -> nn.Module:
+    """:func:`load_state_dict` from a full dict held by rank ``src_rank`` (``None`` elsewhere)."""
+    return load_state_dict(model, state_dict, src_rank=src_rank, device=device, strict=strict)
+
+
+def load_safetensors(model: nn.Module, path: str | Path, *, device=None, strict: bool = True) -> nn.Module:
+    """:func:`load_state_dict` from safetensors: every rank reads only its slices."""
+    return load_state_dict(model, path, device=device, strict=strict)
