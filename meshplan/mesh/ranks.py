@@ -27,9 +27,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from math import prod
-from typing import Iterable
+from typing import Callable, Iterable
 
-__all__ = ["AXES", "RankGrid", "parse_axes", "pipeline_end_groups"]
+__all__ = ["AXES", "RankGrid", "parse_axes", "pipeline_end_groups", "divisors", "divisors_text"]
 
 #: Megatron's axis tokens, in their default (innermost-first) order.
 AXES: tuple[str, ...] = ("tp", "cp", "ep", "dp", "pp")
@@ -160,3 +160,20 @@ def pipeline_end_groups(pp_groups: list[list[int]]) -> tuple[list[list[int]], li
     embd = [[g[0], g[-1]] if len(g) > 1 else list(g) for g in pp_groups]
     pos = [[g[0]] for g in pp_groups]
     return embd, pos
+
+
+def divisors(n: int) -> list[int]:
+    """The divisors of ``n`` in ascending order (the one helper behind every "valid tp: …" message).
+
+    Example::
+
+        >>> divisors(12)
+        [1, 2, 3, 4, 6, 12]
+    """
+    small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
+    return sorted({*small, *(n // d for d in small)})
+
+
+def divisors_text(n: int, where: Callable[[int], bool] | None = None) -> str:
+    """``"1, 2, 4, 8"``: the divisors of ``n`` (those ``where`` accepts), or ``"none"``."""
+    return ", ".join(str(d) for d in divisors(n) if where is None or where(d)) or "none"

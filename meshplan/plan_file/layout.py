@@ -14,7 +14,7 @@ from functools import cached_property
 from pydantic import Field, field_validator
 
 from meshplan.errors import PlanError
-from meshplan.mesh.ranks import AXES, RankGrid, pipeline_end_groups
+from meshplan.mesh.ranks import AXES, RankGrid, divisors, pipeline_end_groups
 from meshplan.plan_file.strict import Strict
 
 __all__ = ["Layout", "ResolvedLayout", "GROUP_KINDS", "SMP_ALIASES", "MAX_RANKS"]
@@ -35,11 +35,6 @@ GROUP_KINDS = (
     "ep", "etp", "edp", "etp-ep", "etp-ep-pp", "embd", "pos_embd",
 )
 _EXPERT_TOKEN = {"tp": "etp", "cp": "cp", "ep": "ep", "dp": "edp", "pp": "pp"}
-
-
-def _divisors(n: int) -> list[int]:
-    small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
-    return sorted({*small, *(n // d for d in small)})
 
 
 def _fmt(values: list[int]) -> str:
@@ -126,10 +121,10 @@ class Layout(Strict):
         w = world_size
         dense = tp * cp * pp
         if w % dense:
-            valid = [d for d in _divisors(w) if w % (d * cp * pp) == 0]
+            valid = [d for d in divisors(w) if w % (d * cp * pp) == 0]
             if cp * pp == 1:
                 raise PlanError(f"tp({tp}) does not divide world_size({w}); valid tp: {_fmt(valid)}")
-            valid_pp = [d for d in _divisors(w) if w % (tp * cp * d) == 0]
+            valid_pp = [d for d in divisors(w) if w % (tp * cp * d) == 0]
             raise PlanError(
                 f"tp({tp})·cp({cp})·pp({pp}) = {dense} does not divide world_size({w}); "
                 f"valid tp: {_fmt(valid)}; valid pp: {_fmt(valid_pp)}"
@@ -137,7 +132,7 @@ class Layout(Strict):
         dp = w // dense
         expert = etp * ep * pp
         if w % expert:
-            valid = [d for d in _divisors(w) if w % (etp * d * pp) == 0]
+            valid = [d for d in divisors(w) if w % (etp * d * pp) == 0]
             raise PlanError(
                 f"etp({etp})·ep({ep})·pp({pp}) = {expert} does not divide world_size({w}); valid ep: {_fmt(valid)}"
             )
@@ -146,7 +141,7 @@ class Layout(Strict):
             if dp % self.dp_replicate:
                 raise PlanError(
                     f"dp_replicate({self.dp_replicate}) does not divide dp({dp}) = world_size({w}) / "
-                    f"(tp·cp·pp = {dense}); valid dp_replicate: {_fmt(_divisors(dp))}"
+                    f"(tp·cp·pp = {dense}); valid dp_replicate: {_fmt(divisors(dp))}"
                 )
             dp_shard = dp // self.dp_replicate
         else:

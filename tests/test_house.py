@@ -1,0 +1,213 @@
+"""The house rules of ``meshplan/``, checked on its source (no torch needed).
+
+* modules stay small (:data:`MAX_MODULE_LINES`) and so do functions (:data:`MAX_FUNCTION_LINES`, docstring not
+  counted);
+* the package imports without a cycle (module-level imports; lazy imports inside functions are allowed to
+  break a dependency, not to form a cycle at import time);
+* runtime state lives in ONE record on the model (``_meshplan_state``); no other ``_meshplan_*`` attribute;
+* torch's private APIs are touched in ``meshplan/_torch.py`` only: no ``torch.*._module`` import elsewhere, and no
+  ``obj._name`` access to a private name that meshplan does not define itself;
+* a style's meaning lives in the style table: no comparison with a style name anywhere else;
+* one divisors helper (:func:`meshplan.mesh.ranks.divisors`), one module-path pattern matcher
+  (:mod:`meshplan.plan_file.patterns`).
+"""
+
+from __future__ import annotations
+
+import ast
+import io
+import re
+import tokenize
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.fast
+
+PKG = Path(__file__).resolve().parents[1] / "meshplan"
+MAX_MODULE_LINES = 300
+MAX_FUNCTION_LINES = 60
+STYLE_TABLE = PKG / "tensor_parallel" / "style_table.py"
+PRIVATE_TORCH = PKG / "_torch.py"
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for f in sorted(PKG.rglob("*.py")):
+        parts = f.relative_to(PKG.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = f
+    return out
+
+
+MODULES = _modules()
+TREES = {name: ast.parse(f.read_text(), str(f)) for name, f in MODULES.items()}
+
+
+def _rel(name: str) -> str:
+    return str(MODULES[name].relative_to(PKG.parent))
+
+
+def test_modules_are_small():
+    big = {_rel(n): len(f.read_text().splitlines()) for n, f in MODULES.items()}
+    assert {k: v for k, v in big.items() if v > MAX_MODULE_LINES} == {}
+
+
+def _body_lines(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    lines = fn.end_lineno - fn.lineno + 1
+    doc = fn.body[0] if fn.body and isinstance(fn.body[0], ast.Expr) and isinstance(
+        getattr(fn.body[0], "value", None), ast.Constant) and isinstance(fn.body[0].value.value, str) else None
+    return lines - ((doc.end_lineno - doc.lineno + 1) if doc is not None else 0)
+
+
+def test_functions_are_small():
+    long = {}
+    for name, tree in TREES.items():
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _body_lines(node) > MAX_FUNCTION_LINES:
+                long[f"{_rel(name)}:{node.lineno} {node.name}"] = _body_lines(node)
+    assert long == {}
+
+
+def _imports(name: str, tree: ast.Module, top_level_only: bool) -> set[str]:
+    nodes = tree.body if top_level_only else list(ast.walk(tree))
+    out = set()
+    for node in nodes:
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and node.module.startswith("meshplan"):
+            out.add(node.module)
+            out.update(f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in MODULES)
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name.startswith("meshplan"))
+        elif isinstance(node, ast.ImportFrom) and node.level:
+            raise AssertionError(f"{_rel(name)}:{node.lineno}: relative import; meshplan imports absolutely")
+    # importing a.b.c imports the packages a and a.b first
+    ancestors = set(_parents(name))  # a module's packages are imported before it: not a cycle
+    return {m for imp in out for m in _parents(imp)} - ancestors
+
+
+def _parents(mod: str) -> list[str]:
+    """``mod`` and the packages importing it imports first (not the root: ``meshplan`` is always importing)."""
+    parts = mod.split(".")
+    return [p for p in (".".join(parts[:i]) for i in range(2 if len(parts) > 1 else 1, len(parts) + 1))
+            if p in MODULES]
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(n: str) -> list[str] | None:
+        state[n] = 1
+        stack.append(n)
+        for m in sorted(graph.get(n, ())):
+            if state.get(m) == 1:
+                return stack[stack.index(m):] + [m]
+            if m not in state and (found := visit(m)):
+                return found
+        stack.pop()
+        state[n] = 2
+        return None
+
+    for n in sorted(graph):
+        if n not in state and (found := visit(n)):
+            return found
+    return None
+
+
+def test_no_import_cycle():
+    graph = {n: _imports(n, t, top_level_only=True) for n, t in TREES.items()}
+    assert _cycle(graph) is None
+
+
+def _code_tokens(path: Path) -> list[tokenize.TokenInfo]:
+    return [t for t in tokenize.generate_tokens(io.StringIO(path.read_text()).readline)
+            if t.type not in (tokenize.COMMENT, tokenize.STRING, tokenize.NL, tokenize.NEWLINE)]
+
+
+def test_one_state_record_on_the_model():
+    found = {}
+    for name, f in MODULES.items():
+        for t in _code_tokens(f):
+            if t.type == tokenize.NAME and t.string.startswith("_meshplan") and t.string != "_meshplan_state":
+                found.setdefault(_rel(name), set()).add(t.string)
+        for s in re.findall(r"[\"'](_meshplan_\w+)[\"']", f.read_text()):
+            if s != "_meshplan_state":
+                found.setdefault(_rel(name), set()).add(s)
+    assert found == {}
+
+
+def _own_private_names() -> set[str]:
+    """Private names meshplan defines itself: functions, classes, attributes it assigns, parameters."""
+    own = set()
+    for tree in TREES.values():
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                own.add(node.name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                own.add(node.attr)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                own.add(node.id)
+            elif isinstance(node, ast.arg):
+                own.add(node.arg)
+    return {n for n in own if n.startswith("_")}
+
+
+def test_private_torch_only_in_torch_module():
+    own = _own_private_names()
+    found = []
+    for name, tree in TREES.items():
+        if MODULES[name] == PRIVATE_TORCH:
+            continue
+        for node in ast.walk(tree):
+            mods = []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                mods = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                mods = [a.name for a in node.names]
+            for m in mods:
+                if m.split(".")[0] == "torch" and any(p.startswith("_") for p in m.split(".")[1:]):
+                    found.append(f"{_rel(name)}:{node.lineno} imports {m}")
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__") \
+                    and node.attr not in own:
+                found.append(f"{_rel(name)}:{node.lineno} uses .{node.attr}")
+    assert found == []
+
+
+def _style_names() -> set[str]:
+    from meshplan.plan_file.tensor_parallel import STYLE_NAMES
+    return set(STYLE_NAMES)
+
+
+def test_style_names_are_compared_only_in_the_style_table():
+    styles = _style_names()
+    found = []
+
+    def is_style(node: ast.AST) -> bool:
+        if isinstance(node, ast.Constant) and node.value in styles:
+            return True
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            return any(is_style(e) for e in node.elts)
+        return isinstance(node, ast.Attribute) and node.attr == "style"
+
+    for name, tree in TREES.items():
+        if MODULES[name] == STYLE_TABLE:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Compare) and any(is_style(x) for x in [node.left, *node.comparators]):
+                found.append(f"{_rel(name)}:{node.lineno}")
+            elif isinstance(node, ast.MatchValue) and is_style(node.value):
+                found.append(f"{_rel(name)}:{node.lineno}")
+    assert found == []
+
+
+def test_one_divisors_helper_and_one_pattern_matcher():
+    divisors = re.compile(r"for \w+ in range\([^)]*\) if [^\n]*% ?\w+ == 0")
+    matcher = re.compile(r"\[\^\\?\.\]|fnmatch")
+    found = []
+    for name, f in MODULES.items():
+        text = f.read_text()
+        if divisors.search(text) and name != "meshplan.mesh.ranks":
+            found.append(f"{_rel(name)}: a divisors loop (use meshplan.mesh.ranks.divisors)")
+        if matcher.search(text) and name != "meshplan.plan_file.patterns":
+            found.append(f"{_rel(name)}: a module-path matcher (use meshplan.plan_file.patterns)")
+    assert found == []
