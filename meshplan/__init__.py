@@ -7,7 +7,7 @@ from meshplan.plan_file.document import Plan, load_plan
 __all__ = ["PlanError", "Layout", "ResolvedLayout", "Plan", "load_plan", "build_mesh", "init",
            "Topology", "current_topology", "parallelize", "cross_entropy", "loss_parallel",
            "train_step", "clip_grad_norm_", "materialize", "load_state_dict", "load_full_state_dict",
-           "load_safetensors", "plan", "check"]
+           "load_safetensors", "plan", "check", "parallel_state"]
 __version__ = "0.1.0"
 
 
@@ -22,9 +22,15 @@ def __getattr__(name: str):
     if name in ("cross_entropy", "loss_parallel"):
         import meshplan.training.loss as loss
         return getattr(loss, name)
-    if name in ("train_step", "clip_grad_norm_", "StepResult"):
+    if name in ("train_step", "StepResult"):
         import meshplan.training.step as train
         return getattr(train, name)
+    if name == "clip_grad_norm_":
+        from meshplan.training.clip import clip_grad_norm_
+        return clip_grad_norm_
+    if name == "parallel_state":
+        from meshplan.state import parallel_state
+        return parallel_state
     if name == "materialize":
         from meshplan.weights.materialize import materialize
         return materialize

@@ -1,16 +1,42 @@
 """Private torch APIs meshplan relies on, imported here and nowhere else (tested with torch 2.13.0).
 
 Each name says why meshplan needs it. ``tests/test_torch_private.py`` imports every one, so a torch
-upgrade that moves one fails in one obvious place.
+upgrade that moves one fails in one obvious place. Grouped by concern: simulated ranks, DTensor
+internals, DTensor's sharding rules, meshes, autograd, ops, modules, data parallelism.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from functools import partial
+from typing import Any, Callable, Iterator
 
-__all__ = ["FakeStore", "LocalTensor", "LocalTensorMode", "local_tensor_mode", "no_local_tensor_mode",
-           "simulated_ranks"]
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+__all__ = [
+    # simulated ranks
+    "FakeStore", "LocalTensor", "LocalTensorMode", "local_tensor_mode", "no_local_tensor_mode", "simulated_ranks",
+    "rank_tensors",
+    # DTensor internals
+    "StridedShard", "local_tensor", "compute_local_shape_and_global_offset", "funcol", "dtensor_op_handlers",
+    # DTensor sharding rules
+    "OpOverload", "OpSchema", "OpStrategy", "StrategyType", "expand_to_full_mesh_op_strategy",
+    "is_tensor_evenly_shardable_on_dim", "sharding_propagator",
+    # meshes
+    "flatten_mesh",
+    # autograd and dispatch
+    "queue_backward_callback", "hook_registered", "tensor_version", "TorchDispatchMode", "tree_map", "tree_leaves",
+    # ops
+    "foreach_mul_", "safe_softmax", "LOG_SOFTMAX", "CPU_FLASH_ATTENTION", "CPU_FLASH_ATTENTION_BACKWARD",
+    # modules and styles
+    "DropoutNd", "module_parameters", "module_buffers", "style_prepare_fns",
+    # data parallelism
+    "checkpoint_wrapper", "CheckpointWrapper", "CHECKPOINT_PREFIX", "replicate",
+]
+
+# ---------------------------------------------------------------- simulated ranks
 
 # a process group that communicates nothing: meshes and shapes at any world size in one process
 from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
@@ -22,6 +48,11 @@ from torch.distributed._local_tensor import (  # noqa: E402
     local_tensor_mode,
     maybe_disable_local_tensor_mode as no_local_tensor_mode,
 )
+
+
+def rank_tensors(t: LocalTensor) -> dict[int, torch.Tensor]:
+    """Each simulated rank's value of ``t``: the numerics check compares them with the one-device run."""
+    return dict(t._local_tensors)
 
 
 @contextlib.contextmanager
@@ -53,3 +84,136 @@ def simulated_ranks(world_size: int) -> Iterator[LocalTensorMode]:
             dist.destroy_process_group()
             if prior is not None:
                 dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=prior)
+
+
+# ---------------------------------------------------------------- DTensor internals
+
+# packed (fused) weights: each fused projection sharded separately, yet the DTensor's global view is the weight
+from torch.distributed.tensor.placement_types import _StridedShard as StridedShard  # noqa: E402
+
+# this rank's slice of a global tensor for given placements: single-device dropout cuts its rank's noise
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # noqa: E402
+
+# collectives that return tensors (traceable, and computed per rank under LocalTensorMode): loss and grad sync
+import torch.distributed._functional_collectives as funcol  # noqa: E402
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard as stored (no autograd edge, unlike ``to_local()``); a plain tensor as is.
+
+    meshplan reads and relabels gradients and shards outside autograd (grad sync, clipping, owned outputs).
+    """
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def dtensor_op_handlers() -> dict:
+    """DTensor's process-wide table of custom op handlers: torch's ``loss_parallel`` patches it, so it says
+    whether a ``loss_parallel`` context is active."""
+    return DTensor._op_dispatcher._custom_op_handlers
+
+
+# ---------------------------------------------------------------- DTensor sharding rules (CPU flash attention)
+
+# the types and helpers of a sharding strategy: torch has none for CPU flash attention, meshplan registers one
+from torch._ops import OpOverload  # noqa: E402
+from torch.distributed.tensor._op_schema import OpSchema, OpStrategy, StrategyType  # noqa: E402
+from torch.distributed.tensor._ops.utils import (  # noqa: E402
+    expand_to_full_mesh_op_strategy,
+    is_tensor_evenly_shardable_on_dim,
+)
+
+
+def sharding_propagator() -> Any:
+    """DTensor's process-wide sharding propagator, where meshplan registers the CPU attention strategies."""
+    return DTensor._op_dispatcher.sharding_propagator
+
+
+# ---------------------------------------------------------------- meshes
+
+
+def flatten_mesh(mesh: Any, name: str | None = None) -> Any:
+    """``mesh`` (a DeviceMesh) flattened to one dim named ``name``: the one process group over several axes
+    that meshplan's composite meshes (``dp``, ``dp_cp``, …) and the loss's single all-reduce use."""
+    return mesh._flatten(name)
+
+
+# ---------------------------------------------------------------- autograd and dispatch
+
+
+def queue_backward_callback(fn: Callable[[], None]) -> None:
+    """Run ``fn`` when the current backward ends: grad sync reduces all pending gradients then, in one go."""
+    torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+
+def hook_registered(t: torch.Tensor, handle: Any) -> bool:
+    """Is the hook of ``handle`` still on ``t``? Grad sync hooks FSDP2's persistent parameters once only."""
+    return handle.id in (t._backward_hooks or {})
+
+
+def tensor_version(t: torch.Tensor) -> int:
+    """``t``'s in-place write counter: materialize tells whether an initializer wrote a placeholder."""
+    return t._version
+
+
+# a mode that sees every aten op: the shadow check records the collectives each region issues
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+# maps over nested args/outputs (tuples, dicts, dataclasses) as torch flattens them: modes and output hooks
+from torch.utils._pytree import tree_leaves, tree_map  # noqa: E402
+
+
+# ---------------------------------------------------------------- ops
+
+# one fused in-place multiply over every gradient: clipping scales all grads in one call
+foreach_mul_ = torch._foreach_mul_
+
+# SDPA's math-path softmax (a fully masked row gives 0, not NaN): sdpa_math matches it bit for bit
+safe_softmax = torch._safe_softmax
+
+# one of the ops torch's loss_parallel patches: its handler's presence says loss_parallel is active
+LOG_SOFTMAX = torch.ops.aten._log_softmax.default
+
+# what CPU SDPA dispatches to with dropout_p == 0: the ops meshplan gives a DTensor sharding rule
+CPU_FLASH_ATTENTION = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+CPU_FLASH_ATTENTION_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+
+# ---------------------------------------------------------------- modules and styles
+
+# the base class of every nn.Dropout* module: how tp finds the dropouts of a model
+DropoutNd = nn.modules.dropout._DropoutNd
+
+
+def module_parameters(m: nn.Module) -> dict[str, nn.Parameter | None]:
+    """``m``'s own parameter slots, the live dict: materialize swaps tensors in and out without hooks or checks
+    (``setattr`` would refuse a plain tensor and re-register)."""
+    return m._parameters
+
+
+def module_buffers(m: nn.Module) -> dict[str, torch.Tensor | None]:
+    """``m``'s own buffer slots, the live dict: materialize re-ties shared buffers after ``to_empty``."""
+    return m._buffers
+
+
+def style_prepare_fns(style: Any) -> tuple[Callable, Callable]:
+    """A torch ``ColwiseParallel``/``RowwiseParallel`` style's input and output hooks, bound as its ``_apply``
+    binds them: the packed styles reuse them around their own partition function."""
+    return (partial(style._prepare_input_fn, style.input_layouts, style.desired_input_layouts),
+            partial(style._prepare_output_fn, style.output_layouts, style.use_local_output))
+
+
+# ---------------------------------------------------------------- data parallelism
+
+# activation checkpointing per block that keeps the block a module (FSDP2 shards it, hooks still fire)
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (  # noqa: E402
+    _CHECKPOINT_PREFIX as CHECKPOINT_PREFIX,  # the path segment a checkpoint wrapper adds to parameter names
+    CheckpointWrapper,
+    checkpoint_wrapper,
+)
+
+
+def replicate(module: nn.Module, **kwargs: Any) -> nn.Module:
+    """torch's DDP built on FSDP2 (``replicate_with_fsdp``): ``data_parallel: ddp`` with FSDP2's mixed precision
+    and offload policies. Imported on use: the module costs about a second to import."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate as _replicate
+    return _replicate(module, **kwargs)

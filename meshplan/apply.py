@@ -9,8 +9,10 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshplan.errors import PlanError
-from meshplan.plan_file.document import Plan, as_plan
 from meshplan.mesh.topology import Topology, build_mesh, current_topology
+from meshplan.plan_file.data_parallel import DataParallel
+from meshplan.plan_file.document import Plan, as_plan
+from meshplan.state import attach_state
 
 __all__ = ["parallelize"]
 
@@ -32,8 +34,9 @@ def parallelize(model: nn.Module, plan: Plan | Mapping[str, Any] | str | Path | 
                 mesh: Topology | DeviceMesh | None = None) -> nn.Module:
     """Turn ``model`` into a parallel model as ``plan`` says, in place; returns it.
 
-    Order as torchtitan found right: tensor parallelism, then (the
-    ``data_parallel`` section) activation checkpointing, compile and FSDP.
+    Order as torchtitan found right: tensor parallelism (``tensor_parallel``), then the ``blocks`` section
+    (activation checkpointing, compile per block), then FSDP2 (``data_parallel``: each block, then the root).
+    What was applied is recorded in the model's :func:`~meshplan.parallel_state`.
 
     Args:
         model: an ordinary ``nn.Module`` (on the meta device, CPU or CUDA).
@@ -44,7 +47,7 @@ def parallelize(model: nn.Module, plan: Plan | Mapping[str, Any] | str | Path | 
             else one built from the plan's layout.
 
     Returns:
-        ``model``, parallelized.
+        ``model``, parallelized, with its :class:`~meshplan.state.ParallelState` attached.
 
     Raises:
         PlanError: the plan does not fit the model or the mesh; the message names the plan
@@ -66,22 +69,28 @@ def parallelize(model: nn.Module, plan: Plan | Mapping[str, Any] | str | Path | 
     tp_mesh = _tp_mesh(mesh)
     from meshplan.mesh.runtime import check_same_plan
     check_same_plan(p, mesh if isinstance(mesh, Topology) else tp_mesh)  # a rank with another plan fails, not hangs
-    if isinstance(mesh, Topology):
-        model._meshplan_topology = mesh  # train_step's default without a data_parallel section (tp only)
+    topology = mesh if isinstance(mesh, Topology) else None
+    data_parallel = p.data_parallel is not None or (topology is not None and topology.layout.dp > 1)
+    if data_parallel and topology is None:
+        raise PlanError("the data_parallel section needs a meshplan Topology (meshplan.init or build_mesh), "
+                        "not a bare DeviceMesh")
     if p.tensor_parallel is not None:
-        from meshplan.tensor_parallel.generate import apply_tensor_parallel
+        from meshplan.tensor_parallel.apply import apply_tensor_parallel
         from meshplan.checks.validate import validate_plan
         validate_plan(model, p, tp_mesh.size())  # what `meshplan check` checks, before anything changes
         applied = apply_tensor_parallel(model, p.tensor_parallel, tp_mesh, p.source)
-        model._meshplan_tp = applied  # the finaliser and RNG hooks live as long as the model
+        attach_state(model, tensor_parallel=applied)  # the finaliser and RNG hooks live as long as the model
         from meshplan.hf.styles import install_hf_loss
         install_hf_loss(model, p.tensor_parallel)  # transformers' own loss on vocab-sharded logits
-    dp = getattr(p, "data_parallel", None)
-    if dp is not None or (isinstance(mesh, Topology) and mesh.layout.dp > 1 and "data_parallel" in Plan.model_fields):
+    attach_state(model, plan=p, topology=topology)  # train_step's topology, also without data parallelism
+    if data_parallel:
+        from meshplan.data_parallel.fsdp import check_data_parallel
+        section = p.data_parallel or DataParallel()
+        check_data_parallel(model, section, topology)  # before the blocks step changes the model
+    if data_parallel or p.blocks is not None:
+        from meshplan.blocks import apply_blocks
+        apply_blocks(model, p.blocks)  # checkpointing, compile per block
+    if data_parallel:
         from meshplan.data_parallel.fsdp import apply_data_parallel
-        if not isinstance(mesh, Topology):
-            raise PlanError("the data_parallel section needs a meshplan Topology (meshplan.init or build_mesh), "
-                            "not a bare DeviceMesh")
-        apply_data_parallel(model, dp, mesh, sequence_parallel=p.tensor_parallel.sequence_parallel
-                            if p.tensor_parallel is not None else False)
+        apply_data_parallel(model, section, topology)  # fully_shard each block, then the root
     return model

@@ -4,7 +4,8 @@ The decorator stores the (validated) plan as ``cls.__meshplan_plan__``, which
 :func:`meshplan.parallelize` uses when it is given no plan. When a meshplan
 topology is active (``with meshplan.init(...):`` or ``with topo:``), every
 instance is parallelized as soon as its outermost ``__init__`` returns, so
-subclasses finish constructing first. A decorated subclass extends its
+subclasses finish constructing first (nothing is stored on the instance: the
+wrapper of the most-derived class is the one that parallelizes). A decorated subclass extends its
 parent's plan: its data is merged over the parent's (mappings merge key by key,
 so ``{"tensor_parallel": {"rules": {...}}}`` adds or overrides rules).
 """
@@ -22,7 +23,7 @@ from meshplan.plan_file.document import Plan
 __all__ = ["plan"]
 
 _DATA = "__meshplan_plan_data__"
-_DEPTH = "_meshplan_init_depth"
+_WRAPPER = "__meshplan_init__"  # class attribute: the wrapper meshplan installed as that class's __init__
 
 
 def _data_of(p: Plan | Mapping[str, Any] | str | Path) -> tuple[dict, str | None]:
@@ -44,31 +45,48 @@ def _merge(base: dict, extra: dict) -> dict:
 
 
 def _wrap_init(cls: type) -> None:
+    """Make ``cls.__init__`` parallelize the instance when it is the outermost planned ``__init__`` to return.
+
+    Nothing is stored on instances: the wrapper of the most-derived wrapped class (see :func:`_outermost`) is
+    the one that runs last, after every ``super().__init__`` it calls. A decorated class without its own
+    ``__init__`` gets one that calls the inherited one.
+    """
     init = cls.__dict__.get("__init__")
-    if init is None or getattr(init, "_meshplan_wrapped", False):
+    if init is not None and cls.__dict__.get(_WRAPPER) is init:
         return
+    if init is None:
+        if "__meshplan_plan__" not in cls.__dict__:
+            return  # an undecorated class without __init__: its parent's wrapper is the outermost
+
+        def init(self, *args, **kwargs):
+            super(cls, self).__init__(*args, **kwargs)
+        init.__name__, init.__qualname__ = "__init__", f"{cls.__qualname__}.__init__"
 
     @functools.wraps(init)
     def __init__(self, *args, **kwargs):
-        depth = self.__dict__.get(_DEPTH, 0)
-        object.__setattr__(self, _DEPTH, depth + 1)
-        try:
-            init(self, *args, **kwargs)
-        finally:
-            object.__setattr__(self, _DEPTH, depth)
-        if depth == 0:
-            self.__dict__.pop(_DEPTH, None)
+        init(self, *args, **kwargs)
+        if _outermost(type(self)) is __init__:  # construction finished: subclasses' __init__ returned too
             _auto_parallelize(self)
 
-    __init__._meshplan_wrapped = True
     cls.__init__ = __init__
+    setattr(cls, _WRAPPER, __init__)
+
+
+def _outermost(cls: type) -> Callable | None:
+    """The wrapped ``__init__`` of the most-derived class in ``cls.__mro__`` whose ``__init__`` meshplan wrapped."""
+    for klass in cls.__mro__:
+        wrapper = klass.__dict__.get(_WRAPPER)
+        if wrapper is not None and klass.__dict__.get("__init__") is wrapper:
+            return wrapper
+    return None
 
 
 def _auto_parallelize(model: Any) -> None:
     from meshplan.mesh.topology import current_topology
+    from meshplan.state import parallel_state
     topo = current_topology()
     cls = type(model)
-    if topo is None or not getattr(cls, "__meshplan_auto__", True) or hasattr(model, "_meshplan_tp"):
+    if topo is None or not getattr(cls, "__meshplan_auto__", True) or parallel_state(model) is not None:
         return
     from meshplan.apply import parallelize
     parallelize(model, cls.__meshplan_plan__, topo)
@@ -113,7 +131,7 @@ def plan(p: Plan | Mapping[str, Any] | str | Path, *, auto: bool = True) -> Call
         setattr(cls, _DATA, (merged, src))
         cls.__meshplan_plan__ = plan_obj
         cls.__meshplan_auto__ = auto
-        for klass in cls.__mro__:  # decorated ancestors' and this class's __init__ count construction depth
+        for klass in cls.__mro__:  # decorated ancestors' and this class's __init__ parallelize when outermost
             if getattr(klass, "__meshplan_plan__", None) is not None:
                 _wrap_init(klass)
         _wrap_init(cls)

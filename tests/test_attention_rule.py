@@ -87,19 +87,25 @@ def check(out, grads, ref_out, ref_grads, placements):
 
 def test_private_api_pins():
     """Every torch-private name meshplan.tensor_parallel.cpu_attention relies on, as it relies on it."""
-    from torch.distributed.tensor._op_schema import OpSchema, OpStrategy, StrategyType
-    from torch.distributed.tensor._ops import utils
+    from meshplan._torch import (
+        OpSchema,
+        OpStrategy,
+        StrategyType,
+        expand_to_full_mesh_op_strategy,
+        is_tensor_evenly_shardable_on_dim,
+        sharding_propagator,
+    )
 
     assert {"args_schema", "kwargs_schema"} <= set(OpSchema.__dataclass_fields__)
     assert callable(OpSchema.get_mesh_from_args)
     assert isinstance(OpStrategy.ndim, property) and isinstance(OpStrategy.shape, property)
     assert issubclass(OpStrategy, StrategyType)
-    params = inspect.signature(utils.expand_to_full_mesh_op_strategy).parameters
+    params = inspect.signature(expand_to_full_mesh_op_strategy).parameters
     assert {"input_index", "is_valid_strategy_cb"} <= set(params)
-    assert list(inspect.signature(utils.is_tensor_evenly_shardable_on_dim).parameters) == [
+    assert list(inspect.signature(is_tensor_evenly_shardable_on_dim).parameters) == [
         "shape", "spec", "dim",
     ]
-    prop = DTensor._op_dispatcher.sharding_propagator
+    prop = sharding_propagator()
     assert isinstance(prop.op_strategy_funcs, dict)
     assert isinstance(prop.op_to_rules, dict)
     assert isinstance(prop.op_single_dim_strategy_funcs, dict)
@@ -126,7 +132,7 @@ def test_op_schemas_pinned():
 
 def test_cpu_sdpa_dispatches_to_fused_cpu_kernel():
     """With dropout_p == 0, CPU SDPA (plain, causal, masked, GQA) hits exactly these ops."""
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from meshplan._torch import TorchDispatchMode
 
     class Record(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):

@@ -12,9 +12,11 @@ from pydantic import BaseModel, ValidationError
 import meshplan
 from llama import build, tiny_args
 from meshplan import Layout, PlanError
-from meshplan.data_parallel.fsdp import apply_data_parallel, data_parallel_state, resolve_mode
+from meshplan.data_parallel.fsdp import apply_data_parallel, resolve_mode
+from meshplan.plan_file.blocks import Blocks
 from meshplan.plan_file.data_parallel import DataParallel
-from meshplan.training.step import StepResult, _grad_norm_parts, train_step
+from meshplan.training.clip import _grad_norm_parts
+from meshplan.training.step import StepResult, train_step
 
 pytestmark = pytest.mark.fast
 
@@ -29,32 +31,32 @@ def _fields(model: type[BaseModel]):
 
 
 def test_every_field_has_a_description():
-    missing = [f"{m.__name__}.{n}" for m, n, f in _fields(DataParallel) if not f.description]
+    missing = [f"{m.__name__}.{n}" for s in (DataParallel, Blocks) for m, n, f in _fields(s) if not f.description]
     assert not missing
 
 
 def test_defaults_and_yaml_like_data():
-    d = DataParallel()
-    assert (d.mode, d.blocks, d.gradient_reduction, d.accumulate_unsharded) == (None, "layers.*", "sum", True)
-    d = DataParallel.model_validate({"param_dtype": "bfloat16", "reshard_after_forward": 4,
-                                     "activation_checkpointing": {"mode": "selective", "every": 2}})
-    assert d.reshard_after_forward == 4 and d.activation_checkpointing.every == 2
+    d, b = DataParallel(), Blocks()
+    assert (d.mode, b.pattern, d.gradient_reduction, d.accumulate_unsharded) == (None, "layers.*", "sum", True)
+    d = DataParallel.model_validate({"param_dtype": "bfloat16", "reshard_after_forward": 4})
+    b = Blocks.model_validate({"activation_checkpointing": {"mode": "selective", "every": 2}})
+    assert d.reshard_after_forward == 4 and b.activation_checkpointing.every == 2
     assert DataParallel.model_validate({"reshard_after_forward": True}).reshard_after_forward is True
 
 
-@pytest.mark.parametrize("data, needle", [
-    ({"modee": "fsdp"}, "modee"),
-    ({"mode": "zero3"}, "mode"),
-    ({"param_dtype": "fp16"}, "param_dtype"),
-    ({"reshard_after_forward": 1}, "group size >= 2"),
-    ({"blocks": "layers..x"}, "empty path segment"),
-    ({"activation_checkpointing": {"mode": "full", "every": 2}}, "need mode: selective"),
-    ({"activation_checkpointing": {"mode": "selective"}}, "every > 1 or a list of ops"),
-    ({"activation_checkpointing": {"mode": "selective", "ops": ["mm"]}}, "ops[0]"),
+@pytest.mark.parametrize("section, data, needle", [
+    (DataParallel, {"modee": "fsdp"}, "modee"),
+    (DataParallel, {"mode": "zero3"}, "mode"),
+    (DataParallel, {"param_dtype": "fp16"}, "param_dtype"),
+    (DataParallel, {"reshard_after_forward": 1}, "group size >= 2"),
+    (Blocks, {"pattern": "layers..x"}, "empty path segment"),
+    (Blocks, {"activation_checkpointing": {"mode": "full", "every": 2}}, "need mode: selective"),
+    (Blocks, {"activation_checkpointing": {"mode": "selective"}}, "every > 1 or a list of ops"),
+    (Blocks, {"activation_checkpointing": {"mode": "selective", "ops": ["mm"]}}, "ops[0]"),
 ])
-def test_invalid_sections(data, needle):
+def test_invalid_sections(section, data, needle):
     with pytest.raises(ValidationError, match=needle.replace("[", r"\[").replace("]", r"\]")):
-        DataParallel.model_validate(data)
+        section.model_validate(data)
 
 
 def test_section_is_frozen_and_nestable():
@@ -66,12 +68,14 @@ def test_section_is_frozen_and_nestable():
         data_parallel: DataParallel | None = None
 
     assert P.model_validate({"data_parallel": {"mode": "ddp"}}).data_parallel.mode == "ddp"
-    if "data_parallel" in meshplan.Plan.model_fields:  # once the lead's Plan has the section
-        assert meshplan.Plan.from_data({"data_parallel": {"compile": True}}).data_parallel.compile
+    assert meshplan.Plan.from_data({"blocks": {"compile": True}}).blocks.compile
+    with pytest.warns(FutureWarning, match="moved to the top-level blocks section"):  # the old spelling
+        assert meshplan.Plan.from_data({"data_parallel": {"compile": True}}).blocks.compile
 
 
-def test_section_module_is_torch_free():
-    code = "import sys, meshplan.data_parallel.fsdp; assert 'torch' not in sys.modules, 'torch imported'"
+@pytest.mark.parametrize("module", ["meshplan.data_parallel.fsdp", "meshplan.blocks", "meshplan.state"])
+def test_section_module_is_torch_free(module):
+    code = f"import sys, {module}; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -116,8 +120,8 @@ def test_fsdp_per_block_and_root(fake_pg):
         assert isinstance(model, FSDPModule) and all(isinstance(b, FSDPModule) for b in model.layers)
         p = model.layers[0].attention.wq.weight
         assert p.placements[0].is_shard() and p.device_mesh.mesh_dim_names == ("dp_shard",)
-        state = data_parallel_state(model)
-        assert state.mode == "fsdp" and state.blocks == ["layers.0", "layers.1"]
+        state = meshplan.parallel_state(model)
+        assert state.data_parallel.mode == "fsdp" and state.blocks.paths == ["layers.0", "layers.1"]
 
 
 @pytest.mark.parametrize("layout, world, dims, kind", [
@@ -143,14 +147,14 @@ def test_activation_checkpointing_every_second_block(fake_pg):
     with fake_pg(2):
         model = build(tiny_args(n_layers=4))
         ac = {"mode": "selective", "every": 2}
-        apply_data_parallel(model, {"activation_checkpointing": ac}, meshplan.build_mesh({}))
+        apply_data_parallel(model, None, meshplan.build_mesh({}), blocks={"activation_checkpointing": ac})
         assert [isinstance(b, CheckpointWrapper) for b in model.layers] == [False, True, False, True]
 
 
 def test_compile_applies(fake_pg):
     with fake_pg(2):
         model = build(tiny_args())
-        apply_data_parallel(model, {"compile": True}, meshplan.build_mesh({}))
+        apply_data_parallel(model, None, meshplan.build_mesh({}), blocks={"compile": True})
         assert all(b._compiled_call_impl is not None for b in model.layers)
 
 
@@ -160,7 +164,7 @@ def test_checkpointed_gradients_equal(fake_pg, ac):
         torch.manual_seed(0)
         ref, model = build(tiny_args()), build(tiny_args())
         model.load_state_dict(ref.state_dict())
-        apply_data_parallel(model, {"activation_checkpointing": ac}, meshplan.build_mesh({}))
+        apply_data_parallel(model, None, meshplan.build_mesh({}), blocks={"activation_checkpointing": ac})
         x = torch.randint(0, 128, (2, 8))
         ref(x).square().mean().backward()
         model(x).square().mean().backward()
@@ -170,9 +174,9 @@ def test_checkpointed_gradients_equal(fake_pg, ac):
 
 
 @pytest.mark.parametrize("section, layout, world, needle", [
-    ({"blocks": "blocks.*"}, {}, 2, r"blocks: pattern 'blocks.\*' matched no module of Transformer \(top-level "
-                                    r"children: tok_embeddings, layers, norm, output\)"),
-    ({"activation_checkpointing": {"mode": "selective", "ops": ["aten.nosuchop"]}}, {}, 2,
+    ({"blocks": {"pattern": "blocks.*"}}, {}, 2, r"blocks: pattern 'blocks.\*' matched no module of Transformer "
+                                                 r"\(top-level children: tok_embeddings, layers, norm, output\)"),
+    ({"blocks": {"activation_checkpointing": {"mode": "selective", "ops": ["aten.nosuchop"]}}}, {}, 2,
      r"activation_checkpointing.ops\[0\]: unknown op 'aten.nosuchop'"),
     ({"cpu_offload": True}, {}, 2, r"cpu_offload: true needs an accelerator \(mesh device 'cpu'\)"),
     ({"reshard_after_forward": 3}, {}, 8, r"reshard_after_forward: 3 must divide the shard size \(8\) and be "
@@ -182,17 +186,19 @@ def test_checkpointed_gradients_equal(fake_pg, ac):
     ({"modee": 1}, {}, 2, r"data_parallel: modee: Extra inputs are not permitted"),
 ])
 def test_apply_errors(fake_pg, section, layout, world, needle):
+    section = dict(section)
+    blocks = section.pop("blocks", None)
     with pytest.raises(PlanError, match=needle):
-        _apply(fake_pg, world, layout, section)
+        _apply(fake_pg, world, layout, section, blocks=blocks)
 
 
 def test_errors_leave_the_model_untouched(fake_pg):
     with fake_pg(8):
         model = build(tiny_args())
-        section = {"reshard_after_forward": 3, "activation_checkpointing": {"mode": "full"}}
+        section, blocks = {"reshard_after_forward": 3}, {"activation_checkpointing": {"mode": "full"}}
         with pytest.raises(PlanError, match="reshard_after_forward: 3"):
-            apply_data_parallel(model, section, meshplan.build_mesh({}))
-        assert type(model.layers[0]).__name__ == "TransformerBlock" and data_parallel_state(model) is None
+            apply_data_parallel(model, section, meshplan.build_mesh({}), blocks=blocks)
+        assert type(model.layers[0]).__name__ == "TransformerBlock" and meshplan.parallel_state(model) is None
 
 
 def test_reshard_int_with_tensor_parallel_is_rejected(fake_pg):
@@ -211,6 +217,77 @@ def test_apply_twice_and_without_topology(fake_pg):
         apply_data_parallel(model, None, topo)
     with pytest.raises(PlanError, match="needs a Topology"):
         apply_data_parallel(build(tiny_args()))
+
+
+def test_old_spelling_in_apply_data_parallel(fake_pg):
+    """A section dict with blocks/activation_checkpointing/compile still works (FutureWarning), = blocks=."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+    with fake_pg(2):
+        model = build(tiny_args(n_layers=4))
+        ac = {"mode": "selective", "every": 2}
+        with pytest.warns(FutureWarning, match=r"apply_data_parallel: data_parallel.blocks, data_parallel."
+                                               r"activation_checkpointing: deprecated.*pass blocks=\{'pattern': "
+                                               r"'layers.\*', 'activation_checkpointing': \{'mode': 'selective', "
+                                               r"'every': 2\}\} to apply_data_parallel"):
+            apply_data_parallel(model, {"blocks": "layers.*", "activation_checkpointing": ac}, meshplan.build_mesh({}))
+        assert [isinstance(b, CheckpointWrapper) for b in model.layers] == [False, True, False, True]
+        state = meshplan.parallel_state(model)
+        assert state.blocks.section == Blocks(activation_checkpointing=ac) and state.data_parallel.section == \
+            DataParallel()
+        with pytest.raises(PlanError, match=r"data_parallel.compile and the blocks section are both given"):
+            apply_data_parallel(build(tiny_args()), {"compile": True}, meshplan.build_mesh({}), blocks={})
+
+
+@pytest.mark.parametrize("layout, world, axes, key", [
+    ({}, 1, ("dp_shard", "cp"), "dp_shard"),
+    ({}, 4, ("dp_shard", "cp"), "dp_shard"),
+    ({"dp_replicate": 2}, 2, ("dp_replicate", "dp_shard", "cp"), "dp_replicate"),
+    ({"cp": 2}, 2, ("dp_shard", "cp"), "dp_shard_cp"),
+    ({"cp": 2}, 4, ("dp_shard", "cp"), "dp_shard_cp"),
+    ({"dp_replicate": 2}, 8, ("dp_replicate", "dp_shard", "cp"), "dp"),
+    ({"dp_replicate": 2, "cp": 2}, 4, ("dp_replicate", "dp_shard", "cp"), "dp_cp"),
+    ({"dp_replicate": 2, "cp": 2}, 8, ("dp_replicate", "dp_shard", "cp"), "dp_cp"),
+    ({"tp": 2}, 4, ("dp_shard", "cp"), "dp_shard"),
+])
+def test_data_parallel_mesh_spans_the_axes(fake_pg, layout, world, axes, key):
+    """Topology.span: the simplest mesh over the axes of size > 1 (the FSDP/replicate mesh of each mode)."""
+    with fake_pg(world):
+        topo = meshplan.build_mesh(layout)
+        mesh = topo.span(axes)
+        assert mesh == topo[key] and mesh.mesh_dim_names == (key,)
+
+
+def test_parallelize_order_and_state(fake_pg):
+    """TP → blocks (checkpointing) → FSDP (each checkpointed block, then the root), recorded in ONE state."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+    from torch.distributed.fsdp import FSDPModule
+    with fake_pg(4):
+        topo = meshplan.build_mesh({"dp_shard": 2, "tp": 2})
+        plan = meshplan.Plan.from_data({
+            "tensor_parallel": {"sequence_parallel": True, "loss_parallel": False, "rules": _TP_RULES},
+            "blocks": {"activation_checkpointing": {"mode": "full"}}, "data_parallel": {}})
+        model = meshplan.parallelize(build(tiny_args()), plan, topo)
+        assert all(isinstance(b, CheckpointWrapper) and isinstance(b, FSDPModule) for b in model.layers)
+        assert model.layers[0].attention.wq.weight.device_mesh.mesh_dim_names == ("dp_shard", "tp")
+        state = meshplan.parallel_state(model)
+        assert state.plan is plan and state.topology is topo and state.blocks.paths == ["layers.0", "layers.1"]
+        assert state.data_parallel.mode == "fsdp" and state.data_parallel.grad_sync is None
+        assert state.grad_sync is state.tensor_parallel.finalizer is not None
+        assert state.sequence_parallel is True and state.data_axes == ("dp_replicate", "dp_shard", "cp")
+        assert not [k for k in vars(model) if k.startswith("_meshplan") and k != "_meshplan_state"]
+
+
+def test_blocks_section_without_data_parallel(fake_pg):
+    """A blocks section applies on its own (tp only, no data ranks): checkpointing without FSDP."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+    from torch.distributed.fsdp import FSDPModule
+    with fake_pg(2):
+        model = meshplan.parallelize(build(tiny_args()), {
+            "tensor_parallel": {"loss_parallel": False, "rules": _TP_RULES},
+            "blocks": {"activation_checkpointing": {"mode": "full"}}}, meshplan.build_mesh({"tp": 2}))
+        assert all(isinstance(b, CheckpointWrapper) for b in model.layers) and not isinstance(model, FSDPModule)
+        state = meshplan.parallel_state(model)
+        assert state.data_parallel is None and state.blocks.paths == ["layers.0", "layers.1"]
 
 
 # ---------------------------------------------------------------- train_step on one process
@@ -327,8 +404,8 @@ def test_hand_written_loop_one_tp_all_reduce_under_fsdp(fake_pg, no_sync):
         topo = meshplan.build_mesh({"dp_shard": 2, "tp": 2})
         model = meshplan.parallelize(build(tiny_args()), {"tensor_parallel": {
             "sequence_parallel": True, "loss_parallel": False, "rules": _TP_RULES}, "data_parallel": {}}, topo)
-        sync = grad_sync(model)
-        assert sync is model._meshplan_tp.finalizer is data_parallel_state(model).grad_sync
+        sync, state = grad_sync(model), meshplan.parallel_state(model)
+        assert sync is state.tensor_parallel.finalizer is state.grad_sync
         x = torch.randint(0, 128, (2, 16))
         per_backward = []
         for i in range(2):  # two microbatches; no_sync: FSDP2 reduces only the second
@@ -385,8 +462,8 @@ def test_batch_mode_plain_parameters_reduce_over_tp():
         meshplan.parallelize(model, {"tensor_parallel": {"sequence_parallel": "batch", "loss_parallel": False,
                                                          "rules": {"norm": "norm", "out": "lm_head"}}},
                              meshplan.build_mesh({"tp": 2}))
-        assert model._meshplan_tp.sequence_parallel == "batch" and model._meshplan_tp.finalizer.plain == {
-            "emb.weight"}
+        tp = meshplan.parallel_state(model).tensor_parallel
+        assert tp.sequence_parallel == "batch" and tp.finalizer.plain == {"emb.weight"}
         xs = from_ranks({r: x[2 * r:2 * r + 2] for r in range(2)})
         _ce_sum(model(xs), xs).backward()
         _assert_final_grads(model)
@@ -407,5 +484,5 @@ def test_meta_init_keeps_the_tp_reduction(fake_pg):
         x = torch.randint(0, 128, (2, 16))
         _ce_sum(model(x), x).backward()
         _assert_final_grads(model)
-        assert model._meshplan_tp.finalizer.collectives == 1
+        assert meshplan.parallel_state(model).tensor_parallel.finalizer.collectives == 1
         assert all(p.grad.placements == p.placements for p in model.parameters() if isinstance(p, DTensor))

@@ -77,6 +77,26 @@ def test_undecorated_subclass_finishes_init_first():
     assert seen == [False] and isinstance(model.output.weight, DTensor)
 
 
+def test_parallelized_once_whatever_the_nesting(monkeypatch):
+    """Nested super().__init__ parallelizes once, at the end; a decorated class without its own __init__ too.
+    Nothing is stored on the instance but the one state record."""
+    import meshplan.apply
+    calls, real = [], meshplan.apply.parallelize
+    monkeypatch.setattr(meshplan.apply, "parallelize", lambda m, *a, **k: calls.append(type(m).__name__) or real(m, *a, **k))
+
+    class Deeper(PlannedLlamaWithAdapter):
+        def __init__(self, args):
+            super().__init__(args)
+            self.tail = nn.Identity()
+
+    with local_ranks(2), meshplan.build_mesh({"tp": 2}):
+        plain, deeper = PlannedLlama(tiny_args()), Deeper(tiny_args())
+    assert calls == ["PlannedLlama", "Deeper"]
+    assert isinstance(plain.output.weight, DTensor) and isinstance(deeper.adapter.up.weight, DTensor)
+    assert meshplan.parallel_state(deeper).plan is Deeper.__meshplan_plan__
+    assert [k for k in vars(deeper) if "meshplan" in k] == ["_meshplan_state"]
+
+
 def test_auto_false_and_bad_targets():
     @meshplan.plan("plans/llama.yaml", auto=False)
     class Manual(Transformer):

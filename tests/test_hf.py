@@ -222,7 +222,7 @@ def test_packed_gate_up_matches_one_device(style):
 def test_every_alias_validates_and_round_trips():
     for name, rule in HF_ALIASES.items():
         data = resolve_alias(name)
-        assert data == rule and data["style"] in meshplan.hf.styles.MESHPLAN_STYLES, name
+        assert data == rule and data["style"] in meshplan.plan_file.tensor_parallel.STYLE_NAMES, name
         try:
             back = to_hf_style(data)
         except ValueError:

@@ -29,6 +29,12 @@ MAX_MODULE_LINES = 300
 MAX_FUNCTION_LINES = 60
 STYLE_TABLE = PKG / "tensor_parallel" / "style_table.py"
 PRIVATE_TORCH = PKG / "_torch.py"
+#: Private names of other libraries (not torch) meshplan uses, each where and why; nothing else may use them.
+OTHER_LIBRARY_PRIVATE = {
+    ("meshplan/weights/materialize.py", "_initialize_weights"):
+        "transformers' per-module initializer; its public initialize_weights() walks the whole model in one call, "
+        "materialize calls it module by module (the same walk) to hold one module's full parameters at a time",
+}
 
 
 def _modules() -> dict[str, Path]:
@@ -168,7 +174,7 @@ def test_private_torch_only_in_torch_module():
                 if m.split(".")[0] == "torch" and any(p.startswith("_") for p in m.split(".")[1:]):
                     found.append(f"{_rel(name)}:{node.lineno} imports {m}")
             if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__") \
-                    and node.attr not in own:
+                    and node.attr not in own and (_rel(name), node.attr) not in OTHER_LIBRARY_PRIVATE:
                 found.append(f"{_rel(name)}:{node.lineno} uses .{node.attr}")
     assert found == []
 

@@ -14,7 +14,7 @@ import llama
 import meshplan
 from examples.hf_models import FACTORIES
 from meshplan import PlanError
-from meshplan.tensor_parallel.packed import local_slices, take_slices
+from meshplan.weights.shards import local_slices, take_slices
 
 pytestmark = pytest.mark.fast
 RANKS = (0, 1)

@@ -7,6 +7,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 
 from _local import assert_close_rel, assert_ranks_agree, distribute, local_ranks, make_mesh, on_rank
+from meshplan._torch import dtensor_op_handlers
 from meshplan.training.loss import cross_entropy, loss_parallel
 
 pytestmark = pytest.mark.fast
@@ -208,7 +209,7 @@ def test_errors():
 
 
 def _handlers():
-    return dict(DTensor._op_dispatcher._custom_op_handlers)
+    return dict(dtensor_op_handlers())
 
 
 def test_loss_parallel_wrapper_restores_after_exception_and_nests():

@@ -109,12 +109,54 @@ def test_strict_keeps_file_shapes():
         "version": 1, "layout": {"tp": 2, "order": "DPT"},
         "tensor_parallel": {"sequence_parallel": "batch", "rules": {
             "a": "colwise", "b": {"style": "rowwise", "input_layouts": ["shard(-1)", None]}}},
-        "data_parallel": {"reshard_after_forward": 2,
-                          "activation_checkpointing": {"mode": "selective", "ops": ["aten.mm.default"]}}})
-    assert plan.data_parallel.activation_checkpointing.ops == ("aten.mm.default",)
+        "blocks": {"activation_checkpointing": {"mode": "selective", "ops": ["aten.mm.default"]}},
+        "data_parallel": {"reshard_after_forward": 2}})
+    assert plan.blocks.activation_checkpointing.ops == ("aten.mm.default",)
     assert plan.tensor_parallel.rules["a"].style == "colwise" and plan.tensor_parallel.sequence_parallel == "batch"
     for path in sorted(SCHEMA_PATH.parent.glob("*.yaml")):
         assert load_plan(path).layout is not None, path
+
+
+OLD_SPELLING = """\
+data_parallel:
+  blocks: h.*
+  param_dtype: bfloat16
+  activation_checkpointing: {mode: selective, every: 2}
+  compile: true
+"""
+NEW_SPELLING = """\
+blocks: {pattern: h.*, activation_checkpointing: {mode: selective, every: 2}, compile: true}
+data_parallel:
+  param_dtype: bfloat16
+"""
+
+
+def test_old_blocks_spelling_loads_with_a_warning(tmp_path):
+    """data_parallel.{blocks, activation_checkpointing, compile} (before the blocks section) = the new spelling."""
+    old, new = tmp_path / "old.yaml", tmp_path / "new.yaml"
+    old.write_text(OLD_SPELLING)
+    new.write_text(NEW_SPELLING)
+    with pytest.warns(FutureWarning) as record:
+        plan = load_plan(old)
+    msg = str(record[0].message)
+    assert msg == (f"{old}: data_parallel.blocks, data_parallel.activation_checkpointing, data_parallel.compile: "
+                   f"deprecated, these configure the model's blocks and moved to the top-level blocks section; write "
+                   f"`blocks: {{pattern: h.*, activation_checkpointing: {{mode: selective, every: 2}}, "
+                   f"compile: true}}` at the top level of the plan and remove blocks, activation_checkpointing, compile from "
+                   f"data_parallel")
+    assert plan.model_copy(update={"source": None}) == load_plan(new).model_copy(update={"source": None})
+    assert plan.blocks.pattern == "h.*" and plan.blocks.compile and plan.data_parallel.param_dtype == "bfloat16"
+    with pytest.warns(FutureWarning, match=r"<plan>: data_parallel.compile: deprecated.*`blocks: \{compile: true\}`"):
+        only = meshplan.Plan.from_data({"data_parallel": {"compile": True}})
+    assert only.blocks.compile and only.data_parallel == meshplan.Plan.from_data({"data_parallel": {}}).data_parallel
+
+
+def test_both_blocks_spellings_are_an_error(tmp_path):
+    f = tmp_path / "both.yaml"
+    f.write_text("blocks: {pattern: layers.*}\ndata_parallel: {compile: true}\n")
+    with pytest.raises(PlanError, match=r"both\.yaml: data_parallel\.compile and the blocks section are both given; "
+                                        r"expected one: move compile into blocks"):
+        load_plan(f)
 
 
 @pytest.mark.parametrize("name, content, message", [

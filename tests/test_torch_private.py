@@ -1,26 +1,181 @@
 """Every private torch API in ``meshplan/_torch.py`` still imports and behaves as meshplan uses it (torch 2.13)."""
 
+import inspect
+
 import pytest
 import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+from meshplan import _torch
 
 pytestmark = pytest.mark.fast
 
 
 def test_private_names_import():
-    from meshplan import _torch
     for name in _torch.__all__:
         assert getattr(_torch, name) is not None, name
 
 
 def test_simulated_ranks_compute_collectives_per_rank():
-    from torch.distributed.tensor import Partial, Replicate
-
-    from meshplan._torch import LocalTensor, simulated_ranks
     from meshplan.mesh.topology import build_mesh
-    from torch.distributed.tensor import DTensor
-    with simulated_ranks(2):
+    with _torch.simulated_ranks(2):
         mesh = build_mesh({"tp": 2})["tp"]
         x = DTensor.from_local(torch.ones(3), mesh, [Partial()]).redistribute(mesh, [Replicate()])
         local = x.to_local()
-        assert isinstance(local, LocalTensor) and all(torch.equal(v, torch.full((3,), 2.0))
-                                                      for v in local._local_tensors.values())
+        assert isinstance(local, _torch.LocalTensor)
+        values = _torch.rank_tensors(local)
+        assert sorted(values) == [0, 1] and all(torch.equal(v, torch.full((3,), 2.0)) for v in values.values())
+
+
+# ---------------------------------------------------------------- DTensor internals
+
+
+def test_local_tensor_is_the_stored_shard_without_autograd(fake_pg):
+    with fake_pg(2):
+        mesh = init_device_mesh("cpu", (2,))
+        x = DTensor.from_local(torch.arange(4.0), mesh, [Shard(0)], run_check=False).requires_grad_()
+        local = _torch.local_tensor(x)
+        assert type(local) is torch.Tensor and local.grad_fn is None and torch.equal(local, torch.arange(4.0))
+        plain = torch.ones(2)
+        assert _torch.local_tensor(plain) is plain
+
+
+def test_strided_shard_and_local_shape(fake_pg):
+    with fake_pg(2, rank=1):
+        mesh = init_device_mesh("cpu", (2,))
+        p = _torch.StridedShard(0, split_factor=3)
+        assert p.dim == 0 and p.split_factor == 3 and isinstance(p, Placement)
+        shape, offset = _torch.compute_local_shape_and_global_offset((6, 4), mesh, [Shard(0)])
+        assert tuple(shape) == (3, 4) and tuple(offset) == (3, 0)
+
+
+def test_functional_collectives_run_per_rank():
+    from meshplan.mesh.topology import build_mesh
+    with _torch.simulated_ranks(2):
+        mesh = build_mesh({"tp": 2})["tp"]
+        x = DTensor.from_local(torch.ones(2), mesh, [Shard(0)]).to_local()
+        out = _torch.funcol.all_reduce(x, "sum", mesh.get_group())
+        if isinstance(out, _torch.funcol.AsyncCollectiveTensor):
+            out = out.wait()
+        assert all(torch.equal(v, torch.full((2,), 2.0)) for v in _torch.rank_tensors(out).values())
+
+
+def test_loss_parallel_patches_the_handler_table():
+    from torch.distributed.tensor.parallel import loss_parallel
+    table = _torch.dtensor_op_handlers()
+    assert isinstance(table, dict) and _torch.LOG_SOFTMAX not in table
+    with loss_parallel():
+        assert _torch.LOG_SOFTMAX in _torch.dtensor_op_handlers()
+    assert _torch.LOG_SOFTMAX not in _torch.dtensor_op_handlers()
+
+
+def test_sharding_rule_api():
+    assert {"args_schema", "kwargs_schema"} <= set(_torch.OpSchema.__dataclass_fields__)
+    assert callable(_torch.OpSchema.get_mesh_from_args)
+    assert isinstance(_torch.OpStrategy.ndim, property) and isinstance(_torch.OpStrategy.shape, property)
+    assert issubclass(_torch.OpStrategy, _torch.StrategyType)
+    params = inspect.signature(_torch.expand_to_full_mesh_op_strategy).parameters
+    assert {"input_index", "is_valid_strategy_cb"} <= set(params)
+    assert list(inspect.signature(_torch.is_tensor_evenly_shardable_on_dim).parameters) == ["shape", "spec", "dim"]
+    prop = _torch.sharding_propagator()
+    assert all(isinstance(getattr(prop, t), dict)
+               for t in ("op_strategy_funcs", "op_to_rules", "op_single_dim_strategy_funcs"))
+    assert list(inspect.signature(prop.register_op_strategy).parameters)[:2] == ["op_overload", "strategy_func"]
+    assert isinstance(_torch.CPU_FLASH_ATTENTION, _torch.OpOverload)
+    assert isinstance(_torch.CPU_FLASH_ATTENTION_BACKWARD, _torch.OpOverload)
+
+
+# ---------------------------------------------------------------- meshes
+
+
+def test_flatten_mesh(fake_pg):
+    with fake_pg(4):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
+        named = _torch.flatten_mesh(mesh, "ab")
+        assert named.mesh_dim_names == ("ab",) and named.size() == 4
+        assert _torch.flatten_mesh(mesh).size() == 4
+
+
+# ---------------------------------------------------------------- autograd and dispatch
+
+
+def test_queue_backward_callback_runs_after_backward():
+    ran = []
+    x = torch.ones(2, requires_grad=True)
+    y = x * 2
+    y.register_hook(lambda g: _torch.queue_backward_callback(lambda: ran.append(x.grad is not None)))
+    y.sum().backward()
+    assert ran == [True]
+
+
+def test_hook_registered_and_tensor_version():
+    t = torch.ones(2, requires_grad=True)
+    handle = t.register_hook(lambda g: g)
+    assert _torch.hook_registered(t, handle)
+    handle.remove()
+    assert not _torch.hook_registered(t, handle)
+    v = _torch.tensor_version(t.detach())
+    t.detach().add_(1)
+    assert _torch.tensor_version(t) > v
+
+
+def test_dispatch_mode_and_pytree():
+    seen = []
+
+    class Record(_torch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        torch.ones(2) + 1
+    assert "aten.add" in seen
+    assert _torch.tree_map(lambda v: v * 2, {"a": (1, [2])}) == {"a": (2, [4])}
+    assert _torch.tree_leaves({"a": (1, [2]), "b": 3}) == [1, 2, 3]
+
+
+# ---------------------------------------------------------------- ops
+
+
+def test_ops():
+    grads = [torch.ones(2), torch.full((3,), 2.0)]
+    _torch.foreach_mul_(grads, 0.5)
+    assert torch.equal(grads[1], torch.ones(3))
+    masked = torch.tensor([[0.0, 0.0], [float("-inf"), float("-inf")]])
+    assert torch.equal(_torch.safe_softmax(masked, -1), torch.tensor([[0.5, 0.5], [0.0, 0.0]]))
+    assert torch.allclose(_torch.LOG_SOFTMAX(torch.zeros(2), 0, False), torch.full((2,), -0.6931), atol=1e-4)
+
+
+# ---------------------------------------------------------------- modules and styles
+
+
+def test_modules():
+    assert all(issubclass(c, _torch.DropoutNd) for c in (nn.Dropout, nn.Dropout1d, nn.AlphaDropout))
+    lin, bn = nn.Linear(2, 2), nn.BatchNorm1d(2)
+    assert _torch.module_parameters(lin) is lin.__dict__["_parameters"] and set(_torch.module_parameters(lin)) == {
+        "weight", "bias"}
+    assert {"running_mean", "running_var"} <= set(_torch.module_buffers(bn))
+
+
+def test_style_prepare_fns():
+    from torch.distributed.tensor.parallel import ColwiseParallel
+    style = ColwiseParallel()
+    inp, out = _torch.style_prepare_fns(style)
+    assert inp.args == (style.input_layouts, style.desired_input_layouts)
+    assert out.args == (style.output_layouts, style.use_local_output)
+    assert list(inspect.signature(inp).parameters) == ["mod", "inputs", "device_mesh"]
+
+
+# ---------------------------------------------------------------- data parallelism
+
+
+def test_data_parallel():
+    model = nn.Sequential(_torch.checkpoint_wrapper(nn.Linear(2, 2)))
+    assert isinstance(model[0], _torch.CheckpointWrapper)
+    assert [n for n, _ in model.named_parameters()] == [f"0.{_torch.CHECKPOINT_PREFIX}weight",
+                                                        f"0.{_torch.CHECKPOINT_PREFIX}bias"]
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+    assert {"mesh", "mp_policy", "offload_policy"} <= set(inspect.signature(replicate).parameters)

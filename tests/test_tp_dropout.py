@@ -108,7 +108,7 @@ def run_llama(tp, sp, lp, args, batch=4, seq=16, seed=0):
     with local_ranks(tp):
         meshplan.parallelize(model, plan_with(sequence_parallel=sp, loss_parallel=lp, dropout_rng="single_device"),
                              meshplan.build_mesh({"tp": tp}))
-        assert isinstance(model._meshplan_tp.rng, SingleDeviceDropout)
+        assert isinstance(meshplan.parallel_state(model).tensor_parallel.rng, SingleDeviceDropout)
         n = batch // tp
         x = from_ranks({r: tokens[r * n:(r + 1) * n] for r in range(tp)}) if sp == "batch" else tokens
         torch.manual_seed(7)
@@ -206,7 +206,7 @@ def test_plain_tensor_in_tp_region_is_a_clear_error():
                                              r"dropout of a plain tensor of shape \(4, 16, 64\) inside a TP region; "
                                              r"found a plain \(local\) tensor whose sharding is unknown; expected"):
             model(torch.zeros(4, 16, dtype=torch.long))
-        assert not model._meshplan_tp.rng._stack  # hooks unwound on the error
+        assert not meshplan.parallel_state(model).tensor_parallel.rng._stack  # hooks unwound on the error
         model.eval()
         model(torch.zeros(4, 16, dtype=torch.long))  # no dropout, no error
 
@@ -242,7 +242,7 @@ def test_per_shard_is_the_default_and_unchanged():
     with local_ranks(2):
         model = meshplan.parallelize(llama.build(llama.tiny_args(n_kv_heads=4, dropout=P)), plan_with(),
                                      meshplan.build_mesh({"tp": 2}))
-        assert isinstance(model._meshplan_tp.rng, TpRng)
+        assert isinstance(meshplan.parallel_state(model).tensor_parallel.rng, TpRng)
 
 
 def test_torch_dropout_variants_and_unmapped_feature_dropout():

@@ -8,97 +8,24 @@ nothing. A conversion feeding colwise layers gets partial gradients back, so
 its backward is ``P → a``; the other conversions run backward in reverse. The
 coalesced reduction of replicated parameters' partial gradients is one
 all_reduce per backward. ``tests/test_check_cli.py`` pins these numbers to
-``CommDebugMode`` counts.
+``CommDebugMode`` counts. Each style's own collectives are part of its entry in
+:data:`meshplan.tensor_parallel.style_table.STYLES`; the conversion arithmetic is
+:mod:`meshplan.tensor_parallel.layouts`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import re
 from collections import Counter
 from typing import Any
 
-import torch
 import torch.nn as nn
 
-from meshplan.errors import PlanError
 from meshplan.plan_file.patterns import wildcard
+from meshplan.tensor_parallel.layouts import Stream, redistribute_collectives
+from meshplan.tensor_parallel.style_table import STYLES
 
-__all__ = ["explain", "render_table", "meta_dry_run"]
-
-
-_SHARDING = ("colwise", "lm_head", "embedding", "embedding_colwise", "embedding_tables")
-
-
-def _kind(layout: str | None) -> str:
-    return "R" if layout in (None, "replicate") else "P" if layout == "partial" else "S"
-
-
-def _redist(a: str | None, b: str | None) -> list[str]:
-    """Collectives of converting layout ``a`` to ``b`` (as written in plans)."""
-    a, b = a or "replicate", b or "replicate"
-    ka, kb = _kind(a), _kind(b)
-    if a == b or ka == "R":
-        return []
-    if ka == "S" and kb == "S":
-        return ["all_to_all"]
-    if ka == "S":
-        return ["all_gather"]
-    return ["all_reduce"] if kb == "R" else ["reduce_scatter"]
-
-
-def _back(a: str | None, b: str | None) -> list[str]:
-    """Backward of a forward ``a → b`` whose consumer is not a colwise (reverse conversion)."""
-    ka, kb = _kind(a), _kind(b)
-    if ka == "P":
-        return [] if kb == "R" else ["all_gather"]
-    if ka == "R" and kb == "S":
-        return ["all_gather"]
-    return _redist(b, a) if ka == kb == "S" and a != b else []
-
-
-def _collectives(style: str, o: dict, stream: str, lp: bool) -> tuple[list[str], list[str]]:
-    """(forward, backward) collectives of one rule's module (not counting its parent's conversion)."""
-    fwd: list[str] = []
-    bwd: list[str] = []
-    if style == "colwise":
-        if "input_layouts" in o:
-            fwd += _redist(o["input_layouts"], "replicate")
-            bwd += _redist("partial", o["input_layouts"])
-        out = o.get("output_layouts") or "shard(-1)"
-        fwd += _redist("shard(-1)", out)
-    elif style == "rowwise":
-        inp = o.get("input_layouts") or "shard(-1)"
-        fwd += _redist(inp, "shard(-1)")
-        bwd += _back(inp, "shard(-1)")
-        out = o.get("output_layouts") or stream
-        fwd += _redist("partial", out)
-        bwd += _back("partial", out)
-    elif style == "embedding":
-        out = o.get("output_layouts") or stream
-        fwd += _redist("partial", out)
-        bwd += _back("partial", out)
-    elif style == "embedding_colwise":
-        out = o.get("output_layouts") or stream
-        fwd += _redist("shard(-1)", out)
-        bwd += _back("shard(-1)", out)
-    elif style == "lm_head":
-        inp = o.get("input_layouts") or stream
-        fwd += _redist(inp, "replicate")
-        bwd += _redist("partial", inp)
-        out = o.get("output_layouts") or ("shard(-1)" if lp else stream if stream != "shard(1)" else "replicate")
-        fwd += _redist("shard(-1)", out)
-    elif style in ("prepare_input", "prepare_output"):
-        src = o.get("input_layouts") if style == "prepare_input" else o.get("output_layouts")
-        dst = o.get("desired_input_layouts") if style == "prepare_input" else o.get("desired_output_layouts")
-        for a, b in zip(src if isinstance(src, list) else [src], dst if isinstance(dst, list) else [dst]):
-            if a and b:
-                fwd += _redist(a, b)
-                bwd += _back(a, b)
-    elif style == "embedding_tables":
-        fwd, bwd = ["broadcast (per table)"], ["reduce (per table)"]
-    return fwd, bwd
+__all__ = ["explain", "render_table"]
 
 
 def _short(style: Any) -> str | None:
@@ -119,36 +46,45 @@ def _placement(p: Any) -> str:
     return "plain" if pl is None else ",".join(_short(x) or "" for x in pl)
 
 
-def explain(report, model: nn.Module, plan, tp: int, matched: dict, fanout: set, applied) -> None:
-    """Fill ``report.modules``, ``report.unsharded`` and ``report.totals``."""
-    section = plan.tensor_parallel
-    stream = "replicate" if section is None or section.sequence_parallel is False else \
-        "shard(0)" if section.sequence_parallel == "batch" else "shard(1)"
-    lp = bool(section and section.loss_parallel)
-    target = applied[0] if applied else model
+#: the style column of a parent's one input conversion (the colwise fan-out)
+_CONVERSION = "input conversion"
+
+
+def _params(mod: nn.Module, applied: Any) -> tuple[dict[str, dict], int]:
+    """A module's own parameters (global and local shapes, placements) and their bytes on one rank."""
+    params, nbytes = {}, 0
+    for name, prm in mod.named_parameters(recurse=False):
+        local = prm.to_local() if hasattr(prm, "to_local") else prm
+        params[name] = {"global": list(prm.shape), "local": list(local.shape) if applied else None,
+                        "placement": _placement(prm) if applied else None}
+        nbytes += local.numel() * local.element_size()
+    return params, nbytes
+
+
+def _rows(model: nn.Module, mods: dict[str, nn.Module], matched: dict, fanout: set, stream: Stream,
+          applied: Any) -> list[dict]:
+    """One row per ruled module and per converted parent, in model order."""
     torch_plan = applied[1].plan if applied else {}
-    mods = dict(target.named_modules())
-    rows, fwd_total, bwd_total = [], Counter(), Counter()
     entries = [(p, pat, rule.style, rule.overrides()) for p, (pat, rule) in matched.items()]
-    entries += [(p, "(colwise parent)", "input conversion", {}) for p in sorted(fanout)]
+    entries += [(p, "(colwise parent)", _CONVERSION, {}) for p in sorted(fanout)]
     order = {name: i for i, name in enumerate(mods)}
+    rows = []
     for path, pattern, style, o in sorted(entries, key=lambda e: order.get(e[0], 0)):
-        if style == "input conversion":
-            fwd, bwd = _redist(stream, "replicate"), _redist("partial", stream)
+        if style == _CONVERSION:
+            fwd = redistribute_collectives(stream.layout, "replicate")
+            bwd = redistribute_collectives("partial", stream.layout)
+            params, nbytes = {}, 0
         else:
-            fwd, bwd = _collectives(style, o, stream, lp)
-        mod = mods.get(path) or model
-        params, nbytes = {}, 0
-        for name, prm in mod.named_parameters(recurse=False) if style != "input conversion" else []:
-            local = prm.to_local() if hasattr(prm, "to_local") else prm
-            params[name] = {"global": list(prm.shape), "local": list(local.shape) if applied else None,
-                            "placement": _placement(prm) if applied else None}
-            nbytes += local.numel() * local.element_size()
+            fwd, bwd = STYLES[style].collectives(o, stream)
+            params, nbytes = _params(mods.get(path) or model, applied)
         rows.append({"module": path or "(root)", "rule": pattern, "style": style,
                      "torch_style": _short(torch_plan.get(path)), "params": params, "forward": fwd,
                      "backward": bwd, "bytes_per_rank": nbytes if applied else None})
-        fwd_total.update(fwd)
-        bwd_total.update(bwd)
+    return rows
+
+
+def _parameter_totals(report, mods: dict[str, nn.Module], matched: dict, applied: Any) -> dict[str, int]:
+    """Parameter counts and bytes per rank; every parameter no tp rank shards goes to ``report.unsharded``."""
     seen, total, local_n, local_b, un_n, un_b = set(), 0, 0, 0, 0, 0
     covered = {p: (pat, r.style) for p, (pat, r) in matched.items()}
     for mod_path, mod in mods.items():
@@ -164,19 +100,42 @@ def explain(report, model: nn.Module, plan, tp: int, matched: dict, fanout: set,
             if applied:
                 sharded = any(type(x).__name__ in ("Shard", "_StridedShard") for x in getattr(prm, "placements", ()))
             else:  # no dry run (errors): what the rule would do
-                sharded = rule is not None and (rule[1] in _SHARDING or (rule[1] == "rowwise" and name != "bias"))
+                sharded = rule is not None and STYLES[rule[1]].shards_param(name)
             if not sharded:
                 key = f"{mod_path}.{name}" if mod_path else name
                 report.unsharded[key] = f"replicated by rule {rule[0]!r} ({rule[1]})" if rule else "no rule"
                 un_n += prm.numel()
                 un_b += local.numel() * local.element_size()
+    return {"parameters": total, "parameters_per_rank": local_n if applied else None,
+            "bytes_per_rank": local_b if applied else None, "unsharded_parameters": un_n,
+            "unsharded_bytes_per_rank": un_b if applied else None}
+
+
+def explain(report, model: nn.Module, plan, tp: int, matched: dict, fanout: set, applied) -> None:
+    """Fill ``report.modules``, ``report.unsharded`` and ``report.totals``.
+
+    Args:
+        report: the :class:`~meshplan.checks.report.Report` to fill.
+        model: the model checked.
+        plan: the plan.
+        tp: the tensor-parallel degree.
+        matched: path → ``(pattern, rule)`` of the rules that matched.
+        fanout: the parents that convert their input once for their colwise children.
+        applied: ``(meta copy, TpApplied)`` of the dry run, or None (no dry run: what the rules would do).
+    """
+    section = plan.tensor_parallel
+    mods = dict((applied[0] if applied else model).named_modules())
+    rows = _rows(model, mods, matched, fanout, Stream.of(section), applied)
+    fwd_total, bwd_total = Counter(), Counter()
+    for row in rows:
+        fwd_total.update(row["forward"])
+        bwd_total.update(row["backward"])
+    sizes = _parameter_totals(report, mods, matched, applied)
     if applied and applied[1].finalizer is not None and (section.sequence_parallel is not False or
-                                                         any(r.style == "replicate" for _, r in matched.values())):
+                                                         any(STYLES[r.style].replicated for _, r in matched.values())):
         bwd_total.update(["all_reduce"])
     report.modules = rows
-    report.totals = {"modules": len(rows), "parameters": total, "parameters_per_rank": local_n if applied else None,
-                     "bytes_per_rank": local_b if applied else None, "unsharded_parameters": un_n,
-                     "unsharded_bytes_per_rank": un_b if applied else None,
+    report.totals = {"modules": len(rows), **sizes,
                      "forward": dict(sorted(fwd_total.items())), "backward": dict(sorted(bwd_total.items())),
                      "errors": len(report.errors)}
 
@@ -229,58 +188,3 @@ def render_table(report) -> str:
     out.append("ok" if report.ok else f"{len(report.errors)} error(s):")
     out += [f"  {i}. {e}" for i, e in enumerate(report.errors, 1)]
     return "\n".join(out)
-
-
-def _meta_copy(model: nn.Module) -> nn.Module:
-    if all(t.is_meta for t in [*model.parameters(), *model.buffers()]):
-        return copy.deepcopy(model)
-    memo: dict[int, Any] = {}
-    for p in model.parameters():
-        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
-    for b in model.buffers():
-        memo[id(b)] = torch.empty_like(b, device="meta")
-    return copy.deepcopy(model, memo)
-
-
-@contextlib.contextmanager
-def _fake_group(world: int):
-    import torch.distributed as dist
-    from meshplan._torch import FakeStore
-    prior = dist.get_world_size() if dist.is_initialized() else None
-    prior_rank = dist.get_rank() if prior is not None else 0
-    if prior is not None and dist.get_backend() != "fake":
-        raise PlanError("a real process group is initialized; meshplan.check's dry run needs none (or a fake one)")
-    if prior is not None and prior != world:
-        dist.destroy_process_group()
-    if prior != world:
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-    try:
-        yield
-    finally:
-        if prior != world:
-            dist.destroy_process_group()
-            if prior is not None:
-                dist.init_process_group("fake", store=FakeStore(), rank=prior_rank, world_size=prior)
-
-
-def meta_dry_run(model: nn.Module, plan, tp: int, report):
-    """Apply ``plan`` to a meta-device copy under a ``fake`` group of ``tp`` ranks: ``(copy, TpApplied)``.
-
-    Returns None (and records why in ``report.errors``) when torch rejects a style; skipped (None)
-    under a real process group, where no fake one can be made.
-    """
-    import torch.distributed as dist
-    if dist.is_initialized() and dist.get_backend() != "fake":
-        return None
-    from meshplan.mesh.topology import build_mesh
-    from meshplan.tensor_parallel.generate import apply_tensor_parallel
-    meta = _meta_copy(model)
-    try:
-        with _fake_group(tp):
-            return meta, apply_tensor_parallel(meta, plan.tensor_parallel, build_mesh({"tp": tp})["tp"], plan.source)
-    except PlanError as e:
-        report.errors.append(e)
-    except Exception as e:  # a style that torch rejects
-        report.errors.append(PlanError(f"{report.source}: applying the plan to a meta copy failed: "
-                                       f"{type(e).__name__}: {e}"))
-    return None

@@ -144,11 +144,11 @@ def _takes_labels(model: nn.Module) -> bool:
 def _per_rank(t: torch.Tensor) -> dict[int, torch.Tensor]:
     from torch.distributed.tensor import DTensor
 
-    from meshplan._torch import LocalTensor
+    from meshplan._torch import LocalTensor, rank_tensors
     if isinstance(t, DTensor):
         t = t.full_tensor()
     if isinstance(t, LocalTensor):
-        return {r: v.detach() for r, v in t._local_tensors.items()}
+        return {r: v.detach() for r, v in rank_tensors(t).items()}
     return {0: t.detach()}
 
 

@@ -11,22 +11,31 @@ stream and must produce it (``embedding``/``embedding_colwise``).
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch.nn as nn
 
-from meshplan.tensor_parallel.heads import safe_attr
 from meshplan.plan_file.patterns import wildcard
+from meshplan.tensor_parallel.heads import safe_attr
+from meshplan.tensor_parallel.packed import features
+from meshplan.tensor_parallel.style_table import STYLES
 
-__all__ = ["local_head_regions", "region_errors", "summable_on_shards", "unequal_packed_parts"]
+__all__ = ["is_norm", "local_head_regions", "region_errors", "summable_on_shards", "unequal_packed_parts"]
+
+_NORM_RE = re.compile(r"(LayerNorm|RMSNorm|GroupNorm|BatchNorm)", re.I)
+
+
+def is_norm(mod: nn.Module) -> bool:
+    """Is ``mod`` a normalization layer (torch's, or a model's own ``*Norm`` class by name)?"""
+    return isinstance(mod, (nn.LayerNorm, nn.GroupNorm)) or bool(_NORM_RE.search(type(mod).__name__))
 
 
 def local_head_regions(matched: dict[str, tuple[str, Any]], modules: dict[str, nn.Module] | None = None) -> set[str]:
-    """Parents of colwise rules whose local outputs they see (see :func:`meshplan.tensor_parallel.generate.gives_local_shards`)."""
-    from meshplan.tensor_parallel.packed import features
-    from meshplan.tensor_parallel.generate import gives_local_shards
+    """Parents of colwise rules whose local outputs they see (see
+    :func:`meshplan.tensor_parallel.style_table.gives_local_shards`)."""
     return {path.rpartition(".")[0] for path, (_, rule) in matched.items()
-            if rule.style == "colwise" and gives_local_shards(rule.overrides())
+            if STYLES[rule.style].gives_local_heads(rule.overrides())
             and (modules is None or features(modules[path]) is not None or isinstance(modules[path], nn.Embedding))}
 
 
@@ -67,18 +76,19 @@ def region_errors(model: nn.Module, modules: dict[str, nn.Module], matched: dict
     errors: list[str] = []
     colwise: dict[str, list[str]] = {}
     for path, (_, rule) in matched.items():
-        if rule.style == "colwise":
+        if STYLES[rule.style].column_parallel:
             colwise.setdefault(path.rpartition(".")[0], []).append(path)
     for parent in sorted(regions):
         errors += _region_children(model, modules, matched, parent, ruled | above, where,
                                    ", ".join(sorted(colwise.get(parent, []))))
     for path, (pattern, rule) in matched.items():
-        if rule.style == "head_norm" and path.rpartition(".")[0] not in regions:
+        spec = STYLES[rule.style]
+        if spec.on_local_heads and path.rpartition(".")[0] not in regions:
             errors.append(f"{where}.{pattern!r}: module {path!r} (head_norm) is not inside a module whose colwise "
                           f"children output local shards, so its input is replicated and summing its gradients over "
                           f"tp would multiply them by tp; found no colwise sibling with local outputs, expected one "
                           f"(or use 'replicate')")
-        if rule.style == "norm" and isinstance(modules.get(path), (nn.Linear, nn.Embedding)):
+        if spec.stream_module and isinstance(modules.get(path), (nn.Linear, nn.Embedding)):
             errors.append(f"{where}.{pattern!r}: module {path!r} is {type(modules[path]).__name__}; style norm expects a "
                           f"norm or dropout on the residual stream; found {type(modules[path]).__name__}, expected "
                           f"colwise, rowwise, embedding or lm_head")
@@ -100,7 +110,7 @@ def _region_children(model: nn.Module, modules: dict[str, nn.Module], matched: d
         star = wildcard(path)
         if path in covered:
             rule = matched.get(path)
-            if rule is not None and rule[1].style == "replicate" and _per_head(child, hd):
+            if rule is not None and STYLES[rule[1].style].replicated and _per_head(child, hd):
                 errors.append(f"{where}.{rule[0]!r}: module {path!r} ({kind}) runs on this rank's heads (the local "
                               f"outputs of {near}), but 'replicate' assumes replicated inputs; found replicate, "
                               f"expected head_norm")
@@ -128,7 +138,7 @@ def _stream_embeddings(modules: dict[str, nn.Module], matched: dict[str, tuple[s
         if not isinstance(mod, nn.Embedding) or path.startswith(inside) or "" in regions:
             continue
         style = matched[path][1].style if path in matched else None
-        if style in (None, "replicate"):
+        if style is None or STYLES[style].replicated:
             errors.append(f"{where}: module {path!r} (nn.Embedding) writes to the sequence-sharded residual "
                           f"stream (sequence_parallel: true) but "
                           f"{'no rule covers it' if style is None else 'its rule is replicate'}, so its full "
@@ -145,16 +155,16 @@ def _unruled_on_stream(modules: dict[str, nn.Module], matched: dict[str, tuple[s
     model code made it local, as this rank's part of the sequence, whose gradient nobody sums (silently
     wrong). Norms and embeddings are reported by their own checks.
     """
-    from meshplan.checks.validate import _is_norm
     errors = []
     inside = tuple(p + "." for p in regions if p)
     ruled = tuple(p + "." for p in matched)
     # a projection group with a rowwise but no colwise rule is the chain check's to report, once
-    groups = {p.rpartition(".")[0] for p, (_, r) in matched.items() if r.style in ("colwise", "rowwise")}
+    groups = {p.rpartition(".")[0] for p, (_, r) in matched.items()
+              if STYLES[r.style].column_parallel or STYLES[r.style].row_parallel}
     for path, mod in modules.items():
         own = [n for n, _ in mod.named_parameters(recurse=False)]
         if not own or path in matched or path.startswith(ruled) or path in regions or path.startswith(inside) \
-                or "" in regions or isinstance(mod, nn.Embedding) or _is_norm(mod) or \
+                or "" in regions or isinstance(mod, nn.Embedding) or is_norm(mod) or \
                 path.rpartition(".")[0] in groups:
             continue
         errors.append(f"{where}: module {path or '(root)'!r} ({type(mod).__name__}) has parameters "

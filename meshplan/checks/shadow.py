@@ -25,8 +25,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map
+
+from meshplan._torch import TorchDispatchMode, tree_map
 
 __all__ = ["cross_shard_errors"]
 
@@ -63,7 +63,7 @@ class _Collectives(TorchDispatchMode):
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented  # DTensor desugars into collectives first
         out = func(*args, **(kwargs or {}))
-        name = str(func._overloadpacket).rpartition(".")[-1]
+        name = str(func.overloadpacket).rpartition(".")[-1]
         if self.stack and self.stack[-1] is not None and any(name.startswith(c) for c in _COLLECTIVES):
             self.hits.setdefault(self.stack[-1], set()).add(name.replace("_into_tensor", ""))
         return out
@@ -82,12 +82,13 @@ def _shadow_section(section: Any, regions_rules: list[str]) -> Any:
 
 def cross_shard_errors(model: nn.Module, plan: Any, tp: int, where: str, notes: list[str]) -> list[str]:
     """The regions whose own code computes across tp shards (see the module docstring), as error messages."""
-    from meshplan.checks.explain import _fake_group
+    from meshplan.checks.dry_run import fake_group
     from meshplan.checks.numerics import default_batch
     from meshplan.checks.regions import local_head_regions
-    from meshplan.plan_file.patterns import match_rules
     from meshplan.mesh.topology import build_mesh
-    from meshplan.tensor_parallel.generate import apply_tensor_parallel, gives_local_shards
+    from meshplan.plan_file.patterns import match_rules
+    from meshplan.tensor_parallel.apply import apply_tensor_parallel
+    from meshplan.tensor_parallel.style_table import STYLES
     section = plan.tensor_parallel
     if tp == 1 or not local_head_regions(match_rules(model, section.rules, where), dict(model.named_modules())):
         return []
@@ -101,11 +102,11 @@ def cross_shard_errors(model: nn.Module, plan: Any, tp: int, where: str, notes: 
         return []
     regions = local_head_regions(matched, dict(meta.named_modules()))
     # packed outputs stay local: their split into parts is exactly what packed sharding makes right
-    local_rules = sorted({pat for path, (pat, r) in matched.items() if r.style == "colwise"
-                          and gives_local_shards(r.overrides()) and (getattr(r, "packed", None) or 1) == 1})
+    local_rules = sorted({pat for path, (pat, r) in matched.items() if STYLES[r.style].gives_local_heads(r.overrides())
+                          and (getattr(r, "packed", None) or 1) == 1})
     tracker = _Collectives()
     try:
-        with _fake_group(tp):
+        with fake_group(tp):
             mesh = build_mesh({"tp": tp})["tp"]
             apply_tensor_parallel(meta, _shadow_section(section, local_rules), mesh, plan.source)
             modules = dict(meta.named_modules())
@@ -145,8 +146,8 @@ def _small_copy(model: nn.Module, tp: int, notes: list[str]) -> nn.Module | None
     if n > 50_000_000:
         notes.append(f"cross-shard check skipped: {n:,} parameters (it runs models up to 50M on the CPU)")
         return None
-    from meshplan.checks.explain import _meta_copy
-    return _meta_copy(model).to_empty(device="cpu")
+    from meshplan.checks.dry_run import meta_copy
+    return meta_copy(model).to_empty(device="cpu")
 
 
 def _track(module: nn.Module, path: str, tracker: _Collectives, push: bool) -> None:

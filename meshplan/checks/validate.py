@@ -16,38 +16,32 @@ the local parameter shapes of the explain table (:mod:`meshplan.checks.explain`)
 
 from __future__ import annotations
 
-import re
 from typing import Any, Mapping
 
 import torch.nn as nn
 
+from meshplan.checks.regions import is_norm, local_head_regions, region_errors, unequal_packed_parts
 from meshplan.checks.report import Report, fold_errors
 from meshplan.errors import PlanError
-from meshplan.plan_file.layout import Layout
-from meshplan.tensor_parallel.packed import features
+from meshplan.mesh.ranks import divisors_text
 from meshplan.plan_file.document import Plan, as_plan
-from meshplan.checks.regions import local_head_regions, region_errors, unequal_packed_parts
+from meshplan.plan_file.layout import Layout
 from meshplan.plan_file.patterns import match_rules, wildcard
+from meshplan.tensor_parallel.generate import rules_where
 from meshplan.tensor_parallel.heads import head_count_errors, safe_attr, sees_heads
-from meshplan.tensor_parallel.generate import gives_local_shards
+from meshplan.tensor_parallel.layouts import residual_stream
+from meshplan.tensor_parallel.style_table import STYLES, StyleSpec
 
 __all__ = ["check", "Report", "validate_plan"]
-
-_NORM_RE = re.compile(r"(LayerNorm|RMSNorm|GroupNorm|BatchNorm)", re.I)
-
-
-def _is_norm(mod: nn.Module) -> bool:
-    return isinstance(mod, (nn.LayerNorm, nn.GroupNorm)) or bool(_NORM_RE.search(type(mod).__name__))
 
 
 class _Checker:
     def __init__(self, model: nn.Module, plan: Plan, tp: int, report: Report):
         self.model, self.plan, self.tp, self.r = model, plan, tp, report
         self.section = plan.tensor_parallel
-        self.where = f"{plan.source}: tensor_parallel.rules" if plan.source else "tensor_parallel.rules"
+        self.where = rules_where(plan.source)
         self.modules = dict(model.named_modules())
-        sp = self.section.sequence_parallel
-        self.stream = "shard(1)" if sp is True else "shard(0)" if sp == "batch" else "replicate"
+        self.stream = residual_stream(self.section.sequence_parallel)
 
     def err(self, msg: str) -> None:
         self.r.errors.append(PlanError(msg))
@@ -64,51 +58,33 @@ class _Checker:
     def divides(self, loc: str, path: str, what: str, n: int, by: int = 1) -> bool:
         if n % (self.tp * by):
             per = f"packed({by}) x " if by > 1 else ""
-            valid = [d for d in range(1, n + 1) if n % (d * by) == 0]
             self.err(f"{loc}: module {path!r}: {per}tp({self.tp}) does not divide {what}({n}); found {n}, "
-                     f"expected a multiple of {self.tp * by}; valid tp: {', '.join(map(str, valid))}")
+                     f"expected a multiple of {self.tp * by}; valid tp: {divisors_text(n // by)}")
             return False
         return True
 
     def module(self, path: str, pattern: str, rule: Any) -> None:
-        mod, style, loc = self.modules[path], rule.style, self.loc(pattern)
-        kind = type(mod).__name__
-        feats = features(mod)
+        """The style fits the module, and tp (times ``packed``) divides the size it shards."""
+        mod, spec, loc = self.modules[path], STYLES[rule.style], self.loc(pattern)
         packed = getattr(rule, "packed", None) or 1
-        if style in ("colwise", "rowwise"):
-            if feats is None and not (isinstance(mod, nn.Embedding) and packed == 1):
-                self.err(f"{loc}: module {path!r} is {kind}; style {style} expects nn.Linear, Conv1D or nn.Embedding")
-                return
-            if isinstance(mod, nn.Embedding):
-                n, what = (mod.embedding_dim, "embedding_dim") if style == "colwise" else (mod.num_embeddings, "num_embeddings")
-            else:
-                n, what = (feats[1], "out_features") if style == "colwise" else (feats[0], "in_features")
-            parent = self.modules[path.rpartition(".")[0]] if "." in path else self.model
-            why = unequal_packed_parts(parent, self.model, n, packed) if style == "colwise" else None
-            if why:
-                self.err(f"{loc}: module {path!r}: packed({packed}) cannot shard out_features({n}): {why}")
-            elif n % packed:
-                self.err(f"{loc}: module {path!r}: packed({packed}) splits {what}({n}) into {packed} equal parts, but "
-                         f"{n} is not a multiple of {packed}: the fused parts are unequal, and packed shards equal "
-                         f"parts only; found {n}, expected a multiple of {packed} (or gather the output: "
-                         f"output_layouts: replicate)")
-            elif self.divides(loc, path, what, n, packed) and style == "colwise" and gives_local_shards(rule.overrides()):
-                self.heads(loc, path, n // packed)
-        elif style in ("embedding", "embedding_colwise"):
-            if not isinstance(mod, nn.Embedding):
-                self.err(f"{loc}: module {path!r} is {kind}; style {style} expects nn.Embedding")
-            elif style == "embedding":
-                self.divides(loc, path, "num_embeddings", mod.num_embeddings)
-            else:
-                self.divides(loc, path, "embedding_dim", mod.embedding_dim)
-        elif style == "lm_head":
-            if not isinstance(mod, nn.Linear):
-                self.err(f"{loc}: module {path!r} is {kind}; style lm_head expects nn.Linear")
-            else:
-                self.divides(loc, path, "out_features", mod.out_features)
-        elif style == "embedding_tables" and not any(isinstance(c, nn.Embedding) for c in mod.children()):
-            self.err(f"{loc}: module {path!r} is {kind} with no nn.Embedding children; style embedding_tables "
-                     f"expects a module holding embedding tables")
+        if spec.fits is not None and not spec.fits(mod, packed):
+            self.err(f"{loc}: module {path!r} is {type(mod).__name__}{spec.misfit}; style {spec.name} expects "
+                     f"{spec.expects}")
+            return
+        if spec.sharded_dim is None:
+            return
+        what, n = spec.sharded_dim(mod)
+        parent = self.modules[path.rpartition(".")[0]] if "." in path else self.model
+        why = unequal_packed_parts(parent, self.model, n, packed) if spec.column_parallel else None
+        if why:
+            self.err(f"{loc}: module {path!r}: packed({packed}) cannot shard out_features({n}): {why}")
+        elif n % packed:
+            self.err(f"{loc}: module {path!r}: packed({packed}) splits {what}({n}) into {packed} equal parts, but "
+                     f"{n} is not a multiple of {packed}: the fused parts are unequal, and packed shards equal "
+                     f"parts only; found {n}, expected a multiple of {packed} (or gather the output: "
+                     f"output_layouts: replicate)")
+        elif self.divides(loc, path, what, n, packed) and spec.gives_local_heads(rule.overrides()):
+            self.heads(loc, path, n // packed)
 
     def heads(self, loc: str, path: str, out: int) -> None:
         parent = self.modules[path.rpartition(".")[0]] if "." in path else self.model
@@ -130,62 +106,77 @@ class _Checker:
         for name in names:
             n = safe_attr(cfg, name)
             if isinstance(n, int) and not isinstance(n, bool) and n > 0 and n % self.tp:
-                valid = ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
                 self.err(f"{self.where}: model config {type(cfg).__name__}.{name}: tp({self.tp}) does not divide "
-                         f"{name}({n}); found {n}, expected a multiple of {self.tp}; valid tp: {valid}")
+                         f"{name}({n}); found {n}, expected a multiple of {self.tp}; valid tp: {divisors_text(n)}")
 
     def chain(self, matched: dict[str, tuple[str, Any]]) -> None:
+        """The layouts chain: colwise siblings feed a rowwise, overridden inputs match the stream."""
         by_parent: dict[str, list[tuple[str, str, Any]]] = {}
         for path, (pattern, rule) in matched.items():
             by_parent.setdefault(path.rpartition(".")[0], []).append((path, pattern, rule))
         fanout = set()
         for parent, kids in by_parent.items():
-            cols = [k for k in kids if k[2].style == "colwise"]
+            cols = [k for k in kids if STYLES[k[2].style].column_parallel]
             default_in = [k for k in cols if k[2].input_layouts is None]
             if default_in:
                 fanout.add(parent)
             for path, pattern, rule in kids:
-                o = rule.overrides()
-                if rule.style == "rowwise" and o.get("input_layouts") in (None, "shard(-1)"):
-                    if not cols:
-                        self.err(f"{self.loc(pattern)}: module {path!r} (rowwise) expects its input sharded on the "
-                                 f"last dim by a colwise sibling, but {parent or '(root)'!r} has no colwise child; found "
-                                 f"input layout {self.stream}, expected shard(-1); add colwise rules for the projections "
-                                 f"feeding it or set input_layouts")
-                    elif any(c[2].output_layouts not in (None, "shard(-1)") for c in cols):
-                        bad = [c for c in cols if c[2].output_layouts not in (None, "shard(-1)")]
-                        self.err(f"{self.loc(pattern)}: module {path!r} (rowwise) expects shard(-1) input, but its "
-                                 f"colwise sibling(s) {', '.join(c[0] for c in bad)} output {bad[0][2].output_layouts}; "
-                                 f"found {bad[0][2].output_layouts}, expected shard(-1)")
-                if rule.style == "colwise" and "input_layouts" in o:
-                    given = o["input_layouts"]
-                    if default_in:
-                        self.err(f"{self.loc(pattern)}: module {path!r} (colwise) overrides input_layouts ({given}) "
-                                 f"but its colwise siblings {', '.join(k[0] for k in default_in)} take {parent!r}'s "
-                                 f"converted input; found {given}, expected the same input_layouts on every colwise "
-                                 f"child of {parent or '(root)'!r}")
-                    elif given != self.stream and parent not in matched:
-                        self.err(f"{self.loc(pattern)}: module {path!r} (colwise) input_layouts {given} does not match "
-                                 f"the residual stream; found {given}, expected {self.stream}")
-                if rule.style in ("lm_head", "embedding", "rowwise") or rule.style == "embedding_colwise":
-                    key = "input_layouts" if rule.style == "lm_head" else "output_layouts"
-                    given = o.get(key)
-                    if given is not None and given != self.stream and key == "input_layouts":
-                        self.err(f"{self.loc(pattern)}: module {path!r} (lm_head) input_layouts {given} does not match "
-                                 f"the residual stream (sequence_parallel: {self.section.sequence_parallel}); found "
-                                 f"{given}, expected {self.stream}")
-                    elif given is not None and given not in (self.stream, "partial") and key == "output_layouts":
-                        self.r.warnings.append(f"{self.loc(pattern)}: module {path!r} ({rule.style}) outputs {given} "
-                                               f"but the residual stream is {self.stream}: an extra redistribute")
-                if rule.style == "prepare_output" and rule.output_layouts == "partial":
-                    below = [p for p, (_, r) in matched.items() if p.startswith(path + ".") and r.style == "rowwise"
-                             and r.output_layouts == "partial"]
-                    if not below:
-                        self.err(f"{self.loc(pattern)}: module {path!r} declares a partial output to reduce "
-                                 f"(gather/all_reduce), but no rowwise rule below it outputs partial; found "
-                                 f"{self.stream} outputs, expected partial (set output_layouts: partial on its "
-                                 f"rowwise children, or drop the rule)")
+                spec, o = STYLES[rule.style], rule.overrides()
+                if spec.needs_colwise_input(o):
+                    self.rowwise_input(parent, path, pattern, cols)
+                if spec.column_parallel and not spec.parent_converts_input(o):
+                    self.colwise_input(parent, path, pattern, o["input_layouts"], default_in, matched)
+                self.stream_layouts(path, pattern, spec, o)
+                if spec.reduces_output and rule.output_layouts == "partial":
+                    self.reduced_output(path, pattern, matched)
         self.fanout = fanout
+
+    def rowwise_input(self, parent: str, path: str, pattern: str, cols: list[tuple[str, str, Any]]) -> None:
+        """A rowwise taking ``shard(-1)`` needs colwise siblings that output it."""
+        bad = [c for c in cols if c[2].output_layouts not in (None, "shard(-1)")]
+        if not cols:
+            self.err(f"{self.loc(pattern)}: module {path!r} (rowwise) expects its input sharded on the "
+                     f"last dim by a colwise sibling, but {parent or '(root)'!r} has no colwise child; found "
+                     f"input layout {self.stream}, expected shard(-1); add colwise rules for the projections "
+                     f"feeding it or set input_layouts")
+        elif bad:
+            self.err(f"{self.loc(pattern)}: module {path!r} (rowwise) expects shard(-1) input, but its "
+                     f"colwise sibling(s) {', '.join(c[0] for c in bad)} output {bad[0][2].output_layouts}; "
+                     f"found {bad[0][2].output_layouts}, expected shard(-1)")
+
+    def colwise_input(self, parent: str, path: str, pattern: str, given: Any, default_in: list,
+                      matched: dict[str, tuple[str, Any]]) -> None:
+        """A colwise that overrides its input_layouts: alone in its block, and taking the stream."""
+        if default_in:
+            self.err(f"{self.loc(pattern)}: module {path!r} (colwise) overrides input_layouts ({given}) "
+                     f"but its colwise siblings {', '.join(k[0] for k in default_in)} take {parent!r}'s "
+                     f"converted input; found {given}, expected the same input_layouts on every colwise "
+                     f"child of {parent or '(root)'!r}")
+        elif given != self.stream and parent not in matched:
+            self.err(f"{self.loc(pattern)}: module {path!r} (colwise) input_layouts {given} does not match "
+                     f"the residual stream; found {given}, expected {self.stream}")
+
+    def stream_layouts(self, path: str, pattern: str, spec: StyleSpec, o: dict) -> None:
+        """What takes the residual stream must take its layout; what writes it had better write it."""
+        given = o.get("input_layouts")
+        if spec.takes_stream and given is not None and given != self.stream:
+            self.err(f"{self.loc(pattern)}: module {path!r} ({spec.name}) input_layouts {given} does not match "
+                     f"the residual stream (sequence_parallel: {self.section.sequence_parallel}); found "
+                     f"{given}, expected {self.stream}")
+        given = o.get("output_layouts")
+        if spec.writes_stream and given is not None and given not in (self.stream, "partial"):
+            self.r.warnings.append(f"{self.loc(pattern)}: module {path!r} ({spec.name}) outputs {given} "
+                                   f"but the residual stream is {self.stream}: an extra redistribute")
+
+    def reduced_output(self, path: str, pattern: str, matched: dict[str, tuple[str, Any]]) -> None:
+        """A module that reduces its partial output needs rowwise rules below it that leave theirs partial."""
+        below = [p for p, (_, r) in matched.items() if p.startswith(path + ".") and STYLES[r.style].row_parallel
+                 and r.output_layouts == "partial"]
+        if not below:
+            self.err(f"{self.loc(pattern)}: module {path!r} declares a partial output to reduce "
+                     f"(gather/all_reduce), but no rowwise rule below it outputs partial; found "
+                     f"{self.stream} outputs, expected partial (set output_layouts: partial on its "
+                     f"rowwise children, or drop the rule)")
 
     def regions(self, matched: dict[str, tuple[str, Any]]) -> None:
         for msg in region_errors(self.model, self.modules, matched, self.section.sequence_parallel, self.where,
@@ -201,10 +192,11 @@ class _Checker:
             return
         inside = tuple(p + "." for p in self.fanout if p)
         root_fanout = "" in self.fanout
+        covering = [p + "." for p, (_, r) in matched.items() if STYLES[r.style].covers_submodules]
         for path, mod in self.modules.items():
-            if not path or path in matched or not _is_norm(mod) or path.startswith(inside) or root_fanout:
+            if not path or path in matched or not is_norm(mod) or path.startswith(inside) or root_fanout:
                 continue
-            if any(path.startswith(p + ".") for p, (_, r) in matched.items() if r.style in ("replicate", "norm")):
+            if any(path.startswith(p) for p in covering):
                 continue
             pattern = wildcard(path)
             self.err(f"{self.where}: module {path!r} ({type(mod).__name__}) runs on the sequence-sharded residual "
@@ -233,7 +225,8 @@ def check(model: nn.Module, plan: Plan | Mapping[str, Any] | str, world_size: in
         >>> report = meshplan.check(model, "plans/hf_llama.yaml", world_size=8)
         >>> report.raise_if_errors()
     """
-    from meshplan.checks.explain import explain, meta_dry_run
+    from meshplan.checks.dry_run import meta_dry_run
+    from meshplan.checks.explain import explain
     p = as_plan(plan)
     lay = Layout.model_validate(dict(layout)) if isinstance(layout, Mapping) else layout or p.layout or Layout()
     report = Report(source=p.source or "<plan>", model=type(model).__name__, tp=lay.tp, world_size=world_size or 0)

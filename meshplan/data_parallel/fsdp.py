@@ -1,63 +1,59 @@
-"""The ``data_parallel`` plan section: FSDP2 / HSDP / replication, checkpointing, compile.
+"""The ``data_parallel`` plan section: FSDP2 / HSDP / replication.
 
-:func:`apply_data_parallel` runs after tensor parallelism, in torchtitan's
-order: activation checkpointing → ``torch.compile`` per block → FSDP2
-(``fully_shard`` per block, then at the root). The mode follows the layout
-(``dp_shard``/``dp_replicate``/``cp``) unless the section's ``mode`` says
-otherwise. Gradients are SUMMED over the data axes by default: meshplan's loss
-is normalised by the global token count (see :mod:`meshplan.training.step`).
+:func:`apply_data_parallel` runs after tensor parallelism and the blocks step (:func:`meshplan.blocks.apply_blocks`:
+activation checkpointing, ``torch.compile`` per block), in torchtitan's order: FSDP2 ``fully_shard`` on each block,
+then on the root. The mode follows the layout (``dp_shard``/``dp_replicate``/``cp``) unless the section's ``mode``
+says otherwise. Gradients are SUMMED over the data axes by default: meshplan's loss is normalised by the global
+token count (see :mod:`meshplan.training.step`).
 
-The section's models live in :mod:`meshplan.plan_file.data_parallel` (torch-free).
+The section's model lives in :mod:`meshplan.plan_file.data_parallel` (torch-free); what was applied is recorded in
+the model's :class:`~meshplan.state.ParallelState`.
 """
 
 from __future__ import annotations
 
 import math
-import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping
 
 from pydantic import ValidationError
 
-from meshplan.plan_file.data_parallel import ActivationCheckpointing, DataParallel
 from meshplan.errors import PlanError
+from meshplan.mesh.ranks import divisors_text
+from meshplan.plan_file.blocks import Blocks, split_legacy
+from meshplan.plan_file.data_parallel import DataParallel
+from meshplan.state import attach_state, parallel_state
 
 if TYPE_CHECKING:
     import torch.nn as nn
     from meshplan.mesh.topology import Topology
 
-__all__ = ["DataParallelState", "apply_data_parallel",
-           "resolve_mode", "data_parallel_state"]
-
-_STATE_ATTR = "_meshplan_dp"
+__all__ = ["DataParallelState", "apply_data_parallel", "check_data_parallel", "resolve_mode",
+           "data_parallel_state"]
 
 
-@dataclass
+@dataclass(frozen=True)
 class DataParallelState:
-    """What :func:`apply_data_parallel` did; stored on the model, read by :func:`meshplan.training.step.train_step`.
+    """What :func:`apply_data_parallel` did; recorded as :attr:`meshplan.state.ParallelState.data_parallel`.
 
     Attributes:
         mode: ``fsdp``, ``hsdp``, ``ddp`` or ``none``.
         section: the validated section.
-        topology: the topology it was applied on.
-        data_axes: mesh keys whose ranks hold different data (``dp_replicate``, ``dp_shard``, ``cp``, + ``tp`` in
-            smp's batch mode); the token count is summed over them.
-        blocks: paths of the blocks.
-        grad_sync: the live :class:`meshplan.tensor_parallel.grad_sync.TpGradSync` (coalesced tp reductions of replicated grads,
-            re-installed on FSDP2's parameters), or None when nothing needs one.
+        grad_sync: a :class:`meshplan.tensor_parallel.grad_sync.TpGradSync` this step made itself for DTensor
+            parameters that tensor parallelism outside meshplan left (else None: the model's one is tensor
+            parallelism's, re-installed on FSDP2's parameters). Read the model's one as
+            :attr:`meshplan.state.ParallelState.grad_sync`.
     """
 
     mode: str
     section: DataParallel
-    topology: Any
-    data_axes: tuple[str, ...]
-    blocks: list[str] = field(default_factory=list)
     grad_sync: Any = None
 
 
 def data_parallel_state(model: "nn.Module") -> DataParallelState | None:
-    """The :class:`DataParallelState` that :func:`apply_data_parallel` attached to ``model``, or None."""
-    return getattr(model, _STATE_ATTR, None)
+    """The :class:`DataParallelState` in ``model``'s :func:`~meshplan.parallel_state`, or None."""
+    state = parallel_state(model)
+    return state.data_parallel if state is not None else None
 
 
 def resolve_mode(section: DataParallel, layout) -> tuple[str, tuple[str, ...] | None, tuple[str, ...] | None]:
@@ -87,55 +83,6 @@ def resolve_mode(section: DataParallel, layout) -> tuple[str, tuple[str, ...] | 
     return mode, None, None
 
 
-_KEYS = {(): "dp_shard", ("dp_replicate",): "dp_replicate", ("dp_shard",): "dp_shard", ("cp",): "dp_shard_cp",
-         ("dp_shard", "cp"): "dp_shard_cp", ("dp_replicate", "dp_shard"): "dp", ("dp_replicate", "cp"): "dp_cp",
-         ("dp_replicate", "dp_shard", "cp"): "dp_cp"}
-
-
-def _mesh(topology: "Topology", axes: tuple[str, ...]):
-    """The 1-D topology mesh spanning ``axes`` (the simplest key; size-1 axes dropped)."""
-    return topology[_KEYS[tuple(a for a in axes if getattr(topology.layout, a) > 1)]]
-
-
-def _match_blocks(model: "nn.Module", pattern: str) -> list[str]:
-    rx = re.compile(r"\.".join(re.escape(s).replace(r"\*", "[^.]+") for s in pattern.split(".")))
-    names = [n for n, _ in model.named_modules() if n and rx.fullmatch(n)]
-    if not names:
-        top = ", ".join(n for n, _ in model.named_children()) or "none"
-        raise PlanError(f"data_parallel.blocks: pattern {pattern!r} matched no module of {type(model).__name__} "
-                        f"(top-level children: {top})")
-    return names
-
-
-def _resolve_ops(ac: ActivationCheckpointing) -> list:
-    import torch
-    ops = []
-    for i, name in enumerate(ac.ops):
-        parts = name.split(".")
-        try:
-            op = getattr(getattr(torch.ops, parts[0]), parts[1])
-            ops.append(getattr(op, parts[2] if len(parts) == 3 else "default"))
-        except (AttributeError, RuntimeError):
-            raise PlanError(f"data_parallel.activation_checkpointing.ops[{i}]: unknown op {name!r} "
-                            f"(torch.ops.{name} does not exist)") from None
-    return ops
-
-
-def _checkpoint(model: "nn.Module", blocks: list[str], ac: ActivationCheckpointing, ops: list) -> None:
-    if ac.mode == "none":
-        return
-    from functools import partial
-
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
-    kwargs = {"context_fn": partial(create_selective_checkpoint_contexts, ops)} if ops else {}
-    for k, path in enumerate(blocks, start=1):
-        if ac.mode == "full" or k % ac.every == 0:
-            parent, _, name = path.rpartition(".")
-            wrapped = checkpoint_wrapper(model.get_submodule(path), preserve_rng_state=True, **kwargs)
-            model.get_submodule(parent).register_module(name, wrapped)
-
-
 def _check_reshard(section: DataParallel, shard_size: int, has_dtensor: bool) -> None:
     k = section.reshard_after_forward
     if isinstance(k, bool) or k is None:
@@ -144,81 +91,113 @@ def _check_reshard(section: DataParallel, shard_size: int, has_dtensor: bool) ->
         raise PlanError(f"data_parallel.reshard_after_forward: {k} (an int) does not work with tensor-parallel "
                         f"(DTensor) parameters in torch 2.13; use true or false")
     if k >= shard_size or shard_size % k:
-        valid = [d for d in range(2, shard_size) if shard_size % d == 0]
+        valid = divisors_text(shard_size, lambda d: 1 < d < shard_size)
         raise PlanError(f"data_parallel.reshard_after_forward: {k} must divide the shard size ({shard_size}) and be "
-                        f"smaller; valid: {', '.join(map(str, valid)) or 'none (use true/false)'}")
+                        f"smaller; valid: {valid if valid != 'none' else 'none (use true/false)'}")
 
 
-def apply_data_parallel(model: "nn.Module", section: DataParallel | Mapping[str, Any] | None = None,
-                        topology: "Topology | None" = None, *,
-                        sequence_parallel: bool | str = False) -> "nn.Module":
-    """Apply the ``data_parallel`` section to ``model`` in place (after tensor parallelism).
+def _sections(section: DataParallel | Mapping[str, Any] | None,
+              blocks: Blocks | Mapping[str, Any] | None) -> tuple[DataParallel, Blocks | Mapping[str, Any] | None]:
+    """The validated section and the blocks section; the old spelling (blocks keys in ``section``) is mapped."""
+    if section is None or isinstance(section, DataParallel):
+        return section or DataParallel(), blocks
+    section, blocks = split_legacy(section, blocks, "apply_data_parallel", function="apply_data_parallel")
+    try:
+        return DataParallel.model_validate(dict(section)), blocks
+    except ValidationError as e:
+        from meshplan.plan_file.reading import pydantic_message
+        raise PlanError(f"data_parallel: {pydantic_message(e)}") from None
 
-    Args:
-        model: the (tensor-parallel) model.
-        section: a :class:`DataParallel`, its dict, or None (defaults from the layout).
-        topology: the :class:`~meshplan.Topology`; default: the active one.
-        sequence_parallel: the plan's ``tensor_parallel.sequence_parallel``. ``"batch"`` (smp) means every tp
-            rank holds its own part of the batch: plain (non-DTensor) parameters then reduce over tp·dp·cp and
-            tokens are counted over tp too.
+
+def check_data_parallel(model: "nn.Module", section: DataParallel, topology: "Topology"
+                        ) -> tuple[str, tuple[str, ...] | None, tuple[str, ...] | None]:
+    """Every check of :func:`apply_data_parallel` that needs no blocks; run before anything changes the model.
 
     Returns:
-        ``model``, with FSDP2/HSDP/replicate applied and a :class:`DataParallelState` attached.
+        :func:`resolve_mode`'s ``(mode, shard axes, replicate axes)``.
 
     Raises:
-        PlanError: an invalid section, a mode that does not fit the layout, a blocks pattern that matches
-            nothing, an unknown checkpoint op, CPU offload without an accelerator, or a bad
+        PlanError: a mode that does not fit the layout, CPU offload without an accelerator, a bad
             ``reshard_after_forward``.
-
-    Example::
-
-        with meshplan.init({"dp_shard": 4}) as topo:
-            model = apply_data_parallel(build(args), {"param_dtype": "bfloat16"}, topo)
     """
     import torch
     from torch.distributed.tensor import DTensor
-
-    from meshplan.mesh.topology import current_topology
-    from meshplan.tensor_parallel.grad_sync import TpGradSync, grad_sync
-    if section is None:
-        section = DataParallel()
-    elif not isinstance(section, DataParallel):
-        try:
-            section = DataParallel.model_validate(dict(section))
-        except ValidationError as e:
-            from meshplan.plan_file.reading import pydantic_message
-            raise PlanError(f"data_parallel: {pydantic_message(e)}") from None
-    topology = topology or current_topology()
-    if topology is None:
-        raise PlanError("apply_data_parallel needs a Topology (meshplan.init / build_mesh, or `with topo:`)")
-    if getattr(model, _STATE_ATTR, None) is not None:
-        raise PlanError(f"data_parallel was already applied to this {type(model).__name__}")
     layout = topology.layout
     mode, shard_axes, rep_axes = resolve_mode(section, layout)
-    batch = sequence_parallel == "batch"
     if section.cpu_offload and (topology.dense.device_type == "cpu" or not torch.accelerator.is_available()):
         raise PlanError(f"data_parallel.cpu_offload: true needs an accelerator (mesh device "
                         f"{topology.dense.device_type!r}); torch 2.13's CPUOffloadPolicy copies between host and "
                         f"device memory. Set cpu_offload: false on CPU-only runs")
-    blocks = _match_blocks(model, section.blocks)
-    has_dtensor = any(isinstance(p, DTensor) for p in model.parameters())
     if mode in ("fsdp", "hsdp"):
+        has_dtensor = any(isinstance(p, DTensor) for p in model.parameters())
         _check_reshard(section, math.prod(getattr(layout, a) for a in shard_axes), has_dtensor)
-    ops = _resolve_ops(section.activation_checkpointing)  # every check before the model changes
-    _checkpoint(model, blocks, section.activation_checkpointing, ops)
-    if section.compile:
-        for path in blocks:
-            model.get_submodule(path).compile()
-    sync = grad_sync(model) or (TpGradSync.for_model(model, topology["tp"], sequence_parallel)
-                                if has_dtensor or (batch and layout.tp > 1) else None)
-    data_axes = ("dp_replicate", "dp_shard", "cp") + (("tp",) if batch else ())
-    state = DataParallelState(mode=mode, section=section, topology=topology, data_axes=data_axes, blocks=blocks)
+    return mode, shard_axes, rep_axes
+
+
+def apply_data_parallel(model: "nn.Module", section: DataParallel | Mapping[str, Any] | None = None,
+                        topology: "Topology | None" = None, *,
+                        blocks: Blocks | Mapping[str, Any] | None = None) -> "nn.Module":
+    """Apply the ``data_parallel`` section to ``model`` in place (after tensor parallelism).
+
+    The blocks step (:func:`meshplan.blocks.apply_blocks`) runs first unless it ran already (as in
+    :func:`meshplan.parallelize`); FSDP2 then shards each of its blocks, then the root. Whether tp ranks hold
+    different data (smp's ``sequence_parallel: batch``) is read from the model's :func:`~meshplan.parallel_state`.
+
+    Args:
+        model: the (tensor-parallel) model.
+        section: a :class:`DataParallel`, its dict, or None (defaults from the layout). A dict in the old
+            spelling (with ``blocks``/``activation_checkpointing``/``compile``) still works, with a
+            ``FutureWarning``: pass those as ``blocks=``.
+        topology: the :class:`~meshplan.Topology`; default: the active one.
+        blocks: the ``blocks`` section (a :class:`~meshplan.plan_file.blocks.Blocks` or its dict) when the blocks
+            step has not run; default ``layers.*`` with neither checkpointing nor compile.
+
+    Returns:
+        ``model``, with FSDP2/HSDP/replicate applied and recorded in its :class:`~meshplan.state.ParallelState`.
+
+    Raises:
+        PlanError: an invalid section, a mode that does not fit the layout, a blocks pattern that matches
+            nothing, an unknown checkpoint op, CPU offload without an accelerator, a bad
+            ``reshard_after_forward``, both spellings of the blocks, or data parallelism applied already.
+
+    Example::
+
+        with meshplan.init({"dp_shard": 4}) as topo:
+            model = apply_data_parallel(build(args), {"param_dtype": "bfloat16"}, topo,
+                                        blocks={"activation_checkpointing": {"mode": "full"}})
+    """
+    from meshplan.blocks import apply_blocks
+    from meshplan.mesh.topology import current_topology
+    section, blocks = _sections(section, blocks)
+    topology = topology or current_topology()
+    if topology is None:
+        raise PlanError("apply_data_parallel needs a Topology (meshplan.init / build_mesh, or `with topo:`)")
+    state = parallel_state(model)
+    if state is not None and state.data_parallel is not None:
+        raise PlanError(f"data_parallel was already applied to this {type(model).__name__}")
+    mode, shard_axes, rep_axes = check_data_parallel(model, section, topology)
+    if blocks is not None or state is None or state.blocks is None:
+        apply_blocks(model, blocks)
+    state = parallel_state(model)
+    sync = state.grad_sync or _new_grad_sync(model, topology, state.sequence_parallel)
     if mode != "none":
-        _shard(model, blocks, section, topology, mode, shard_axes, rep_axes)
+        _shard(model, state.blocks.paths, section, topology, mode, shard_axes, rep_axes)
     if sync is not None:
-        state.grad_sync = sync.install(model)  # on FSDP2's parameters: the ones tensor parallelism made are gone
-    setattr(model, _STATE_ATTR, state)
+        sync.install(model)  # on FSDP2's parameters: the ones tensor parallelism made are gone
+    own = sync if sync is not state.grad_sync else None
+    attach_state(model, topology=topology, data_parallel=DataParallelState(mode=mode, section=section, grad_sync=own))
     return model
+
+
+def _new_grad_sync(model: "nn.Module", topology: "Topology", sequence_parallel: bool | str) -> Any:
+    """A grad sync for DTensor parameters (or smp batch mode) that no meshplan tensor parallelism recorded."""
+    from torch.distributed.tensor import DTensor
+
+    from meshplan.tensor_parallel.grad_sync import TpGradSync
+    batch = sequence_parallel == "batch" and topology.layout.tp > 1
+    if not batch and not any(isinstance(p, DTensor) for p in model.parameters()):
+        return None
+    return TpGradSync.for_model(model, topology["tp"], sequence_parallel)
 
 
 def _shard(model, blocks, section, topology, mode, shard_axes, rep_axes) -> None:
@@ -228,14 +207,14 @@ def _shard(model, blocks, section, topology, mode, shard_axes, rep_axes) -> None
     mp = MixedPrecisionPolicy(param_dtype=dt[section.param_dtype], reduce_dtype=dt[section.reduce_dtype])
     offload = CPUOffloadPolicy() if section.cpu_offload else OffloadPolicy()
     if mode == "ddp":
-        from torch.distributed._composable.replicate_with_fsdp import replicate
-        mesh = _mesh(topology, rep_axes)
+        from meshplan._torch import replicate
+        mesh = topology.span(rep_axes)
         replicate(model, mesh=mesh, mp_policy=mp, offload_policy=offload)
     else:
         if mode == "hsdp":  # torch's 2-D (replicate, shard) mesh
             mesh = topology.dense["dp_replicate", "dp_shard_cp" if topology.layout.cp > 1 else "dp_shard"]
         else:
-            mesh = _mesh(topology, shard_axes)
+            mesh = topology.span(shard_axes)
         kw = dict(mesh=mesh, mp_policy=mp, offload_policy=offload)
         for path in blocks:
             fully_shard(model.get_submodule(path), reshard_after_forward=section.reshard_after_forward, **kw)

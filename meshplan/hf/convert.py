@@ -96,22 +96,23 @@ def _small_instance(cls, config):
 def _structure(model, hf_rules: dict[str, str]) -> tuple[dict[str, str], list[str]]:
     """Embedding, stream norms and lm_head rules read from a small meta-device instance (every layer kind of
     the model kept), and the instance's module paths (wildcarded) in model order."""
-    from meshplan.checks.regions import summable_on_shards
+    from meshplan.checks.regions import is_norm, summable_on_shards
     from meshplan.plan_file.patterns import wildcard
-    from meshplan.checks.validate import _is_norm
+    from meshplan.tensor_parallel.style_table import STYLES
     names = {id(m): n for n, m in model.named_modules()}
-    parents = {k.rpartition(".")[0] for k, v in hf_rules.items() if resolve_alias(v)["style"] == "colwise"}
+    aliases = {k: resolve_alias(v) for k, v in hf_rules.items()}
+    specs = {k: STYLES[a["style"]] for k, a in aliases.items() if a["style"] in STYLES}  # unknown: no meaning
+    parents = {k.rpartition(".")[0] for k, spec in specs.items() if spec.column_parallel}
     out: dict[str, str] = {}
     emb = model.get_input_embeddings()
     if emb is not None and id(emb) in names:
         out[names[id(emb)]] = "embedding"
-    local = {k.rpartition(".")[0] for k, v in hf_rules.items() if resolve_alias(v)["style"] == "colwise"
-             and resolve_alias(v).get("output_layouts") in (None, "shard(-1)")}
+    local = {k.rpartition(".")[0] for k, spec in specs.items() if spec.gives_local_heads(aliases[k])}
     modules = dict(model.named_modules())
     for path, mod in modules.items():
         pattern = wildcard(path)
         parent = path.rpartition(".")[0]
-        if path and _is_norm(mod) and not any(pattern.startswith(p + ".") for p in parents if p):
+        if path and is_norm(mod) and not any(pattern.startswith(p + ".") for p in parents if p):
             out[pattern] = "norm"
         elif path and wildcard(parent) in local and pattern not in hf_rules and \
                 summable_on_shards(mod, modules[parent], model):
@@ -141,6 +142,8 @@ def from_hf(source: str | Path, *, sequence_parallel: bool = True, loss_parallel
         PlanError: unknown model type, no plan known for it, or an HF style meshplan cannot express.
     """
     import torch
+
+    from meshplan.tensor_parallel.style_table import STYLES
     config, model_type, archs = _config(source)
     cls = _model_class(config, model_type, archs)
     base = getattr(config, "base_model_tp_plan", None) or {}
@@ -169,7 +172,7 @@ def from_hf(source: str | Path, *, sequence_parallel: bool = True, loss_parallel
                 raise PlanError(f"{model_type}: tp_plan rule {k!r} ({cls.__name__}): {e}") from None
         found, order = _structure(model, hf)
         for path, style in found.items():
-            if style == "norm" and not sequence_parallel:
+            if STYLES[style].stream_module and not sequence_parallel:
                 continue
             rules[path] = style  # lm_head: colwise_gather_output becomes meshplan's lm_head
         rank = {p: i for i, p in enumerate(order)}

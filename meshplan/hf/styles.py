@@ -17,8 +17,9 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["resolve_alias", "HF_ALIASES", "HF_UNSUPPORTED", "MESHPLAN_STYLES", "to_hf_style", "install_hf_loss",
-           "labels_shifted"]
+from meshplan.plan_file.tensor_parallel import STYLE_NAMES
+
+__all__ = ["resolve_alias", "HF_ALIASES", "HF_UNSUPPORTED", "to_hf_style", "install_hf_loss", "labels_shifted"]
 
 _REP = "replicate"
 
@@ -78,10 +79,6 @@ HF_UNSUPPORTED: dict[str, str] = {
     "free_full_weight": "it is an FSDP plan string, not a tensor-parallel style",
 }
 
-#: meshplan's own style names
-MESHPLAN_STYLES = ("colwise", "rowwise", "norm", "embedding", "embedding_colwise", "embedding_tables", "lm_head",
-                   "replicate", "head_norm", "prepare_input", "prepare_output")
-
 
 def resolve_alias(name: str) -> dict[str, Any]:
     """A style name (meshplan's or an HF alias) → a rule mapping.
@@ -93,7 +90,7 @@ def resolve_alias(name: str) -> dict[str, Any]:
         ValueError: ``name`` is an HF style meshplan cannot express (the message says why).
     """
     key = name.strip()
-    if key in MESHPLAN_STYLES:
+    if key in STYLE_NAMES:
         return {"style": key}
     if key in HF_ALIASES:
         return dict(HF_ALIASES[key])
@@ -111,26 +108,16 @@ def to_hf_style(rule: Any) -> str:
     Raises:
         ValueError: the rule has no transformers equivalent (e.g. ``embedding_tables``).
     """
+    from meshplan.tensor_parallel.style_table import STYLES  # the spelling is part of a style's meaning
     data = rule if isinstance(rule, dict) else rule.model_dump(exclude_none=True)
     style, packed = data["style"], data.get("packed") or 1
     if packed > 2:
         raise ValueError(f"packed: {packed} has no transformers equivalent (its packed styles split 2 ways)")
-    if style == "colwise":
-        if packed > 1:
-            return "packed_colwise"
-        return "colwise_rep" if data.get("output_layouts") == _REP else "colwise"
-    if style == "rowwise":
-        if packed > 1:
-            return "packed_rowwise"
-        return "rowwise_rep" if data.get("input_layouts") == _REP else "rowwise"
-    simple = {"embedding": "embedding_rowwise", "embedding_colwise": "embedding_colwise", "norm": "sequence_parallel",
-              "lm_head": "colwise_gather_output", "replicate": "replicate",
-              "head_norm": "replicated_with_grad_allreduce"}
-    if style in simple:
-        return simple[style]
-    if style == "prepare_output" and data.get("output_layouts") == "partial":
-        return "gather"
-    raise ValueError(f"meshplan style {style!r} has no transformers tp_plan equivalent")
+    spec = STYLES.get(style)
+    name = spec.hf_style(data) if spec is not None else None
+    if name is None:
+        raise ValueError(f"meshplan style {style!r} has no transformers tp_plan equivalent")
+    return name
 
 
 def install_hf_loss(model: Any, section: Any) -> bool:

@@ -1,8 +1,9 @@
 """Build DeviceMeshes whose groups equal the rank engine's (Megatron's) groups.
 
-The only module that touches torch's private mesh API (``DeviceMesh._flatten``);
-tests pin it. Nothing here is global: a :class:`Topology` is a value, and two
-can coexist in one process.
+Composite meshes (``dp``, ``dp_cp``, …) are flattened with
+:func:`meshplan._torch.flatten_mesh` (torch's private ``DeviceMesh._flatten``).
+Nothing here is global: a :class:`Topology` is a value, and two can coexist in
+one process.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any, Mapping
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from meshplan._torch import flatten_mesh
 from meshplan.errors import PlanError
 from meshplan.plan_file.layout import Layout, ResolvedLayout
 
@@ -85,6 +87,27 @@ class Topology:
         if key in self.dense.mesh_dim_names:
             return self.dense[key]
         raise KeyError(f"unknown mesh {key!r}; keys: {', '.join(MESH_KEYS)}")
+
+    def span(self, axes: tuple[str, ...]) -> DeviceMesh:
+        """The 1-D mesh spanning the dense axes ``axes`` (size-1 axes do not count).
+
+        The simplest key that covers the axes of size > 1 and adds only size-1 axes, tried in the order
+        ``dp_shard, dp_replicate, tp, pp, dp_shard_cp, dp, dp_cp, tp_cp, cp`` (so cp-sharded data parallelism
+        runs on ``dp_shard_cp``, as in torchtitan).
+
+        Raises:
+            KeyError: no key spans ``axes``.
+
+        Example::
+
+            >>> topo.span(("dp_replicate", "dp_shard", "cp"))   # topo["dp_cp"], or topo["dp"] when cp == 1
+        """
+        big = {a for a in axes if getattr(self.layout, a) > 1}
+        for key in ("dp_shard", "dp_replicate", "tp", "pp", "dp_shard_cp", "dp", "dp_cp", "tp_cp", "cp"):
+            dims = set(mesh_axes(key)[1])
+            if big <= dims and all(a in big or getattr(self.layout, a) == 1 for a in dims):
+                return self[key]
+        raise KeyError(f"no mesh spans {axes}; keys: {', '.join(MESH_KEYS)}")
 
     # smp-style ranks and data-loading coordinates
     @property
@@ -179,7 +202,7 @@ def build_mesh(layout: Layout | Mapping[str, Any] | ResolvedLayout, device_type:
     flat = {}
     for key, dims in _FLAT.items():
         ordered = tuple(n for n in names if n in dims)
-        flat[key] = dense[ordered]._flatten(key)
+        flat[key] = flatten_mesh(dense[ordered], key)
     eg = resolved.expert_grid
     enames = tuple(n for n in reversed(eg.order) if n != "cp")
     expert = init_device_mesh(dev, tuple(eg.size(n) for n in enames), mesh_dim_names=enames)

@@ -12,6 +12,7 @@ from meshplan.plan_file.layout import Layout
 from meshplan.plan_file.reading import check_data, pydantic_message, read_plan_data
 from meshplan.plan_file.strict import Strict
 from meshplan.plan_file.tensor_parallel import TensorParallel
+from meshplan.plan_file.blocks import Blocks, split_legacy
 from meshplan.plan_file.data_parallel import DataParallel
 
 __all__ = ["Plan", "load_plan", "as_plan"]
@@ -28,9 +29,12 @@ class Plan(Strict):
     layout: Layout | None = Field(None, description="Parallel degrees and their order; a mesh passed at apply time wins.")
     tensor_parallel: TensorParallel | None = Field(
         None, description="Tensor and sequence parallelism: layer rules → sharding styles.")
+    blocks: Blocks | None = Field(
+        None, description="The model's repeated blocks (pattern) and what is done to each: activation "
+                          "checkpointing, torch.compile; FSDP shards them one by one.")
     data_parallel: DataParallel | None = Field(
-        None, description="Data parallelism over dp_replicate × dp_shard: FSDP2, HSDP or replication, activation "
-                          "checkpointing, mixed precision.")
+        None, description="Data parallelism over dp_replicate × dp_shard: FSDP2, HSDP or replication, mixed "
+                          "precision, offload.")
     source: str | None = Field(None, exclude=True, description="Where the plan was read from (set by the loader).")
 
     @field_validator("version", mode="before")
@@ -44,8 +48,11 @@ class Plan(Strict):
     def from_data(cls, data: Mapping[str, Any], source: str | None = None) -> "Plan":
         """Validate plain data (a file's content) into a Plan.
 
+        The old spelling ``data_parallel: {blocks, activation_checkpointing, compile}`` loads as the ``blocks``
+        section, with a ``FutureWarning`` naming ``source`` and what to write instead.
+
         Raises:
-            PlanError: naming ``source`` and the key path of every problem.
+            PlanError: naming ``source`` and the key path of every problem; both spellings of ``blocks``.
         """
         if "source" in data:
             raise PlanError(f"{source or '<plan>'}: source: is set by the loader, not the file")
@@ -53,6 +60,9 @@ class Plan(Strict):
             check_data(data)  # sizes, depth, integers Python cannot print: before pydantic sees them
         except PlanError as e:
             raise PlanError(f"{source or '<plan>'}: {e}") from None
+        dp, blocks = split_legacy(data.get("data_parallel"), data.get("blocks"), source or "<plan>")
+        if dp is not data.get("data_parallel"):
+            data = {**data, "data_parallel": dp, "blocks": blocks}
         try:
             return cls.model_validate({**data, "source": source})
         except ValidationError as e:

@@ -116,9 +116,27 @@ class Layout(Strict):
         """
         if type(world_size) is not int or not 1 <= world_size <= MAX_RANKS:
             raise PlanError(f"world_size must be an integer in [1, {MAX_RANKS}] (2**20), got {world_size!r}")
-        tp, cp, ep, pp = self.tp, self.cp, self.ep, self.pp
         etp = self.tp if self.etp is None else self.etp
-        w = world_size
+        dp = self._dense_dp(world_size)
+        edp = self._expert_dp(world_size, etp)
+        dp_shard = self._dp_shard(world_size, dp)
+        order = self._full_order(dp, etp, edp)
+        if self.vpp > 1 and self.pp == 1:
+            raise PlanError(f"vpp({self.vpp}) needs pp > 1, got pp(1)")
+        resolved = ResolvedLayout(
+            world_size=world_size, tp=self.tp, cp=self.cp, ep=self.ep, etp=etp, pp=self.pp, vpp=self.vpp, dp=dp,
+            dp_replicate=self.dp_replicate, dp_shard=dp_shard, edp=edp, order=order,
+        )
+        if resolved.dense_grid.groups("pp") != resolved.expert_grid.groups("pp"):
+            raise PlanError(
+                f"order {self.order!r}: dense and expert pipeline groups differ for tp({self.tp}) cp({self.cp}) "
+                f"dp({dp}) vs etp({etp}) ep({self.ep}) edp({edp}); put pp last in the order"
+            )
+        return resolved
+
+    def _dense_dp(self, w: int) -> int:
+        """The data-parallel degree of the dense layers: ``w / (tp·cp·pp)``, which must divide."""
+        tp, cp, pp = self.tp, self.cp, self.pp
         dense = tp * cp * pp
         if w % dense:
             valid = [d for d in divisors(w) if w % (d * cp * pp) == 0]
@@ -129,30 +147,44 @@ class Layout(Strict):
                 f"tp({tp})·cp({cp})·pp({pp}) = {dense} does not divide world_size({w}); "
                 f"valid tp: {_fmt(valid)}; valid pp: {_fmt(valid_pp)}"
             )
-        dp = w // dense
-        expert = etp * ep * pp
+        return w // dense
+
+    def _expert_dp(self, w: int, etp: int) -> int:
+        """The data-parallel degree of the expert layers: ``w / (etp·ep·pp)``, which must divide."""
+        expert = etp * self.ep * self.pp
         if w % expert:
-            valid = [d for d in divisors(w) if w % (etp * d * pp) == 0]
+            valid = [d for d in divisors(w) if w % (etp * d * self.pp) == 0]
             raise PlanError(
-                f"etp({etp})·ep({ep})·pp({pp}) = {expert} does not divide world_size({w}); valid ep: {_fmt(valid)}"
+                f"etp({etp})·ep({self.ep})·pp({self.pp}) = {expert} does not divide world_size({w}); "
+                f"valid ep: {_fmt(valid)}"
             )
-        edp = w // expert
+        return w // expert
+
+    def _dp_shard(self, w: int, dp: int) -> int:
+        """``dp_shard`` given or inferred (``-1``), with ``dp_replicate · dp_shard == dp``."""
+        dense = self.tp * self.cp * self.pp
         if self.dp_shard == -1:
             if dp % self.dp_replicate:
                 raise PlanError(
                     f"dp_replicate({self.dp_replicate}) does not divide dp({dp}) = world_size({w}) / "
                     f"(tp·cp·pp = {dense}); valid dp_replicate: {_fmt(divisors(dp))}"
                 )
-            dp_shard = dp // self.dp_replicate
-        else:
-            dp_shard = self.dp_shard
-            if self.dp_replicate * dp_shard != dp:
-                raise PlanError(
-                    f"dp_replicate({self.dp_replicate})·dp_shard({dp_shard}) = {self.dp_replicate * dp_shard} "
-                    f"!= dp({dp}) = world_size({w}) / (tp·cp·pp = {dense}); set dp_shard: -1 to infer it"
-                )
+            return dp // self.dp_replicate
+        dp_shard = self.dp_shard
+        if self.dp_replicate * dp_shard != dp:
+            raise PlanError(
+                f"dp_replicate({self.dp_replicate})·dp_shard({dp_shard}) = {self.dp_replicate * dp_shard} "
+                f"!= dp({dp}) = world_size({w}) / (tp·cp·pp = {dense}); set dp_shard: -1 to infer it"
+            )
+        return dp_shard
+
+    def _full_order(self, dp: int, etp: int, edp: int) -> tuple[str, ...]:
+        """The order's tokens with the size-1 axes it leaves out appended (as Megatron does).
+
+        Every axis of size > 1 must be in the order, and pp last when dense and expert dp differ.
+        """
         tokens = _parse_order(self.order)
-        sizes = {"tp": tp, "cp": cp, "ep": ep, "dp": dp, "pp": pp}
+        sizes = {"tp": self.tp, "cp": self.cp, "ep": self.ep, "dp": dp, "pp": self.pp}
         for name, size in [*sizes.items(), ("etp", etp), ("edp", edp)]:
             tok = {"etp": "tp", "edp": "dp"}.get(name, name)
             if size > 1 and tok not in tokens:
@@ -160,24 +192,12 @@ class Layout(Strict):
                     f"order {self.order!r} lacks {tok!r} but {name}({size}) > 1; every axis of size > 1 must be "
                     f"in the order"
                 )
-        order = tokens + tuple(a for a in AXES if a not in tokens)  # Megatron appends the size-1 axes
-        if pp > 1 and tokens[-1] != "pp" and edp != dp:
+        if self.pp > 1 and tokens[-1] != "pp" and edp != dp:
             raise PlanError(
-                f"order {self.order!r} must end with pp when pp({pp}) > 1 and edp({edp}) != dp({dp}): "
+                f"order {self.order!r} must end with pp when pp({self.pp}) > 1 and edp({edp}) != dp({dp}): "
                 f"otherwise dense and expert pipeline groups differ"
             )
-        if self.vpp > 1 and pp == 1:
-            raise PlanError(f"vpp({self.vpp}) needs pp > 1, got pp(1)")
-        resolved = ResolvedLayout(
-            world_size=w, tp=tp, cp=cp, ep=ep, etp=etp, pp=pp, vpp=self.vpp, dp=dp,
-            dp_replicate=self.dp_replicate, dp_shard=dp_shard, edp=edp, order=order,
-        )
-        if resolved.dense_grid.groups("pp") != resolved.expert_grid.groups("pp"):
-            raise PlanError(
-                f"order {self.order!r}: dense and expert pipeline groups differ for tp({tp}) cp({cp}) dp({dp}) "
-                f"vs etp({etp}) ep({ep}) edp({edp}); put pp last in the order"
-            )
-        return resolved
+        return tokens + tuple(a for a in AXES if a not in tokens)
 
 
 @dataclass(frozen=True)

@@ -5,13 +5,14 @@ from __future__ import annotations
 import difflib
 import re
 from fnmatch import fnmatchcase
-from typing import Any, Mapping
-
-import torch.nn as nn
+from typing import TYPE_CHECKING, Any, Mapping
 
 from meshplan.errors import PlanError
 
-__all__ = ["match_rules", "is_pattern", "wildcard"]
+if TYPE_CHECKING:  # plan_file/ imports no torch
+    import torch.nn as nn
+
+__all__ = ["match_rules", "match_pattern", "is_pattern", "wildcard"]
 
 
 def is_pattern(path: str) -> bool:
@@ -23,9 +24,41 @@ def wildcard(path: str) -> str:
     return re.sub(r"\.\d+(?=\.|$)", ".*", path)
 
 
+def match_pattern(model: nn.Module, pattern: str, where: str) -> list[str]:
+    """The module paths one pattern matches (as :func:`match_rules` matches a rule), in the model's module order.
+
+    Args:
+        model: the module whose paths the pattern matches.
+        pattern: a module path or pattern (``'*'`` = one path segment), e.g. ``layers.*``.
+        where: prefix of the error message (plan key, e.g. ``blocks``).
+
+    Returns:
+        The matching paths (at least one).
+
+    Raises:
+        PlanError: the pattern matches no module; names the pattern, the model and its top-level children.
+    """
+    paths = list(match_rules(model, {pattern: pattern}, where, errors=[]))
+    if not paths:
+        top = ", ".join(n for n, _ in model.named_children()) or "none"
+        raise PlanError(f"{where}: pattern {pattern!r} matched no module of {type(model).__name__} "
+                        f"(top-level children: {top})")
+    return paths
+
+
 def _matches(pattern: str, path: str) -> bool:
     ps, qs = pattern.split("."), path.split(".")
     return len(ps) == len(qs) and all(fnmatchcase(q, p) for p, q in zip(ps, qs))
+
+
+def _hits(pattern: str, known: set[str], by_depth: dict[int, list[tuple[str, list[str]]]]) -> list[str]:
+    """The paths ``pattern`` matches: itself if it is a known path, else those of its depth matching segment-wise."""
+    if not is_pattern(pattern):
+        return [pattern] if pattern in known else []
+    ps = [(s, is_pattern(s)) for s in pattern.split(".")]
+    last, last_wild = ps[-1]
+    return [p for p, segs in by_depth.get(len(ps), ()) if (last_wild or segs[-1] == last)
+            and all(fnmatchcase(q, s) if wild else q == s for (s, wild), q in zip(ps, segs))]
 
 
 def _closest(pattern: str, paths: list[str]) -> list[str]:
@@ -67,13 +100,7 @@ def match_rules(model: nn.Module, rules: Mapping[str, Any], where: str = "tensor
         by_depth.setdefault(len(segs), []).append((p, segs))
     claims: dict[str, list[tuple[str, Any]]] = {}
     for pattern, rule in rules.items():
-        if not is_pattern(pattern):
-            hits = [pattern] if pattern in known else []
-        else:
-            ps = [(s, is_pattern(s)) for s in pattern.split(".")]
-            last, last_wild = ps[-1]
-            hits = [p for p, segs in by_depth.get(len(ps), ()) if (last_wild or segs[-1] == last)
-                    and all(fnmatchcase(q, s) if wild else q == s for (s, wild), q in zip(ps, segs))]
+        hits = _hits(pattern, known, by_depth)
         if not hits:
             near = _closest(pattern, paths)
             hint = f"closest module paths: {', '.join(near)}" if near else f"the model has {len(paths)} modules"

@@ -8,13 +8,13 @@ arguments as data. Layouts are written ``replicate``, ``shard(N)`` or ``partial`
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal, Union, get_args
 
 from pydantic import Field, field_validator, model_validator
 
 from meshplan.plan_file.strict import Strict
 
-__all__ = ["TensorParallel", "Rule", "STYLE_NAMES", "parse_layout", "LayoutText"]
+__all__ = ["TensorParallel", "Rule", "STYLE_NAMES", "parse_layout", "layout_kind", "LayoutText"]
 
 _LAYOUT_RE = re.compile(r"^(replicate|partial|shard\((-?\d+)\))$")
 
@@ -26,11 +26,15 @@ def parse_layout(text: str | None):
     from torch.distributed.tensor import Partial, Replicate, Shard
     m = _LAYOUT_RE.match(text)
     assert m, text  # validated by LayoutText
-    if m.group(1) == "replicate":
-        return Replicate()
-    if m.group(1) == "partial":
-        return Partial()
-    return Shard(int(m.group(2)))
+    kind = layout_kind(text)
+    return Replicate() if kind == "R" else Partial() if kind == "P" else Shard(int(m.group(2)))
+
+
+def layout_kind(text: Any) -> str:
+    """``"R"`` (replicate; also ``None``), ``"P"`` (partial) or ``"S"`` (a shard, or a list of layouts)."""
+    if not isinstance(text, str):
+        return "R" if text is None else "S"
+    return {"replicate": "R", "partial": "P"}.get(text, "S")
 
 
 def _check_layout(v: Any) -> Any:
@@ -140,8 +144,9 @@ Rule = Annotated[
           PrepareInput, PrepareOutput],
     Field(discriminator="style"),
 ]
-STYLE_NAMES = ("colwise", "rowwise", "norm", "embedding", "embedding_colwise", "embedding_tables", "lm_head",
-               "replicate", "head_norm", "prepare_input", "prepare_output")
+#: the style names, in the order of :data:`Rule` (read from each rule class's ``style`` Literal): the one list
+STYLE_NAMES: tuple[str, ...] = tuple(get_args(cls.model_fields["style"].annotation)[0]
+                                     for cls in get_args(get_args(Rule)[0]))
 
 
 def _normalise_rule(v: Any) -> Any:
@@ -201,7 +206,7 @@ class TensorParallel(Strict):
 
     @model_validator(mode="after")
     def _check_lm_head(self) -> "TensorParallel":
-        heads = [p for p, r in self.rules.items() if r.style == "lm_head"]
+        heads = [p for p, r in self.rules.items() if isinstance(r, LmHead)]
         if len(heads) > 1 and not all("*" in p for p in heads):
             raise ValueError(f"more than one lm_head rule: {heads}")
         return self

@@ -42,34 +42,34 @@ run SDPA locally; meshplan gives them per-shard masks (``dropout_rng: per_shard`
 :mod:`meshplan.tensor_parallel.dropout.per_shard`) or the single-device masks (``dropout_rng: single_device``,
 :mod:`meshplan.tensor_parallel.dropout.single_device`), which is how dropout inside TP regions should run.
 
-The torch-private DTensor internals this rule needs are imported here only,
-and each one is pinned by ``tests/test_attention_rule.py``.
+The torch-private DTensor internals this rule needs come from
+:mod:`meshplan._torch`, pinned by ``tests/test_torch_private.py`` and
+``tests/test_attention_rule.py``.
 """
 
 from __future__ import annotations
 
 import threading
 
-import torch
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-# torch-private: pinned by tests/test_attention_rule.py::test_private_api_pins
-from torch.distributed.tensor._op_schema import OpSchema, OpStrategy, StrategyType
-from torch.distributed.tensor._ops.utils import (
+from meshplan._torch import (
+    CPU_FLASH_ATTENTION,
+    CPU_FLASH_ATTENTION_BACKWARD,
+    OpOverload,
+    OpSchema,
+    OpStrategy,
+    StrategyType,
     expand_to_full_mesh_op_strategy,
     is_tensor_evenly_shardable_on_dim,
+    sharding_propagator,
 )
 
 __all__ = ["CPU_ATTENTION_OPS", "register_cpu_attention_rule"]
 
-aten = torch.ops.aten
-
 #: The ops this module knows how to shard.
-CPU_ATTENTION_OPS = (
-    aten._scaled_dot_product_flash_attention_for_cpu.default,
-    aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
-)
+CPU_ATTENTION_OPS = (CPU_FLASH_ATTENTION, CPU_FLASH_ATTENTION_BACKWARD)
 
 _LOCK = threading.Lock()
 
@@ -146,7 +146,7 @@ def _has_rule(propagator, op) -> bool:
     )
 
 
-def register_cpu_attention_rule() -> list[torch._ops.OpOverload]:
+def register_cpu_attention_rule() -> list[OpOverload]:
     """Register DTensor sharding strategies for the CPU flash-attention ops.
 
     The registration is **process-wide**: it is stored in DTensor's global
@@ -170,7 +170,7 @@ def register_cpu_attention_rule() -> list[torch._ops.OpOverload]:
     Returns:
         The ops newly registered by this call (empty if there was nothing to do).
     """
-    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator = sharding_propagator()
     added = []
     with _LOCK:
         for op, fn in _RULES.items():

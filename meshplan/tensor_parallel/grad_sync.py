@@ -37,27 +37,24 @@ from collections import defaultdict
 from typing import Any, Iterable
 
 import torch
-import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
-__all__ = ["TpGradSync", "grad_sync"]
+from meshplan._torch import funcol, hook_registered, local_tensor, queue_backward_callback, tree_leaves
+from meshplan.state import parallel_state
 
-_ATTR = "_meshplan_grad_sync"
+__all__ = ["TpGradSync", "grad_sync"]
 
 
 def grad_sync(model: nn.Module) -> "TpGradSync | None":
-    """The :class:`TpGradSync` installed on ``model``, or None."""
-    return getattr(model, _ATTR, None)
+    """The model's :class:`TpGradSync` (:attr:`meshplan.state.ParallelState.grad_sync`), or None."""
+    state = parallel_state(model)
+    return state.grad_sync if state is not None else None
 
 
 def _clean(name: str) -> str:
     """A parameter path without checkpoint-wrapper segments."""
     return name.replace("_checkpoint_wrapped_module.", "")
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def _partial_groups(g: DTensor) -> tuple:
@@ -71,7 +68,7 @@ def _partial_groups(g: DTensor) -> tuple:
 def _relabel(g: DTensor, local: torch.Tensor) -> DTensor:
     """``local`` as a DTensor like ``g`` with ``Partial`` placements relabelled ``Replicate`` (no communication)."""
     placements = tuple(Replicate() if isinstance(pl, Partial) else pl for pl in g.placements)
-    stride = g.stride() if local.stride() == g._local_tensor.stride() else None
+    stride = g.stride() if local.stride() == local_tensor(g).stride() else None
     return DTensor.from_local(local, g.device_mesh, placements, run_check=False, shape=g.shape, stride=stride)
 
 
@@ -85,7 +82,7 @@ def _same_holder(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _add_into(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     """``old + new``, in ``old``'s storage where the layouts agree."""
     if type(old) is type(new) and getattr(old, "placements", None) == getattr(new, "placements", None):
-        _local(old).add_(_local(new))
+        local_tensor(old).add_(local_tensor(new))
         return old
     return old + new
 
@@ -160,7 +157,6 @@ class TpGradSync:
             self._handles.append(mod.register_forward_hook(self._hook_output))
         if not fsdp:
             self._handles.append(model.register_forward_hook(self._hook_output))
-        setattr(model, _ATTR, self)
         return self
 
     def remove(self) -> None:
@@ -190,14 +186,13 @@ class TpGradSync:
 
     def _hook_output(self, module: nn.Module, args: Any, output: Any) -> None:
         if torch.is_grad_enabled():
-            from torch.utils._pytree import tree_leaves
             for t in tree_leaves(output):
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(self._on_output_grad)
 
     def _hook(self, name: str, p: torch.Tensor) -> None:
         handle = self._hooked.get(id(p))  # FSDP2's unsharded parameters persist (nothing swaps them)
-        if handle is not None and handle.id in (p._backward_hooks or {}):
+        if handle is not None and hook_registered(p, handle):
             return  # hooked already (handle ids are unique, so a reused id(p) is told apart)
         self._hooked[id(p)] = p.register_hook(functools.partial(self._on_grad, name))
 
@@ -211,7 +206,7 @@ class TpGradSync:
         if isinstance(g, DTensor):
             groups = _partial_groups(g)
             if groups:
-                out = _relabel(g, g._local_tensor)
+                out = _relabel(g, local_tensor(g))
         elif name in self.plain:
             groups = (self.tp_group,)
         if groups:
@@ -229,7 +224,7 @@ class TpGradSync:
                     p.grad = None
         if not self._queued and not self._deferred:
             self._queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+            queue_backward_callback(self.finish)
 
     @contextlib.contextmanager
     def deferred(self):
@@ -259,7 +254,7 @@ class TpGradSync:
             groups = self._pending.pop(c, None) or (_partial_groups(g) if isinstance(g, DTensor) else
                                                     (self.tp_group,) if c in self.plain else ())
             if groups:
-                local = _local(g)
+                local = local_tensor(g)
                 buckets[(groups, local.dtype, local.device)].append((p, g, local, old))
             elif old is not None:
                 p.grad = _add_into(old, g)
@@ -274,7 +269,7 @@ class TpGradSync:
                 piece = flat[offset:offset + local.numel()].view(local.shape)
                 offset += local.numel()
                 if old is not None:
-                    _local(old).add_(piece)
+                    local_tensor(old).add_(piece)
                     p.grad = old
                 else:  # the flat buffer's slice, labelled with the parameter's placements
                     p.grad = _relabel(g, piece) if isinstance(g, DTensor) else piece

@@ -1,9 +1,9 @@
 """Stored head counts of modules that see this rank's heads: checked against tp and divided by it.
 
 Models reshape with the head counts they store (``n_heads``, ``num_key_value_heads``, …). A module whose colwise
-children hand it local shards (:func:`meshplan.tensor_parallel.generate.gives_local_shards`) sees ``heads / tp`` heads, so its counts
-are divided (and those of its own ``config``: Phi-3 splits its fused qkv at ``config.num_attention_heads ·
-head_dim``); modules fed gathered or DTensor outputs keep the global counts.
+children hand it local shards (:func:`meshplan.tensor_parallel.style_table.gives_local_shards`) sees
+``heads / tp`` heads, so its counts are divided (and those of its own ``config``: Phi-3 splits its fused qkv at
+``config.num_attention_heads · head_dim``); modules fed gathered or DTensor outputs keep the global counts.
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ from typing import Any
 import torch.nn as nn
 
 from meshplan.errors import PlanError
+from meshplan.mesh.ranks import divisors_text
 
-__all__ = ["HEAD_ATTRS", "adjust_heads", "head_count_errors", "safe_attr", "sees_heads", "valid_tp"]
+__all__ = ["HEAD_ATTRS", "adjust_heads", "head_count_errors", "safe_attr", "sees_heads"]
 
 #: stored head counts that models reshape with; divided by tp on modules that own colwise projections
 HEAD_ATTRS = ("n_heads", "n_kv_heads", "n_head", "num_heads", "num_kv_heads", "num_key_value_heads",
@@ -32,11 +33,6 @@ def safe_attr(obj: Any, name: str) -> Any:
         return None
 
 
-def valid_tp(n: int) -> str:
-    """The tp values that divide ``n``, as the error messages list them (``1, 2, 4, 8``)."""
-    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
-
-
 def adjust_heads(model: nn.Module, local_heads: list[str], tp: int, where: str, adjust: bool,
                   modules: dict[str, nn.Module]) -> dict:
     """Divide the stored head counts of the modules that really see local heads (``local_heads``: parents of
@@ -51,7 +47,8 @@ def adjust_heads(model: nn.Module, local_heads: list[str], tp: int, where: str, 
     for name in _CONFIG_DIVISIBLE:
         n = safe_attr(config, name)
         if isinstance(n, int) and n % tp:
-            raise PlanError(f"{where}: tp({tp}) does not divide {name}({n}) of the model config; valid tp: {valid_tp(n)}")
+            raise PlanError(f"{where}: tp({tp}) does not divide {name}({n}) of the model config; "
+                            f"valid tp: {divisors_text(n)}")
     copies: dict[int, Any] = {}  # one adjusted copy per original config object
     for parent in local_heads:
         mod = modules[parent] if parent else model
@@ -95,5 +92,5 @@ def sees_heads(mod: nn.Module) -> bool:
 
 def head_count_errors(mod: nn.Module, path: str, tp: int, where: str) -> list[str]:
     """Head counts of a module that sees local heads which tp does not divide (with the valid tp values)."""
-    return [f"{where}: module {path or '(root)'!r}: tp({tp}) does not divide {attr}({n}); valid tp: {valid_tp(n)}"
+    return [f"{where}: module {path or '(root)'!r}: tp({tp}) does not divide {attr}({n}); valid tp: {divisors_text(n)}"
             for attr, n in _head_counts(mod).items() if n % tp]

@@ -17,19 +17,17 @@ transformers' ``Conv1D`` (GPT-2) computes ``x @ W + b`` with ``W`` stored
 
 from __future__ import annotations
 
-from functools import partial
-from typing import Callable
-
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
-from torch.distributed.tensor.placement_types import Placement, _StridedShard
+from torch.distributed.tensor.placement_types import Placement
 
+from meshplan._torch import StridedShard, style_prepare_fns
 from meshplan.tensor_parallel.styles import ColwiseParallel, RowwiseParallel
 
 __all__ = ["PackedColwiseParallel", "PackedRowwiseParallel", "is_conv1d", "features", "packed_placement",
-           "shard_packed", "packed_style", "needs_packed_style", "local_slices", "take_slices"]
+           "shard_packed", "uses_packed_style"]
 
 
 def is_conv1d(module: nn.Module) -> bool:
@@ -49,7 +47,7 @@ def features(module: nn.Module) -> tuple[int, int] | None:
 
 def packed_placement(dim: int, packed: int) -> Placement:
     """``Shard(dim)``, or ``_StridedShard(dim, split_factor=packed)`` for a packed dim."""
-    return Shard(dim) if packed == 1 else _StridedShard(dim, split_factor=packed)
+    return Shard(dim) if packed == 1 else StridedShard(dim, split_factor=packed)
 
 
 def shard_packed(t: torch.Tensor, mesh: DeviceMesh, dim: int, packed: int, src_data_rank: int | None = 0) -> DTensor:
@@ -87,9 +85,7 @@ class _PackedApply:
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if features(module) is None:
             raise NotImplementedError(f"{type(self).__name__} needs nn.Linear or Conv1D, got {type(module).__name__}")
-        return distribute_module(module, device_mesh, self._partition,
-                                 partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
-                                 partial(self._prepare_output_fn, self.output_layouts, self.use_local_output))
+        return distribute_module(module, device_mesh, self._partition, *style_prepare_fns(self))
 
     def __repr__(self) -> str:
         return (f"{self.__class__.__name__}(packed={self.packed}, input_layouts={self.input_layouts}, "
@@ -118,7 +114,6 @@ class PackedColwiseParallel(_PackedApply, ColwiseParallel):
         for pname, p in list(module.named_parameters(recurse=False)):
             dim = out_dim if p.ndim == 2 else 0
             module.register_parameter(pname, _param(shard_packed(p, mesh, dim, self.packed, self.src_data_rank), p))
-
 
 
 class PackedRowwiseParallel(_PackedApply, RowwiseParallel):
@@ -150,78 +145,6 @@ class PackedRowwiseParallel(_PackedApply, RowwiseParallel):
             module.register_parameter(pname, _param(d, p))
 
 
-
-def packed_style(style: str, module: nn.Module, overrides: dict, tp: int, where: str, path: str,
-                 stream: Placement, local_stream: bool):
-    """The style a ``colwise``/``rowwise`` rule on a packed weight or a ``Conv1D`` generates.
-
-    Defaults match :func:`meshplan.tensor_parallel.generate.generate_tp_plan`'s colwise/rowwise.
-
-    Raises:
-        PlanError: the module is not a Linear/Conv1D, or ``packed x tp`` does not divide its features.
-    """
-    from meshplan.errors import PlanError
-    from meshplan.plan_file.tensor_parallel import parse_layout
-
-    def lay(key, default):
-        v = overrides.get(key)
-        return default if v is None else parse_layout(v)
-
-    feats = features(module)
-    if feats is None:
-        raise PlanError(f"{where}: module {path!r} is {type(module).__name__}; style {style} with packed needs "
-                        f"nn.Linear or Conv1D")
-    k = int(overrides.get("packed") or 1)
-    what, n = ("in_features", feats[0]) if style == "rowwise" else ("out_features", feats[1])
-    if n % (k * tp):
-        valid = ", ".join(str(d) for d in range(1, n // k + 1) if (n // k) % d == 0) if n % k == 0 else "none"
-        raise PlanError(f"{where}: module {path!r}: packed({k}) x tp({tp}) does not divide {what}({n}); "
-                        f"valid tp: {valid}")
-    if style == "colwise":
-        return PackedColwiseParallel(packed=k, input_layouts=lay("input_layouts", Replicate()),
-                                     output_layouts=lay("output_layouts", packed_placement(-1, k)),
-                                     use_local_output=overrides.get("use_local_output", True))
-    return PackedRowwiseParallel(packed=k, input_layouts=lay("input_layouts", packed_placement(-1, k)),
-                                 output_layouts=lay("output_layouts", stream),
-                                 use_local_output=overrides.get("use_local_output", local_stream))
-
-
-def needs_packed_style(module: nn.Module, rule) -> bool:
-    """A colwise/rowwise rule that needs :func:`packed_style` (packed > 1, or a Conv1D)."""
-    return rule.style in ("colwise", "rowwise") and ((getattr(rule, "packed", None) or 1) > 1 or is_conv1d(module))
-
-
-def local_slices(shape: tuple[int, ...], placements, mesh) -> list[list[tuple[int, int]]]:
-    """This rank's index ranges per tensor dim: ``[[(start, stop), ...], ...]`` (several for a packed dim).
-
-    ``Shard(d)`` follows ``torch.chunk``; ``_StridedShard(d, split_factor=k)`` gives one range in each
-    of the k chunks (meshplan's packed weights). Replicate/Partial keep the whole dim.
-    """
-    out = [[(0, n)] for n in shape]
-    coord = mesh.get_coordinate()
-    for i, pl in enumerate(placements):
-        if not isinstance(pl, (Shard, _StridedShard)):
-            continue
-        d, size, c = pl.dim % len(shape), mesh.size(i), coord[i]
-        k = getattr(pl, "split_factor", 1)
-        new = []
-        for lo, hi in out[d]:
-            n = (hi - lo) // k  # each of the k packed chunks is chunked over the mesh dim like torch.chunk
-            chunk = -(-n // size)
-            a, b = min(n, c * chunk), min(n, c * chunk + chunk)
-            new += [(lo + j * n + a, lo + j * n + b) for j in range(k)]
-        out[d] = new
-    return out
-
-
-def take_slices(read: Callable[[tuple[slice, ...]], torch.Tensor], ranges: list[list[tuple[int, int]]]) -> torch.Tensor:
-    """Read the blocks of ``ranges`` with ``read(slices)`` and concatenate them (at most one multi-range dim)."""
-    multi = [d for d, r in enumerate(ranges) if len(r) > 1]
-    if not multi:
-        return read(tuple(slice(a, b) for (a, b), in ranges))
-    d = multi[0]
-    parts = []
-    for a, b in ranges[d]:
-        sl = tuple(slice(x, y) if i != d else slice(a, b) for i, ((x, y), *_) in enumerate(ranges))
-        parts.append(read(sl))
-    return torch.cat(parts, dim=d)
+def uses_packed_style(module: nn.Module, packed: int) -> bool:
+    """Does a colwise/rowwise rule on ``module`` build the packed style (``packed > 1``, or a ``Conv1D``)?"""
+    return packed > 1 or is_conv1d(module)

@@ -15,6 +15,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel as _TorchColwise
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.parallel import RowwiseParallel as _TorchRowwise
 
+from meshplan._torch import local_tensor
 from meshplan.errors import PlanError
 
 __all__ = ["PrepareHiddenInput", "ReplicateParallel", "TableWiseEmbedding", "ColwiseParallel",
@@ -48,7 +49,7 @@ class _OwnedLocal(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: DTensor) -> torch.Tensor:
-        local = x._local_tensor
+        local = local_tensor(x)
         if hasattr(local, "wait") and callable(local.wait):  # an async collective's result: wait for it
             local = local.wait()
         ctx.spec = (x.device_mesh, x.placements, x.shape, x.stride(), local.stride())

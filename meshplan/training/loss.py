@@ -22,7 +22,7 @@ Forward collectives (backward has none):
    owning the target class (the others add exact zeros); ``"mean"``/``"sum"``:
    ONE all-reduce SUM of ``[loss_sum, n_valid]`` over tp *and* the mesh dims
    sharding the batch (each valid token is counted once, by its owner), so the
-   global count is free.  Group: ``mesh[dims]._flatten()`` (named meshes), WORLD
+   global count is free.  Group: ``mesh[dims]`` flattened (named meshes), WORLD
    (unnamed mesh spanning all ranks), else one all-reduce per mesh dim.
 
 Mean semantics (a documented choice): ``"mean"`` divides by the number of
@@ -40,14 +40,13 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import loss_parallel as _torch_loss_parallel
 
-__all__ = ["cross_entropy", "loss_parallel"]
+from meshplan._torch import LOG_SOFTMAX, dtensor_op_handlers, flatten_mesh, funcol
 
-_LOG_SOFTMAX = torch.ops.aten._log_softmax.default  # one of the ops torch's loss_parallel patches
+__all__ = ["cross_entropy", "loss_parallel"]
 
 
 def _all_reduce(t: torch.Tensor, op: str, groups: list) -> torch.Tensor:
@@ -121,7 +120,7 @@ def _groups(mesh, dims: list[int]) -> list:
             return [dist.group.WORLD]
         return [mesh.get_group(d) for d in dims]
     sub = mesh if len(dims) == mesh.ndim else mesh[tuple(mesh.mesh_dim_names[d] for d in dims)]
-    return [sub._flatten().get_group()]
+    return [flatten_mesh(sub).get_group()]
 
 
 def cross_entropy(
@@ -178,9 +177,31 @@ def cross_entropy(
             raise ValueError(f"target is a DTensor {target.placements} but logits are a plain tensor")
         if tuple(target.shape) != tuple(logits.shape[:-1]):
             raise ValueError(f"target shape {tuple(target.shape)} != logits shape[:-1] {tuple(logits.shape[:-1])}")
-        out = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), **kw)
-        return out.reshape(target.shape) if reduction == "none" else out
+        return _local_cross_entropy(logits, target, kw)
 
+    vocab_dims, batch_dims = _sharded_dims(logits)
+    target, local = _local_target(logits, target, vocab_dims)
+    if not vocab_dims and not batch_dims:  # fully replicated: nothing distributed to do
+        return _local_cross_entropy(local, target, kw)
+    mesh = logits.device_mesh
+    return _VocabParallelCE.apply(
+        logits, target, _vocab_start(logits, target, vocab_dims), ignore_index, reduction, float(label_smoothing),
+        _groups(mesh, vocab_dims), _groups(mesh, sorted(vocab_dims + batch_dims)),
+    )
+
+
+def _local_cross_entropy(logits: torch.Tensor, target: torch.Tensor, kw: dict) -> torch.Tensor:
+    """``F.cross_entropy`` over the last dim of plain ``logits``; ``"none"`` keeps ``target``'s shape."""
+    out = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1), **kw)
+    return out.reshape(target.shape) if kw["reduction"] == "none" else out
+
+
+def _sharded_dims(logits: DTensor) -> tuple[list[int], list[int]]:
+    """The mesh dims sharding the vocab (last) dim of ``logits`` and those sharding another dim.
+
+    Raises:
+        ValueError: ``Partial`` placements, a 0-d tensor, or the vocab dim not sharded by one plain ``Shard``.
+    """
     mesh, placements, ndim = logits.device_mesh, tuple(logits.placements), logits.ndim
     if ndim < 1 or any(p.is_partial() for p in placements):
         raise ValueError(f"logits must be Shard/Replicate, ndim >= 1; got {placements}, shape {tuple(logits.shape)}")
@@ -191,6 +212,18 @@ def cross_entropy(
             f"the vocab dim {ndim - 1} may be sharded (plain Shard) on at most one mesh dim; got "
             f"placements {placements} on mesh dims {mesh.mesh_dim_names or mesh.ndim}"
         )
+    return vocab_dims, batch_dims
+
+
+def _local_target(logits: DTensor, target: torch.Tensor, vocab_dims: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's rows of ``target`` (a DTensor is redistributed to the logits' placements minus the vocab shard)
+    and the local logits.
+
+    Raises:
+        ValueError: a DTensor target that does not fit the logits, float targets, or a plain target whose shape
+            is not the local logits' rows.
+    """
+    mesh, placements = logits.device_mesh, tuple(logits.placements)
     tgt_placements = tuple(Replicate() if i in vocab_dims else p for i, p in enumerate(placements))
     if isinstance(target, DTensor):
         if target.device_mesh != mesh or tuple(target.shape) != tuple(logits.shape[:-1]):
@@ -209,20 +242,19 @@ def cross_entropy(
             f"plain target must hold this rank's rows: expected shape {tuple(local.shape[:-1])} "
             f"(local logits {tuple(local.shape)}, placements {placements}), got {tuple(target.shape)}"
         )
-    if not vocab_dims and not batch_dims:  # fully replicated: nothing distributed to do
-        out = F.cross_entropy(local.reshape(-1, local.shape[-1]), target.reshape(-1), **kw)
-        return out.reshape(target.shape) if reduction == "none" else out
+    return target, local
 
-    start = 0  # first vocab id of the local shard (torch.chunk layout, uneven allowed)
+
+def _vocab_start(logits: DTensor, target: torch.Tensor, vocab_dims: list[int]) -> torch.Tensor:
+    """The first vocab id of this rank's shard (``torch.chunk`` layout, uneven allowed), as a 0-d tensor.
+
+    A tensor, not a Python int: under LocalTensorMode the offset is a per-rank SymInt.
+    """
+    start = 0
     if vocab_dims:
-        d = vocab_dims[0]
+        mesh, d = logits.device_mesh, vocab_dims[0]
         _, start = Shard.local_shard_size_and_offset(logits.shape[-1], mesh.size(d), mesh.get_local_rank(d))
-    # a tensor, not a Python int: under LocalTensorMode ``start`` is a per-rank SymInt
-    start = torch.full((), start, dtype=target.dtype, device=target.device)
-    return _VocabParallelCE.apply(
-        logits, target, start, ignore_index, reduction, float(label_smoothing),
-        _groups(mesh, vocab_dims), _groups(mesh, sorted(vocab_dims + batch_dims)),
-    )
+    return torch.full((), start, dtype=target.dtype, device=target.device)
 
 
 @contextlib.contextmanager
@@ -249,7 +281,7 @@ def loss_parallel() -> Iterator[None]:
     """
     # The patch lives in DTensor's process-wide dispatcher table, so that table (not a counter of ours) says
     # whether an outer loss_parallel -- meshplan's or torch's -- is active: then leave it to that one.
-    if _LOG_SOFTMAX in DTensor._op_dispatcher._custom_op_handlers:
+    if LOG_SOFTMAX in dtensor_op_handlers():
         yield
         return
     cm = _torch_loss_parallel()

@@ -20,7 +20,7 @@ import torch.nn as nn
 
 from meshplan.errors import PlanError
 from meshplan.weights.materialize import _device, _init_buffers, _local, _store, _to_empty
-from meshplan.tensor_parallel.packed import local_slices, take_slices
+from meshplan.weights.shards import local_slices, take_slices
 
 __all__ = ["load_state_dict", "load_full_state_dict", "load_safetensors"]
 

@@ -30,18 +30,19 @@ from typing import Callable, Iterator
 import torch
 import torch.nn as nn
 
+from meshplan._torch import module_buffers, module_parameters, tensor_version
 from meshplan.errors import PlanError
-from meshplan.tensor_parallel.packed import local_slices, take_slices
+from meshplan.weights.shards import local_slices, take_slices
 
 __all__ = ["materialize"]
 
 def _owners(model: nn.Module) -> dict[int, list[tuple[nn.Module, str, str]]]:
     out: dict[int, list] = {}
     for mod in model.modules():
-        for name, p in mod._parameters.items():
+        for name, p in module_parameters(mod).items():
             if p is not None:
                 out.setdefault(id(p), []).append((mod, name, "p"))
-        for name, b in mod._buffers.items():
+        for name, b in module_buffers(mod).items():
             if b is not None:
                 out.setdefault(id(b), []).append((mod, name, "b"))
     return out
@@ -67,30 +68,32 @@ def _full(mods: list[nn.Module], device, keep: dict[int, torch.Tensor], probe: l
     placeholders into those of ``probe``; afterwards store every shard and refuse a written placeholder."""
     swapped, probes = [], []
     for mod in mods:
-        for name, p in list(mod._parameters.items()):
+        params = module_parameters(mod)
+        for name, p in list(params.items()):
             if p is None:
                 continue
             full = keep.get(id(p))
             if full is None:
                 full = keep[id(p)] = torch.empty(p.shape, dtype=p.dtype, device=device)
-            mod._parameters[name] = nn.Parameter(full, requires_grad=p.requires_grad)
-            swapped.append((mod, name, p))
+            params[name] = nn.Parameter(full, requires_grad=p.requires_grad)
+            swapped.append((params, name, p))
     for mod in probe:
-        for name, p in list(mod._parameters.items()):
+        params = module_parameters(mod)
+        for name, p in list(params.items()):
             if p is not None and id(p) not in keep:
                 ph = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad)
-                mod._parameters[name] = ph
-                probes.append((mod, name, p, ph, ph._version))
+                params[name] = ph
+                probes.append((params, name, p, ph, tensor_version(ph)))
     try:
         yield
     finally:
-        for mod, name, p in swapped:
-            keep[id(p)] = mod._parameters[name].data  # the initializer may have replaced it
-            mod._parameters[name] = p
+        for params, name, p in swapped:
+            keep[id(p)] = params[name].data  # the initializer may have replaced it
+            params[name] = p
             _store(p, keep[id(p)])
-        written = [name for mod, name, p, ph, v in probes if mod._parameters[name] is not ph or ph._version != v]
-        for mod, name, p, _, _ in probes:
-            mod._parameters[name] = p
+        written = [name for params, name, p, ph, v in probes if params[name] is not ph or tensor_version(ph) != v]
+        for params, name, p, _, _ in probes:
+            params[name] = p
         if written:
             raise PlanError(f"materialize: the initializer of {type(mods[0]).__name__} writes parameters of modules "
                             f"two levels below it ({', '.join(written[:4])}); pass init=, or load a checkpoint with "
@@ -173,7 +176,7 @@ def _stream(model: nn.Module, calls: list, device, keep: dict[int, torch.Tensor]
     done: set[int] = set()
 
     def release(mod: nn.Module) -> None:
-        for p in mod._parameters.values():
+        for p in module_parameters(mod).values():
             if p is not None and id(p) not in tied:
                 keep.pop(id(p), None)
 
@@ -196,9 +199,9 @@ def _to_empty(model: nn.Module, device) -> None:
     model.to_empty(device=device)
     for group in groups:
         first_mod, first_name, kind = group[0]
-        table = "_parameters" if kind == "p" else "_buffers"
+        table = module_parameters if kind == "p" else module_buffers
         for mod, name, _ in group[1:]:
-            getattr(mod, table)[name] = getattr(first_mod, table)[first_name]
+            table(mod)[name] = table(first_mod)[first_name]
 
 
 def _init_buffers(model: nn.Module, device: torch.device) -> None:
@@ -206,11 +209,12 @@ def _init_buffers(model: nn.Module, device: torch.device) -> None:
     calls, whole = _plan_init(model, None)
     swapped = []
     for mod in model.modules():
-        for name, p in list(mod._parameters.items()):
+        params = module_parameters(mod)
+        for name, p in list(params.items()):
             if p is not None:
-                mod._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
-                                                     requires_grad=p.requires_grad)
-                swapped.append((mod, name, p))
+                params[name] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
+                                            requires_grad=p.requires_grad)
+                swapped.append((params, name, p))
     try:
         with torch.no_grad():
             if whole is not None:
@@ -220,7 +224,7 @@ def _init_buffers(model: nn.Module, device: torch.device) -> None:
                 for mod, call in calls:
                     call(mod)
     finally:
-        for mod, name, p in swapped:
-            mod._parameters[name] = p
+        for params, name, p in swapped:
+            params[name] = p
         for m in model.modules():
             m.__dict__.pop("_is_hf_initialized", None)

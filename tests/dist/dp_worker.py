@@ -58,8 +58,9 @@ def reference(steps, args):
     return model, losses, norms
 
 
-def _build(layout, dp_section, args, tp, sp, lp):
-    """The parallel model; ``dp_section`` None: a plan without a data_parallel section (tp only)."""
+def _build(layout, dp_section, args, tp, sp, lp, blocks=None):
+    """The parallel model; ``dp_section`` None: a plan without a data_parallel section (tp only); ``blocks``: the
+    blocks section (checkpointing)."""
     topo = meshplan.build_mesh(layout)
     torch.manual_seed(0)
     model = build(args)
@@ -67,9 +68,11 @@ def _build(layout, dp_section, args, tp, sp, lp):
         plan = {"tensor_parallel": {"sequence_parallel": sp, "loss_parallel": lp, "rules": TP_RULES}}
         if dp_section is not None:
             plan["data_parallel"] = dp_section
-        meshplan.parallelize(model, plan, topo)  # TP, then apply_data_parallel(section, sequence_parallel=sp)
+        if blocks is not None:
+            plan["blocks"] = blocks
+        meshplan.parallelize(model, plan, topo)  # TP, blocks, then FSDP (sp read from the model's state)
     else:
-        apply_data_parallel(model, dp_section, topo)
+        apply_data_parallel(model, dp_section, topo, blocks=blocks)
     dp, r = topo.data_world_size, topo.data_rank
     if sp == "batch":  # smp: every tp rank loads its own part of the batch
         dp, r = dp * topo.layout.tp, r * topo.layout.tp + topo.tp_rank
@@ -84,8 +87,8 @@ def _my_batches(steps, args, dp, r):
         yield x[r * rows:(r + 1) * rows], y[r * rows:(r + 1) * rows], y
 
 
-def parallel(layout, dp_section, steps, args, microbatches, tp=False, sp=True, lp=False):
-    model, dp, r = _build(layout, dp_section, args, tp, sp, lp)
+def parallel(layout, dp_section, steps, args, microbatches, tp=False, sp=True, lp=False, blocks=None):
+    model, dp, r = _build(layout, dp_section, args, tp, sp, lp, blocks)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     loss_fn = (lambda out, y: meshplan.cross_entropy(out, y, reduction="sum")) if lp else sum_ce
     results = []
@@ -128,14 +131,14 @@ def hand_loop(layout, dp_section, steps, args, microbatches, sp=True, no_sync=Fa
 
 
 def compare(layout, section=None, microbatches=1, tp=False, sp=True, lp=False, hand=False, no_sync=False,
-            no_dp=False):
+            no_dp=False, blocks=None):
     args = tiny_args()
     ref, ref_losses, ref_norms = reference(STEPS, args)
     section = None if no_dp else section or {}
     if hand:
         model, results = hand_loop(layout, section, STEPS, args, microbatches, sp, no_sync)
     else:
-        model, results = parallel(layout, section, STEPS, args, microbatches, tp, sp, lp)
+        model, results = parallel(layout, section, STEPS, args, microbatches, tp, sp, lp, blocks)
     ref_params = dict(ref.named_parameters())
     worst, worst_name = 0.0, ""
     for name, p in model.named_parameters():
@@ -223,8 +226,8 @@ CASES_BY_WORLD = {
         "hsdp": lambda: compare({"dp_replicate": 2, "dp_shard": 2}, microbatches=2),
         "ddp_tp": lambda: compare({"dp_replicate": 2, "tp": 2}, tp=True),
         "fsdp_tp_loss_parallel": lambda: compare({"dp_shard": 2, "tp": 2}, microbatches=2, tp=True, lp=True),
-        "fsdp_tp_batch": lambda: compare({"dp_shard": 2, "tp": 2}, {"activation_checkpointing": {"mode": "full"}},
-                                         microbatches=2, tp=True, sp="batch"),
+        "fsdp_tp_batch": lambda: compare({"dp_shard": 2, "tp": 2}, microbatches=2, tp=True, sp="batch",
+                                         blocks={"activation_checkpointing": {"mode": "full"}}),
         "fsdp_reshard2_accum2": lambda: compare({"dp_shard": 4}, {"reshard_after_forward": 2}, microbatches=2),
         "counts_fsdp_tp": lambda: comm_counts({"dp_shard": 2, "tp": 2}, tp=True),
         "counts_fsdp_tp_eager": lambda: comm_counts({"dp_shard": 2, "tp": 2}, tp=True, eager=True),
@@ -239,8 +242,9 @@ CASES_BY_WORLD = {
         "counts_hsdp_accum2": lambda: comm_counts({"dp_replicate": 2, "dp_shard": 2}, microbatches=2),
     },
     8: {
-        "hsdp_tp_accum2": lambda: compare({"dp_replicate": 2, "dp_shard": 2, "tp": 2}, {"activation_checkpointing": {
-            "mode": "selective", "every": 2, "ops": ["aten.mm.default"]}}, microbatches=2, tp=True),
+        "hsdp_tp_accum2": lambda: compare({"dp_replicate": 2, "dp_shard": 2, "tp": 2}, blocks={
+            "activation_checkpointing": {"mode": "selective", "every": 2, "ops": ["aten.mm.default"]}},
+            microbatches=2, tp=True),
         "loop_hsdp_tp_nosync2": lambda: compare({"dp_replicate": 2, "dp_shard": 2, "tp": 2}, microbatches=2,
                                                 hand=True, no_sync=True),
     },
@@ -261,8 +265,8 @@ CASES_BY_WORLD = {
         "counts_ddp_accum2": lambda: comm_counts({"dp_replicate": 2}, microbatches=2),
         "control_mean_of_means": control_mean_of_means,
         "mixed_precision": mixed_precision,
-        "fsdp_ac_selective": lambda: compare({"dp_shard": 2}, {"activation_checkpointing": {
-            "mode": "selective", "ops": ["aten.mm.default"]}, "reshard_after_forward": False}),
+        "fsdp_ac_selective": lambda: compare({"dp_shard": 2}, {"reshard_after_forward": False}, blocks={
+            "activation_checkpointing": {"mode": "selective", "ops": ["aten.mm.default"]}}),
     },
 }
 

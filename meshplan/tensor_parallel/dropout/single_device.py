@@ -44,9 +44,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.overrides import TorchFunctionMode
 
-# torch-private (tested with 2.13): the one import of it in meshplan, pinned by tests/test_tp_dropout.py
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
+from meshplan._torch import compute_local_shape_and_global_offset, safe_softmax
 from meshplan.errors import PlanError
 
 __all__ = ["SingleDeviceDropout", "sdpa_math", "REGION", "SHARED", "OUTSIDE", "INHERIT"]
@@ -105,7 +103,7 @@ def sdpa_math(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
     attn = torch.matmul(query, key.transpose(-2, -1) * sq)
     if attn_mask is not None:
         attn = attn + attn_mask
-    attn = torch._safe_softmax(attn, -1)
+    attn = safe_softmax(attn, -1)
     if noise is not None:
         attn = attn * noise
     return torch.matmul(attn, value).to(dtype)
