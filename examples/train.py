@@ -1,20 +1,33 @@
 """Train the example Llama with a meshplan plan under torchrun (CPU/gloo or CUDA/nccl).
 
     torchrun --standalone --nproc-per-node 4 examples/train.py --plan plans/llama.yaml
+    torchrun --standalone --nproc-per-node 1 examples/train.py --plan plans/single.yaml --global-batch 16 --json
 
 Synthetic data with a learnable rule (each token is the previous one plus a
 per-sequence stride, mod vocab), so the loss visibly falls. Prints loss and
 tokens/s. The model code (examples/llama.py) knows nothing of meshplan.
+
+Layout invariance: sample ``i`` of the run (step ``s`` holds samples
+``s·G … s·G + G - 1`` of a global batch of ``G``) is a function of
+``(seed, i)`` alone; each rank takes its data-parallel slice of the global batch
+(``topo.data_rank`` of ``topo.data_world_size``; tp/cp/pp peers share one), and
+the model is built from one seed on every rank before it is sharded. So the same
+command with any plan and a matching ``--nproc-per-node`` prints the same losses
+as one process with ``plans/single.yaml``, to fp32 noise. ``--json`` prints them
+exactly: one object per step on rank 0, ``{"step", "loss", "grad_norm", "tokens_per_s"}``
+(``tokens_per_s`` of that step alone); the banner goes to stderr then.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
 
 import torch
+from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import llama  # noqa: E402
@@ -22,47 +35,92 @@ import llama  # noqa: E402
 import meshplan  # noqa: E402
 
 
-def batches(vocab: int, batch: int, seq: int, rank: int, seed: int = 0):
-    g = torch.Generator().manual_seed(seed * 1000 + rank)
+_MASK = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return x ^ (x >> 31)
+
+
+def sample(vocab: int, seq: int, seed: int, index: int) -> torch.Tensor:
+    """Global sample ``index`` of the run: ``seq + 1`` tokens, a function of ``(seed, index)`` only.
+
+    A counter-based hash (splitmix64 of ``seed·2³² + index``) picks the start token and the stride, so no rank,
+    layout or RNG state enters.
+    """
+    h = _splitmix64(((seed & 0xFFFFFFFF) << 32) | (index & 0xFFFFFFFF))
+    start, stride = h % vocab, 1 + (h >> 32) % 3
+    return (start + stride * torch.arange(seq + 1)) % vocab
+
+
+def batches(vocab: int, seq: int, global_batch: int, data_rank: int = 0, data_world_size: int = 1,
+            seed: int = 0):
+    """Yield ``(inputs, targets)`` of this rank's slice of every step's global batch.
+
+    Step ``s`` (from 0) holds the global samples ``s·global_batch …``; data rank ``r`` of ``d`` takes the
+    contiguous ``global_batch / d`` of them starting at ``r·global_batch / d``.
+    """
+    if global_batch % data_world_size:
+        raise ValueError(f"--global-batch {global_batch} is not divisible by the data-parallel size "
+                         f"{data_world_size}")
+    local = global_batch // data_world_size
+    step = 0
     while True:
-        start = torch.randint(0, vocab, (batch, 1), generator=g)
-        stride = torch.randint(1, 4, (batch, 1), generator=g)
-        seqs = (start + stride * torch.arange(seq + 1)) % vocab
+        first = step * global_batch + data_rank * local
+        seqs = torch.stack([sample(vocab, seq, seed, i) for i in range(first, first + local)])
         yield seqs[:, :-1], seqs[:, 1:]
+        step += 1
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--plan", default="plans/llama.yaml")
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--batch", type=int, default=8, help="per data-parallel rank")
+    ap.add_argument("--global-batch", type=int, default=None,
+                    help="samples per optimizer step over all data-parallel ranks (default: --batch × dp)")
+    ap.add_argument("--batch", type=int, default=8, help="per data-parallel rank, when --global-batch is not given")
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--seed", type=int, default=0, help="seeds the model init and the data")
+    ap.add_argument("--json", action="store_true",
+                    help='print one JSON object per step on rank 0: {"step", "loss", "grad_norm", "tokens_per_s"}')
     args = ap.parse_args()
 
     plan = meshplan.load_plan(args.plan)
     with meshplan.init(plan) as topo:
+        global_batch = args.global_batch if args.global_batch is not None else args.batch * topo.data_world_size
+        if global_batch < 1 or global_batch % topo.data_world_size:
+            sys.exit(f"train.py: error: the global batch ({global_batch}) must be a positive multiple of the "
+                     f"data-parallel size ({topo.data_world_size})")
         cfg = llama.ModelArgs(dim=args.dim, n_layers=args.layers, n_heads=8, n_kv_heads=4, vocab_size=256,
-                              ffn_dim=4 * args.dim, max_seq_len=args.seq)
-        torch.manual_seed(0)
+                              ffn_dim=4 * args.dim, max_seq_len=args.seq, dropout=0.0)
+        torch.manual_seed(args.seed)
         model = llama.build(cfg)  # same seed on every rank: each keeps its shards of one single-device init
         meshplan.parallelize(model, plan, topo)
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-        data = batches(cfg.vocab_size, args.batch, args.seq, topo.data_rank)
+        data = batches(cfg.vocab_size, args.seq, global_batch, topo.data_rank, topo.data_world_size, args.seed)
         if topo.rank == 0:
-            print(f"{topo!r}\nplan {args.plan}: {sum(p.numel() for p in model.parameters())} local parameters on rank 0",
-                  flush=True)
-        tokens_per_step = args.batch * args.seq * topo.data_world_size
-        t0 = time.perf_counter()
+            n_local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
+            print(f"{topo!r}\nplan {args.plan}: {n_local:,} local parameters on "
+                  f"rank 0; global batch {global_batch}", file=sys.stderr if args.json else sys.stdout, flush=True)
+        tokens_per_step = global_batch * args.seq
+        t0 = last = time.perf_counter()
         for step in range(1, args.steps + 1):
             x, y = next(data)
             result = meshplan.train_step(model, (x, y), meshplan.cross_entropy, opt, topology=topo, max_grad_norm=1.0)
-            if topo.rank == 0 and (step == 1 or step % 5 == 0 or step == args.steps):
-                dt = time.perf_counter() - t0
+            now = time.perf_counter()
+            if topo.rank == 0 and args.json:
+                print(json.dumps({"step": step, "loss": float(result.loss), "grad_norm": float(result.grad_norm),
+                                  "tokens_per_s": tokens_per_step / (now - last)}), flush=True)
+            elif topo.rank == 0 and (step == 1 or step % 5 == 0 or step == args.steps):
                 print(f"step {step:3d}  loss {float(result.loss):.4f}  grad_norm {float(result.grad_norm):.3f}  "
-                      f"tokens/s {tokens_per_step * step / dt:,.0f}", flush=True)
+                      f"tokens/s {tokens_per_step * step / (now - t0):,.0f}", flush=True)
+            last = now
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ internals, DTensor's sharding rules, meshes, autograd, ops, modules, data parall
 from __future__ import annotations
 
 import contextlib
+import copy
 from functools import partial
 from typing import Any, Callable, Iterator
 
@@ -18,7 +19,7 @@ from torch.distributed.tensor import DTensor
 __all__ = [
     # simulated ranks
     "FakeStore", "LocalTensor", "LocalTensorMode", "local_tensor_mode", "no_local_tensor_mode", "simulated_ranks",
-    "rank_tensors",
+    "rank_tensors", "module_view", "retarget_graph_device", "remove_split_marker",
     # DTensor internals
     "StridedShard", "local_tensor", "compute_local_shape_and_global_offset", "funcol", "dtensor_op_handlers",
     # DTensor sharding rules
@@ -217,3 +218,31 @@ def replicate(module: nn.Module, **kwargs: Any) -> nn.Module:
     and offload policies. Imported on use: the module costs about a second to import."""
     from torch.distributed._composable.replicate_with_fsdp import replicate as _replicate
     return _replicate(module, **kwargs)
+
+
+# ---------------------------------------------------------------- pipeline parallelism
+
+def module_view(m: nn.Module) -> nn.Module:
+    """A shallow copy of ``m`` sharing its parameters, buffers and children, with its own child slots and hook
+    tables (nn.Module keeps them in private dicts): a pipeline stage is a view of the model whose children of
+    other stages are replaced, and whose FSDP root hooks must not reach the model or the other stages."""
+    view = copy.copy(m)
+    for name, value in m.__dict__.items():
+        if isinstance(value, dict) and name not in ("_parameters", "_buffers"):
+            view.__dict__[name] = type(value)(value)
+    return view
+
+
+def retarget_graph_device(stage_module: nn.Module, device: torch.device) -> None:
+    """Move a traced stage's factory ops (``torch.zeros(device=...)``) to ``device``: tracing burns the trace
+    device in, ``Pipe.build_stage`` fixes it but the free ``build_stage`` for one stage module does not."""
+    from torch.distributed.pipelining._IR import _modify_graph_op_device
+    if isinstance(stage_module, torch.fx.GraphModule):
+        _modify_graph_op_device(stage_module, device)
+
+
+def remove_split_marker(m: nn.Module) -> None:
+    """Undo ``pipeline(split_spec=...)``'s patch of ``m.forward`` (kept as ``m._orig_forward``): tracing leaves the
+    model as it was."""
+    if "_orig_forward" in vars(m):
+        del m.forward, m._orig_forward

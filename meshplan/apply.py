@@ -71,17 +71,16 @@ def parallelize(model: nn.Module, plan: Plan | Mapping[str, Any] | str | Path | 
     check_same_plan(p, mesh if isinstance(mesh, Topology) else tp_mesh)  # a rank with another plan fails, not hangs
     topology = mesh if isinstance(mesh, Topology) else None
     data_parallel = p.data_parallel is not None or (topology is not None and topology.layout.dp > 1)
-    if data_parallel and topology is None:
-        raise PlanError("the data_parallel section needs a meshplan Topology (meshplan.init or build_mesh), "
-                        "not a bare DeviceMesh")
+    pipelined = p.pipeline is not None or (topology is not None and topology.layout.pp > 1)
+    if (data_parallel or pipelined) and topology is None:
+        raise PlanError(f"the {'data_parallel' if data_parallel else 'pipeline'} section needs a meshplan Topology "
+                        f"(meshplan.init or build_mesh), not a bare DeviceMesh")
     if p.tensor_parallel is not None:
-        from meshplan.tensor_parallel.apply import apply_tensor_parallel
         from meshplan.checks.validate import validate_plan
         validate_plan(model, p, tp_mesh.size())  # what `meshplan check` checks, before anything changes
-        applied = apply_tensor_parallel(model, p.tensor_parallel, tp_mesh, p.source)
-        attach_state(model, tensor_parallel=applied)  # the finaliser and RNG hooks live as long as the model
-        from meshplan.hf.styles import install_hf_loss
-        install_hf_loss(model, p.tensor_parallel)  # transformers' own loss on vocab-sharded logits
+    split = _split_stages(model, p, topology) if pipelined else None
+    if p.tensor_parallel is not None:
+        _tensor_parallel(model, p, tp_mesh, split)
     attach_state(model, plan=p, topology=topology)  # train_step's topology, also without data parallelism
     if data_parallel:
         from meshplan.data_parallel.fsdp import check_data_parallel
@@ -90,7 +89,39 @@ def parallelize(model: nn.Module, plan: Plan | Mapping[str, Any] | str | Path | 
     if data_parallel or p.blocks is not None:
         from meshplan.blocks import apply_blocks
         apply_blocks(model, p.blocks)  # checkpointing, compile per block
+    if split is not None:
+        from meshplan.pipeline import build_stages
+        state = attach_state(model)
+        build_stages(model, state.pipeline, split, topology, state.sequence_parallel)
     if data_parallel:
         from meshplan.data_parallel.fsdp import apply_data_parallel
-        apply_data_parallel(model, section, topology)  # fully_shard each block, then the root
+        apply_data_parallel(model, section, topology)  # fully_shard each block, then the root (each stage)
     return model
+
+
+def _split_stages(model: nn.Module, p: Plan, topology: Topology) -> Any:
+    """The pipeline step's first half: stages assigned, the model pruned to this rank's (before anything else
+    touches it), the record attached."""
+    if p.pipeline is None:
+        raise PlanError(f"{p.source or '<plan>'}: layout.pp({topology.layout.pp}) > 1 needs a pipeline section "
+                        f"(schedule, microbatches)")
+    from meshplan.pipeline import split_pipeline
+    pattern = p.blocks.pattern if p.blocks is not None else "layers.*"
+    record, split = split_pipeline(model, p.pipeline, pattern, topology,
+                                   f"{p.source}: pipeline" if p.source else "pipeline")
+    attach_state(model, pipeline=record)
+    return split
+
+
+def _tensor_parallel(model: nn.Module, p: Plan, tp_mesh: DeviceMesh, split: Any) -> None:
+    """Tensor parallelism on the (pruned) model: rules that name only other stages' modules are left out."""
+    from meshplan.tensor_parallel.apply import apply_tensor_parallel
+    section = p.tensor_parallel
+    if split is not None:
+        from meshplan.pipeline import kept_rules
+        removed = {n for n, m in model.named_modules() if isinstance(m, nn.Identity)}
+        section = section.model_copy(update={"rules": kept_rules(model, section.rules, removed)})
+    applied = apply_tensor_parallel(model, section, tp_mesh, p.source)
+    attach_state(model, tensor_parallel=applied)  # the finaliser and RNG hooks live as long as the model
+    from meshplan.hf.styles import install_hf_loss
+    install_hf_loss(model, p.tensor_parallel)  # transformers' own loss on vocab-sharded logits

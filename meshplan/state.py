@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from meshplan.blocks import AppliedBlocks
     from meshplan.data_parallel.fsdp import DataParallelState
     from meshplan.mesh.topology import Topology
+    from meshplan.pipeline.stages import PipelineApplied
     from meshplan.plan_file.document import Plan
     from meshplan.tensor_parallel.apply import TpApplied
     from meshplan.tensor_parallel.grad_sync import TpGradSync
@@ -38,6 +39,8 @@ class ParallelState:
             RNG, sequence-parallel mode), or None.
         blocks: the :class:`~meshplan.blocks.AppliedBlocks` of the blocks step (section, block paths), or None.
         data_parallel: the :class:`~meshplan.data_parallel.fsdp.DataParallelState` (mode, section), or None.
+        pipeline: the :class:`~meshplan.pipeline.stages.PipelineApplied` (this rank's stages, views, schedule),
+            or None.
     """
 
     plan: "Plan | None" = None
@@ -45,6 +48,7 @@ class ParallelState:
     tensor_parallel: "TpApplied | None" = None
     blocks: "AppliedBlocks | None" = None
     data_parallel: "DataParallelState | None" = None
+    pipeline: "PipelineApplied | None" = None
 
     @property
     def grad_sync(self) -> "TpGradSync | None":

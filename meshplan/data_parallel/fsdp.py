@@ -181,7 +181,8 @@ def apply_data_parallel(model: "nn.Module", section: DataParallel | Mapping[str,
     state = parallel_state(model)
     sync = state.grad_sync or _new_grad_sync(model, topology, state.sequence_parallel)
     if mode != "none":
-        _shard(model, state.blocks.paths, section, topology, mode, shard_axes, rep_axes)
+        roots = state.pipeline.views if state.pipeline is not None else [model]  # a stage runs as its own root
+        _shard(model, roots, state.blocks.paths, section, topology, mode, (shard_axes, rep_axes))
     if sync is not None:
         sync.install(model)  # on FSDP2's parameters: the ones tensor parallelism made are gone
     own = sync if sync is not state.grad_sync else None
@@ -200,16 +201,19 @@ def _new_grad_sync(model: "nn.Module", topology: "Topology", sequence_parallel: 
     return TpGradSync.for_model(model, topology["tp"], sequence_parallel)
 
 
-def _shard(model, blocks, section, topology, mode, shard_axes, rep_axes) -> None:
+def _shard(model, roots, blocks, section, topology, mode, axes) -> None:
+    """FSDP2 (or DDP) on each block, then on each root (the model, or each pipeline stage)."""
     import torch
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
     dt = {None: None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     mp = MixedPrecisionPolicy(param_dtype=dt[section.param_dtype], reduce_dtype=dt[section.reduce_dtype])
     offload = CPUOffloadPolicy() if section.cpu_offload else OffloadPolicy()
+    shard_axes, rep_axes = axes
     if mode == "ddp":
         from meshplan._torch import replicate
         mesh = topology.span(rep_axes)
-        replicate(model, mesh=mesh, mp_policy=mp, offload_policy=offload)
+        for root in roots:
+            replicate(root, mesh=mesh, mp_policy=mp, offload_policy=offload)
     else:
         if mode == "hsdp":  # torch's 2-D (replicate, shard) mesh
             mesh = topology.dense["dp_replicate", "dp_shard_cp" if topology.layout.cp > 1 else "dp_shard"]
@@ -218,9 +222,10 @@ def _shard(model, blocks, section, topology, mode, shard_axes, rep_axes) -> None
         kw = dict(mesh=mesh, mp_policy=mp, offload_policy=offload)
         for path in blocks:
             fully_shard(model.get_submodule(path), reshard_after_forward=section.reshard_after_forward, **kw)
-        fully_shard(model, **kw)  # the root: torch keeps its parameters gathered after forward
+        for root in roots:
+            fully_shard(root, **kw)  # the root: torch keeps its parameters gathered after forward
     from torch.distributed.fsdp import FSDPModule
-    for m in model.modules():
+    for m in {id(m): m for r in [model, *roots] for m in r.modules()}.values():
         if isinstance(m, FSDPModule):
             if section.gradient_reduction == "sum":
                 m.set_gradient_divide_factor(1.0)

@@ -14,6 +14,7 @@ from meshplan.plan_file.strict import Strict
 from meshplan.plan_file.tensor_parallel import TensorParallel
 from meshplan.plan_file.blocks import Blocks, split_legacy
 from meshplan.plan_file.data_parallel import DataParallel
+from meshplan.plan_file.pipeline import Pipeline
 
 __all__ = ["Plan", "load_plan", "as_plan"]
 
@@ -35,6 +36,9 @@ class Plan(Strict):
     data_parallel: DataParallel | None = Field(
         None, description="Data parallelism over dp_replicate × dp_shard: FSDP2, HSDP or replication, mixed "
                           "precision, offload.")
+    pipeline: Pipeline | None = Field(
+        None, description="Pipeline parallelism over layout.pp (× vpp virtual stages): the blocks cut into stages, "
+                          "the schedule and the microbatches.")
     source: str | None = Field(None, exclude=True, description="Where the plan was read from (set by the loader).")
 
     @field_validator("version", mode="before")

@@ -43,7 +43,8 @@ def _grad_norm_parts(params: Iterable[nn.Parameter], ranks_per_stage: int,
     return (torch.stack(norms) ** 2 * torch.tensor(weights, dtype=torch.float64, device=norms[0].device)).sum()
 
 
-def clip_grad_norm_(params: Iterable[nn.Parameter], max_norm: float, *, distributed: bool = True) -> float:
+def clip_grad_norm_(params: Iterable[nn.Parameter], max_norm: float, *, distributed: bool = True,
+                    pp: int | None = None) -> float:
     """Clip gradients by their total L2 norm over every rank, with ONE all-reduce.
 
     Each gradient's local ‖g‖² is weighted by ``(product of its Shard mesh sizes) / world``, i.e.
@@ -55,6 +56,8 @@ def clip_grad_norm_(params: Iterable[nn.Parameter], max_norm: float, *, distribu
         params: the parameters (plain tensors or DTensors).
         max_norm: the maximum total norm.
         distributed: sum over WORLD (False: local only).
+        pp: pipeline stages the parameters are spread over (each stage's are held by world/pp ranks);
+            default: the active topology's pp, else 1.
 
     Returns:
         The total norm before clipping (as ``torch.nn.utils.clip_grad_norm_``, but a float).
@@ -63,11 +66,16 @@ def clip_grad_norm_(params: Iterable[nn.Parameter], max_norm: float, *, distribu
 
         >>> norm = clip_grad_norm_(model.parameters(), 1.0)
     """
-    return clip_with(params, max_norm, distributed, None)[0]
+    if pp is None:
+        from meshplan.mesh.topology import current_topology
+        topo = current_topology()
+        pp = topo.layout.pp if topo is not None else 1
+    return clip_with(params, max_norm, distributed, None, pp=pp)[0]
 
 
 def clip_with(params: Iterable[nn.Parameter], max_norm: float, distributed: bool,
-              extra: torch.Tensor | None) -> tuple[float, torch.Tensor | None]:
+              extra: torch.Tensor | None, *, pp: int = 1,
+              uncounted: Iterable[nn.Parameter] = ()) -> tuple[float, torch.Tensor | None]:
     """:func:`clip_grad_norm_`, all-reducing ``extra`` (float64, SUM) in the same collective.
 
     Args:
@@ -75,6 +83,9 @@ def clip_with(params: Iterable[nn.Parameter], max_norm: float, distributed: bool
         max_norm: the maximum total norm.
         distributed: sum over WORLD (False, or no process group: local only).
         extra: values to sum over WORLD with the norm (``train_step``'s loss sum), or None.
+        pp: pipeline stages: a parameter lives on world/pp ranks, not world.
+        uncounted: parameters clipped but left out of the norm (the last stage's copy of a tied embedding:
+            the first stage counts it).
 
     Returns:
         ``(total norm before clipping, extra summed over WORLD on the CPU)``.
@@ -87,7 +98,9 @@ def clip_with(params: Iterable[nn.Parameter], max_norm: float, distributed: bool
     dist_on = distributed and dist.is_initialized()
     world = dist.get_world_size() if dist_on else 1
     device = comm_device() if dist_on else torch.device("cpu")
-    buf = _grad_norm_parts(params, world, device).reshape(1)
+    skip = {id(p) for p in uncounted}
+    counted = [p for p in params if id(p) not in skip]
+    buf = _grad_norm_parts(counted, world // pp if world % pp == 0 else world, device).reshape(1)
     if extra is not None:
         buf = torch.cat([buf, extra.reshape(-1).double().to(device)])
     if dist_on:

@@ -130,7 +130,8 @@ def train_step(model: nn.Module, batch: tuple[Any, torch.Tensor] | dict, loss_fn
         topology: default: the model's (:attr:`meshplan.state.ParallelState.topology`: what
             :func:`meshplan.parallelize` or :func:`~meshplan.data_parallel.fsdp.apply_data_parallel` used), else
             the active one; without any (and no DTensor parameters) the step is local.
-        microbatches: gradient-accumulation steps; FSDP parameters stay gathered between them (see
+        microbatches: gradient-accumulation steps (a pipelined model uses its plan's ``pipeline.microbatches``
+            and its schedule instead); FSDP parameters stay gathered between them (see
             ``data_parallel.accumulate_unsharded``).
         max_grad_norm: clip the total L2 norm (over every mesh) to this; None: no clipping, no norm.
         ignore_index: targets equal to it are not counted.
@@ -141,7 +142,7 @@ def train_step(model: nn.Module, batch: tuple[Any, torch.Tensor] | dict, loss_fn
         :class:`StepResult` with the global mean loss, the norm before clipping and the global token count.
 
     Raises:
-        PlanError: microbatches not dividing the batch, pp > 1, or DTensor parameters without a topology.
+        PlanError: microbatches not dividing the batch, pp > 1 without pipeline stages, or DTensor parameters without a topology.
 
     Example::
 
@@ -151,8 +152,12 @@ def train_step(model: nn.Module, batch: tuple[Any, torch.Tensor] | dict, loss_fn
     from meshplan.training.loss import cross_entropy
     if loss_fn is cross_entropy:  # its default is "mean"; the contract here is a sum
         loss_fn = functools.partial(cross_entropy, reduction="sum", ignore_index=ignore_index)
-    batch, loss_fn, shift = _own_loss(model, batch, loss_fn)
     state = parallel_state(model)
+    if state is not None and state.pipeline is not None:
+        from meshplan.training.pipeline_step import pipeline_step
+        return pipeline_step(model, state, batch, loss_fn, optimizer, topology=topology,
+                             max_grad_norm=max_grad_norm, ignore_index=ignore_index)
+    batch, loss_fn, shift = _own_loss(model, batch, loss_fn)
     distributed, replicas = _data_ranks(model, state, topology, sequence_parallel)
     inputs, targets = batch
     n = int(microbatches)
@@ -194,7 +199,8 @@ def _data_ranks(model: nn.Module, state: ParallelState | None, topology: Any,
                         "inside `with topo:`")
     lay = topology.layout
     if lay.pp > 1:
-        raise PlanError(f"train_step: pp({lay.pp}) > 1; pipeline schedules are not handled by train_step")
+        raise PlanError(f"train_step: pp({lay.pp}) > 1 but the model has no pipeline stages; parallelize it with "
+                        f"a plan that has a pipeline section")
     batch = "batch" in (sequence_parallel, state.sequence_parallel if state is not None else False)
     axes = DATA_AXES + (("tp",) if batch else ())
     return True, dist.get_world_size() // math.prod(getattr(lay, a) for a in axes)

@@ -1,0 +1,204 @@
+"""Cut a block-stack model into pipeline stages that keep the original parameter names.
+
+The blocks (the ``blocks`` section's pattern, e.g. ``layers.*``) are children of one container (a
+``ModuleList``/``ModuleDict``/``Sequential``). Stage ``s`` of ``pp·vpp`` runs a contiguous run of them; the
+first stage also runs the modules with parameters registered before the container (the embedding), the last
+those registered after it (final norm, head). A stage is a *view* of the model: a shallow copy whose container
+holds only its blocks (under their original keys, so ``layers.5.attention.wq.weight`` keeps its name) and whose
+modules of other stages are pass-throughs (``nn.Identity``: a later stage feeds its hidden state where the
+model feeds token ids). The model itself is pruned to the union of this rank's stages, so its ``state_dict``
+is this rank's part of the full one and the keys of all ranks together are the full model's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.nn as nn
+
+from meshplan._torch import module_view
+from meshplan.errors import PlanError
+from meshplan.plan_file.patterns import match_pattern
+from meshplan.plan_file.pipeline import Pipeline, V_SCHEDULES
+
+__all__ = ["StageSplit", "plan_split", "balanced", "prune", "stage_view", "local_stage_ids"]
+
+
+@dataclass(frozen=True)
+class StageSplit:
+    """Which blocks and end modules each stage runs.
+
+    Attributes:
+        container: path of the module holding the blocks (``layers``).
+        keys: per stage, the container keys of its blocks (``("0", "1")``).
+        first: modules only the first stage runs; ``last``: only the last.
+    """
+
+    container: str
+    keys: tuple[tuple[str, ...], ...]
+    first: tuple[str, ...]
+    last: tuple[str, ...]
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.keys)
+
+
+def balanced(n_blocks: int, n_stages: int, fewer_first: int = 0, fewer_last: int = 0) -> list[int]:
+    """Blocks per stage: as equal as possible, the first/last stage given ``fewer_*`` fewer (torchtitan's
+    ``first_stage_less_layers``); every stage gets at least one block.
+
+    Example::
+
+        >>> balanced(10, 4)
+        [3, 3, 2, 2]
+    """
+    slots = n_blocks + fewer_first + fewer_last
+    sizes = [slots // n_stages + (1 if s < slots % n_stages else 0) for s in range(n_stages)]
+    sizes[0] -= fewer_first
+    sizes[-1] -= fewer_last
+    return sizes
+
+
+def local_stage_ids(pp_rank: int, pp: int, vpp: int, schedule: str) -> list[int]:
+    """The stages this pp rank runs: ``r, r+pp, …`` (loop), or ``r, 2pp−1−r`` for the V-shaped schedules."""
+    if schedule in V_SCHEDULES:
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + k * pp for k in range(vpp)]
+
+
+def _container(model: nn.Module, blocks: list[str], where: str) -> str:
+    parents = {b.rpartition(".")[0] for b in blocks}
+    if len(parents) != 1:
+        raise PlanError(f"{where}: the blocks {blocks[0]!r}, … have {len(parents)} parents ({', '.join(sorted(parents))}); "
+                        f"pipelining cuts the children of ONE container (set blocks.pattern to e.g. layers.*)")
+    return parents.pop()
+
+
+def _end_modules(model: nn.Module, container: str) -> tuple[list[str], list[str]]:
+    """Modules with parameters registered before / after the container, at each level above it."""
+    first, last = [], []
+    parts = container.split(".") if container else []
+    node, prefix = model, ""
+    for name in parts:
+        before = True
+        for child_name, child in node.named_children():
+            path = prefix + child_name
+            if child_name == name:
+                before = False
+            elif any(True for _ in child.parameters()):
+                (first if before else last).append(path)
+        node, prefix = getattr(node, name), prefix + name + "."
+    return first, last
+
+
+def _stage_sizes(section: Pipeline, keys: list[str], container: str, n_stages: int, where: str) -> list[int]:
+    n = len(keys)
+    if section.split_points is None:
+        sizes = balanced(n, n_stages, section.first_stage_fewer_blocks, section.last_stage_fewer_blocks)
+        if min(sizes) < 1:
+            raise PlanError(f"{where}: {n} blocks cannot fill {n_stages} stages (pp·vpp) with first_stage_fewer_"
+                            f"blocks {section.first_stage_fewer_blocks} and last_stage_fewer_blocks "
+                            f"{section.last_stage_fewer_blocks}; found {sizes} blocks per stage, expected at least 1 "
+                            f"each: lower pp·vpp or the fewer_blocks settings")
+        return sizes
+    if len(section.split_points) != n_stages - 1:
+        raise PlanError(f"{where}.split_points: {n_stages} stages (pp·vpp) need {n_stages - 1} split points, got "
+                        f"{len(section.split_points)}: {list(section.split_points)}")
+    paths = [f"{container}.{k}" if container else k for k in keys]
+    starts = []
+    for i, point in enumerate(section.split_points):
+        if point not in paths:
+            raise PlanError(f"{where}.split_points[{i}]: {point!r} is not a block; found none, expected one of "
+                            f"{paths[1]!r} … {paths[-1]!r}")
+        starts.append(paths.index(point))
+    bounds = [0, *starts, n]
+    if any(b >= c for b, c in zip(bounds, bounds[1:])):
+        raise PlanError(f"{where}.split_points: {list(section.split_points)} must be in block order, each stage "
+                        f"holding at least one block")
+    return [c - b for b, c in zip(bounds, bounds[1:])]
+
+
+def plan_split(model: nn.Module, section: Pipeline, block_pattern: str, n_stages: int,
+               where: str = "pipeline") -> StageSplit:
+    """Assign the model's blocks and end modules to ``n_stages`` stages.
+
+    Raises:
+        PlanError: blocks under several containers, fewer blocks than stages, split points that are not
+            blocks (or out of order, or not ``n_stages - 1``), end modules that do not exist.
+    """
+    blocks = match_pattern(model, block_pattern, "blocks")
+    container = _container(model, blocks, where)
+    holder = model.get_submodule(container) if container else model
+    keys = [name for name, _ in holder.named_children()]
+    if len(keys) < n_stages:
+        raise PlanError(f"{where}: {len(keys)} blocks in {container!r} cannot fill {n_stages} stages (pp·vpp); "
+                        f"expected at least {n_stages} blocks")
+    sizes = _stage_sizes(section, keys, container, n_stages, where)
+    cuts = [sum(sizes[:s]) for s in range(n_stages + 1)]
+    first, last = _end_modules(model, container)
+    first = list(section.first_stage_modules) if section.first_stage_modules is not None else first
+    last = list(section.last_stage_modules) if section.last_stage_modules is not None else last
+    for key, paths in (("first_stage_modules", first), ("last_stage_modules", last)):
+        for p in paths:
+            try:
+                model.get_submodule(p)
+            except AttributeError:
+                raise PlanError(f"{where}.{key}: {type(model).__name__} has no module {p!r}") from None
+    return StageSplit(container, tuple(tuple(keys[cuts[s]:cuts[s + 1]]) for s in range(n_stages)),
+                      tuple(first), tuple(last))
+
+
+def _replace(root: nn.Module, path: str, new: nn.Module, copies: dict[str, nn.Module]) -> None:
+    """Set ``path`` of ``root`` to ``new``, shallow-copying the modules above it (``copies``, by path, are the
+    views already made) so that the original model is untouched."""
+    parent_path, _, name = path.rpartition(".")
+    parent = root
+    walked = ""
+    for part in parent_path.split(".") if parent_path else []:
+        walked = f"{walked}.{part}" if walked else part
+        if walked not in copies:
+            copies[walked] = module_view(getattr(parent, part))
+            setattr(parent, part, copies[walked])
+        parent = copies[walked]
+    setattr(parent, name, new)
+
+
+def _subset(container: nn.Module, keys: tuple[str, ...]) -> nn.Module:
+    holder = type(container)()
+    for k in keys:
+        holder.add_module(k, container.get_submodule(k))
+    return holder
+
+
+def stage_view(model: nn.Module, split: StageSplit, stage: int) -> nn.Module:
+    """Stage ``stage`` of ``model``: a view sharing its parameters, with only that stage's blocks and end modules."""
+    if not split.container:  # the model is the container (an nn.Sequential of blocks)
+        return _subset(model, split.keys[stage])
+    view, copies = module_view(model), {}
+    _replace(view, split.container, _subset(model.get_submodule(split.container), split.keys[stage]), copies)
+    if stage != 0:
+        for p in split.first:
+            _replace(view, p, nn.Identity(), copies)
+    if stage != split.num_stages - 1:
+        for p in split.last:
+            _replace(view, p, nn.Identity(), copies)
+    return view
+
+
+def prune(model: nn.Module, split: StageSplit, stages: list[int]) -> None:
+    """Keep in ``model`` only what ``stages`` run (in place): the union of their blocks and end modules."""
+    keys = tuple(k for s in sorted(stages) for k in split.keys[s])
+    if not split.container:
+        for k in [k for k, _ in model.named_children() if k not in keys]:
+            delattr(model, k)
+        return
+    holder = model.get_submodule(split.container)
+    parent, _, name = split.container.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, name, _subset(holder, keys))
+    for p in split.first if 0 not in stages else ():
+        parent, _, name = p.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, name, nn.Identity())
+    for p in split.last if split.num_stages - 1 not in stages else ():
+        parent, _, name = p.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, name, nn.Identity())

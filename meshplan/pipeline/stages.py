@@ -1,0 +1,131 @@
+"""Stages and schedules: this rank's ``PipelineStage`` objects and the ``torch.distributed.pipelining`` schedule.
+
+What crosses a stage boundary is a plain tensor. With sequence parallelism the residual stream is a DTensor
+(``Shard(1)``, or ``Shard(0)`` in smp's batch mode): a stage sends its local shard and the next stage wraps what
+it receives back into the DTensor the blocks expect, with the placement the plan gives the stream (both ways:
+the gradient sent back is the local shard's too).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from meshplan.errors import PlanError
+from meshplan.plan_file.pipeline import MULTI_STAGE_SCHEDULES, V_SCHEDULES, Pipeline
+
+__all__ = ["PipelineApplied", "StepLoss", "schedule_class", "check_schedule", "boundary_hooks"]
+
+
+def schedule_class(name: str) -> type:
+    """The torch schedule class of a plan's schedule name."""
+    from torch.distributed import pipelining as pl
+    return {"gpipe": pl.ScheduleGPipe, "1f1b": pl.Schedule1F1B, "interleaved_1f1b": pl.ScheduleInterleaved1F1B,
+            "looped_bfs": pl.ScheduleLoopedBFS, "interleaved_zero_bubble": pl.ScheduleInterleavedZeroBubble,
+            "zbv_zero_bubble": pl.ScheduleZBVZeroBubble, "dualpipev": pl.ScheduleDualPipeV}[name]
+
+
+def check_schedule(section: Pipeline, pp: int, vpp: int, where: str = "pipeline") -> None:
+    """Schedule, ``vpp`` and microbatches fit together (the valid values in the message).
+
+    Raises:
+        PlanError: a one-stage schedule with vpp > 1, a V-shaped one without vpp = 2, or too few microbatches.
+    """
+    s, m = section.schedule, section.microbatches
+    if s in V_SCHEDULES and vpp != 2:
+        raise PlanError(f"{where}.schedule: {s} runs two stages per rank in a V; found layout.vpp({vpp}), "
+                        f"expected vpp = 2")
+    if s not in MULTI_STAGE_SCHEDULES and vpp != 1:
+        raise PlanError(f"{where}.schedule: {s} runs one stage per rank; found layout.vpp({vpp}), expected vpp = 1 "
+                        f"or a multi-stage schedule ({', '.join(MULTI_STAGE_SCHEDULES)})")
+    if s != "gpipe" and m < pp:
+        raise PlanError(f"{where}.microbatches: {s} needs at least pp({pp}) microbatches to fill the pipeline; "
+                        f"found {m}, expected >= {pp} (or schedule: gpipe)")
+    if s in ("interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble") and vpp > 1 and m % pp:
+        raise PlanError(f"{where}.microbatches: {s} with vpp({vpp}) runs microbatches in rounds of pp({pp}); "
+                        f"found {m}, expected a multiple of {pp}")
+
+
+def _stream_placement(sequence_parallel: bool | str) -> Any:
+    return Shard(1) if sequence_parallel is True else Shard(0) if sequence_parallel == "batch" else None
+
+
+def boundary_hooks(view: nn.Module, tp_mesh: DeviceMesh | None, sequence_parallel: bool | str,
+                   first: bool, last: bool) -> None:
+    """Make a stage take and give plain tensors: a received local shard becomes the stream's DTensor, a DTensor
+    output (not the last stage's: the loss takes it) is sent as its local shard."""
+    place = _stream_placement(sequence_parallel) if tp_mesh is not None and tp_mesh.size() > 1 else None
+
+    def to_stream(_mod: nn.Module, args: tuple) -> tuple:
+        x = args[0]
+        if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) and x.is_floating_point():
+            x = DTensor.from_local(x, tp_mesh, [place], run_check=False)
+        return (x, *args[1:])
+
+    def to_local(_mod: nn.Module, _args: tuple, out: Any) -> Any:
+        out = getattr(out, "logits", out) if not isinstance(out, torch.Tensor) else out  # transformers' outputs
+        return out.to_local() if isinstance(out, DTensor) else out
+
+    if place is not None and not first:
+        view.register_forward_pre_hook(to_stream)
+    if not last:
+        view.register_forward_hook(to_local)
+
+
+class StepLoss:
+    """The schedule's loss function: the user's summed loss of one microbatch divided by the step's global
+    token count (both set before each step). The schedule also calls it on placeholder outputs to infer
+    gradient shapes, so the step's loss is read from the schedule's ``losses``, not counted here."""
+
+    def __init__(self) -> None:
+        self.fn: Callable | None = None
+        self.num_tokens = 1
+
+    def __call__(self, output: Any, target: Any) -> torch.Tensor:
+        return self.fn(output, target) / max(self.num_tokens, 1)
+
+
+@dataclass
+class PipelineApplied:
+    """What the pipeline step did on this rank.
+
+    Attributes:
+        section: the plan's ``pipeline`` section.
+        stage_ids: the stages this rank runs; ``num_stages``: pp·vpp.
+        views: the stage modules (views of the model sharing its parameters), in ``stage_ids`` order.
+        stages: the ``PipelineStage`` objects (built by :func:`meshplan.pipeline.build_stages`).
+        tied: names of parameters the first and last stage share (their gradients are summed over the
+            embedding group); ``embedding_group``: that group (None: both ends on this rank, or no tie).
+        loss: the schedule's :class:`StepLoss`; ``built``: the schedule, made on first use.
+    """
+
+    section: Pipeline
+    stage_ids: list[int]
+    num_stages: int
+    views: list[nn.Module] = field(default_factory=list)
+    stages: list[Any] = field(default_factory=list)
+    tied: list[str] = field(default_factory=list)
+    embedding_group: Any = None
+    loss: StepLoss = field(default_factory=StepLoss)
+    built: Any = None
+
+    @property
+    def has_first(self) -> bool:
+        return 0 in self.stage_ids
+
+    @property
+    def has_last(self) -> bool:
+        return self.num_stages - 1 in self.stage_ids
+
+    def schedule(self) -> Any:
+        """The schedule running this rank's stages with :attr:`loss` (no grad scaling: the loss is normalised)."""
+        if self.built is None:
+            cls = schedule_class(self.section.schedule)
+            stages = self.stages if self.section.schedule in MULTI_STAGE_SCHEDULES else self.stages[0]
+            self.built = cls(stages, self.section.microbatches, loss_fn=self.loss, scale_grads=False)
+        return self.built

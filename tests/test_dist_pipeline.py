@@ -1,0 +1,46 @@
+"""Real torchrun/gloo launches (world 2, 4, 8): pipeline parallelism with every schedule, ± TP, ± FSDP, vs one
+device (see ``tests/dist/pp_worker.py``): parameters, losses and norms within 1e-5, stage keys = the full model's."""
+
+import pytest
+
+from _launch import case_result, launch
+
+pytestmark = pytest.mark.dist
+
+
+@pytest.fixture(scope="module")
+def world2():
+    return launch("tests/dist/pp_worker.py", 2)
+
+
+@pytest.fixture(scope="module")
+def world4():
+    return launch("tests/dist/pp_worker.py", 4)
+
+
+@pytest.fixture(scope="module")
+def world8():
+    return launch("tests/dist/pp_worker.py", 8)
+
+
+def _check(results, case, n):
+    values = case_result(results, case, n)
+    assert all(v["worst"] <= 1e-5 for v in values.values()), values
+    losses = {tuple(v["loss"]) for v in values.values()}
+    assert len(losses) == 1  # every rank reports the step's loss, not only the last stage
+
+
+@pytest.mark.parametrize("case", ["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble",
+                                  "zbv_zero_bubble", "dualpipev", "split_points", "fewer_first", "tied",
+                                  "tied_zbv", "tied_i1f1b"])
+def test_pp2(world2, case):
+    _check(world2, case, 2)
+
+
+@pytest.mark.parametrize("case", ["pp2_tp2_sp_lp", "pp2_tp2_nosp", "pp2_dp2", "pp4"])
+def test_pp_composed(world4, case):
+    _check(world4, case, 4)
+
+
+def test_pp2_dp2_tp2_on_8_ranks(world8):
+    _check(world8, "pp2_dp2_tp2", 8)

@@ -1,0 +1,182 @@
+"""Pipeline stages by tracing (``meshplan.pipeline.trace``) on the ResNet example, which is not a block stack.
+
+Fast (one process): the traced stages chained give the full model's output and gradients; the stages keep the
+model's parameter names and share its tensors; their state-dict parts together are the model's state dict;
+tracing leaves the model as it was; and each way a split can fail gives one PlanError saying where, what was
+found and what was expected.
+
+Dist (real torchrun/gloo, 2 processes, one launch): pp=2 cut at ``layer3`` (the seeds' seq1 | seq2) with GPipe
+and 1F1B, and vpp=2 (4 stages, cut at layer2, layer3, avgpool) with interleaved 1F1B; 4 microbatches, 3 SGD and
+3 AdamW steps beside one device running the whole batch: the loss and every gradient at each step and every
+parameter after each step within 1e-5 relative; the ranks' state-dict keys together are the model's (see
+``tests/dist/trace_worker.py``).
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from _launch import case_result, launch
+from meshplan.errors import PlanError
+from meshplan.pipeline.trace import check_split_points, stage_state_dict, traced_stages
+from resnet import ResNet, build, tiny_args
+
+SPLITS = {2: ["layer3"], 3: ["layer2", "layer3"]}
+
+
+def _x(batch=2):
+    return torch.randn(batch, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture(scope="module")
+def traced():
+    """``{num_stages: (model, reference copy, TracedStages of every stage)}``."""
+    out = {}
+    for n, split in SPLITS.items():
+        model = build(tiny_args(), seed=0)
+        ref = copy.deepcopy(model)
+        out[n] = (model, ref, traced_stages(model, (_x(),), split, n, list(range(n))))
+    return out
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("n", sorted(SPLITS))
+def test_chained_stages_equal_the_model(traced, n):
+    model, ref, stages = traced[n]
+    x, y = _x(), torch.tensor([0, 3])
+    h = x
+    for m in stages.modules:
+        h = m(h)
+    F.cross_entropy(h, y).backward()
+    F.cross_entropy(ref(x), y).backward()
+    assert torch.equal(h.detach(), ref(x).detach())
+    got = {}
+    for m in stages.modules:
+        got.update({name: p.grad for name, p in m.named_parameters()})
+    assert sorted(got) == sorted(n for n, _ in ref.named_parameters())
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(got[name], p.grad, rtol=1e-6, atol=0)
+    model.zero_grad(set_to_none=True)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("n", sorted(SPLITS))
+def test_stage_keys_are_the_original_names_and_together_the_model(traced, n):
+    model, _, stages = traced[n]
+    full = model.state_dict(keep_vars=True)
+    parts = [stage_state_dict(m, model) for m in stages.modules]
+    # torch's traced stage modules keep the original FQNs (no renaming) and share the model's tensors
+    for m in stages.modules:
+        assert set(m.state_dict()) <= set(full)
+        assert all(t is full[k] for k, t in m.state_dict(keep_vars=True).items())
+    keys = [k for part in parts for k in part]
+    assert len(keys) == len(set(keys)) and set(keys) == set(full)
+    assert any(k.startswith("layer1.0.conv1.") for k in parts[0])
+    assert all(k.startswith(("layer3.", "fc.")) for k in parts[-1])
+    assert stages.stage_indices == list(range(n)) and stages.num_stages == n
+
+
+@pytest.mark.fast
+def test_tracing_leaves_the_model_as_it_was(traced):
+    model, ref, _ = traced[3]
+    assert "forward" not in vars(model.layer2) and "forward" not in vars(model.layer3)
+    assert torch.equal(model(_x()), ref(_x()))
+
+
+@pytest.mark.fast
+def test_microbatches_compute_the_full_batch():
+    """GroupNorm normalises per sample: a microbatch's rows equal the full batch's (BatchNorm's would not)."""
+    model = build(tiny_args())
+    x = _x(8)
+    assert torch.equal(torch.cat([model(c) for c in x.chunk(4)]), model(x))
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("points, n, match", [
+    (["layer9"], 2, r"'layer9'.*matches no module of ResNet.*closest module paths: layer\d"),
+    (["layer2"], 3, r"1 split points \['layer2'\] for 3 stages; expected num_stages - 1 = 2"),
+    (["layer*"], 2, r"split point 'layer\*' is not a module path"),
+    ([""], 2, r"split point '' is not a module path"),
+    (["layer2", "layer2"], 3, r"\['layer2'\] appear more than once"),
+])
+def test_bad_split_points_without_tracing(points, n, match):
+    with pytest.raises(PlanError, match=match):
+        check_split_points(ResNet(tiny_args()), points, n)
+
+
+@pytest.mark.fast
+def test_split_points_out_of_order_called_twice_or_cutting_an_empty_stage():
+    model = build(tiny_args())
+    with pytest.raises(PlanError, match=r"'layer3' in stage\(s\) \[2\].*expected 3 stages, split point k starting"):
+        traced_stages(model, (_x(),), ["layer3", "layer2"], 3, [0])
+    # a block calls its activation module twice: the split cuts more stages than asked
+    with pytest.raises(PlanError, match=r"tracing cut 3 stages .*expected 2 stages"):
+        traced_stages(model, (_x(),), ["layer1.0.act"], 2, [0])
+    with pytest.raises(PlanError, match=r"split points \['conv1'\] leave a stage empty"):
+        traced_stages(model, (_x(),), ["conv1"], 2, [0])  # nothing runs before the stem's conv
+    with pytest.raises(PlanError, match=r"stage indices \[2\]; expected at least one, each in 0..1"):
+        traced_stages(model, (_x(),), ["layer3"], 2, [2])
+
+
+class _DataDependent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        if x.sum() > 0:  # control flow on a value: torch.export cannot capture one graph
+            return self.lin(x)
+        return x
+
+
+class _Net(nn.Module):
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 4), nn.Sequential(inner), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.c(self.b(self.a(x)))
+
+
+@pytest.mark.fast
+def test_an_untraceable_model_names_the_module_and_why():
+    with pytest.raises(PlanError) as info:
+        traced_stages(_Net(_DataDependent()), (torch.randn(2, 4),), ["c"], 2, [0])
+    msg = str(info.value)
+    assert "torch.export cannot trace _Net at module b.0 (_DataDependent)" in msg, msg
+    assert "test_pipeline_trace.py" in msg and "if x.sum() > 0:" in msg, msg
+    assert "data-dependent" in msg and "expected a model torch.export captures as one graph" in msg, msg
+
+
+@pytest.mark.fast
+def test_a_parameter_on_two_stages_is_refused():
+    tied = _Net(nn.Linear(4, 4))
+    tied.c = nn.Linear(4, 4)
+    tied.c.weight = tied.a.weight  # tied across the cut
+    with pytest.raises(PlanError, match=r"parameters used by more than one traced stage \(stage 0: 'a.weight', "
+                                        r"stage 1: '(a|c).weight'\)"):
+        traced_stages(tied, (torch.randn(2, 4),), ["c"], 2, [0])
+
+
+# ---------------------------------------------------------------- real processes
+
+
+@pytest.fixture(scope="module")
+def world2():
+    return launch("tests/dist/trace_worker.py", 2)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("case", ["gpipe_sgd", "gpipe_adamw", "1f1b_sgd", "1f1b_adamw", "interleaved_1f1b_sgd",
+                                  "interleaved_1f1b_adamw"])
+def test_pp2_resnet_trains_as_one_device(world2, case):
+    values = case_result(world2, case, 2)
+    for rank, v in values.items():
+        assert v["param"] <= 1e-5 and v["grad"] <= 1e-5, (rank, v)
+    last = values[1]
+    assert last["loss"] <= 1e-5 and len(last["losses"]) == 3, last
+    keys = values[0]["keys"] + values[1]["keys"]
+    assert len(keys) == len(set(keys)) and sorted(keys) == values[0]["model_keys"]
