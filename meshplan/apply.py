@@ -101,14 +101,18 @@ def parallelize(model: nn.Module, plan: Plan | Mapping[str, Any] | str | Path | 
 
 def _split_stages(model: nn.Module, p: Plan, topology: Topology) -> Any:
     """The pipeline step's first half: stages assigned, the model pruned to this rank's (before anything else
-    touches it), the record attached."""
+    touches it), the record attached. ``split: trace``: checked and recorded only (None: no eager split)."""
     if p.pipeline is None:
         raise PlanError(f"{p.source or '<plan>'}: layout.pp({topology.layout.pp}) > 1 needs a pipeline section "
                         f"(schedule, microbatches)")
+    where = f"{p.source}: pipeline" if p.source else "pipeline"
+    if p.pipeline.split == "trace":  # traced on the first train_step (shapes); nothing else to build here
+        from meshplan.pipeline.traced import plan_traced
+        attach_state(model, pipeline=plan_traced(model, p, topology, where))
+        return None
     from meshplan.pipeline import split_pipeline
     pattern = p.blocks.pattern if p.blocks is not None else "layers.*"
-    record, split = split_pipeline(model, p.pipeline, pattern, topology,
-                                   f"{p.source}: pipeline" if p.source else "pipeline")
+    record, split = split_pipeline(model, p.pipeline, pattern, topology, where)
     attach_state(model, pipeline=record)
     return split
 

@@ -45,7 +45,8 @@ def split_pipeline(model: nn.Module, section: Pipeline, block_pattern: str, topo
     split = plan_split(model, section, block_pattern, lay.pp * lay.vpp, where)
     ids = local_stage_ids(topology.pp_rank, lay.pp, lay.vpp, section.schedule)
     tied = _tied(model, split)
-    record = PipelineApplied(section=section, stage_ids=ids, num_stages=split.num_stages)
+    record = PipelineApplied(section=section, stage_ids=ids, num_stages=split.num_stages,
+                             full_keys=tuple(model.state_dict()))
     if tied:
         record.tied, record.embedding_group = _embedding_group(topology, record, tied)
     prune(model, split, ids)

@@ -102,6 +102,7 @@ class PipelineApplied:
         tied: names of parameters the first and last stage share (their gradients are summed over the
             embedding group); ``embedding_group``: that group (None: both ends on this rank, or no tie).
         loss: the schedule's :class:`StepLoss`; ``built``: the schedule, made on first use.
+        full_keys: the full model's state-dict keys (a full checkpoint holds them; this rank loads its own).
     """
 
     section: Pipeline
@@ -112,6 +113,7 @@ class PipelineApplied:
     tied: list[str] = field(default_factory=list)
     embedding_group: Any = None
     loss: StepLoss = field(default_factory=StepLoss)
+    full_keys: tuple[str, ...] = ()
     built: Any = None
 
     @property

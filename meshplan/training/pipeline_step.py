@@ -77,6 +77,8 @@ def pipeline_step(model: nn.Module, state: ParallelState, batch: tuple[Any, torc
     inputs, targets = batch
     record = state.pipeline
     _check_batch(inputs, record.section.microbatches)
+    from meshplan.pipeline.traced import prepare_traced
+    prepare_traced(model, record, inputs, optimizer, topology)  # split: trace: stages traced on the first step
     lay = topology.layout
     world = dist.get_world_size()
     data = math.prod(getattr(lay, a) for a in state.data_axes)

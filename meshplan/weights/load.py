@@ -42,7 +42,7 @@ def _sources(src: str | Path) -> dict[str, Path]:
 def _header(state: Mapping[str, torch.Tensor], targets: dict[str, torch.Tensor]) -> dict | str:
     bad = [f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(t.shape)}" for k, t in targets.items()
            if k in state and tuple(state[k].shape) != tuple(t.shape)]
-    return "shape mismatch: " + "; ".join(bad) if bad else {k: tuple(v.shape) for k, v in state.items()}
+    return "shape mismatch: " + "; ".join(bad) if bad else {k: (tuple(v.shape), v.dtype) for k, v in state.items()}
 
 
 def load_state_dict(model: nn.Module, source: str | Path | Mapping[str, torch.Tensor] | None, *, device=None,
@@ -67,6 +67,7 @@ def load_state_dict(model: nn.Module, source: str | Path | Mapping[str, torch.Te
     """
     dev = _device(model, device)
     targets = model.state_dict(keep_vars=True)
+    others = _other_stages(model, targets)
     if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
         _to_empty(model, dev)
         _init_buffers(model, dev)
@@ -93,22 +94,9 @@ def load_state_dict(model: nn.Module, source: str | Path | Mapping[str, torch.Te
                     _local(t).copy_(take_slices(lambda s: sl[s], ranges).to(t.dtype))
                 loaded.add(id(t))
     else:
-        import torch.distributed as dist
-        mine = dist.get_rank() == src_rank
-        head = [_header(source, targets) if mine else None]
-        dist.broadcast_object_list(head, src=src_rank)
-        if isinstance(head[0], str):
-            raise PlanError(f"load_state_dict from rank {src_rank}: {head[0]}")
-        keys = set(head[0])
-        for k, t in targets.items():
-            if id(t) in loaded or k not in keys:
-                continue
-            full = source[k].to(device=dev, dtype=t.dtype) if mine else torch.empty(t.shape, dtype=t.dtype, device=dev)
-            dist.broadcast(full, src=src_rank)
-            _store(t, full)
-            loaded.add(id(t))
+        keys = _load_broadcast(source, targets, others, src_rank, dev, loaded)
     missing = [k for k, t in targets.items() if id(t) not in loaded]
-    unexpected = sorted(keys - set(targets))
+    unexpected = sorted(keys - set(targets) - others)
     if strict and (missing or unexpected):
         raise PlanError(f"load_state_dict: missing keys {missing[:8]}{' …' if len(missing) > 8 else ''}; unexpected "
                         f"keys {unexpected[:8]}{' …' if len(unexpected) > 8 else ''}")
@@ -124,3 +112,47 @@ def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor
 def load_safetensors(model: nn.Module, path: str | Path, *, device=None, strict: bool = True) -> nn.Module:
     """:func:`load_state_dict` from safetensors: every rank reads only its slices."""
     return load_state_dict(model, path, device=device, strict=strict)
+
+
+def _other_stages(model: nn.Module, targets: Mapping[str, torch.Tensor]) -> set[str]:
+    """Keys of the full model that other pipeline stages hold (expected in a full checkpoint, not loaded here).
+
+    Raises:
+        PlanError: a pipelined model still on the meta device (its buffers are computed by the model's
+            initializer, which meets pass-throughs where the other stages' modules were).
+    """
+    from meshplan.state import parallel_state
+    state = parallel_state(model)
+    if state is None or state.pipeline is None:
+        return set()
+    if any(t.is_meta for t in targets.values()):
+        raise PlanError(f"load_state_dict: this {type(model).__name__} holds pipeline stages "
+                        f"{state.pipeline.stage_ids} only and is on the meta device, so its initializer cannot "
+                        f"compute its buffers; build it on the CPU before meshplan.parallelize, then load")
+    return set(state.pipeline.full_keys) - set(targets)
+
+
+def _load_broadcast(source: Mapping[str, torch.Tensor] | None, targets: dict[str, torch.Tensor], others: set[str],
+                    src_rank: int, dev: torch.device, loaded: set[int]) -> set[str]:
+    """Broadcast rank ``src_rank``'s full tensors one at a time, each rank storing its slices; every rank takes
+    part in every broadcast of a key some rank holds (pipeline stages hold different keys).
+
+    Returns:
+        The checkpoint's keys.
+    """
+    import torch.distributed as dist
+    mine = dist.get_rank() == src_rank
+    head = [_header(source, targets) if mine else None]
+    dist.broadcast_object_list(head, src=src_rank)
+    if isinstance(head[0], str):
+        raise PlanError(f"load_state_dict from rank {src_rank}: {head[0]}")
+    for k, (shape, dtype) in head[0].items():
+        t = targets.get(k)
+        if t is None and k not in others:
+            continue  # no rank holds it (unexpected: reported by the caller)
+        full = source[k].to(device=dev, dtype=dtype) if mine else torch.empty(shape, dtype=dtype, device=dev)
+        dist.broadcast(full, src=src_rank)
+        if t is not None and id(t) not in loaded:
+            _store(t, full.to(t.dtype))
+            loaded.add(id(t))
+    return set(head[0])

@@ -146,7 +146,18 @@ def materialize(model: nn.Module, init: Callable[[nn.Module], None] | None = Non
     Returns:
         ``model``, on ``device``, equal (shard for shard) to a one-device model built the same
         way and initialized with the same seed and initializer.
+
+    Raises:
+        PlanError: the model was cut into pipeline stages (its initializer would meet pass-throughs where
+            the other stages' modules were, and draw a different random stream).
     """
+    from meshplan.state import parallel_state
+    state = parallel_state(model)
+    if state is not None and state.pipeline is not None:
+        raise PlanError(f"materialize: this {type(model).__name__} holds pipeline stages {state.pipeline.stage_ids} "
+                        f"only, so its initializer cannot draw the one-device random stream; build the model on "
+                        f"the CPU with the seed before meshplan.parallelize, or load a checkpoint "
+                        f"(meshplan.load_state_dict)")
     dev = _device(model, device)
     _to_empty(model, dev)
     if seed is not None:

@@ -111,6 +111,31 @@ def compare(layout, schedule="1f1b", microbatches=4, n_layers=4, tp=False, sp=Tr
     return {"worst": worst, "loss": [r.loss for r in results], "params": len(names)}
 
 
+def load_full(layout, tied=False):
+    """A full checkpoint (rank 0's dict) loads into the pipelined model: each rank takes its stages' keys; the
+    meta-device path refuses with its reason."""
+    args = tiny_args(n_layers=4, **({"tie_embeddings": True} if tied else {}))
+    torch.manual_seed(1)
+    full = build(args)
+    plan = {"layout": layout, "pipeline": {"schedule": "1f1b", "microbatches": 2}}
+    topo = meshplan.build_mesh(layout)
+    torch.manual_seed(2)  # other weights: loading must replace every one
+    model = meshplan.parallelize(build(args), plan, topo)
+    meshplan.load_full_state_dict(model, full.state_dict() if dist.get_rank() == 0 else None)
+    want = dict(full.named_parameters(remove_duplicate=False))
+    for name, p in model.named_parameters(remove_duplicate=False):
+        assert torch.equal(p.detach(), want[name].detach()), name
+    with torch.device("meta"):
+        meta = meshplan.parallelize(build(args), plan, topo)
+    try:
+        meshplan.load_full_state_dict(meta, full.state_dict() if dist.get_rank() == 0 else None)
+    except meshplan.PlanError as e:
+        assert "meta device" in str(e), e
+    else:
+        raise AssertionError("a meta-device pipelined model loaded")
+    return {"worst": 0.0, "loss": [], "params": len(list(model.parameters()))}
+
+
 P2 = {"pp": 2}
 CASES_2 = {
     "gpipe": lambda: compare(P2, "gpipe"),
@@ -124,6 +149,8 @@ CASES_2 = {
     "fewer_first": lambda: compare(P2, "gpipe", n_layers=5, first_stage_fewer_blocks=1),
     "tied": lambda: compare(P2, "1f1b", tied=True),
     "tied_zbv": lambda: compare({"pp": 2, "vpp": 2}, "zbv_zero_bubble", n_layers=4, tied=True),
+    "load_full": lambda: load_full(P2),
+    "load_full_tied": lambda: load_full(P2, tied=True),
     "tied_i1f1b": lambda: compare({"pp": 2, "vpp": 2}, "interleaved_1f1b", n_layers=4, tied=True),
 }
 CASES_4 = {

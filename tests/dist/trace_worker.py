@@ -8,16 +8,26 @@ the microbatch losses, each a mean over its equal share of the batch) against th
 parameter this rank's stage holds (under its original name, via ``stage_state_dict``) against the reference;
 the gradients of every step too. Reports the worst relative differences and the stage's keys (the test
 checks that the ranks' keys together are the model's).
+
+The ``plan_*`` cases go through the normal API: ``meshplan.parallelize(build(...), "plans/resnet_pp.yaml", topo)``
+(``pipeline: {split: trace, split_points: [layer3]}``; the schedule and the layout varied from the file's) and
+``meshplan.train_step`` with ``meshplan.cross_entropy`` and ``max_grad_norm``, 3 AdamW steps, beside one device
+accumulating the same microbatches (see ``tests/dist/pp_worker.py::reference``): every step's loss and pre-clip
+norm, and every parameter the rank holds, within 1e-5 relative; the state-dict keys of the ranks are disjoint and
+together the full model's; the optimizer keeps only this rank's parameters.
 """
 
 import copy
 import os
 import warnings
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
+import meshplan
 from _launch import run_cases
 from meshplan.pipeline.trace import stage_state_dict, traced_stages
 from resnet import build, tiny_args
@@ -96,7 +106,78 @@ def _case(schedule, optimizer):
 
 CASES = {f"{s}_{o}": _case(s, o) for s in SCHEDULES for o in OPTIMIZERS}
 
+# ---------------------------------------------------------------- through the plan: parallelize + train_step
+
+PLAN = Path(__file__).resolve().parents[2] / "plans" / "resnet_pp.yaml"
+MAX_NORM, LR = 0.5, 1e-2
+
+
+def reference(microbatches):
+    """One device, the same microbatches accumulated (each summed loss divided by the batch size), clipped to
+    ``MAX_NORM``, AdamW: the schedule's sums in the order it makes them."""
+    ref = build(tiny_args(), seed=0)
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.1)
+    losses, norms = [], []
+    for step in range(STEPS):
+        x, y = _batch(step)
+        loss = 0.0
+        for xm, ym in zip(x.chunk(microbatches), y.chunk(microbatches)):
+            part = F.cross_entropy(ref(xm), ym, reduction="sum") / len(y)
+            part.backward()
+            loss += float(part)
+        norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)))
+        losses.append(loss)
+        opt.step()
+        opt.zero_grad()
+    return ref, losses, norms
+
+
+def _plan(schedule, layout, split_points):
+    """``plans/resnet_pp.yaml`` as it is (gpipe, pp 2), or with another schedule, layout and split points."""
+    plan = meshplan.load_plan(PLAN)
+    if (schedule, layout, split_points) == ("gpipe", None, None):
+        return str(PLAN)
+    pipe = plan.pipeline.model_copy(update={"schedule": schedule,
+                                            "split_points": tuple(split_points or plan.pipeline.split_points)})
+    return plan.model_copy(update={"pipeline": pipe, "layout": plan.layout.model_copy(update=layout or {})})
+
+
+def plan_parity(schedule, layout=None, split_points=None):
+    ref, ref_losses, ref_norms = reference(MICROBATCHES)
+    topo = meshplan.build_mesh({"pp": WORLD, **(layout or {})})
+    model = meshplan.parallelize(build(tiny_args(), seed=0), _plan(schedule, layout, split_points), topo)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    results = [meshplan.train_step(model, _batch(s), meshplan.cross_entropy, opt, max_grad_norm=MAX_NORM)
+               for s in range(STEPS)]
+    ref_params = dict(ref.named_parameters())
+    worst = {"param": 0.0, "loss": 0.0, "norm": 0.0}
+    for name, p in model.named_parameters():
+        worst["param"] = max(worst["param"], _rel(p.detach(), ref_params[name].detach()))
+    for res, loss, norm in zip(results, ref_losses, ref_norms):
+        worst["loss"] = max(worst["loss"], abs(res.loss - loss) / abs(loss))
+        worst["norm"] = max(worst["norm"], abs(res.grad_norm - norm) / norm)
+    everyone = [None] * WORLD
+    dist.all_gather_object(everyone, sorted(model.state_dict()))
+    optimized = {id(p) for g in opt.param_groups for p in g["params"]}
+    return {**worst, "keys": everyone, "model_keys": sorted(ref.state_dict()),
+            "losses": [r.loss for r in results], "ref_losses": ref_losses, "norms": [r.grad_norm for r in results],
+            "ref_norms": ref_norms, "num_tokens": [r.num_tokens for r in results],
+            "optimizer_is_model": optimized == {id(p) for p in model.parameters()}}
+
+
+VPP = {"layout": {"vpp": 2}, "split_points": ["layer2", "layer3", "avgpool"]}
+PLAN_CASES = {
+    "plan_gpipe": lambda: plan_parity("gpipe"),
+    "plan_1f1b": lambda: plan_parity("1f1b"),
+    "plan_interleaved_1f1b": lambda: plan_parity("interleaved_1f1b", **VPP),
+    "plan_looped_bfs": lambda: plan_parity("looped_bfs", **VPP),
+    "plan_interleaved_zero_bubble": lambda: plan_parity("interleaved_zero_bubble", **VPP),
+    "plan_zbv_zero_bubble": lambda: plan_parity("zbv_zero_bubble", **VPP),
+    "plan_dualpipev": lambda: plan_parity("dualpipev", **VPP),
+}
+CASES.update(PLAN_CASES)
+
 if __name__ == "__main__":
-    import torch.distributed as dist
     dist.init_process_group("gloo")
-    run_cases(CASES)
+    only = os.environ.get("MESHPLAN_CASES")
+    run_cases({k: v for k, v in CASES.items() if not only or k in only.split(",")})
