@@ -37,10 +37,11 @@ def test_pp2(world2, case):
     _check(world2, case, 2)
 
 
-@pytest.mark.parametrize("case", ["pp2_tp2_sp_lp", "pp2_tp2_nosp", "pp2_dp2", "pp4"])
+@pytest.mark.parametrize("case", ["pp2_tp2_sp_lp", "pp2_tp2_nosp", "pp2_dp2", "pp4", "pp2_ddp"])
 def test_pp_composed(world4, case):
     _check(world4, case, 4)
 
 
-def test_pp2_dp2_tp2_on_8_ranks(world8):
-    _check(world8, "pp2_dp2_tp2", 8)
+@pytest.mark.parametrize("case", ["pp2_dp2_tp2", "pp2_hsdp"])
+def test_pp_on_8_ranks(world8, case):
+    _check(world8, case, 8)

@@ -22,6 +22,8 @@ class Report:
         modules: one explain row per parallelized module (see :mod:`meshplan.checks.explain`).
         unsharded: ``{parameter: reason}`` for parameters every tp rank holds whole.
         totals: parameter counts/bytes and collectives per forward/backward.
+        pipeline: the ``pipeline`` section's schedule and one row per stage (see
+            :mod:`meshplan.checks.pipeline`); empty without a section or when the split failed.
     """
 
     source: str
@@ -33,6 +35,7 @@ class Report:
     modules: list[dict] = field(default_factory=list)
     unsharded: dict[str, str] = field(default_factory=dict)
     totals: dict[str, Any] = field(default_factory=dict)
+    pipeline: dict[str, Any] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -45,10 +48,11 @@ class Report:
             raise PlanError(f"{len(self.errors)} problem(s) in {self.source}:\n{lines}")
 
     def to_dict(self) -> dict:
-        """The ``--format json`` document: ``{ok, errors, warnings, modules, unsharded, totals}``."""
+        """The ``--format json`` document: ``{ok, errors, warnings, modules, unsharded, totals, pipeline}``."""
         return {"ok": self.ok, "source": self.source, "model": self.model, "tp": self.tp,
                 "world_size": self.world_size, "errors": [str(e) for e in self.errors], "warnings": self.warnings,
-                "modules": self.modules, "unsharded": self.unsharded, "totals": self.totals}
+                "modules": self.modules, "unsharded": self.unsharded, "totals": self.totals,
+                "pipeline": self.pipeline or None}
 
 
 def fold_errors(errors: list[PlanError]) -> list[PlanError]:

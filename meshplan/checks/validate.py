@@ -11,7 +11,8 @@ residual stream, an ``lm_head`` takes the stream, a ``gather`` needs a partial
 output, sequence parallelism needs every norm on the stream listed). Then, when
 all of that passes, the plan is applied for real to a meta-device copy under a
 ``fake`` process group (nothing allocated, nothing communicated), which gives
-the local parameter shapes of the explain table (:mod:`meshplan.checks.explain`).
+the local parameter shapes of the explain table (:mod:`meshplan.checks.explain`). A ``pipeline`` section
+is checked against the layout and split on a meta copy (:mod:`meshplan.checks.pipeline`).
 """
 
 from __future__ import annotations
@@ -227,6 +228,7 @@ def check(model: nn.Module, plan: Plan | Mapping[str, Any] | str, world_size: in
     """
     from meshplan.checks.dry_run import meta_dry_run
     from meshplan.checks.explain import explain
+    from meshplan.checks.pipeline import check_pipeline
     p = as_plan(plan)
     lay = Layout.model_validate(dict(layout)) if isinstance(layout, Mapping) else layout or p.layout or Layout()
     report = Report(source=p.source or "<plan>", model=type(model).__name__, tp=lay.tp, world_size=world_size or 0)
@@ -242,6 +244,7 @@ def check(model: nn.Module, plan: Plan | Mapping[str, Any] | str, world_size: in
     import torch.distributed as dist
     shadow = dry_run and (not dist.is_initialized() or dist.get_backend() == "fake")  # as the dry run
     matched, checker = _static(model, p, resolved.tp, report, shadow)
+    check_pipeline(model, p, resolved.pp, resolved.vpp, report)  # the schedule and the split (meta copy)
     applied = None
     if report.ok and p.tensor_parallel is not None and dry_run:
         applied = meta_dry_run(model, p, resolved.tp, report)

@@ -12,6 +12,7 @@ is this rank's part of the full one and the keys of all ranks together are the f
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
 
 import torch.nn as nn
@@ -22,6 +23,9 @@ from meshplan.plan_file.patterns import match_pattern
 from meshplan.plan_file.pipeline import Pipeline, V_SCHEDULES
 
 __all__ = ["StageSplit", "plan_split", "balanced", "prune", "stage_view", "local_stage_ids"]
+
+#: the module types whose children can be blocks (a stage holds a new one of the same type with its blocks)
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
 
 @dataclass(frozen=True)
@@ -72,11 +76,18 @@ def _container(model: nn.Module, blocks: list[str], where: str) -> str:
     if len(parents) != 1:
         raise PlanError(f"{where}: the blocks {blocks[0]!r}, … have {len(parents)} parents ({', '.join(sorted(parents))}); "
                         f"pipelining cuts the children of ONE container (set blocks.pattern to e.g. layers.*)")
-    return parents.pop()
+    container = parents.pop()
+    holder = model.get_submodule(container) if container else model
+    if not isinstance(holder, _CONTAINERS):
+        raise PlanError(f"{where}: the blocks {blocks[0]!r}, … are children of {container or '(root)'!r}, a "
+                        f"{type(holder).__name__}; found no block container, expected the children of a "
+                        f"ModuleList/ModuleDict/Sequential (set blocks.pattern to its children, e.g. layers.*)")
+    return container
 
 
 def _end_modules(model: nn.Module, container: str) -> tuple[list[str], list[str]]:
-    """Modules with parameters registered before / after the container, at each level above it."""
+    """Modules with parameters registered before / after the container, at each level above it, in the model's
+    module order (``model.norm`` before ``lm_head``)."""
     first, last = [], []
     parts = container.split(".") if container else []
     node, prefix = model, ""
@@ -89,7 +100,8 @@ def _end_modules(model: nn.Module, container: str) -> tuple[list[str], list[str]
             elif any(True for _ in child.parameters()):
                 (first if before else last).append(path)
         node, prefix = getattr(node, name), prefix + name + "."
-    return first, last
+    order = {path: i for i, (path, _) in enumerate(model.named_modules(remove_duplicate=False))}
+    return sorted(first, key=order.__getitem__), sorted(last, key=order.__getitem__)
 
 
 def _stage_sizes(section: Pipeline, keys: list[str], container: str, n_stages: int, where: str) -> list[int]:
@@ -114,8 +126,9 @@ def _stage_sizes(section: Pipeline, keys: list[str], container: str, n_stages: i
         starts.append(paths.index(point))
     bounds = [0, *starts, n]
     if any(b >= c for b, c in zip(bounds, bounds[1:])):
-        raise PlanError(f"{where}.split_points: {list(section.split_points)} must be in block order, each stage "
-                        f"holding at least one block")
+        raise PlanError(f"{where}.split_points: {list(section.split_points)} start stages 1… at blocks {starts} "
+                        f"of {paths[0]!r} … {paths[-1]!r}; found a stage with no block, expected block indices "
+                        f"increasing from 1 (stage 0 starts at {paths[0]!r})")
     return [c - b for b, c in zip(bounds, bounds[1:])]
 
 
@@ -127,7 +140,7 @@ def plan_split(model: nn.Module, section: Pipeline, block_pattern: str, n_stages
         PlanError: blocks under several containers, fewer blocks than stages, split points that are not
             blocks (or out of order, or not ``n_stages - 1``), end modules that do not exist.
     """
-    blocks = match_pattern(model, block_pattern, "blocks")
+    blocks = match_pattern(model, block_pattern, f"{where} (the stage unit, blocks.pattern)")
     container = _container(model, blocks, where)
     holder = model.get_submodule(container) if container else model
     keys = [name for name, _ in holder.named_children()]
@@ -144,7 +157,9 @@ def plan_split(model: nn.Module, section: Pipeline, block_pattern: str, n_stages
             try:
                 model.get_submodule(p)
             except AttributeError:
-                raise PlanError(f"{where}.{key}: {type(model).__name__} has no module {p!r}") from None
+                close = difflib.get_close_matches(p, [n for n, _ in model.named_modules() if n], n=3)
+                raise PlanError(f"{where}.{key}: {type(model).__name__} has no module {p!r}; found none, expected a "
+                                f"module path{' (closest: ' + ', '.join(close) + ')' if close else ''}") from None
     return StageSplit(container, tuple(tuple(keys[cuts[s]:cuts[s + 1]]) for s in range(n_stages)),
                       tuple(first), tuple(last))
 

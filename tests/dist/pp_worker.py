@@ -67,7 +67,7 @@ def reference(args, microbatches):
 
 def topo_dp(layout):
     """Data-parallel ranks of ``layout`` on this world: each splits its rows into the microbatches."""
-    return WORLD // (layout.get("pp", 1) * layout.get("tp", 1))
+    return WORLD // (layout.get("pp", 1) * layout.get("tp", 1))  # dp_replicate × dp_shard
 
 
 def compare(layout, schedule="1f1b", microbatches=4, n_layers=4, tp=False, sp=True, lp=False, dp=None, **pipe):
@@ -158,8 +158,10 @@ CASES_4 = {
     "pp2_tp2_nosp": lambda: compare({"pp": 2, "tp": 2}, "gpipe", n_layers=2, tp=True, sp=False),
     "pp2_dp2": lambda: compare({"pp": 2}, "1f1b", dp={}),
     "pp4": lambda: compare({"pp": 4}, "1f1b", n_layers=4),
+    "pp2_ddp": lambda: compare({"pp": 2, "dp_replicate": 2, "dp_shard": 1}, "gpipe", dp={"mode": "ddp"}),
 }
 CASES_8 = {
+    "pp2_hsdp": lambda: compare({"pp": 2, "dp_replicate": 2, "dp_shard": 2}, "1f1b", microbatches=2, dp={"mode": "hsdp"}),
     "pp2_dp2_tp2": lambda: compare({"pp": 2, "tp": 2}, "1f1b", n_layers=2, tp=True, sp=True, lp=True, dp={}),
 }
 
