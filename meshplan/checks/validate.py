@@ -33,7 +33,7 @@ from meshplan.tensor_parallel.heads import head_count_errors, safe_attr, sees_he
 from meshplan.tensor_parallel.layouts import residual_stream
 from meshplan.tensor_parallel.style_table import STYLES, StyleSpec
 
-__all__ = ["check", "Report", "validate_plan"]
+__all__ = ["check", "Report", "validate_plan", "smallest_world"]
 
 
 class _Checker:
@@ -204,6 +204,12 @@ class _Checker:
                      f"stream but no rule covers it; found no rule, expected {pattern!r}: norm")
 
 
+def smallest_world(lay: Layout) -> int:
+    """The fewest ranks ``lay`` runs on: tp·cp·pp times the data-parallel degrees it fixes (``dp_shard: -1``
+    counts as 1), e.g. 8 for ``{tp: 2, pp: 2, dp_shard: 2}``."""
+    return lay.tp * lay.cp * lay.pp * lay.dp_replicate * max(lay.dp_shard, 1)
+
+
 def check(model: nn.Module, plan: Plan | Mapping[str, Any] | str, world_size: int | None = None,
           layout: Layout | Mapping[str, Any] | None = None, *, dry_run: bool = True) -> Report:
     """Validate ``plan`` against ``model`` without running it; collect every problem.
@@ -211,7 +217,7 @@ def check(model: nn.Module, plan: Plan | Mapping[str, Any] | str, world_size: in
     Args:
         model: the model (any device; a meta-device copy is used, the model is not changed).
         plan: a path, a dict of a file's content, or a :class:`Plan`.
-        world_size: ranks to check for; default: the layout's tp·cp·pp.
+        world_size: ranks to check for; default: :func:`smallest_world` of the layout.
         layout: a :class:`Layout` or dict overriding the plan's ``layout`` section.
         dry_run: also apply the plan to a meta copy under a ``fake`` process group (exact
             local shapes); skipped when a real process group is initialized.
@@ -233,7 +239,7 @@ def check(model: nn.Module, plan: Plan | Mapping[str, Any] | str, world_size: in
     lay = Layout.model_validate(dict(layout)) if isinstance(layout, Mapping) else layout or p.layout or Layout()
     report = Report(source=p.source or "<plan>", model=type(model).__name__, tp=lay.tp, world_size=world_size or 0)
     try:
-        resolved = lay.resolve(world_size or lay.tp * lay.cp * lay.pp)
+        resolved = lay.resolve(world_size or smallest_world(lay))
     except PlanError as e:
         report.errors.append(PlanError(f"{report.source}: layout: {e}"))
         return report
@@ -244,7 +250,7 @@ def check(model: nn.Module, plan: Plan | Mapping[str, Any] | str, world_size: in
     import torch.distributed as dist
     shadow = dry_run and (not dist.is_initialized() or dist.get_backend() == "fake")  # as the dry run
     matched, checker = _static(model, p, resolved.tp, report, shadow)
-    check_pipeline(model, p, resolved.pp, resolved.vpp, report)  # the schedule and the split (meta copy)
+    check_pipeline(model, p, resolved, report)  # the schedule and the split (on a meta copy)
     applied = None
     if report.ok and p.tensor_parallel is not None and dry_run:
         applied = meta_dry_run(model, p, resolved.tp, report)

@@ -42,11 +42,11 @@ def _check(args: argparse.Namespace) -> int:
 
     from meshplan.checks.explain import render_table
     from meshplan.plan_file.document import load_plan
-    from meshplan.checks.validate import check
+    from meshplan.checks.validate import check, smallest_world
     plan = load_plan(args.plan)
     base = plan.layout.model_dump(exclude_unset=True) if plan.layout else None
     layout = layout_from_args(args, base)
-    layout.resolve(args.world_size or layout.tp * layout.cp * layout.pp)  # bad flags: one line, before the model
+    layout.resolve(args.world_size or smallest_world(layout))  # bad flags: one line, before the model
     if plan.layout is None and args.tp is None:
         raise PlanError(f"{args.plan}: the plan has no layout and no --tp was given, so nothing would be sharded; "
                         f"add `layout: {{tp: N}}` to the plan or pass --tp N")

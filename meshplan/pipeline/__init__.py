@@ -43,6 +43,8 @@ def split_pipeline(model: nn.Module, section: Pipeline, block_pattern: str, topo
     lay = topology.layout
     check_schedule(section, lay.pp, lay.vpp, where)
     split = plan_split(model, section, block_pattern, lay.pp * lay.vpp, where)
+    from meshplan.pipeline.probe import probe_split
+    probe_split(model, split, where)  # refuse a model a later stage would compute differently
     ids = local_stage_ids(topology.pp_rank, lay.pp, lay.vpp, section.schedule)
     tied = _tied(model, split)
     record = PipelineApplied(section=section, stage_ids=ids, num_stages=split.num_stages,

@@ -49,16 +49,25 @@ class StageSplit:
 
 
 def balanced(n_blocks: int, n_stages: int, fewer_first: int = 0, fewer_last: int = 0) -> list[int]:
-    """Blocks per stage: as equal as possible, the first/last stage given ``fewer_*`` fewer (torchtitan's
-    ``first_stage_less_layers``); every stage gets at least one block.
+    """Blocks per stage: as equal as possible, the first/last stage given ``fewer_*`` fewer.
+
+    As torchtitan's ``first_stage_less_layers``: the embedding (head) weighs ``fewer_first`` (``fewer_last``)
+    blocks and the ``n_blocks + fewer_first + fewer_last`` slots are spread evenly. The slots left over go to
+    the stages without an end module first, so a stage asked for fewer blocks has fewer than every other one.
+    A size below 1 is the caller's error to raise.
 
     Example::
 
         >>> balanced(10, 4)
         [3, 3, 2, 2]
+        >>> balanced(8, 3, fewer_first=1, fewer_last=1)
+        [2, 4, 2]
     """
     slots = n_blocks + fewer_first + fewer_last
-    sizes = [slots // n_stages + (1 if s < slots % n_stages else 0) for s in range(n_stages)]
+    reduced = {0: fewer_first, n_stages - 1: fewer_last if n_stages > 1 else fewer_first + fewer_last}
+    order = sorted(range(n_stages), key=lambda s: (reduced.get(s, 0) > 0, s))  # extra slots: plain stages first
+    extra = set(order[:slots % n_stages])
+    sizes = [slots // n_stages + (s in extra) for s in range(n_stages)]
     sizes[0] -= fewer_first
     sizes[-1] -= fewer_last
     return sizes
@@ -74,8 +83,9 @@ def local_stage_ids(pp_rank: int, pp: int, vpp: int, schedule: str) -> list[int]
 def _container(model: nn.Module, blocks: list[str], where: str) -> str:
     parents = {b.rpartition(".")[0] for b in blocks}
     if len(parents) != 1:
-        raise PlanError(f"{where}: the blocks {blocks[0]!r}, … have {len(parents)} parents ({', '.join(sorted(parents))}); "
-                        f"pipelining cuts the children of ONE container (set blocks.pattern to e.g. layers.*)")
+        raise PlanError(f"{where}: the blocks {blocks[0]!r}, … have {len(parents)} parents "
+                        f"({', '.join(sorted(parents))}); pipelining cuts the children of ONE container; found "
+                        f"{len(parents)}, expected 1 (set blocks.pattern to e.g. layers.*)")
     container = parents.pop()
     holder = model.get_submodule(container) if container else model
     if not isinstance(holder, _CONTAINERS):
@@ -121,8 +131,9 @@ def _stage_sizes(section: Pipeline, keys: list[str], container: str, n_stages: i
     starts = []
     for i, point in enumerate(section.split_points):
         if point not in paths:
-            raise PlanError(f"{where}.split_points[{i}]: {point!r} is not a block; found none, expected one of "
-                            f"{paths[1]!r} … {paths[-1]!r}")
+            valid = f"one of {paths[1]!r} … {paths[-1]!r}" if len(paths) > 2 else repr(paths[-1])
+            raise PlanError(f"{where}.split_points[{i}]: {point!r} is not a block; found none, expected {valid} "
+                            f"(where a stage begins)")
         starts.append(paths.index(point))
     bounds = [0, *starts, n]
     if any(b >= c for b, c in zip(bounds, bounds[1:])):
@@ -140,7 +151,11 @@ def plan_split(model: nn.Module, section: Pipeline, block_pattern: str, n_stages
         PlanError: blocks under several containers, fewer blocks than stages, split points that are not
             blocks (or out of order, or not ``n_stages - 1``), end modules that do not exist.
     """
-    blocks = match_pattern(model, block_pattern, f"{where} (the stage unit, blocks.pattern)")
+    try:
+        blocks = match_pattern(model, block_pattern, f"{where} (the stage unit, blocks.pattern)")
+    except PlanError as e:
+        raise PlanError(f"{e}; expected the pattern of the model's repeated blocks (blocks.pattern), or, for a "
+                        f"model that is not a block stack, pipeline.split: trace with split_points") from None
     container = _container(model, blocks, where)
     holder = model.get_submodule(container) if container else model
     keys = [name for name, _ in holder.named_children()]
