@@ -10,9 +10,19 @@ and 1F1B, and vpp=2 (4 stages, cut at layer2, layer3, avgpool) with interleaved 
 3 AdamW steps beside one device running the whole batch: the loss and every gradient at each step and every
 parameter after each step within 1e-5 relative; the ranks' state-dict keys together are the model's (see
 ``tests/dist/trace_worker.py``).
+
+
+Through the plan (``pipeline: {split: trace}``, ``plans/resnet_pp.yaml``): fast, each refusal of
+:func:`~meshplan.pipeline.traced.plan_traced` (other sections, other degrees, V-shaped schedules, bad split
+points) and of the first step (inputs that are not tensors, another shape than the traced one), and the pruning
+rule; dist (same launch), ``meshplan.parallelize`` + ``meshplan.train_step`` with gpipe, 1f1b, and vpp=2
+interleaved_1f1b, looped_bfs and interleaved_zero_bubble, 3 AdamW steps with clipping: losses, pre-clip norms
+and every parameter within 1e-5 of one device accumulating the same microbatches; the ranks' state-dict keys
+disjoint and together the model's; the optimizer left with this rank's parameters only.
 """
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,8 +30,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from _launch import case_result, launch
+import meshplan
 from meshplan.errors import PlanError
 from meshplan.pipeline.trace import check_split_points, stage_state_dict, traced_stages
+from meshplan.pipeline.traced import TracedPipeline, _prune, _prune_optimizer, plan_traced, prepare_traced
+from meshplan.plan_file.layout import Layout
 from resnet import ResNet, build, tiny_args
 
 SPLITS = {2: ["layer3"], 3: ["layer2", "layer3"]}
@@ -161,6 +174,91 @@ def test_a_parameter_on_two_stages_is_refused():
         traced_stages(tied, (torch.randn(2, 4),), ["c"], 2, [0])
 
 
+# ---------------------------------------------------------------- through the plan: split: trace
+
+TRACE = {"split": "trace", "split_points": ["layer3"], "schedule": "gpipe", "microbatches": 4}
+VPP_POINTS = ["layer2", "layer3", "avgpool"]
+
+
+def _plan_traced(layout=None, world=2, **sections):
+    plan = meshplan.Plan.from_data({"layout": layout or {"pp": 2}, **sections,
+                                    "pipeline": {**TRACE, **sections.pop("pipeline", {})}})
+    topo = SimpleNamespace(layout=Layout(**(layout or {"pp": 2})).resolve(world), pp_rank=1)
+    return plan_traced(ResNet(tiny_args()), plan, topo, "p.yaml: pipeline")
+
+
+@pytest.mark.fast
+def test_the_resnet_plan_asks_for_the_traced_split():
+    plan = meshplan.load_plan("plans/resnet_pp.yaml")
+    assert plan.pipeline.split == "trace" and plan.pipeline.split_points == ("layer3",) and plan.layout.pp == 2
+    assert meshplan.Plan.from_data({"pipeline": {"microbatches": 2}}).pipeline.split == "blocks"
+    record = _plan_traced()
+    assert isinstance(record, TracedPipeline) and record.stage_ids == [1] and record.num_stages == 2
+    assert record.has_last and not record.has_first and record.shapes is None and record.stages == []
+    assert _plan_traced({"pp": 2, "vpp": 2}, pipeline={"schedule": "interleaved_1f1b",
+                                                       "split_points": VPP_POINTS}).stage_ids == [1, 3]
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("data, match", [
+    ({"split": "trace", "microbatches": 4}, r"pipeline: split: trace needs split_points .*got none"),
+    ({**TRACE, "first_stage_fewer_blocks": 1}, r"first_stage_fewer_blocks apply to split: blocks only; got "),
+    ({**TRACE, "split": "traced"}, r"pipeline\.split: Input should be 'blocks' or 'trace' \(got 'traced'\)"),
+])
+def test_a_bad_trace_section_is_a_plan_error(data, match):
+    with pytest.raises(PlanError, match=match):
+        meshplan.Plan.from_data({"pipeline": data})
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(tensor_parallel={"rules": {"fc": "colwise"}}),
+     r"p\.yaml: pipeline\.split: trace with the tensor_parallel section\(s\): not supported yet.*expected split: "
+     r"trace alone"),
+    (dict(data_parallel={}), r"trace with the data_parallel section\(s\)"),
+    (dict(blocks={"pattern": "layer*"}), r"trace with the blocks section\(s\)"),
+    (dict(layout={"pp": 2, "tp": 2}, world=4), r"split: trace runs on pp ranks only; found world size 4 with pp=2 "
+                                               r"and \{'tp': 2\}; expected world size = pp"),
+    (dict(layout={"pp": 2}, world=4), r"found world size 4 with pp=2 and \{'dp': 2, 'dp_shard': 2\}"),
+    (dict(layout={"pp": 2, "vpp": 2}, pipeline={"schedule": "zbv_zero_bubble", "split_points": VPP_POINTS}),
+     r"pipeline\.schedule: zbv_zero_bubble with split: trace is not supported.*expected one of gpipe, 1f1b, "
+     r"interleaved_1f1b, looped_bfs, interleaved_zero_bubble, or split: blocks"),
+    (dict(pipeline={"schedule": "1f1b", "microbatches": 1}), r"pipeline\.microbatches: 1f1b needs at least pp\(2\)"),
+    (dict(pipeline={"split_points": ["layer9"]}),
+     r"p\.yaml: pipeline\.split_points\.'layer9': matches no module of ResNet"),
+    (dict(pipeline={"split_points": ["layer2", "layer3"]}), r"2 split points .* for 2 stages"),
+])
+def test_what_the_traced_split_does_not_support_is_refused(kwargs, match):
+    with pytest.raises(PlanError, match=match):
+        _plan_traced(**kwargs)
+
+
+@pytest.mark.fast
+def test_the_first_step_needs_tensors_and_later_steps_the_traced_shape():
+    record = _plan_traced()
+    with pytest.raises(PlanError, match=r"traces the model on one microbatch .*got inputs of type\(s\) \['dict'\]; "
+                                        r"expected a tensor or a tuple of tensors"):
+        prepare_traced(ResNet(tiny_args()), record, {"x": _x(8)}, None, None)
+    record.shapes = [(2, 3, 32, 32)]  # as if traced on batches of 8 in 4 microbatches
+    prepare_traced(ResNet(tiny_args()), record, _x(8), None, None)  # same shape: nothing to do
+    with pytest.raises(PlanError, match=r"traced the stages on microbatches of shape\(s\) \[\(2, 3, 32, 32\)\] .*got "
+                                        r"\[\(1, 3, 32, 32\)\]; expected every step to bring batches of the first"):
+        prepare_traced(ResNet(tiny_args()), record, _x(4), None, None)
+
+
+@pytest.mark.fast
+def test_pruning_keeps_this_ranks_entries_and_drops_the_rest_from_the_optimizer():
+    model = ResNet(tiny_args())
+    opt = torch.optim.AdamW(model.parameters())
+    drop = {k for k in model.state_dict() if k.startswith(("layer3.", "fc.")) or k == "layer2.0.norm2.bias"}
+    kept = set(model.state_dict()) - drop
+    _prune_optimizer(opt, _prune(model, drop))
+    assert isinstance(model.layer3, nn.Identity) and isinstance(model.fc, nn.Identity)
+    assert model.layer2[0].norm2.bias is None and isinstance(model.layer2[0].norm2, nn.GroupNorm)
+    assert set(model.state_dict()) == kept
+    assert [id(p) for g in opt.param_groups for p in g["params"]] == [id(p) for p in model.parameters()]
+
+
 # ---------------------------------------------------------------- real processes
 
 
@@ -180,3 +278,20 @@ def test_pp2_resnet_trains_as_one_device(world2, case):
     assert last["loss"] <= 1e-5 and len(last["losses"]) == 3, last
     keys = values[0]["keys"] + values[1]["keys"]
     assert len(keys) == len(set(keys)) and sorted(keys) == values[0]["model_keys"]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("case", ["plan_gpipe", "plan_1f1b", "plan_interleaved_1f1b", "plan_looped_bfs",
+                                  "plan_interleaved_zero_bubble"])
+def test_resnet_plan_trains_as_one_device(world2, case):
+    """``parallelize(build(), "plans/resnet_pp.yaml", topo)`` + ``train_step``: the ResNet traced and cut at
+    layer3 (vpp=2: at layer2, layer3, avgpool) trains as one device accumulating the same microbatches."""
+    values = case_result(world2, case, 2)
+    for rank, v in values.items():
+        assert v["param"] <= 1e-5 and v["loss"] <= 1e-5 and v["norm"] <= 1e-5, (rank, v)
+        assert v["num_tokens"] == [8, 8, 8] and v["optimizer_is_model"] and v["loaded"] == 0, (rank, v)
+        assert min(v["ref_norms"]) > 0.5, v  # clipping (max_grad_norm 0.5) was active
+    assert values[0]["losses"] == values[1]["losses"]  # every rank reports the step's loss
+    keys = [k for ks in values[0]["keys"] for k in ks]
+    assert len(keys) == len(set(keys)) and sorted(keys) == values[0]["model_keys"]
+    assert all(ks for ks in values[0]["keys"])  # each rank holds part of the model

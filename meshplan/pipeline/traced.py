@@ -31,6 +31,7 @@ from meshplan.errors import PlanError
 from meshplan.pipeline.split import local_stage_ids
 from meshplan.pipeline.stages import PipelineApplied, check_schedule
 from meshplan.pipeline.trace import check_split_points, stage_state_dict, traced_stages
+from meshplan.plan_file.pipeline import SCHEDULES, V_SCHEDULES
 
 __all__ = ["TracedPipeline", "plan_traced", "prepare_traced"]
 
@@ -62,21 +63,35 @@ def _refuse_composition(plan: Any, layout: Any, where: str) -> None:
                         f"--nproc-per-node {layout.pp}, or use split: blocks to combine pp with tp or dp)")
 
 
+def _refuse_v_schedule(schedule: str, where: str) -> None:
+    """torch's traced stages (``_PipelineStage``) warm their links up by sending to the next stage's rank and
+    receiving from the previous one's, even when that is the rank itself: the turn of a V (rank pp−1 holds
+    stages pp−1 and pp) sends to itself, which no process group can (gloo: "Pair is not connected")."""
+    if schedule in V_SCHEDULES:
+        raise PlanError(f"{where}.schedule: {schedule} with split: trace is not supported: the V puts stages pp−1 "
+                        f"and pp on one rank and torch {torch.__version__}'s traced stages open their links by "
+                        f"sending to the next stage's rank, here the rank itself, which fails; expected one of "
+                        f"{', '.join(s for s in SCHEDULES if s not in V_SCHEDULES)}, or split: blocks")
+
+
 def plan_traced(model: nn.Module, plan: Any, topology: Any, where: str = "pipeline") -> TracedPipeline:
     """Check a ``split: trace`` plan against the model and the layout; return this rank's record (not traced yet).
 
     Raises:
         PlanError: another section beside the traced split (tensor_parallel, data_parallel, blocks), a layout
-            with degrees other than pp/vpp, a schedule that does not fit pp/vpp/microbatches, split points that
-            are not ``pp·vpp − 1`` distinct module paths of ``model``.
+            with degrees other than pp/vpp, a V-shaped schedule (zbv_zero_bubble, dualpipev), a schedule that
+            does not fit pp/vpp/microbatches, split points that are not ``pp·vpp − 1`` distinct module paths of
+            ``model``.
     """
     section, lay = plan.pipeline, topology.layout
     _refuse_composition(plan, lay, where)
+    _refuse_v_schedule(section.schedule, where)
     check_schedule(section, lay.pp, lay.vpp, where)
     num_stages = lay.pp * lay.vpp
     check_split_points(model, section.split_points or (), num_stages, f"{where}.split_points")
     ids = local_stage_ids(topology.pp_rank, lay.pp, lay.vpp, section.schedule)
-    return TracedPipeline(section=section, stage_ids=ids, num_stages=num_stages, where=where)
+    return TracedPipeline(section=section, stage_ids=ids, num_stages=num_stages, where=where,
+                          full_keys=tuple(model.state_dict()))  # a full checkpoint's keys (loading)
 
 
 def _microbatch(inputs: Any, m: int, where: str) -> tuple[torch.Tensor, ...]:
