@@ -36,6 +36,12 @@ def test_table(capsys):
     assert lines[-1] == "ok"
 
 
+def test_plan_without_tensor_parallel_has_no_per_rank_number(capsys):
+    code, out, _ = run(capsys, "check", "plans/single.yaml", "--model", "examples.llama:build", "--config", LLAMA_CFG)
+    line = next(x for x in out.splitlines() if x.startswith("parameters: "))
+    assert code == 0 and "per rank not computed (no dry run)" in line and " 0 per rank" not in line
+
+
 def test_json(capsys):
     code, out, _ = run(capsys, "check", "plans/gpt2.yaml", "--model", "examples.hf_models:gpt2",
                        "--world-size", "4", "--tp", "2", "--format", "json")

@@ -151,6 +151,12 @@ def _fmt_bytes(n: int | None) -> str:
     return str(n)
 
 
+def _per_rank(t: dict) -> str:
+    """Per-rank parameters, or why there is no number (no dry run: no tensor_parallel section, or errors)."""
+    n = t.get("parameters_per_rank")
+    return "per rank not computed (no dry run)" if n is None else f"{n:,} per rank ({_fmt_bytes(t.get('bytes_per_rank'))})"
+
+
 def _counts(c: dict) -> str:
     return ", ".join(f"{v} {k}" for k, v in c.items()) or "none"
 
@@ -175,8 +181,8 @@ def render_table(report) -> str:
     t = report.totals
     out = [f"meshplan check: {report.source}  model {report.model}  tp={report.tp}  world_size={report.world_size}",
            "", line(head), *(line(b) for b in body), "",
-           f"parameters: {t.get('parameters', 0):,} global, {t.get('parameters_per_rank') or 0:,} per rank "
-           f"({_fmt_bytes(t.get('bytes_per_rank'))}); unsharded {t.get('unsharded_parameters', 0):,}",
+           f"parameters: {t.get('parameters', 0):,} global, {_per_rank(t)}; unsharded "
+           f"{t.get('unsharded_parameters', 0):,}",
            f"collectives per forward: {_counts(t.get('forward', {}))}",
            f"collectives per backward: {_counts(t.get('backward', {}))}"]
     if report.unsharded:
