@@ -12,29 +12,15 @@ import os
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 import meshplan
 from _launch import run_cases
+from dp_worker import TP_RULES, sum_ce  # the tensor-parallel plan and summed loss of the data-parallel cases
 from llama import build, tiny_args
 
 WORLD = int(os.environ["WORLD_SIZE"])
 GLOBAL_BATCH, SEQ, STEPS, LR, MAX_NORM = 8, 16, 3, 1e-3, 0.5
-TP_RULES = {
-    "tok_embeddings": "embedding", "layers.*.attention_norm": "norm", "layers.*.attention.wq": "colwise",
-    "layers.*.attention.wk": "colwise", "layers.*.attention.wv": "colwise", "layers.*.attention.wo": "rowwise",
-    "layers.*.ffn_norm": "norm", "layers.*.feed_forward.w1": "colwise", "layers.*.feed_forward.w3": "colwise",
-    "layers.*.feed_forward.w2": "rowwise", "norm": "norm", "output": "lm_head",
-}
-
-
-def sum_ce(out, y):
-    if isinstance(out, DTensor):
-        out = out.full_tensor()
-    return F.cross_entropy(out.flatten(0, 1).float(), y.flatten(), reduction="sum")
-
-
 def global_batch(step, vocab):
     g = torch.Generator().manual_seed(1000 + step)
     x = torch.randint(0, vocab, (GLOBAL_BATCH, SEQ), generator=g)
