@@ -35,6 +35,8 @@ __all__ = [
     "DropoutNd", "module_parameters", "module_buffers", "style_prepare_fns",
     # data parallelism
     "checkpoint_wrapper", "CheckpointWrapper", "CHECKPOINT_PREFIX", "replicate",
+    # context parallelism
+    "ring_attention_dispatch",
 ]
 
 # ---------------------------------------------------------------- simulated ranks
@@ -246,3 +248,21 @@ def remove_split_marker(m: nn.Module) -> None:
     model as it was."""
     if "_orig_forward" in vars(m):
         del m.forward, m._orig_forward
+
+
+# ---------------------------------------------------------------- context parallelism
+
+@contextlib.contextmanager
+def ring_attention_dispatch(load_balance: bool) -> Iterator[None]:
+    """DTensor's context-parallel SDPA handlers (ring attention over the query's mesh, sequence-sharded q/k/v)
+    enabled, with torch's causal load-balance flag set to ``load_balance`` (head-tail chunks, as meshplan lays
+    them out). What ``context_parallel()`` does around SDPA, without its buffer sharding and its monkey-patch."""
+    from torch.distributed.tensor.experimental._context_parallel import _attention as cp_attention
+    old = cp_attention._cp_options.enable_load_balance
+    cp_attention._cp_options.enable_load_balance = load_balance
+    cp_attention._enable_cp_dtensor_dispatcher()
+    try:
+        yield
+    finally:
+        cp_attention._disable_cp_dtensor_dispatcher()
+        cp_attention._cp_options.enable_load_balance = old

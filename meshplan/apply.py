@@ -70,7 +70,7 @@ def parallelize(model: nn.Module, plan: Plan | Mapping[str, Any] | str | Path | 
     from meshplan.mesh.runtime import check_same_plan
     check_same_plan(p, mesh if isinstance(mesh, Topology) else tp_mesh)  # a rank with another plan fails, not hangs
     topology = mesh if isinstance(mesh, Topology) else None
-    data_parallel = p.data_parallel is not None or (topology is not None and topology.layout.dp > 1)
+    data_parallel = p.data_parallel is not None or (topology is not None and topology.layout.dp * topology.layout.cp > 1)
     pipelined = p.pipeline is not None or (topology is not None and topology.layout.pp > 1)
     if (data_parallel or pipelined) and topology is None:
         raise PlanError(f"the {'data_parallel' if data_parallel else 'pipeline'} section needs a meshplan Topology "
@@ -78,9 +78,13 @@ def parallelize(model: nn.Module, plan: Plan | Mapping[str, Any] | str | Path | 
     if p.tensor_parallel is not None:
         from meshplan.checks.validate import validate_plan
         validate_plan(model, p, tp_mesh.size())  # what `meshplan check` checks, before anything changes
+    context = _check_context(model, p, topology)
     split = _split_stages(model, p, topology) if pipelined else None
     if p.tensor_parallel is not None:
         _tensor_parallel(model, p, tp_mesh, split)
+    if context:
+        from meshplan.context_parallel.apply import apply_context_parallel
+        attach_state(model, context_parallel=apply_context_parallel(model, p.context_parallel, topology, context))
     attach_state(model, plan=p, topology=topology)  # train_step's topology, also without data parallelism
     if data_parallel:
         from meshplan.data_parallel.fsdp import check_data_parallel
@@ -97,6 +101,28 @@ def parallelize(model: nn.Module, plan: Plan | Mapping[str, Any] | str | Path | 
         from meshplan.data_parallel.fsdp import apply_data_parallel
         apply_data_parallel(model, section, topology)  # fully_shard each block, then the root (each stage)
     return model
+
+
+def _check_context(model: nn.Module, p: Plan, topology: Topology | None) -> str | None:
+    """The ``context_parallel`` section checked before anything changes; its error prefix when cp > 1, else None."""
+    cp = topology.layout.cp if topology is not None else 1
+    where = f"{p.source}: context_parallel" if p.source else "context_parallel"
+    if p.context_parallel is None:
+        if cp > 1:
+            raise PlanError(f"{p.source or '<plan>'}: layout.cp({cp}) > 1 needs a context_parallel section "
+                            f"(attention: <pattern of the attention modules>, positions)")
+        return None
+    if topology is None:
+        raise PlanError(f"{where} needs a meshplan Topology (meshplan.init or build_mesh), not a bare DeviceMesh")
+    from meshplan.context_parallel.apply import check_context_parallel
+    check_context_parallel(model, p.context_parallel, topology.dense.device_type, where)
+    if cp > 1 and (p.pipeline is not None or topology.layout.pp > 1):
+        raise PlanError(f"{where}: with pipeline parallelism (pp {topology.layout.pp}) not supported yet: the "
+                        f"stages would need the positions and the attention routing per stage view")
+    if cp > 1 and p.blocks is not None and p.blocks.compile:
+        raise PlanError(f"{where}: blocks.compile is not supported with context parallelism yet (the attention "
+                        f"routing is a torch function mode that a compiled block would have to trace)")
+    return where if cp > 1 else None
 
 
 def _split_stages(model: nn.Module, p: Plan, topology: Topology) -> Any:

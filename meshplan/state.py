@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from meshplan.blocks import AppliedBlocks
+    from meshplan.context_parallel.apply import CpApplied
     from meshplan.data_parallel.fsdp import DataParallelState
     from meshplan.mesh.topology import Topology
     from meshplan.pipeline.stages import PipelineApplied
@@ -41,6 +42,8 @@ class ParallelState:
         data_parallel: the :class:`~meshplan.data_parallel.fsdp.DataParallelState` (mode, section), or None.
         pipeline: the :class:`~meshplan.pipeline.stages.PipelineApplied` (this rank's stages, views, schedule),
             or None.
+        context_parallel: the :class:`~meshplan.context_parallel.apply.CpApplied` (section, ``cp`` mesh, the
+            runtime routing attention), or None.
     """
 
     plan: "Plan | None" = None
@@ -49,6 +52,7 @@ class ParallelState:
     blocks: "AppliedBlocks | None" = None
     data_parallel: "DataParallelState | None" = None
     pipeline: "PipelineApplied | None" = None
+    context_parallel: "CpApplied | None" = None
 
     @property
     def grad_sync(self) -> "TpGradSync | None":

@@ -15,6 +15,7 @@ from meshplan.plan_file.tensor_parallel import TensorParallel
 from meshplan.plan_file.blocks import Blocks, split_legacy
 from meshplan.plan_file.data_parallel import DataParallel
 from meshplan.plan_file.pipeline import Pipeline
+from meshplan.plan_file.context_parallel import ContextParallel
 
 __all__ = ["Plan", "load_plan", "as_plan"]
 
@@ -39,6 +40,9 @@ class Plan(Strict):
     pipeline: Pipeline | None = Field(
         None, description="Pipeline parallelism over layout.pp (× vpp virtual stages): the blocks cut into stages, "
                           "the schedule and the microbatches.")
+    context_parallel: ContextParallel | None = Field(
+        None, description="Context parallelism over layout.cp: sequences split across cp ranks (load-balanced for "
+                          "causal attention), attention made exact across the shards.")
     source: str | None = Field(None, exclude=True, description="Where the plan was read from (set by the loader).")
 
     @field_validator("version", mode="before")

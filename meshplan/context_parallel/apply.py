@@ -1,0 +1,158 @@
+"""Apply the ``context_parallel`` section: check the model can be split along the sequence, then install the
+runtime (:class:`~meshplan.context_parallel.runtime.CpRuntime`) that makes its attention exact across ``cp``.
+
+What is refused, with the reason (before anything changes): an attention pattern that matches nothing, a model
+that does not say how it learns positions, ``method: ring`` off CUDA, and transformers models whose attention is
+not plain causal SDPA (eager/flash kernels, sliding windows, per-layer attention types, logit soft-capping).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch.nn as nn
+
+from meshplan.context_parallel.runtime import CpRuntime
+from meshplan.errors import PlanError
+from meshplan.plan_file.context_parallel import ContextParallel, PositionsBuffer, PositionsKwarg
+from meshplan.plan_file.patterns import match_pattern
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from meshplan.mesh.topology import Topology
+
+__all__ = ["CpApplied", "check_context_parallel", "apply_context_parallel"]
+
+
+@dataclass(frozen=True)
+class CpApplied:
+    """What the context-parallel step applied: the section, the ``cp`` mesh and the model's runtime."""
+
+    section: ContextParallel
+    mesh: "DeviceMesh"
+    runtime: CpRuntime
+
+    @property
+    def cp(self) -> int:
+        return self.runtime.cp
+
+
+@dataclass(frozen=True)
+class _Resolved:
+    paths: tuple[str, ...]
+    kwarg: str | None
+    buffer: str | None
+    buffer_dim: int
+    inject_mask: bool
+
+
+def check_context_parallel(model: nn.Module, section: ContextParallel, device_type: str,
+                           where: str = "context_parallel") -> _Resolved:
+    """Check ``section`` against ``model``; returns what :func:`apply_context_parallel` installs.
+
+    Raises:
+        PlanError: naming the plan key, the module path and what would be valid.
+    """
+    paths = tuple(dict.fromkeys(p for pattern in section.attention
+                                for p in match_pattern(model, pattern, f"{where}.attention")))
+    if section.method == "ring" and device_type != "cuda":
+        raise PlanError(f"{where}.method: ring is torch's ring attention, which torch 2.13 runs on CUDA only; this "
+                        f"mesh is on {device_type}. Use method: allgather_kv (any device)")
+    _check_hf(model, where)
+    kwarg, buffer, dim = _positions(model, section.positions, where)
+    params = inspect.signature(model.forward).parameters
+    return _Resolved(paths, kwarg, buffer, dim, kwarg is not None and "attention_mask" in params)
+
+
+def _positions(model: nn.Module, positions: Any, where: str) -> tuple[str | None, str | None, int]:
+    params = inspect.signature(model.forward).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    name = type(model).__name__
+    if positions is None:
+        if "position_ids" in params:
+            return "position_ids", None, 0
+        raise PlanError(f"{where}.positions: {name}.forward takes no position_ids, so say how the model learns "
+                        f"each token's position: {{kwarg: <forward argument>}}, {{buffer: <position-indexed "
+                        f"buffer, e.g. a RoPE table>, dim: 0}}, or none (no positional encoding)")
+    if positions == "none":
+        return None, None, 0
+    if isinstance(positions, PositionsKwarg):
+        if positions.kwarg not in params and not takes_any:
+            raise PlanError(f"{where}.positions.kwarg: {name}.forward has no argument {positions.kwarg!r}; its "
+                            f"arguments: {', '.join(params)}")
+        return positions.kwarg, None, 0
+    assert isinstance(positions, PositionsBuffer)
+    buffers = dict(model.named_buffers())
+    if positions.buffer not in buffers:
+        raise PlanError(f"{where}.positions.buffer: {name} has no buffer {positions.buffer!r}; its buffers: "
+                        f"{', '.join(buffers) or 'none'}")
+    if positions.dim >= buffers[positions.buffer].dim():
+        raise PlanError(f"{where}.positions.dim: {positions.dim} but {positions.buffer} has "
+                        f"{buffers[positions.buffer].dim()} dims")
+    return None, positions.buffer, positions.dim
+
+
+def _check_hf(model: nn.Module, where: str) -> None:
+    """transformers models: SDPA, full causal attention in every layer, no soft-capping."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "to_dict"):
+        return
+    name = type(model).__name__
+    impl = getattr(config, "_attn_implementation", None)
+    if impl not in (None, "sdpa"):
+        raise PlanError(f"{where}: {name} runs attention_implementation={impl!r}; context parallelism makes "
+                        f"scaled_dot_product_attention exact across shards: load it with attn_implementation='sdpa'")
+    window = getattr(config, "sliding_window", None)
+    if window and getattr(config, "use_sliding_window", True):
+        raise PlanError(f"{where}: {name} has a sliding window of {window} tokens; the local mask of a sequence "
+                        f"shard cannot express it: not supported with context parallelism")
+    kinds = set(getattr(config, "layer_types", None) or ())
+    if kinds - {"full_attention"}:
+        raise PlanError(f"{where}: {name} has layer types {sorted(kinds)}; context parallelism supports layers of "
+                        f"full causal attention only")
+    for cap in ("attn_logit_softcapping",):
+        if getattr(config, cap, None):
+            raise PlanError(f"{where}: {name} sets {cap}; SDPA cannot soft-cap logits: not supported")
+
+
+def apply_context_parallel(model: nn.Module, section: ContextParallel, topology: "Topology",
+                           where: str = "context_parallel") -> CpApplied:
+    """Install the context-parallel runtime on ``model`` for ``topology``'s ``cp`` axis.
+
+    Args:
+        model: the (tensor-parallel) model; its root receives this rank's share of every sequence.
+        section: the plan's ``context_parallel`` section.
+        topology: a :class:`~meshplan.Topology` with ``cp`` > 1.
+        where: the plan file and key, for errors.
+
+    Returns:
+        :class:`CpApplied`; :func:`meshplan.train_step` shards batches with it
+        (:func:`~meshplan.context_parallel.batch.shard_batch`).
+
+    Raises:
+        PlanError: what :func:`check_context_parallel` refuses.
+
+    Example::
+
+        >>> applied = apply_context_parallel(model, plan.context_parallel, topo)
+    """
+    mesh = topology["cp"]
+    resolved = check_context_parallel(model, section, mesh.device_type, where)
+    rank = mesh.get_local_rank()
+    if section.method == "ring":
+        from meshplan.context_parallel.ring import ring_attention
+        attend = functools.partial(ring_attention, mesh=mesh, load_balance=section.load_balance)
+    else:
+        from meshplan.context_parallel.attention import allgather_kv_attention
+        attend = functools.partial(allgather_kv_attention, group=mesh.get_group(), cp=mesh.size(), rank=rank,
+                                   load_balance=section.load_balance)
+    runtime = CpRuntime(group=mesh.get_group(), cp=mesh.size(), rank=rank, load_balance=section.load_balance,
+                        seq_dim=section.seq_dim, attend=attend, positions_kwarg=resolved.kwarg,
+                        buffer=resolved.buffer, buffer_dim=resolved.buffer_dim, patterns=section.attention,
+                        attention_paths=resolved.paths, inject_mask=resolved.inject_mask)
+    runtime.install(model)
+    return CpApplied(section=section, mesh=mesh, runtime=runtime)

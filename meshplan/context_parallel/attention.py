@@ -1,0 +1,105 @@
+"""Attention exact across context-parallel shards: all-gather K and V over ``cp`` (Llama 3's method).
+
+Each rank keeps its queries and gathers every rank's keys and values (ONE all-gather of K and V stacked, per
+attention call); the backward of that all-gather is a reduce-scatter of dK and dV, so gradients are exact. Under
+a causal mask the gathered keys are put in true order and each local query chunk attends to the keys before its
+end only (:func:`~meshplan.context_parallel.chunks.causal_blocks`): with the head-tail layout every rank computes
+the same number of query-key pairs.
+
+The model's own mask is accepted when it is the local causal mask or no mask (what a causal model builds for
+its local length); anything else (padding, sliding windows, a bias) is refused, as the local mask cannot say
+what the global one is.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from meshplan._torch import funcol
+from meshplan.context_parallel.chunks import causal_blocks, rank_positions
+from meshplan.errors import PlanError
+
+__all__ = ["allgather_kv_attention", "mask_is_causal"]
+
+
+def mask_is_causal(mask: torch.Tensor, length: int) -> bool | None:
+    """True: ``mask`` is the causal mask of ``length`` queries and keys (bool or additive); False: it masks
+    nothing; None: anything else."""
+    if mask.shape[-2:] != (length, length):
+        return None
+    keep = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
+    if mask.dtype != torch.bool and bool((mask[keep] != 0).any()):
+        return None  # an additive bias, not a mask
+    tril = torch.ones(length, length, dtype=torch.bool, device=mask.device).tril()
+    if bool((keep == tril).all()):
+        return True
+    return False if bool(keep.all()) else None
+
+
+def _gather_kv(key: torch.Tensor, value: torch.Tensor, group: Any, cp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every rank's K and V along the sequence dim (-2), in rank order; one collective when the shapes agree."""
+    if key.shape == value.shape:
+        kv = funcol.all_gather_tensor_autograd(torch.stack([key, value]).contiguous(), key.dim() - 1, group)
+        return kv[0], kv[1]
+    k = funcol.all_gather_tensor_autograd(key.contiguous(), key.dim() - 2, group)
+    v = funcol.all_gather_tensor_autograd(value.contiguous(), value.dim() - 2, group)
+    return k, v
+
+
+def _true_order(cp: int, load_balance: bool, seq_len: int, device: torch.device) -> torch.Tensor:
+    """Index into the rank-ordered gathered keys that puts them in true sequence order."""
+    gathered = [p for r in range(cp) for p in rank_positions(seq_len, cp, r, load_balance)]
+    return torch.argsort(torch.tensor(gathered, device=device))
+
+
+def allgather_kv_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False,
+                           scale: float | None = None, enable_gqa: bool = False, *, group: Any, cp: int, rank: int,
+                           load_balance: bool, where: str = "attention") -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` of this rank's queries against the whole sequence's keys and values.
+
+    Args:
+        query, key, value: this rank's shards, ``(..., heads, local_len, head_dim)`` (plain tensors or DTensors
+            sharded over heads by tensor parallelism), in the layout of :mod:`~meshplan.context_parallel.chunks`.
+        attn_mask, dropout_p, is_causal, scale, enable_gqa: as ``F.scaled_dot_product_attention``.
+        group: the ``cp`` process group; cp, rank: its size and this rank's index in it.
+        load_balance: the head-tail layout (else contiguous).
+        where: the attention module's path, for errors.
+
+    Returns:
+        The attention output for this rank's queries (a DTensor when ``query`` is one).
+
+    Raises:
+        PlanError: a mask other than causal or none.
+    """
+    if isinstance(query, DTensor):
+        out = allgather_kv_attention(query.to_local(), key.to_local(), value.to_local(), attn_mask, dropout_p,
+                                     is_causal, scale, enable_gqa, group=group, cp=cp, rank=rank,
+                                     load_balance=load_balance, where=where)
+        return DTensor.from_local(out, query.device_mesh, query.placements, run_check=False)
+    length = query.shape[-2]
+    if attn_mask is not None:
+        causal = mask_is_causal(attn_mask, length)
+        if causal is None:
+            raise PlanError(f"context_parallel: {where} passes scaled_dot_product_attention a mask that is neither "
+                            f"causal nor empty (padding, a sliding window or a bias); context parallelism supports "
+                            f"causal and full attention over whole sequences")
+        is_causal = causal
+    k, v = _gather_kv(key, value, group, cp)
+    kw = {"dropout_p": dropout_p, "scale": scale, "enable_gqa": enable_gqa}
+    if not is_causal:
+        return F.scaled_dot_product_attention(query, k, v, **kw)
+    seq_len = length * cp
+    order = _true_order(cp, load_balance, seq_len, query.device)
+    k, v = k.index_select(-2, order), v.index_select(-2, order)
+    chunk = length // len(causal_blocks(cp, rank, load_balance, 1))
+    outs = []
+    for start, keys, offset in causal_blocks(cp, rank, load_balance, chunk):
+        q = query[..., start:start + chunk, :]
+        mask = torch.ones(chunk, keys, dtype=torch.bool, device=query.device).tril(offset)
+        outs.append(F.scaled_dot_product_attention(q, k[..., :keys, :], v[..., :keys, :], attn_mask=mask, **kw))
+    return torch.cat(outs, dim=-2)

@@ -1,0 +1,101 @@
+"""Which tokens of a sequence each context-parallel rank holds, and the attention work that follows. Torch-free.
+
+Load-balanced (causal) layout: the sequence of length ``S`` is cut into ``2·cp`` chunks of ``c = S / (2·cp)``
+tokens; rank ``r`` holds chunks ``r`` and ``2·cp−1−r`` (head and tail), in that order. Unbalanced: ``cp`` chunks,
+rank ``r`` holds chunk ``r``. Under causal attention the query chunk ``j`` attends to the keys ``[0, (j+1)·c)``,
+the last ``c`` of them through a lower-triangular mask: a rank holding chunks ``j`` and ``2·cp−1−j`` computes
+``(2·cp+1)·c`` key columns per query row pair whatever ``j`` is, which is why the layout balances the work.
+"""
+
+from __future__ import annotations
+
+__all__ = ["n_chunks", "rank_chunks", "rank_positions", "causal_blocks", "attention_pairs", "check_seq_len"]
+
+
+def n_chunks(cp: int, load_balance: bool) -> int:
+    """How many chunks a sequence is cut into: ``2·cp`` load-balanced, else ``cp``."""
+    return 2 * cp if load_balance else cp
+
+
+def rank_chunks(cp: int, rank: int, load_balance: bool) -> tuple[int, ...]:
+    """The chunk indices rank ``rank`` of ``cp`` holds, in the order it holds them.
+
+    Example::
+
+        >>> rank_chunks(4, 1, True), rank_chunks(4, 1, False)
+        ((1, 6), (1,))
+    """
+    if not 0 <= rank < cp:
+        raise ValueError(f"cp rank {rank} is outside 0..{cp - 1}")
+    return (rank, 2 * cp - 1 - rank) if load_balance else (rank,)
+
+
+def rank_positions(seq_len: int, cp: int, rank: int, load_balance: bool) -> list[int]:
+    """The true positions (0-based) of the tokens rank ``rank`` holds, in its local order.
+
+    Example::
+
+        >>> rank_positions(8, 2, 0, True)
+        [0, 1, 6, 7]
+    """
+    c = seq_len // n_chunks(cp, load_balance)
+    return [p for j in rank_chunks(cp, rank, load_balance) for p in range(j * c, (j + 1) * c)]
+
+
+def causal_blocks(cp: int, rank: int, load_balance: bool, chunk: int) -> list[tuple[int, int, int]]:
+    """The attention blocks rank ``rank`` computes under a causal mask, keys in true order.
+
+    Returns:
+        One ``(local query offset, key length, mask offset)`` per local chunk: its ``chunk`` queries attend to
+        keys ``[0, key length)``; query ``i`` of the block sees keys up to ``mask offset + i``.
+    """
+    return [(k * chunk, (j + 1) * chunk, j * chunk) for k, j in enumerate(rank_chunks(cp, rank, load_balance))]
+
+
+def attention_pairs(seq_len: int, cp: int, rank: int, load_balance: bool) -> tuple[int, int]:
+    """``(computed, unmasked)`` query-key pairs of rank ``rank`` under causal attention (per batch row and head).
+
+    ``computed`` counts the score matrix entries the blocks of :func:`causal_blocks` evaluate, ``unmasked`` the
+    ones the causal mask keeps.
+    """
+    c = seq_len // n_chunks(cp, load_balance)
+    computed = unmasked = 0
+    for _, keys, offset in causal_blocks(cp, rank, load_balance, c):
+        computed += c * keys
+        unmasked += c * offset + c * (c + 1) // 2
+    return computed, unmasked
+
+
+def check_seq_len(seq_len: int, cp: int, load_balance: bool, tp_sequence: int = 1) -> str | None:
+    """Why ``seq_len`` cannot be split over ``cp`` ranks (then over ``tp_sequence`` sequence-parallel ranks), or None.
+
+    Example::
+
+        >>> check_seq_len(100, 4, True)
+        'sequence length 100 is not divisible by 2·cp = 8 (causal load balance); valid: multiples of 8, e.g. 96, 104'
+    """
+    chunks = n_chunks(cp, load_balance)
+    step = _lcm(chunks, cp * tp_sequence)
+    if seq_len % step == 0:
+        return None
+    why = f"2·cp = {chunks} (causal load balance)" if load_balance else f"cp = {chunks}"
+    if step != chunks:
+        why = f"{step} ({why}, and each rank's {seq_len // cp if seq_len % cp == 0 else 'share'} tokens split " \
+              f"over tp = {tp_sequence} by sequence parallelism)"
+    return f"sequence length {seq_len} is not divisible by {why}; valid: multiples of {step}, e.g. " \
+           f"{_near(seq_len, step)}"
+
+
+def _near(n: int, unit: int) -> str:
+    lo, hi = n // unit * unit, (n // unit + 1) * unit
+    return f"{lo}, {hi}" if lo else f"{hi}"
+
+
+def _gcd(a: int, b: int) -> int:
+    while b:
+        a, b = b, a % b
+    return a
+
+
+def _lcm(a: int, b: int) -> int:
+    return a * b // _gcd(a, b)

@@ -1,0 +1,53 @@
+"""Torch's ring attention (``torch.distributed.tensor.experimental.context_parallel``'s SDPA handlers), the plan's
+``method: ring``: K/V blocks pass around the ``cp`` ring while each rank merges partial softmaxes, so no rank holds
+the whole K/V. torch 2.13 runs it on CUDA only (its handlers take the flash, efficient and cuDNN kernels); the
+plan check refuses it elsewhere. The layout is the same head-tail one (torch's ``_HeadTailLoadBalancer``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Shard
+
+from meshplan._torch import ring_attention_dispatch
+from meshplan.context_parallel.attention import mask_is_causal
+from meshplan.errors import PlanError
+
+__all__ = ["ring_attention"]
+
+
+def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False,
+                   scale: float | None = None, enable_gqa: bool = False, *, mesh: Any, load_balance: bool,
+                   where: str = "attention") -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` of this rank's shards, exact over the sequence, by ring attention.
+
+    Args: as :func:`~meshplan.context_parallel.attention.allgather_kv_attention`, with ``mesh`` the ``cp`` mesh.
+
+    Returns:
+        The output for this rank's queries (a DTensor when ``query`` is one).
+
+    Raises:
+        PlanError: a mask other than causal or none.
+    """
+    if isinstance(query, DTensor):  # tensor parallelism's heads: ring over cp on the local heads
+        out = ring_attention(query.to_local(), key.to_local(), value.to_local(), attn_mask, dropout_p, is_causal,
+                             scale, enable_gqa, mesh=mesh, load_balance=load_balance, where=where)
+        return DTensor.from_local(out, query.device_mesh, query.placements, run_check=False)
+    if attn_mask is not None:
+        causal = mask_is_causal(attn_mask, query.shape[-2])
+        if causal is None:
+            raise PlanError(f"context_parallel: {where} passes a mask that is neither causal nor empty; context "
+                            f"parallelism supports causal and full attention over whole sequences")
+        is_causal = causal
+    if enable_gqa and key.shape[-3] != query.shape[-3]:  # the ring handlers take equal head counts
+        rep = query.shape[-3] // key.shape[-3]
+        key, value = key.repeat_interleave(rep, dim=-3), value.repeat_interleave(rep, dim=-3)
+    seq = Shard(query.dim() - 2)
+    with ring_attention_dispatch(load_balance):
+        q, k, v = (DTensor.from_local(t, mesh, [seq], run_check=False) for t in (query, key, value))
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=is_causal, scale=scale)
+    return out.to_local()

@@ -1,0 +1,198 @@
+"""What runs during a context-parallel forward: positions for the local tokens, attention routed across shards,
+and an audit of the first forward.
+
+:class:`CpRuntime` belongs to one model (two models coexist). Its hooks:
+
+* on the root module: learn the local length from the input, give the model each token's true position (a
+  keyword argument, or the rows of a position-indexed buffer), and on the first forward watch the whole model:
+  ``scaled_dot_product_attention`` outside the plan's attention modules, or a softmax over a (local length ×
+  local length) score matrix (attention written by hand), is refused before any gradient exists;
+* on each attention module: route its ``scaled_dot_product_attention`` calls to the cross-shard attention of the
+  plan's method.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from meshplan._torch import module_buffers
+from meshplan.context_parallel.chunks import rank_positions
+from meshplan.errors import PlanError
+
+__all__ = ["CpRuntime"]
+
+_SDPA = F.scaled_dot_product_attention
+_SOFTMAX = (F.softmax, torch.softmax, torch.Tensor.softmax, F.log_softmax)
+
+
+class _Route(TorchFunctionMode):
+    """Inside an attention module: its ``scaled_dot_product_attention`` calls go to ``attend``."""
+
+    def __init__(self, runtime: "CpRuntime", path: str) -> None:
+        super().__init__()
+        self.runtime, self.path = runtime, path
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is _SDPA:
+            self.runtime.called.add(self.path)
+            return self.runtime.attend(*args, **(kwargs or {}), where=self.path)
+        return func(*args, **(kwargs or {}))
+
+
+class _Audit(TorchFunctionMode):
+    """The first forward, the whole model: attention the plan's modules do not hold is an error."""
+
+    def __init__(self, runtime: "CpRuntime") -> None:
+        super().__init__()
+        self.runtime = runtime
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        rt = self.runtime
+        if func is _SDPA and rt.depth == 0:
+            raise PlanError(f"context_parallel: {rt.module_path()} calls scaled_dot_product_attention outside the "
+                            f"attention modules {list(rt.patterns)}; add its path to context_parallel.attention")
+        if func in _SOFTMAX and args and isinstance(args[0], torch.Tensor) and rt.local_len is not None \
+                and args[0].dim() >= 2 and tuple(args[0].shape[-2:]) == (rt.local_len, rt.local_len):
+            raise PlanError(f"context_parallel: {rt.module_path()} computes a softmax over a {rt.local_len}×"
+                            f"{rt.local_len} score matrix itself (attention written by hand); context parallelism "
+                            f"makes scaled_dot_product_attention exact across shards only (transformers: "
+                            f"attn_implementation='sdpa')")
+        return func(*args, **(kwargs or {}))
+
+
+@dataclass
+class CpRuntime:
+    """One model's context-parallel runtime: the cp group, the layout, and the per-forward state.
+
+    Attributes:
+        group, cp, rank: the ``cp`` process group, its size and this rank's index.
+        load_balance, seq_dim: the plan's layout of the sequence.
+        attend: ``attend(q, k, v, ..., where=path)``, the cross-shard attention of the plan's method.
+        positions_kwarg, buffer, buffer_dim: how the model learns positions (the plan's ``positions``).
+        patterns, attention_paths: the plan's attention patterns and the modules they matched.
+    """
+
+    group: Any
+    cp: int
+    rank: int
+    load_balance: bool
+    seq_dim: int
+    attend: Callable
+    positions_kwarg: str | None
+    buffer: str | None
+    buffer_dim: int
+    patterns: tuple[str, ...]
+    attention_paths: tuple[str, ...]
+    inject_mask: bool = False
+    depth: int = 0
+    local_len: int | None = None
+    audited: bool = False
+    called: set = field(default_factory=set)
+    _stack: list = field(default_factory=list)
+    _modes: list = field(default_factory=list)
+    _swapped: list = field(default_factory=list)
+    _audit: Any = None
+
+    def positions(self, local_len: int, device: torch.device) -> torch.Tensor:
+        """The true positions of this rank's ``local_len`` tokens (a sequence of ``local_len · cp``)."""
+        return torch.tensor(rank_positions(local_len * self.cp, self.cp, self.rank, self.load_balance),
+                            device=device)
+
+    def module_path(self) -> str:
+        return self._stack[-1] if self._stack else "the model"
+
+    def install(self, model: nn.Module) -> None:
+        """Register the hooks on ``model`` (the root) and on its attention modules."""
+        model.register_forward_pre_hook(self._root_pre, with_kwargs=True)
+        model.register_forward_hook(self._root_post, always_call=True)
+        for path in self.attention_paths:
+            module = model.get_submodule(path)
+            module.register_forward_pre_hook(self._enter(path))
+            module.register_forward_hook(self._leave(path), always_call=True)
+
+    def _enter(self, path: str) -> Callable:
+        def hook(_m: nn.Module, _args: tuple) -> None:
+            mode = _Route(self, path)
+            mode.__enter__()
+            self._modes.append(mode)
+            self.depth += 1
+        return hook
+
+    def _leave(self, path: str) -> Callable:
+        def hook(_m: nn.Module, _args: tuple, _out: Any) -> None:
+            self.depth -= 1
+            self._modes.pop().__exit__(None, None, None)
+        return hook
+
+    def _root_pre(self, model: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        first = next((t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)), None)
+        if first is None or first.dim() <= self.seq_dim:
+            raise PlanError(f"context_parallel: {type(model).__name__}'s forward got no tensor with a sequence dim "
+                            f"{self.seq_dim} to learn the local length from")
+        self.local_len = first.shape[self.seq_dim]
+        pos = self.positions(self.local_len, first.device)
+        if self.positions_kwarg is not None and kwargs.get(self.positions_kwarg) is None:
+            kwargs = {**kwargs, self.positions_kwarg: pos.unsqueeze(0).expand(first.shape[0], -1)}
+        if self.inject_mask and kwargs.get("attention_mask") is None:  # else a jump in positions reads as packing
+            kwargs = {**kwargs, "attention_mask": torch.ones(first.shape[0], self.local_len, dtype=torch.long,
+                                                             device=first.device)}
+        if self.buffer is not None:
+            owner, name = _owner(model, self.buffer)
+            full = module_buffers(owner)[name]
+            self._swapped.append((owner, name, full))
+            module_buffers(owner)[name] = full.index_select(self.buffer_dim, pos.to(full.device))
+        if not self.audited:
+            self._start_audit(model)
+        return args, kwargs
+
+    def _root_post(self, model: nn.Module, _args: tuple, out: Any) -> None:
+        if self.buffer is not None:
+            owner, name, full = self._swapped.pop()
+            module_buffers(owner)[name] = full
+        if not self.audited:
+            self._finish_audit(out is not None)
+
+    def _start_audit(self, model: nn.Module) -> None:
+        self.called.clear()
+        audit = _Audit(self)
+        stack = contextlib.ExitStack()
+        for path, module in model.named_modules():
+            if path:
+                stack.callback(module.register_forward_pre_hook(self._push(path)).remove)
+                stack.callback(module.register_forward_hook(self._pop, always_call=True).remove)
+        audit.__enter__()
+        stack.callback(audit.__exit__, None, None, None)
+        self._audit = stack
+
+    def _push(self, path: str) -> Callable:
+        def hook(_m: nn.Module, _args: tuple) -> None:
+            self._stack.append(path)
+        return hook
+
+    def _pop(self, _m: nn.Module, _args: tuple, _out: Any) -> None:
+        self._stack.pop()
+
+    def _finish_audit(self, completed: bool) -> None:
+        self._audit.close()
+        self._stack.clear()
+        if not completed:
+            return
+        self.audited = True
+        silent = [p for p in self.attention_paths if p not in self.called]
+        if silent:
+            raise PlanError(f"context_parallel: the attention modules {silent} called no "
+                            f"scaled_dot_product_attention in the first forward (attention written by hand, or a "
+                            f"module that is not attention); context_parallel.attention names modules whose "
+                            f"attention is scaled_dot_product_attention")
+
+
+def _owner(model: nn.Module, path: str) -> tuple[nn.Module, str]:
+    parent, _, name = path.rpartition(".")
+    return (model.get_submodule(parent) if parent else model), name
