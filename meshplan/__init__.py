@@ -7,7 +7,7 @@ from meshplan.plan_file.document import Plan, load_plan
 __all__ = ["PlanError", "Layout", "ResolvedLayout", "Plan", "load_plan", "build_mesh", "init",
            "Topology", "current_topology", "parallelize", "cross_entropy", "loss_parallel",
            "train_step", "clip_grad_norm_", "materialize", "load_state_dict", "load_full_state_dict",
-           "load_safetensors", "plan", "check", "parallel_state"]
+           "load_safetensors", "plan", "check", "parallel_state", "shard_sequence"]
 __version__ = "0.1.0"
 
 
@@ -31,6 +31,9 @@ def __getattr__(name: str):
     if name == "parallel_state":
         from meshplan.state import parallel_state
         return parallel_state
+    if name == "shard_sequence":
+        from meshplan.context_parallel.batch import shard_sequence
+        return shard_sequence
     if name == "materialize":
         from meshplan.weights.materialize import materialize
         return materialize

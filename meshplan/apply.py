@@ -105,24 +105,14 @@ def parallelize(model: nn.Module, plan: Plan | Mapping[str, Any] | str | Path | 
 
 def _check_context(model: nn.Module, p: Plan, topology: Topology | None) -> str | None:
     """The ``context_parallel`` section checked before anything changes; its error prefix when cp > 1, else None."""
-    cp = topology.layout.cp if topology is not None else 1
-    where = f"{p.source}: context_parallel" if p.source else "context_parallel"
-    if p.context_parallel is None:
-        if cp > 1:
-            raise PlanError(f"{p.source or '<plan>'}: layout.cp({cp}) > 1 needs a context_parallel section "
-                            f"(attention: <pattern of the attention modules>, positions)")
-        return None
+    if p.context_parallel is not None and topology is None:
+        raise PlanError(f"{p.source or '<plan>'}: context_parallel needs a meshplan Topology (meshplan.init or "
+                        f"build_mesh), not a bare DeviceMesh")
     if topology is None:
-        raise PlanError(f"{where} needs a meshplan Topology (meshplan.init or build_mesh), not a bare DeviceMesh")
-    from meshplan.context_parallel.apply import check_context_parallel
-    check_context_parallel(model, p.context_parallel, topology.dense.device_type, where)
-    if cp > 1 and (p.pipeline is not None or topology.layout.pp > 1):
-        raise PlanError(f"{where}: with pipeline parallelism (pp {topology.layout.pp}) not supported yet: the "
-                        f"stages would need the positions and the attention routing per stage view")
-    if cp > 1 and p.blocks is not None and p.blocks.compile:
-        raise PlanError(f"{where}: blocks.compile is not supported with context parallelism yet (the attention "
-                        f"routing is a torch function mode that a compiled block would have to trace)")
-    return where if cp > 1 else None
+        return None
+    from meshplan.context_parallel.apply import check_plan_context
+    lay = topology.layout
+    return check_plan_context(model, p, lay.cp, lay.pp, topology.dense.device_type)
 
 
 def _split_stages(model: nn.Module, p: Plan, topology: Topology) -> Any:

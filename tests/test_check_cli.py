@@ -144,3 +144,27 @@ def test_convert_back_to_hf(capsys):
 def test_convert_bad_input(capsys, argv, message):
     code, out, err = run(capsys, *argv)
     assert code == 2 and out == "" and message in err and err.count("\n") == 1
+
+
+def test_context_parallel_line(capsys):
+    """The context_parallel section is checked against the model and summarised (text and json)."""
+    code, out, _ = run(capsys, "check", "plans/llama_cp.yaml", "--model", "examples.llama:build", "--config", LLAMA_CFG)
+    assert code == 0, out
+    line = next(x for x in out.splitlines() if x.startswith("context parallel: "))
+    assert "cp 2, allgather_kv" in line and "rank r holds chunks r and 2·cp−1−r" in line
+    assert "attention: layers.*.attention (2 modules); positions: buffer freqs_cis (dim 0)" in line
+    code, out, _ = run(capsys, "check", "plans/hf_llama_cp.yaml", "--model", "examples.hf_models:llama",
+                       "--format", "json")
+    doc = json.loads(out)
+    assert code == 0 and doc["context"] == {"cp": 2, "method": "allgather_kv", "load_balance": True,
+                                            "attention": ["model.layers.*.self_attn"], "attention_modules": 2,
+                                            "positions": "kwarg position_ids"}
+
+
+def test_context_parallel_refusals(capsys):
+    """cp > 1 without a section, and a model that cannot say where its positions come from, exit 2 with a reason."""
+    code, out, _ = run(capsys, "check", "plans/hf_llama.yaml", "--model", "examples.hf_models:llama", "--cp", "2")
+    assert code == 2 and "layout.cp(2) > 1 needs a context_parallel section" in out
+    code, out, _ = run(capsys, "check", "plans/hf_llama_cp.yaml", "--model", "examples.hf_models:mistral",
+                       "--config", json.dumps({"sliding_window": 8}))
+    assert code == 2 and "sliding window of 8 tokens" in out

@@ -32,6 +32,7 @@ LAYOUTS = [
     ("plans/llama.yaml", 4),  # tp 2 × dp_shard 2 (FSDP2): the data-parallel slice of the global batch
     ("plans/llama_pp.yaml", 2),  # pp 2 (1F1B, 2 microbatches)
     ("plans/llama_3d.yaml", 8),  # pp 2 × dp_shard 2 × tp 2
+    ("plans/llama_cp.yaml", 4),  # cp 2 × tp 2: whole sequences in, each rank trains its head-tail chunks
 ]
 REFERENCE = ("plans/single.yaml", 1)
 #: small enough for 2 CPU cores; the global batch is divisible by every dp size in LAYOUTS

@@ -179,3 +179,16 @@ def test_data_parallel():
                                                         f"0.{_torch.CHECKPOINT_PREFIX}bias"]
     from torch.distributed._composable.replicate_with_fsdp import replicate
     assert {"mesh", "mp_policy", "offload_policy"} <= set(inspect.signature(replicate).parameters)
+
+
+def test_ring_attention_dispatch_enables_and_restores_torchs_cp_handlers():
+    """context_parallel.ring: torch's CP SDPA handlers join DTensor's custom handlers inside, the load-balance flag
+    is set for the call, and both are restored after (the ring kernels themselves need CUDA)."""
+    from torch.distributed.tensor.experimental._context_parallel import _attention as cp_attention
+    flash = torch.ops.aten._scaled_dot_product_flash_attention.default
+    handlers = lambda: DTensor._op_dispatcher._custom_op_handlers  # noqa: E731
+    before, flag = dict(handlers()), cp_attention._cp_options.enable_load_balance
+    assert flash not in before
+    with _torch.ring_attention_dispatch(load_balance=not flag):
+        assert flash in handlers() and cp_attention._cp_options.enable_load_balance is (not flag)
+    assert dict(handlers()) == before and cp_attention._cp_options.enable_load_balance is flag

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch.nn as nn
 
+from meshplan.checks.context import context_lines
 from meshplan.checks.pipeline import stage_lines
 from meshplan.plan_file.patterns import wildcard
 from meshplan.tensor_parallel.layouts import Stream, redistribute_collectives
@@ -192,6 +193,7 @@ def render_table(report) -> str:
         shown = "; ".join(f"{k} ({v})" for k, v in folded.items())
         out.append(f"unsharded parameters ({len(report.unsharded)}, every tp rank holds them whole): {shown}")
     out += stage_lines(report.pipeline)
+    out += context_lines(report.context)
     out += [f"warning: {w}" for w in report.warnings]
     out.append("ok" if report.ok else f"{len(report.errors)} error(s):")
     out += [f"  {i}. {e}" for i, e in enumerate(report.errors, 1)]

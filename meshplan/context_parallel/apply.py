@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
     from meshplan.mesh.topology import Topology
 
-__all__ = ["CpApplied", "check_context_parallel", "apply_context_parallel"]
+__all__ = ["CpApplied", "check_context_parallel", "check_plan_context", "apply_context_parallel"]
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,38 @@ class _Resolved:
     inject_mask: bool
 
 
-def check_context_parallel(model: nn.Module, section: ContextParallel, device_type: str,
+def check_plan_context(model: nn.Module, plan: Any, cp: int, pp: int, device_type: str | None) -> str | None:
+    """The plan's ``context_parallel`` section against the layout and ``model`` (what :func:`meshplan.parallelize`
+    and ``meshplan check`` check before anything changes).
+
+    Args:
+        model: the model; plan: the :class:`~meshplan.Plan`; cp, pp: the layout's degrees.
+        device_type: the mesh's device type (None: unknown, as in ``meshplan check``: ``ring`` is not refused).
+
+    Returns:
+        The section's error prefix when cp > 1 (apply it), else None (nothing to apply).
+
+    Raises:
+        PlanError: cp > 1 without a section, with pipeline parallelism or compiled blocks, or what
+            :func:`check_context_parallel` refuses.
+    """
+    where = f"{plan.source}: context_parallel" if plan.source else "context_parallel"
+    if plan.context_parallel is None:
+        if cp > 1:
+            raise PlanError(f"{plan.source or '<plan>'}: layout.cp({cp}) > 1 needs a context_parallel section "
+                            f"(attention: <pattern of the attention modules>, positions)")
+        return None
+    check_context_parallel(model, plan.context_parallel, device_type, where)
+    if cp > 1 and plan.pipeline is not None and plan.pipeline.split == "trace":
+        raise PlanError(f"{where}: not with pipeline.split: trace (a traced stage is a graph: no attention module "
+                        f"to route); use split: blocks")
+    if cp > 1 and plan.blocks is not None and plan.blocks.compile:
+        raise PlanError(f"{where}: blocks.compile is not supported with context parallelism yet (the attention "
+                        f"routing is a torch function mode that a compiled block would have to trace)")
+    return where if cp > 1 else None
+
+
+def check_context_parallel(model: nn.Module, section: ContextParallel, device_type: str | None,
                            where: str = "context_parallel") -> _Resolved:
     """Check ``section`` against ``model``; returns what :func:`apply_context_parallel` installs.
 
@@ -59,7 +90,7 @@ def check_context_parallel(model: nn.Module, section: ContextParallel, device_ty
     """
     paths = tuple(dict.fromkeys(p for pattern in section.attention
                                 for p in match_pattern(model, pattern, f"{where}.attention")))
-    if section.method == "ring" and device_type != "cuda":
+    if section.method == "ring" and device_type not in (None, "cuda"):
         raise PlanError(f"{where}.method: ring is torch's ring attention, which torch 2.13 runs on CUDA only; this "
                         f"mesh is on {device_type}. Use method: allgather_kv (any device)")
     _check_hf(model, where)
@@ -106,14 +137,14 @@ def _check_hf(model: nn.Module, where: str) -> None:
     if impl not in (None, "sdpa"):
         raise PlanError(f"{where}: {name} runs attention_implementation={impl!r}; context parallelism makes "
                         f"scaled_dot_product_attention exact across shards: load it with attn_implementation='sdpa'")
-    window = getattr(config, "sliding_window", None)
-    if window and getattr(config, "use_sliding_window", True):
-        raise PlanError(f"{where}: {name} has a sliding window of {window} tokens; the local mask of a sequence "
-                        f"shard cannot express it: not supported with context parallelism")
     kinds = set(getattr(config, "layer_types", None) or ())
     if kinds - {"full_attention"}:
         raise PlanError(f"{where}: {name} has layer types {sorted(kinds)}; context parallelism supports layers of "
                         f"full causal attention only")
+    window = getattr(config, "sliding_window", None)
+    if not kinds and window and getattr(config, "use_sliding_window", True):  # layer_types, when given, decide
+        raise PlanError(f"{where}: {name} has a sliding window of {window} tokens; the local mask of a sequence "
+                        f"shard cannot express it: not supported with context parallelism")
     for cap in ("attn_logit_softcapping",):
         if getattr(config, cap, None):
             raise PlanError(f"{where}: {name} sets {cap}; SDPA cannot soft-cap logits: not supported")

@@ -43,10 +43,10 @@ def mask_is_causal(mask: torch.Tensor, length: int) -> bool | None:
 def _gather_kv(key: torch.Tensor, value: torch.Tensor, group: Any, cp: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Every rank's K and V along the sequence dim (-2), in rank order; one collective when the shapes agree."""
     if key.shape == value.shape:
-        kv = funcol.all_gather_tensor_autograd(torch.stack([key, value]).contiguous(), key.dim() - 1, group)
+        kv = funcol.all_gather_single_autograd(torch.stack([key, value]).contiguous(), key.dim() - 1, group)
         return kv[0], kv[1]
-    k = funcol.all_gather_tensor_autograd(key.contiguous(), key.dim() - 2, group)
-    v = funcol.all_gather_tensor_autograd(value.contiguous(), value.dim() - 2, group)
+    k = funcol.all_gather_single_autograd(key.contiguous(), key.dim() - 2, group)
+    v = funcol.all_gather_single_autograd(value.contiguous(), value.dim() - 2, group)
     return k, v
 
 

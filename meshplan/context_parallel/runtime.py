@@ -93,7 +93,7 @@ class CpRuntime:
     inject_mask: bool = False
     depth: int = 0
     local_len: int | None = None
-    audited: bool = False
+    audited: set = field(default_factory=set)
     called: set = field(default_factory=set)
     _stack: list = field(default_factory=list)
     _modes: list = field(default_factory=list)
@@ -101,7 +101,15 @@ class CpRuntime:
     _audit: Any = None
 
     def positions(self, local_len: int, device: torch.device) -> torch.Tensor:
-        """The true positions of this rank's ``local_len`` tokens (a sequence of ``local_len · cp``)."""
+        """The true positions of this rank's ``local_len`` tokens (a sequence of ``local_len · cp``).
+
+        Raises:
+            PlanError: ``local_len`` is not a whole number of this rank's chunks.
+        """
+        held = 2 if self.load_balance else 1
+        if local_len % held:
+            raise PlanError(f"context_parallel: the model got {local_len} tokens per sequence, not this rank's "
+                            f"{held} equal chunks; feed it through meshplan.train_step or shard_batch")
         return torch.tensor(rank_positions(local_len * self.cp, self.cp, self.rank, self.load_balance),
                             device=device)
 
@@ -148,7 +156,7 @@ class CpRuntime:
             full = module_buffers(owner)[name]
             self._swapped.append((owner, name, full))
             module_buffers(owner)[name] = full.index_select(self.buffer_dim, pos.to(full.device))
-        if not self.audited:
+        if id(model) not in self.audited:  # each root once: the model, or each pipeline stage view
             self._start_audit(model)
         return args, kwargs
 
@@ -156,8 +164,8 @@ class CpRuntime:
         if self.buffer is not None:
             owner, name, full = self._swapped.pop()
             module_buffers(owner)[name] = full
-        if not self.audited:
-            self._finish_audit(out is not None)
+        if id(model) not in self.audited:
+            self._finish_audit(model, out is not None)
 
     def _start_audit(self, model: nn.Module) -> None:
         self.called.clear()
@@ -179,13 +187,14 @@ class CpRuntime:
     def _pop(self, _m: nn.Module, _args: tuple, _out: Any) -> None:
         self._stack.pop()
 
-    def _finish_audit(self, completed: bool) -> None:
+    def _finish_audit(self, model: nn.Module, completed: bool) -> None:
         self._audit.close()
         self._stack.clear()
         if not completed:
             return
-        self.audited = True
-        silent = [p for p in self.attention_paths if p not in self.called]
+        self.audited.add(id(model))
+        present = {path for path, _ in model.named_modules()}
+        silent = [p for p in self.attention_paths if p in present and p not in self.called]
         if silent:
             raise PlanError(f"context_parallel: the attention modules {silent} called no "
                             f"scaled_dot_product_attention in the first forward (attention written by hand, or a "

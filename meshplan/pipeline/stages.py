@@ -91,7 +91,7 @@ def boundary_hooks(view: nn.Module, tp_mesh: DeviceMesh | None, sequence_paralle
         return out.to_local() if isinstance(out, DTensor) else out
 
     if place is not None and not first:
-        view.register_forward_pre_hook(to_stream)
+        view.register_forward_pre_hook(to_stream, prepend=True)  # before the model's own root hooks (cp positions)
     if not last:
         view.register_forward_hook(to_local)
 

@@ -187,11 +187,8 @@ def train_step(model: nn.Module, batch: tuple[Any, torch.Tensor] | dict, loss_fn
 
 def _context_shard(state: ParallelState, inputs: Any, targets: Any, shift: bool,
                    ignore_index: int) -> tuple[Any, Any, bool]:
-    from meshplan.context_parallel.batch import shard_batch
-    rt, lay = state.context_parallel.runtime, state.topology.layout
-    return shard_batch(inputs, targets, cp=rt.cp, rank=rt.rank, load_balance=rt.load_balance, seq_dim=rt.seq_dim,
-                       tp_sequence=lay.tp if state.sequence_parallel is True else 1, shift=shift,
-                       ignore_index=ignore_index)
+    from meshplan.context_parallel.batch import shard_for_state
+    return shard_for_state(state, inputs, targets, shift, ignore_index)
 
 
 def _data_ranks(model: nn.Module, state: ParallelState | None, topology: Any,

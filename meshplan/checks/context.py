@@ -1,0 +1,54 @@
+"""The ``context_parallel`` section in ``meshplan check``: checked against the layout and the model as
+:func:`meshplan.parallelize` checks it, and summarised in one line::
+
+    context parallel: cp 2, allgather_kv (per attention module and step: 1 all_gather of K and V over cp,
+    1 reduce_scatter of dK and dV), head-tail chunks (rank r holds chunks r and 2·cp−1−r of 2·cp);
+    attention: layers.*.attention (4 modules); positions: buffer freqs_cis (dim 0)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.nn as nn
+
+from meshplan.context_parallel.apply import check_context_parallel, check_plan_context
+from meshplan.errors import PlanError
+
+__all__ = ["check_context", "context_lines"]
+
+
+def check_context(model: nn.Module, plan: Any, layout: Any, report: Any) -> None:
+    """Validate ``plan``'s ``context_parallel`` section for ``layout`` (resolved) against ``model``; errors and the
+    summary (``report.context``) go into ``report``."""
+    try:
+        check_plan_context(model, plan, layout.cp, layout.pp, None)
+        section = plan.context_parallel
+        if section is None:
+            return
+        resolved = check_context_parallel(model, section, None)
+    except PlanError as e:
+        report.errors.append(e)
+        return
+    positions = (f"kwarg {resolved.kwarg}" if resolved.kwarg else
+                 f"buffer {resolved.buffer} (dim {resolved.buffer_dim})" if resolved.buffer else "none")
+    report.context = {"cp": layout.cp, "method": section.method, "load_balance": section.load_balance,
+                      "attention": list(section.attention), "attention_modules": len(resolved.paths),
+                      "positions": positions}
+    if section.method == "ring":
+        report.warnings.append(f"{report.source}: context_parallel.method: ring runs on CUDA only (torch 2.13); "
+                               f"meshplan.parallelize refuses it on a CPU mesh")
+
+
+def context_lines(context: dict) -> list[str]:
+    """The text report's line for ``report.context`` (none without a section)."""
+    if not context:
+        return []
+    method = context["method"]
+    if method == "allgather_kv":
+        method += " (per attention module and step: 1 all_gather of K and V over cp, 1 reduce_scatter of dK, dV)"
+    chunks = ("head-tail chunks (rank r holds chunks r and 2·cp−1−r of 2·cp)" if context["load_balance"]
+              else "contiguous chunks (rank r holds the r-th 1/cp)")
+    return [f"context parallel: cp {context['cp']}, {method}, {chunks}; attention: "
+            f"{', '.join(context['attention'])} ({context['attention_modules']} modules); positions: "
+            f"{context['positions']}"]

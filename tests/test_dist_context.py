@@ -1,0 +1,58 @@
+"""Real torchrun/gloo launches (world 2, 4, 8): context parallelism ± TP (SP, loss parallel) ± FSDP ± pipeline, on the
+example Llama and transformers' Llama, vs one device (see ``tests/dist/cp_worker.py``): parameters, losses and norms within
+1e-5 after 3 AdamW steps; refusals stop the step before a parameter moves."""
+
+import pytest
+
+from _launch import case_result, launch
+
+pytestmark = pytest.mark.dist
+
+
+@pytest.fixture(scope="module")
+def world2():
+    return launch("tests/dist/cp_worker.py", 2)
+
+
+@pytest.fixture(scope="module")
+def world4():
+    return launch("tests/dist/cp_worker.py", 4)
+
+
+def _check(results, case, n):
+    values = case_result(results, case, n)
+    assert all(v["worst"] <= 1e-5 for v in values.values()), values
+    assert len({tuple(v["loss"]) for v in values.values()}) == 1  # every rank reports the global loss
+
+
+@pytest.mark.parametrize("case", ["cp2", "cp2_unbalanced", "cp2_microbatches", "cp2_hf_llama", "cp2_checkpointed"])
+def test_cp2(world2, case):
+    _check(world2, case, 2)
+
+
+def test_wrong_positions_are_seen(world2):
+    assert all("missed" in v for v in case_result(world2, "teeth", 2).values())
+
+
+def test_shard_sequence_for_an_own_loop(world2):
+    assert len(case_result(world2, "eval_shards", 2)) == 2
+
+
+def test_refusals(world2):
+    values = case_result(world2, "refusals", 2)
+    assert len(values) == 2
+
+
+@pytest.fixture(scope="module")
+def world8():
+    return launch("tests/dist/cp_worker.py", 8)
+
+
+@pytest.mark.parametrize("case", ["cp4", "cp2_tp2_sp", "cp2_dp_shard2", "cp2_tp2_hf_llama", "pp2_cp2"])
+def test_cp_composed(world4, case):
+    _check(world4, case, 4)
+
+
+@pytest.mark.parametrize("case", ["pp2_cp2_tp2", "cp2_tp2_dp_shard2"])
+def test_cp_on_8_ranks(world8, case):
+    _check(world8, case, 8)
