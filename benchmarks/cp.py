@@ -425,8 +425,9 @@ def _notes(shape: Shape, all_rows: list[dict], args) -> str:
         "FSDP2's unsharded parameters and buffers excluded), the largest rank; attn core / rest: that peak split "
         "by where the tensor was first saved (inside an attention module's SDPA call, meshplan's cross-shard "
         "attention included, or elsewhere); (masks): the 2-D tensors saved there, the attention masks SDPA saves "
-        "(meshplan's per-chunk causal masks are bool chunk × keys; SDPA converts them to an additive float mask, "
-        "4 bytes an entry, and keeps it for backward; cp = 1 passes is_causal and saves none).",
+        "(meshplan's causal block masks: additive float, chunk × keys, 4 bytes an entry, built once per shape and "
+        "shared by the layers, SDPA keeping them by reference; CUDA uses torch's lower-right causal bias and "
+        "saves none; cp = 1 passes is_causal and saves none).",
         f"time: median of {args.steps} train_step calls (after {args.warmup} warm-up, max over ranks), the "
         f"smallest over {args.rounds} launch(es); tokens/s = {shape.batch}·{shape.seq} global tokens / step; "
         "× cp=1 against cp = 1 on one thread; per rank = × cp=1 / cp. One thread per process: a rank stands for "

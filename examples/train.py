@@ -2,6 +2,7 @@
 
     torchrun --standalone --nproc-per-node 4 examples/train.py --plan plans/llama.yaml
     torchrun --standalone --nproc-per-node 1 examples/train.py --plan plans/single.yaml --global-batch 16 --json
+    torchrun --standalone --nproc-per-node 4 examples/train.py --plan plans/llama_cp.yaml --seq 256   # cp 2 × tp 2
 
 Synthetic data with a learnable rule (each token is the previous one plus a
 per-sequence stride, mod vocab), so the loss visibly falls. Prints loss and
@@ -10,7 +11,8 @@ tokens/s. The model code (examples/llama.py) knows nothing of meshplan.
 Layout invariance: sample ``i`` of the run (step ``s`` holds samples
 ``s·G … s·G + G - 1`` of a global batch of ``G``) is a function of
 ``(seed, i)`` alone; each rank takes its data-parallel slice of the global batch
-(``topo.data_rank`` of ``topo.data_world_size``; tp/cp/pp peers share one), and
+(``topo.data_rank`` of ``topo.data_world_size``; tp/cp/pp peers share one: with a context_parallel plan
+``meshplan.train_step`` cuts the shared sequences into each cp rank's chunks), and
 the model is built from one seed on every rank before it is sharded. So the same
 command with any plan and a matching ``--nproc-per-node`` prints the same losses
 as one process with ``plans/single.yaml``, to fp32 noise. ``--json`` prints them

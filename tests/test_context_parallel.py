@@ -87,8 +87,9 @@ def _counting_sdpa(calls):
 
     def sdpa(q, k, v, attn_mask=None, **kw):  # records (computed, unmasked) query-key pairs × batch × heads
         rows, kl = q.shape[:-1].numel(), k.shape[-2]
-        assert attn_mask is None or attn_mask.dtype == torch.bool
-        calls.append((rows * kl, rows * kl if attn_mask is None else int(attn_mask.expand(*q.shape[:-1], kl).sum())))
+        assert attn_mask is None or attn_mask.dtype in (torch.bool, q.dtype)  # bool, or additive (0 / -inf)
+        keep = None if attn_mask is None else attn_mask if attn_mask.dtype == torch.bool else attn_mask == 0
+        calls.append((rows * kl, rows * kl if keep is None else int(keep.expand(*q.shape[:-1], kl).sum())))
         return real(q, k, v, attn_mask=attn_mask, **kw)
     return sdpa
 
@@ -155,6 +156,17 @@ def test_attention_flops_balanced_by_the_causal_balancer(monkeypatch, gqa):
             assert len({c for c, _ in pairs}) == 1  # the computed (masked + unmasked) work too
         else:
             assert max(unmasked) > 1.5 * min(unmasked), unmasked
+
+
+def test_block_masks_are_built_once_per_shape():
+    """The layers share one additive mask per block shape (SDPA keeps it by reference for backward), so the
+    masks' memory does not grow with the number of layers."""
+    from meshplan.context_parallel.attention import block_mask
+    masks = {}
+    a = block_mask(4, 12, 8, torch.float32, torch.device("cpu"), masks)
+    assert block_mask(4, 12, 8, torch.float32, torch.device("cpu"), masks) is a and len(masks) == 1
+    assert torch.equal(a == 0, torch.ones(4, 12, dtype=torch.bool).tril(8))
+    assert block_mask(4, 12, 8, torch.float64, torch.device("cpu"), masks) is not a and len(masks) == 2
 
 
 def test_allgather_attention_full_attention(monkeypatch):

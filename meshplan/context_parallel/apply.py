@@ -180,7 +180,7 @@ def apply_context_parallel(model: nn.Module, section: ContextParallel, topology:
     else:
         from meshplan.context_parallel.attention import allgather_kv_attention
         attend = functools.partial(allgather_kv_attention, group=mesh.get_group(), cp=mesh.size(), rank=rank,
-                                   load_balance=section.load_balance)
+                                   load_balance=section.load_balance, masks={})  # block masks shared by layers
     runtime = CpRuntime(group=mesh.get_group(), cp=mesh.size(), rank=rank, load_balance=section.load_balance,
                         seq_dim=section.seq_dim, attend=attend, positions_kwarg=resolved.kwarg,
                         buffer=resolved.buffer, buffer_dim=resolved.buffer_dim, patterns=section.attention,

@@ -23,7 +23,7 @@ from meshplan._torch import funcol
 from meshplan.context_parallel.chunks import causal_blocks, rank_positions
 from meshplan.errors import PlanError
 
-__all__ = ["allgather_kv_attention", "mask_is_causal"]
+__all__ = ["allgather_kv_attention", "mask_is_causal", "block_mask"]
 
 
 def mask_is_causal(mask: torch.Tensor, length: int) -> bool | None:
@@ -41,12 +41,16 @@ def mask_is_causal(mask: torch.Tensor, length: int) -> bool | None:
 
 
 def _gather_kv(key: torch.Tensor, value: torch.Tensor, group: Any, cp: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every rank's K and V along the sequence dim (-2), in rank order; one collective when the shapes agree."""
+    """Every rank's K and V along the sequence dim (-2), in rank order; one collective when the shapes agree.
+
+    K and V are stacked with the sequence dim first, so the all-gather's output is the concatenation as is (no
+    copy to re-interleave it)."""
     if key.shape == value.shape:
-        kv = funcol.all_gather_single_autograd(torch.stack([key, value]).contiguous(), key.dim() - 1, group)
-        return kv[0], kv[1]
-    k = funcol.all_gather_single_autograd(key.contiguous(), key.dim() - 2, group)
-    v = funcol.all_gather_single_autograd(value.contiguous(), value.dim() - 2, group)
+        kv = torch.stack([key, value]).movedim(-2, 0).contiguous()  # (L, 2, ..., d)
+        kv = funcol.all_gather_single_autograd(kv, 0, group)
+        return kv[:, 0].movedim(0, -2), kv[:, 1].movedim(0, -2)
+    k = funcol.all_gather_single_autograd(key.movedim(-2, 0).contiguous(), 0, group).movedim(0, -2)
+    v = funcol.all_gather_single_autograd(value.movedim(-2, 0).contiguous(), 0, group).movedim(0, -2)
     return k, v
 
 
@@ -56,10 +60,28 @@ def _true_order(cp: int, load_balance: bool, seq_len: int, device: torch.device)
     return torch.argsort(torch.tensor(gathered, device=device))
 
 
+def block_mask(chunk: int, keys: int, offset: int, dtype: torch.dtype, device: torch.device,
+               masks: dict | None = None) -> Any:
+    """The mask of a causal block (query ``i`` sees keys ``<= offset + i``): torch's lower-right causal bias on
+    CUDA (its kernels apply it without a tensor), else an additive float mask, built once per shape in ``masks``
+    (SDPA keeps a float mask of the query's dtype by reference for backward: the layers share one tensor)."""
+    if device.type == "cuda":
+        from torch.nn.attention.bias import causal_lower_right
+        return causal_lower_right(chunk, keys)
+    key = (chunk, keys, offset, dtype, device)
+    if masks is not None and key in masks:
+        return masks[key]
+    keep = torch.ones(chunk, keys, dtype=torch.bool, device=device).tril(offset)
+    mask = torch.zeros(chunk, keys, dtype=dtype, device=device).masked_fill_(~keep, float("-inf"))
+    if masks is not None:
+        masks[key] = mask
+    return mask
+
+
 def allgather_kv_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                            attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False,
                            scale: float | None = None, enable_gqa: bool = False, *, group: Any, cp: int, rank: int,
-                           load_balance: bool, where: str = "attention") -> torch.Tensor:
+                           load_balance: bool, where: str = "attention", masks: dict | None = None) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` of this rank's queries against the whole sequence's keys and values.
 
     Args:
@@ -69,6 +91,7 @@ def allgather_kv_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
         group: the ``cp`` process group; cp, rank: its size and this rank's index in it.
         load_balance: the head-tail layout (else contiguous).
         where: the attention module's path, for errors.
+        masks: a cache of the causal block masks (the model's runtime keeps one), or None.
 
     Returns:
         The attention output for this rank's queries (a DTensor when ``query`` is one).
@@ -79,7 +102,7 @@ def allgather_kv_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
     if isinstance(query, DTensor):
         out = allgather_kv_attention(query.to_local(), key.to_local(), value.to_local(), attn_mask, dropout_p,
                                      is_causal, scale, enable_gqa, group=group, cp=cp, rank=rank,
-                                     load_balance=load_balance, where=where)
+                                     load_balance=load_balance, where=where, masks=masks)
         return DTensor.from_local(out, query.device_mesh, query.placements, run_check=False)
     length = query.shape[-2]
     if attn_mask is not None:
@@ -100,6 +123,6 @@ def allgather_kv_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
     outs = []
     for start, keys, offset in causal_blocks(cp, rank, load_balance, chunk):
         q = query[..., start:start + chunk, :]
-        mask = torch.ones(chunk, keys, dtype=torch.bool, device=query.device).tril(offset)
+        mask = block_mask(chunk, keys, offset, query.dtype, query.device, masks)
         outs.append(F.scaled_dot_product_attention(q, k[..., :keys, :], v[..., :keys, :], attn_mask=mask, **kw))
     return torch.cat(outs, dim=-2)
