@@ -1,0 +1,68 @@
+"""Real gloo processes: expert-parallel token dispatch and combine (all-to-all with uneven splits).
+
+Each rank routes its tokens (uniform, or skewed: one expert takes most) and checks that (1) the rows it sends each
+rank are the router's assignment (counts per destination), (2) each rank receives exactly the rows routed to its
+experts, from every source, expert by expert, (3) combine brings each expert's output back to the row it came
+from, and (4) the backward (the reverse all-to-all) gives every row its expert's gradient.
+"""
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from _launch import run_cases
+from meshplan.expert_parallel.dispatch import combine, dispatch, plan_routes
+
+WORLD = int(os.environ["WORLD_SIZE"])
+TOKENS, TOP_K, DIM = 24, 2, 3
+
+
+def route(rank, experts, skewed):
+    """Top-k expert ids per token: uniform random, or expert 0 in nearly every token's top-k."""
+    g = torch.Generator().manual_seed(100 + rank)
+    scores = torch.rand(TOKENS, experts, generator=g)
+    if skewed:
+        scores[:, 0] += 1.0
+    return scores.topk(TOP_K, dim=-1).indices  # (TOKENS, TOP_K)
+
+
+def case(experts, skewed):
+    rank, ep = dist.get_rank(), WORLD
+    local = experts // ep
+    idx = route(rank, experts, skewed).reshape(-1)
+    order = torch.argsort(idx, stable=True)
+    expert = idx[order]
+    token = torch.arange(TOKENS).repeat_interleave(TOP_K)[order]
+    x = torch.stack([torch.full_like(token, rank), token, expert], 1).double().requires_grad_()  # rows say who
+    counts = torch.bincount(idx, minlength=experts)
+    routes = plan_routes(counts, dist.group.WORLD, ep)
+    want_send = [int(((idx // local) == d).sum()) for d in range(ep)]
+    assert routes.send == want_send, (routes.send, want_send)
+    got = dispatch(x, routes, dist.group.WORLD)
+    everyone = [None] * ep
+    dist.all_gather_object(everyone, route(rank, experts, skewed).tolist())  # every rank's assignment
+    mine = sorted((src, t, e) for src, table in enumerate(everyone) for t, row in enumerate(table) for e in row
+                  if e // local == rank)
+    rows = [tuple(int(v) for v in r) for r in got.detach().tolist()]
+    assert sorted(rows) == mine, "received rows differ from the router's assignment"
+    assert [r[2] for r in rows] == sorted(r[2] for r in rows), "not expert-major"
+    assert routes.local_counts.tolist() == [sum(1 for r in rows if r[2] == rank * local + e) for e in range(local)]
+    y = combine(got * (got[:, 2:3] + 1), routes, dist.group.WORLD)  # the expert: scale by (its id + 1)
+    assert torch.equal(y.detach(), x.detach() * (expert[:, None].double() + 1)), "combine misplaced rows"
+    w = torch.randn(y.shape, generator=torch.Generator().manual_seed(rank), dtype=torch.float64)
+    (y * w).sum().backward()
+    want = w * (expert[:, None].double() + 1)  # columns 0-1; column 2 (the id the expert read) has a term more
+    assert torch.allclose(x.grad[:, :2], want[:, :2]), "backward did not return each row its expert's gradient"
+    return {"sent": routes.send, "received": routes.recv, "local_counts": routes.local_counts.tolist()}
+
+
+CASES = {
+    "uniform": lambda: case(2 * WORLD, False),
+    "skewed": lambda: case(2 * WORLD, True),
+    "one_expert_each": lambda: case(WORLD, True),
+}
+
+if __name__ == "__main__":
+    dist.init_process_group("gloo")
+    run_cases(CASES)
