@@ -7,9 +7,18 @@ import torch
 import torch.nn.functional as F
 
 import llama
-from moe import GroupedExperts, ModelArgs, MoE, Transformer, build, load_balance_loss, tiny_args  # examples/ on sys.path
+from moe import GroupedExperts, ModelArgs, MoE, build, load_balance_loss, tiny_args  # examples/ is on sys.path
 
 pytestmark = pytest.mark.fast
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny matmuls: one intra-op thread is as fast, and far faster on a loaded 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def tokens(b=2, s=16, vocab=128, seed=0):
