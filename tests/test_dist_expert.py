@@ -1,6 +1,7 @@
 """Real torchrun/gloo launches (world 2 and 4): expert-parallel dispatch and combine (``tests/dist/ep_worker.py``):
 the rows each rank sends equal the router's assignment per destination, uniform and skewed routing, and the
-backward returns every row its expert's gradient."""
+backward returns every row its expert's gradient; the example MoE layer with ExpertParallel experts matches one
+device (outputs, expert and router gradients)."""
 
 import pytest
 
@@ -21,3 +22,9 @@ def test_dispatch_follows_the_router(world, case):
     sent = [v["sent"] for v in values.values()]
     received = [values[r]["received"] for r in range(n)]
     assert [[sent[s][d] for s in range(n)] for d in range(n)] == received  # what leaves s for d arrives at d
+
+
+@pytest.mark.parametrize("case", ["moe_layer", "moe_layer_shared"])
+def test_moe_layer_matches_one_device(world, case):
+    n, results = world
+    case_result(results, case, n)

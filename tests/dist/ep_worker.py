@@ -57,10 +57,50 @@ def case(experts, skewed):
     return {"sent": routes.send, "received": routes.recv, "local_counts": routes.local_counts.tolist()}
 
 
+def moe_layer(n_experts, shared=False):
+    """The example MoE layer with its experts over ep (ExpertParallel) vs one device on every rank's tokens: each
+    rank's outputs, its experts' gradients (all ranks' tokens reach them), and the router's (summed over ep)."""
+    from moe import MoE, tiny_args
+    from torch.distributed.tensor.parallel import parallelize_module
+    from meshplan.expert_parallel.experts import ExpertParallel
+    from torch.distributed.device_mesh import init_device_mesh
+    rank, ep = dist.get_rank(), WORLD
+    args = tiny_args(n_experts=n_experts, shared_expert=shared)
+    torch.manual_seed(0)
+    ref = MoE(args)
+    for p in ref.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    model = MoE(args)
+    model.load_state_dict(ref.state_dict())
+    mesh = init_device_mesh("cpu", (ep,), mesh_dim_names=("ep",))
+    parallelize_module(model.experts, mesh, ExpertParallel())
+    xs = [torch.randn(3, 8, args.dim, generator=torch.Generator().manual_seed(10 + r)) for r in range(ep)]
+    ws = [torch.randn(3, 8, args.dim, generator=torch.Generator().manual_seed(20 + r)) for r in range(ep)]
+    out = model(xs[rank])
+    (out * ws[rank]).sum().backward()
+    want = ref(torch.cat(xs))
+    (want * torch.cat(ws)).sum().backward()
+    assert torch.allclose(out, want[3 * rank:3 * (rank + 1)], atol=1e-6), "outputs differ"
+    local = n_experts // ep
+    for name in ("w1", "w2", "w3"):
+        got = getattr(model.experts, name).grad.to_local()
+        assert torch.allclose(got, getattr(ref.experts, name).grad[rank * local:(rank + 1) * local], atol=1e-6), name
+    for name, p in model.named_parameters():
+        if not name.startswith("experts."):
+            grad = p.grad.clone()
+            dist.all_reduce(grad)  # dense parameters: data parallel over the ep ranks
+            want_grad = dict(ref.named_parameters())[name].grad
+            rel = float((grad - want_grad).norm() / want_grad.norm())  # fp32 sums in another order
+            assert rel <= 1e-5, (name, rel)
+    return {"tokens_per_expert": model.tokens_per_expert.tolist()}
+
+
 CASES = {
     "uniform": lambda: case(2 * WORLD, False),
     "skewed": lambda: case(2 * WORLD, True),
     "one_expert_each": lambda: case(WORLD, True),
+    "moe_layer": lambda: moe_layer(2 * WORLD),
+    "moe_layer_shared": lambda: moe_layer(WORLD, shared=True),
 }
 
 if __name__ == "__main__":
