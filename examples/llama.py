@@ -195,13 +195,17 @@ class Transformer(nn.Module):
         # them from a forked RNG so they do not advance the global one.
         with torch.random.fork_rng(devices=[]):
             self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-            self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
+            self.layers = nn.ModuleList(self._block(args, i) for i in range(args.n_layers))
             self.norm = RMSNorm(args.dim, args.norm_eps)
             self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.register_buffer("freqs_cis", self._freqs_cis(), persistent=False)
         self.init_weights()  # a no-op on the meta device
+
+    def _block(self, args: ModelArgs, index: int) -> nn.Module:
+        """Layer ``index`` (a subclass builds other blocks)."""
+        return TransformerBlock(args)
 
     def _freqs_cis(self) -> torch.Tensor:
         a = self.args
@@ -226,16 +230,20 @@ class Transformer(nn.Module):
         std, depth_std = 0.02, 0.02 / math.sqrt(2 * self.args.n_layers)
         nn.init.normal_(self.tok_embeddings.weight, std=std)
         for layer in self.layers:
-            attn, ffn = layer.attention, layer.feed_forward
-            for lin in (attn.wq, attn.wk, attn.wv, ffn.w1, ffn.w3):
-                nn.init.normal_(lin.weight, std=std)
-            for lin in (attn.wo, ffn.w2):
-                nn.init.normal_(lin.weight, std=depth_std)
-            layer.attention_norm.reset_parameters()
-            layer.ffn_norm.reset_parameters()
+            self._init_block(layer, std, depth_std)
         self.norm.reset_parameters()
         if not self.args.tie_embeddings:
             nn.init.normal_(self.output.weight, std=std)
+
+    def _init_block(self, layer: nn.Module, std: float, depth_std: float) -> None:
+        """Draw one block's parameters (in a fixed order: the result depends only on the seed)."""
+        attn, ffn = layer.attention, layer.feed_forward
+        for lin in (attn.wq, attn.wk, attn.wv, ffn.w1, ffn.w3):
+            nn.init.normal_(lin.weight, std=std)
+        for lin in (attn.wo, ffn.w2):
+            nn.init.normal_(lin.weight, std=depth_std)
+        layer.attention_norm.reset_parameters()
+        layer.ffn_norm.reset_parameters()
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(tokens)

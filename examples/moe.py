@@ -330,7 +330,7 @@ class TransformerBlock(nn.Module):
         return h + ffn(self.ffn_norm(h))
 
 
-class Transformer(nn.Module):
+class Transformer(llama.Transformer):
     """MoE decoder: token ids to next-token logits; :meth:`aux_loss` after a forward.
 
     Like :class:`llama.Transformer`, construction consumes no global RNG state:
@@ -342,56 +342,25 @@ class Transformer(nn.Module):
         - Output: :math:`(b, s, vocab\\_size)` logits.
     """
 
-    def __init__(self, args: ModelArgs) -> None:
-        super().__init__()
-        self.args = args
-        with torch.random.fork_rng(devices=[]):
-            self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-            self.layers = nn.ModuleList(
-                TransformerBlock(args, dense=i < args.n_dense_layers) for i in range(args.n_layers)
-            )
-            self.norm = RMSNorm(args.dim, args.norm_eps)
-            self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
-        if args.tie_embeddings:
-            self.output.weight = self.tok_embeddings.weight
-        self.register_buffer("freqs_cis", self._freqs_cis(), persistent=False)
-        self.init_weights()  # a no-op on the meta device
+    def _block(self, args: ModelArgs, index: int) -> nn.Module:
+        return TransformerBlock(args, dense=index < args.n_dense_layers)
 
-    def _freqs_cis(self) -> torch.Tensor:
-        a = self.args
-        return precompute_freqs_cis(a.dim // a.n_heads, a.max_seq_len, a.rope_theta)
-
-    @torch.no_grad()
-    def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
-        """(Re)initialize all parameters from the global RNG and rebuild ``freqs_cis``.
-
-        As :meth:`llama.Transformer.init_weights`: N(0, 0.02²), with the residual
-        projections (``wo``, every ``w2``) at ``0.02 / sqrt(2 * n_layers)`` and norms
-        at one; the router gates are N(0, 0.02²). Parameters are drawn layer by
-        layer in a fixed order, so the result depends only on the seed.
-        """
-        device = buffer_device if buffer_device is not None else self.freqs_cis.device
-        with torch.device(device):
-            self.freqs_cis = self._freqs_cis()
-        std, depth_std = 0.02, 0.02 / math.sqrt(2 * self.args.n_layers)
-        nn.init.normal_(self.tok_embeddings.weight, std=std)
-        for layer in self.layers:
-            attn = layer.attention
-            for lin in (attn.wq, attn.wk, attn.wv):
-                nn.init.normal_(lin.weight, std=std)
-            nn.init.normal_(attn.wo.weight, std=depth_std)
-            if layer.moe is not None:
-                layer.moe.init_weights(std, depth_std)
-            else:
-                ffn = layer.feed_forward
-                nn.init.normal_(ffn.w1.weight, std=std)
-                nn.init.normal_(ffn.w3.weight, std=std)
-                nn.init.normal_(ffn.w2.weight, std=depth_std)
-            layer.attention_norm.reset_parameters()
-            layer.ffn_norm.reset_parameters()
-        self.norm.reset_parameters()
-        if not self.args.tie_embeddings:
-            nn.init.normal_(self.output.weight, std=std)
+    def _init_block(self, layer: nn.Module, std: float, depth_std: float) -> None:
+        """As :meth:`llama.Transformer._init_block`, the experts and the shared expert as ``w1/w3`` at ``std`` and
+        ``w2`` at ``depth_std``, the router gate at ``std``."""
+        attn = layer.attention
+        for lin in (attn.wq, attn.wk, attn.wv):
+            nn.init.normal_(lin.weight, std=std)
+        nn.init.normal_(attn.wo.weight, std=depth_std)
+        if layer.moe is not None:
+            layer.moe.init_weights(std, depth_std)
+        else:
+            ffn = layer.feed_forward
+            nn.init.normal_(ffn.w1.weight, std=std)
+            nn.init.normal_(ffn.w3.weight, std=std)
+            nn.init.normal_(ffn.w2.weight, std=depth_std)
+        layer.attention_norm.reset_parameters()
+        layer.ffn_norm.reset_parameters()
 
     def moe_layers(self) -> list[MoE]:
         """The :class:`MoE` modules, in layer order."""
@@ -403,16 +372,6 @@ class Transformer(nn.Module):
         if not losses:
             return torch.zeros((), device=self.freqs_cis.device)
         return self.args.aux_loss_coef * torch.stack(losses).sum()
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.tok_embeddings(tokens)
-        seqlen = h.shape[1]
-        if seqlen > self.args.max_seq_len:
-            raise ValueError(f"sequence length {seqlen} > max_seq_len {self.args.max_seq_len}")
-        freqs_cis = self.freqs_cis[:seqlen]
-        for layer in self.layers:
-            h = layer(h, freqs_cis)
-        return self.output(self.norm(h))
 
 
 def tiny_args(**overrides) -> ModelArgs:

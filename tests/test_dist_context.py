@@ -25,7 +25,7 @@ def _check(results, case, n):
     assert len({tuple(v["loss"]) for v in values.values()}) == 1  # every rank reports the global loss
 
 
-@pytest.mark.parametrize("case", ["cp2", "cp2_unbalanced", "cp2_microbatches", "cp2_hf_llama", "cp2_checkpointed"])
+@pytest.mark.parametrize("case", ["cp2", "cp2_unbalanced", "cp2_microbatches", "cp2_hf_llama", "cp2_hf_qwen2", "cp2_checkpointed"])
 def test_cp2(world2, case):
     _check(world2, case, 2)
 

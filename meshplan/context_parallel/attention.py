@@ -13,7 +13,8 @@ what the global one is.
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +24,7 @@ from meshplan._torch import funcol
 from meshplan.context_parallel.chunks import causal_blocks, rank_positions
 from meshplan.errors import PlanError
 
-__all__ = ["allgather_kv_attention", "mask_is_causal", "block_mask"]
+__all__ = ["allgather_kv_attention", "mask_is_causal", "causal_from_mask", "on_local_heads", "block_mask"]
 
 
 def mask_is_causal(mask: torch.Tensor, length: int) -> bool | None:
@@ -40,6 +41,34 @@ def mask_is_causal(mask: torch.Tensor, length: int) -> bool | None:
     return False if bool(keep.all()) else None
 
 
+def causal_from_mask(attn_mask: torch.Tensor | None, is_causal: bool, length: int, where: str) -> bool:
+    """Whether the call is causal, given the model's mask (local-causal or empty; anything else refused).
+
+    Raises:
+        PlanError: a mask that is neither causal nor empty.
+    """
+    if attn_mask is None:
+        return is_causal
+    causal = mask_is_causal(attn_mask, length)
+    if causal is None:
+        raise PlanError(f"context_parallel: {where} passes scaled_dot_product_attention a mask that is neither "
+                        f"causal nor empty (padding, a sliding window or a bias); context parallelism supports "
+                        f"causal and full attention over whole sequences")
+    return causal
+
+
+def on_local_heads(attention: Callable) -> Callable:
+    """Wrap a cross-shard ``attention(query, key, value, …)`` so DTensor q/k/v (heads sharded by tensor
+    parallelism) run on their local heads and the output is a DTensor placed as ``query``."""
+    @functools.wraps(attention)
+    def run(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if not isinstance(query, DTensor):
+            return attention(query, key, value, *args, **kwargs)
+        out = attention(query.to_local(), key.to_local(), value.to_local(), *args, **kwargs)
+        return DTensor.from_local(out, query.device_mesh, query.placements, run_check=False)
+    return run
+
+
 def _gather_kv(key: torch.Tensor, value: torch.Tensor, group: Any, cp: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Every rank's K and V along the sequence dim (-2), in rank order; one collective when the shapes agree.
 
@@ -54,6 +83,7 @@ def _gather_kv(key: torch.Tensor, value: torch.Tensor, group: Any, cp: int) -> t
     return k, v
 
 
+@functools.lru_cache(maxsize=64)  # every attention call of a step asks the same
 def _true_order(cp: int, load_balance: bool, seq_len: int, device: torch.device) -> torch.Tensor:
     """Index into the rank-ordered gathered keys that puts them in true sequence order."""
     gathered = [p for r in range(cp) for p in rank_positions(seq_len, cp, r, load_balance)]
@@ -78,6 +108,7 @@ def block_mask(chunk: int, keys: int, offset: int, dtype: torch.dtype, device: t
     return mask
 
 
+@on_local_heads
 def allgather_kv_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                            attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False,
                            scale: float | None = None, enable_gqa: bool = False, *, group: Any, cp: int, rank: int,
@@ -99,19 +130,8 @@ def allgather_kv_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
     Raises:
         PlanError: a mask other than causal or none.
     """
-    if isinstance(query, DTensor):
-        out = allgather_kv_attention(query.to_local(), key.to_local(), value.to_local(), attn_mask, dropout_p,
-                                     is_causal, scale, enable_gqa, group=group, cp=cp, rank=rank,
-                                     load_balance=load_balance, where=where, masks=masks)
-        return DTensor.from_local(out, query.device_mesh, query.placements, run_check=False)
     length = query.shape[-2]
-    if attn_mask is not None:
-        causal = mask_is_causal(attn_mask, length)
-        if causal is None:
-            raise PlanError(f"context_parallel: {where} passes scaled_dot_product_attention a mask that is neither "
-                            f"causal nor empty (padding, a sliding window or a bias); context parallelism supports "
-                            f"causal and full attention over whole sequences")
-        is_causal = causal
+    is_causal = causal_from_mask(attn_mask, is_causal, length, where)
     k, v = _gather_kv(key, value, group, cp)
     kw = {"dropout_p": dropout_p, "scale": scale, "enable_gqa": enable_gqa}
     if not is_causal:

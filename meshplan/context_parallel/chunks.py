@@ -9,6 +9,9 @@ the last ``c`` of them through a lower-triangular mask: a rank holding chunks ``
 
 from __future__ import annotations
 
+import functools
+import math
+
 __all__ = ["n_chunks", "rank_chunks", "rank_positions", "causal_blocks", "attention_pairs", "check_seq_len"]
 
 
@@ -38,8 +41,13 @@ def rank_positions(seq_len: int, cp: int, rank: int, load_balance: bool) -> list
         >>> rank_positions(8, 2, 0, True)
         [0, 1, 6, 7]
     """
+    return list(_positions(seq_len, cp, rank, load_balance))
+
+
+@functools.lru_cache(maxsize=64)  # asked per forward and per attention call: the same few lengths
+def _positions(seq_len: int, cp: int, rank: int, load_balance: bool) -> tuple[int, ...]:
     c = seq_len // n_chunks(cp, load_balance)
-    return [p for j in rank_chunks(cp, rank, load_balance) for p in range(j * c, (j + 1) * c)]
+    return tuple(p for j in rank_chunks(cp, rank, load_balance) for p in range(j * c, (j + 1) * c))
 
 
 def causal_blocks(cp: int, rank: int, load_balance: bool, chunk: int) -> list[tuple[int, int, int]]:
@@ -75,7 +83,7 @@ def check_seq_len(seq_len: int, cp: int, load_balance: bool, tp_sequence: int = 
         'sequence length 100 is not divisible by 2·cp = 8 (causal load balance); valid: multiples of 8, e.g. 96, 104'
     """
     chunks = n_chunks(cp, load_balance)
-    step = _lcm(chunks, cp * tp_sequence)
+    step = math.lcm(chunks, cp * tp_sequence)
     if seq_len % step == 0:
         return None
     why = f"2·cp = {chunks} (causal load balance)" if load_balance else f"cp = {chunks}"
@@ -89,13 +97,3 @@ def check_seq_len(seq_len: int, cp: int, load_balance: bool, tp_sequence: int = 
 def _near(n: int, unit: int) -> str:
     lo, hi = n // unit * unit, (n // unit + 1) * unit
     return f"{lo}, {hi}" if lo else f"{hi}"
-
-
-def _gcd(a: int, b: int) -> int:
-    while b:
-        a, b = b, a % b
-    return a
-
-
-def _lcm(a: int, b: int) -> int:
-    return a * b // _gcd(a, b)

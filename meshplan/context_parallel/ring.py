@@ -13,12 +13,12 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor, Shard
 
 from meshplan._torch import ring_attention_dispatch
-from meshplan.context_parallel.attention import mask_is_causal
-from meshplan.errors import PlanError
+from meshplan.context_parallel.attention import causal_from_mask, on_local_heads
 
 __all__ = ["ring_attention"]
 
 
+@on_local_heads
 def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False,
                    scale: float | None = None, enable_gqa: bool = False, *, mesh: Any, load_balance: bool,
@@ -33,16 +33,7 @@ def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     Raises:
         PlanError: a mask other than causal or none.
     """
-    if isinstance(query, DTensor):  # tensor parallelism's heads: ring over cp on the local heads
-        out = ring_attention(query.to_local(), key.to_local(), value.to_local(), attn_mask, dropout_p, is_causal,
-                             scale, enable_gqa, mesh=mesh, load_balance=load_balance, where=where)
-        return DTensor.from_local(out, query.device_mesh, query.placements, run_check=False)
-    if attn_mask is not None:
-        causal = mask_is_causal(attn_mask, query.shape[-2])
-        if causal is None:
-            raise PlanError(f"context_parallel: {where} passes a mask that is neither causal nor empty; context "
-                            f"parallelism supports causal and full attention over whole sequences")
-        is_causal = causal
+    is_causal = causal_from_mask(attn_mask, is_causal, query.shape[-2], where)
     if enable_gqa and key.shape[-3] != query.shape[-3]:  # the ring handlers take equal head counts
         rep = query.shape[-3] // key.shape[-3]
         key, value = key.repeat_interleave(rep, dim=-3), value.repeat_interleave(rep, dim=-3)

@@ -76,8 +76,8 @@ def pipeline_step(model: nn.Module, state: ParallelState, batch: tuple[Any, torc
     topology = topology or state.topology
     inputs, targets = batch
     if state.context_parallel is not None:  # this cp rank's share of every sequence
-        from meshplan.training.step import _context_shard
-        inputs, targets, _ = _context_shard(state, inputs, targets, False, ignore_index)
+        from meshplan.context_parallel.batch import shard_for_state
+        inputs, targets, _ = shard_for_state(state, inputs, targets, ignore_index=ignore_index)
     record = state.pipeline
     _check_batch(inputs, record.section.microbatches)
     from meshplan.pipeline.traced import prepare_traced

@@ -161,7 +161,8 @@ def train_step(model: nn.Module, batch: tuple[Any, torch.Tensor] | dict, loss_fn
     distributed, replicas = _data_ranks(model, state, topology, sequence_parallel)
     inputs, targets = batch
     if state is not None and state.context_parallel is not None:  # this cp rank's share of every sequence
-        inputs, targets, shift = _context_shard(state, inputs, targets, shift, ignore_index)
+        from meshplan.context_parallel.batch import shard_for_state
+        inputs, targets, shift = shard_for_state(state, inputs, targets, shift, ignore_index)
     n = int(microbatches)
     if n < 1:
         raise PlanError(f"train_step: microbatches must be >= 1, got {n}")
@@ -183,12 +184,6 @@ def train_step(model: nn.Module, batch: tuple[Any, torch.Tensor] | dict, loss_fn
     optimizer.zero_grad(set_to_none=True)
     loss_value = float(extra[0]) / num_tokens if num_tokens else float("nan")
     return StepResult(loss=loss_value, grad_norm=grad_norm, num_tokens=num_tokens)
-
-
-def _context_shard(state: ParallelState, inputs: Any, targets: Any, shift: bool,
-                   ignore_index: int) -> tuple[Any, Any, bool]:
-    from meshplan.context_parallel.batch import shard_for_state
-    return shard_for_state(state, inputs, targets, shift, ignore_index)
 
 
 def _data_ranks(model: nn.Module, state: ParallelState | None, topology: Any,
