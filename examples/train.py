@@ -3,10 +3,15 @@
     torchrun --standalone --nproc-per-node 4 examples/train.py --plan plans/llama.yaml
     torchrun --standalone --nproc-per-node 1 examples/train.py --plan plans/single.yaml --global-batch 16 --json
     torchrun --standalone --nproc-per-node 4 examples/train.py --plan plans/llama_cp.yaml --seq 256   # cp 2 × tp 2
+    torchrun --standalone --nproc-per-node 4 examples/train.py --model moe --plan plans/moe.yaml  # tp 2 × ep 2
 
 Synthetic data with a learnable rule (each token is the previous one plus a
 per-sequence stride, mod vocab), so the loss visibly falls. Prints loss and
 tokens/s. The model code (examples/llama.py) knows nothing of meshplan.
+
+``--model moe`` trains the mixture-of-experts decoder of examples/moe.py (8 experts, top-2, no token dropped).
+Its load-balancing loss is a statistic of the tokens each rank routes, so it is reported, not trained: adding it
+would make the loss depend on how the batch is split (see docs/expert-parallel.md).
 
 Layout invariance: sample ``i`` of the run (step ``s`` holds samples
 ``s·G … s·G + G - 1`` of a global batch of ``G``) is a function of
@@ -33,6 +38,7 @@ from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import llama  # noqa: E402
+import moe  # noqa: E402
 
 import meshplan  # noqa: E402
 
@@ -80,6 +86,9 @@ def batches(vocab: int, seq: int, global_batch: int, data_rank: int = 0, data_wo
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--plan", default="plans/llama.yaml")
+    ap.add_argument("--model", choices=("llama", "moe"), default="llama",
+                    help="examples/llama.py, or the mixture-of-experts decoder of examples/moe.py")
+    ap.add_argument("--experts", type=int, default=8, help="--model moe: routed experts per layer (top-2)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--global-batch", type=int, default=None,
                     help="samples per optimizer step over all data-parallel ranks (default: --batch × dp)")
@@ -99,10 +108,14 @@ def main() -> None:
         if global_batch < 1 or global_batch % topo.data_world_size:
             sys.exit(f"train.py: error: the global batch ({global_batch}) must be a positive multiple of the "
                      f"data-parallel size ({topo.data_world_size})")
-        cfg = llama.ModelArgs(dim=args.dim, n_layers=args.layers, n_heads=8, n_kv_heads=4, vocab_size=256,
-                              ffn_dim=4 * args.dim, max_seq_len=args.seq, dropout=0.0)
+        common = dict(dim=args.dim, n_layers=args.layers, n_heads=8, n_kv_heads=4, vocab_size=256,
+                      ffn_dim=4 * args.dim, max_seq_len=args.seq, dropout=0.0)
+        cfg = (moe.ModelArgs(**common, moe_hidden=2 * args.dim, n_experts=args.experts, top_k=2,
+                             capacity_factor=None, aux_loss_coef=0.0)
+               if args.model == "moe" else llama.ModelArgs(**common))
         torch.manual_seed(args.seed)
-        model = llama.build(cfg)  # same seed on every rank: each keeps its shards of one single-device init
+        model = (moe if args.model == "moe" else llama).build(cfg)  # same seed on every rank: each keeps its
+        # shards of one single-device init
         meshplan.parallelize(model, plan, topo)
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
         data = batches(cfg.vocab_size, args.seq, global_batch, topo.data_rank, topo.data_world_size, args.seed)
@@ -120,8 +133,10 @@ def main() -> None:
                 print(json.dumps({"step": step, "loss": float(result.loss), "grad_norm": float(result.grad_norm),
                                   "tokens_per_s": tokens_per_step / (now - last)}), flush=True)
             elif topo.rank == 0 and (step == 1 or step % 5 == 0 or step == args.steps):
+                layers = [m.aux_loss.detach() for m in model.modules() if isinstance(m, moe.MoE) and m.aux_loss is not None]
+                aux = f"  aux {float(sum(layers)):.3f} (rank 0's layers, not trained)" if layers else ""
                 print(f"step {step:3d}  loss {float(result.loss):.4f}  grad_norm {float(result.grad_norm):.3f}  "
-                      f"tokens/s {tokens_per_step * step / (now - t0):,.0f}", flush=True)
+                      f"tokens/s {tokens_per_step * step / (now - t0):,.0f}{aux}", flush=True)
             last = now
 
 

@@ -189,7 +189,8 @@ DropoutNd = nn.modules.dropout._DropoutNd
 
 def module_parameters(m: nn.Module) -> dict[str, nn.Parameter | None]:
     """``m``'s own parameter slots, the live dict: materialize swaps tensors in and out without hooks or checks
-    (``setattr`` would refuse a plain tensor and re-register)."""
+    (``setattr`` would refuse a plain tensor and re-register); the experts style shows a grouped-experts module its
+    local shards during the forward."""
     return m._parameters
 
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from meshplan.blocks import AppliedBlocks
     from meshplan.context_parallel.apply import CpApplied
+    from meshplan.expert_parallel.apply import EpApplied
     from meshplan.data_parallel.fsdp import DataParallelState
     from meshplan.mesh.topology import Topology
     from meshplan.pipeline.stages import PipelineApplied
@@ -44,6 +45,8 @@ class ParallelState:
             or None.
         context_parallel: the :class:`~meshplan.context_parallel.apply.CpApplied` (section, ``cp`` mesh, the
             runtime routing attention), or None.
+        expert_parallel: the :class:`~meshplan.expert_parallel.apply.EpApplied` (MoE blocks, expert-sharded
+            parameters, the parameters summed over tp), or None.
     """
 
     plan: "Plan | None" = None
@@ -53,6 +56,7 @@ class ParallelState:
     data_parallel: "DataParallelState | None" = None
     pipeline: "PipelineApplied | None" = None
     context_parallel: "CpApplied | None" = None
+    expert_parallel: "EpApplied | None" = None
 
     @property
     def grad_sync(self) -> "TpGradSync | None":

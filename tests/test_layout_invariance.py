@@ -35,17 +35,21 @@ LAYOUTS = [
     ("plans/llama_cp.yaml", 4),  # cp 2 × tp 2: whole sequences in, each rank trains its head-tail chunks
 ]
 REFERENCE = ("plans/single.yaml", 1)
+#: plans for examples/moe.py (``train.py --model moe``), against the same model in one process
+MOE_LAYOUTS = [
+    ("plans/moe.yaml", 4),  # tp 2 × ep 2 (etp 1: the ep group spans the tp ranks), experts' FSDP over edp 2
+]
 #: small enough for 2 CPU cores; the global batch is divisible by every dp size in LAYOUTS
 STEPS = 3
 ARGS = ("--global-batch", "8", "--steps", str(STEPS), "--seq", "32", "--dim", "64", "--layers", "2", "--lr", "3e-3")
 RTOL = 1e-5
 
 
-def run_train(plan: str, nproc: int) -> list[dict]:
+def run_train(plan: str, nproc: int, *extra: str) -> list[dict]:
     """``torchrun examples/train.py --json``: the per-step objects rank 0 printed (checked: one per step)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "examples/train.py", "--plan", plan, *ARGS, "--json"]
+           "examples/train.py", "--plan", plan, *ARGS, *extra, "--json"]
     t = time.time()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{plan} at {nproc}: rc {proc.returncode}\n{proc.stderr[-4000:]}"
@@ -64,10 +68,24 @@ def reference() -> list[dict]:
     return run_train(*REFERENCE)
 
 
+@pytest.fixture(scope="module")
+def moe_reference() -> list[dict]:
+    return run_train(*REFERENCE, "--model", "moe")
+
+
 @pytest.mark.dist
 @pytest.mark.parametrize("plan,nproc", LAYOUTS, ids=[f"{Path(p).stem}-{n}" for p, n in LAYOUTS])
 def test_same_losses_as_one_process(reference, plan, nproc):
-    got = run_train(plan, nproc)
+    same_losses(reference, run_train(plan, nproc), plan, nproc)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("plan,nproc", MOE_LAYOUTS, ids=[f"{Path(p).stem}-{n}" for p, n in MOE_LAYOUTS])
+def test_moe_same_losses_as_one_process(moe_reference, plan, nproc):
+    same_losses(moe_reference, run_train(plan, nproc, "--model", "moe"), plan, nproc)
+
+
+def same_losses(reference: list[dict], got: list[dict], plan: str, nproc: int) -> None:
     for ref, step in zip(reference, got):
         assert all(math.isfinite(step[k]) for k in ("loss", "grad_norm", "tokens_per_s")), step
         assert step["tokens_per_s"] > 0
@@ -104,14 +122,17 @@ def module_patterns(plan) -> list[str]:
     return found
 
 
-def targets_llama(path: Path) -> bool:
-    """True when every module path the plan names exists in examples/llama.py's Transformer (8 layers)."""
-    import llama
+def targets_llama(path: Path, example: str = "llama") -> bool:
+    """True when every module path the plan names exists in examples/llama.py's Transformer (8 layers), or in
+    examples/moe.py's with ``example="moe"``."""
+    import importlib
+
     from meshplan import load_plan
     from meshplan.errors import PlanError
     from meshplan.plan_file.patterns import match_pattern
+    module = importlib.import_module(example)
     with torch.device("meta"):
-        model = llama.Transformer(llama.tiny_args(n_layers=8))
+        model = module.Transformer(module.tiny_args(n_layers=8))
     try:
         for pattern in module_patterns(load_plan(path)):
             match_pattern(model, pattern, str(path))
@@ -132,6 +153,10 @@ def test_every_llama_plan_is_covered():
     assert "plans/hf_llama.yaml" not in llama_plans and "plans/torch_transformer.yaml" not in llama_plans
     missing = llama_plans - {REFERENCE[0]} - {p for p, _ in LAYOUTS}
     assert not missing, f"plans for examples/llama.py without a row in LAYOUTS: {sorted(missing)}"
+    moe_plans = {str(p.relative_to(ROOT)) for p in plan_files() if targets_llama(p, "moe")} - llama_plans
+    assert "plans/moe.yaml" in moe_plans
+    missing = moe_plans - {p for p, _ in MOE_LAYOUTS}
+    assert not missing, f"plans for examples/moe.py without a row in MOE_LAYOUTS: {sorted(missing)}"
 
 
 # The data: sample i of the run depends on (seed, i) only

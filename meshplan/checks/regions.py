@@ -65,10 +65,13 @@ def unequal_packed_parts(parent: nn.Module, model: nn.Module, out: int, packed: 
 
 
 def region_errors(model: nn.Module, modules: dict[str, nn.Module], matched: dict[str, tuple[str, Any]],
-                  sequence_parallel: bool | str, where: str, claimed: set[str] = frozenset()) -> list[str]:
+                  sequence_parallel: bool | str, where: str, claimed: set[str] = frozenset(),
+                  token_regions: set[str] = frozenset()) -> list[str]:
     """Every problem of modules that run on tp-local shards, and of modules on the SP stream.
 
     ``claimed``: paths some rule matches although no rule was assigned (conflicting rules, reported apart).
+    ``token_regions``: MoE blocks of expert parallelism, which run on each tp rank's own tokens (their parameters'
+    gradients are summed over tp), so they need no tensor-parallel rule.
     """
     regions = local_head_regions(matched, modules)
     ruled = set(matched) | set(claimed)
@@ -93,7 +96,7 @@ def region_errors(model: nn.Module, modules: dict[str, nn.Module], matched: dict
                           f"norm or dropout on the residual stream; found {type(modules[path]).__name__}, expected "
                           f"colwise, rowwise, embedding or lm_head")
     if sequence_parallel is True:  # batch mode: unruled modules see this rank's samples, summed over tp
-        errors += _unruled_on_stream(modules, matched, regions, where) + _stream_embeddings(
+        errors += _unruled_on_stream(modules, matched, regions | set(token_regions), where) + _stream_embeddings(
             modules, matched, regions, where)
     return errors
 

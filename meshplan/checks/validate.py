@@ -24,6 +24,7 @@ import torch.nn as nn
 from meshplan.checks.regions import is_norm, local_head_regions, region_errors, unequal_packed_parts
 from meshplan.checks.report import Report, fold_errors
 from meshplan.errors import PlanError
+from meshplan.expert_parallel.apply import moe_blocks
 from meshplan.mesh.ranks import divisors_text
 from meshplan.plan_file.document import Plan, as_plan
 from meshplan.plan_file.layout import Layout
@@ -181,7 +182,7 @@ class _Checker:
 
     def regions(self, matched: dict[str, tuple[str, Any]]) -> None:
         for msg in region_errors(self.model, self.modules, matched, self.section.sequence_parallel, self.where,
-                                 self.conflicts):
+                                 self.conflicts, moe_blocks(self.model, self.plan.expert_parallel)):
             self.err(msg)
         for parent in sorted(local_head_regions(matched, self.modules)):
             for msg in head_count_errors(self.modules[parent] if parent else self.model, parent, self.tp,

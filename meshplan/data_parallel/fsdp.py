@@ -180,7 +180,7 @@ def apply_data_parallel(model: "nn.Module", section: DataParallel | Mapping[str,
         apply_blocks(model, blocks)
     state = parallel_state(model)
     sync = state.grad_sync or _new_grad_sync(model, topology, state.sequence_parallel)
-    if mode != "none":
+    if mode != "none" or (state.expert_parallel is not None and topology.layout.edp > 1):
         roots = state.pipeline.views if state.pipeline is not None else [model]  # a stage runs as its own root
         _shard(model, roots, state.blocks.paths, section, topology, mode, (shard_axes, rep_axes))
     if sync is not None:
@@ -201,20 +201,40 @@ def _new_grad_sync(model: "nn.Module", topology: "Topology", sequence_parallel: 
     return TpGradSync.for_model(model, topology["tp"], sequence_parallel)
 
 
+def _shard_experts(model: "nn.Module", topology: "Topology", mode: str, policies: dict, reshard: Any) -> None:
+    """The expert-sharded modules of expert parallelism, data-parallel over ``edp`` on their own (before the
+    dense blocks and roots, which then leave their parameters alone): FSDP2 (DDP in ``ddp`` mode)."""
+    state = parallel_state(model)
+    if state is None or state.expert_parallel is None:
+        return
+    from torch.distributed.fsdp import fully_shard
+
+    from meshplan._torch import replicate
+    mesh = topology["edp"]
+    for b in state.expert_parallel.blocks:
+        experts = model.get_submodule(b.experts)
+        if mode == "ddp":
+            replicate(experts, mesh=mesh, **policies)
+        else:
+            fully_shard(experts, mesh=mesh, reshard_after_forward=reshard, **policies)
+
+
 def _shard(model, roots, blocks, section, topology, mode, axes) -> None:
-    """FSDP2 (or DDP) on each block, then on each root (the model, or each pipeline stage)."""
+    """FSDP2 (or DDP) on the experts over ``edp``, on each block, then on each root (the model, or each pipeline
+    stage)."""
     import torch
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
     dt = {None: None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     mp = MixedPrecisionPolicy(param_dtype=dt[section.param_dtype], reduce_dtype=dt[section.reduce_dtype])
     offload = CPUOffloadPolicy() if section.cpu_offload else OffloadPolicy()
     shard_axes, rep_axes = axes
+    _shard_experts(model, topology, mode, dict(mp_policy=mp, offload_policy=offload), section.reshard_after_forward)
     if mode == "ddp":
         from meshplan._torch import replicate
         mesh = topology.span(rep_axes)
         for root in roots:
             replicate(root, mesh=mesh, mp_policy=mp, offload_policy=offload)
-    else:
+    elif mode != "none":
         if mode == "hsdp":  # torch's 2-D (replicate, shard) mesh
             mesh = topology.dense["dp_replicate", "dp_shard_cp" if topology.layout.cp > 1 else "dp_shard"]
         else:

@@ -1,13 +1,22 @@
-"""The experts style: a grouped-experts module's weights sharded over ``ep`` on dim 0, its rows dispatched.
+"""The ``experts`` style: a grouped-experts module's weights sharded over ``ep`` on dim 0, its rows dispatched.
 
-The module keeps its own forward (``forward(x_sorted, counts)``: rows sorted by expert, ``counts[e]`` rows per
-expert, the expert count read from its weights). The style wraps it, as torch's styles wrap a module:
+The module keeps its own forward. The style wraps it, as torch's styles wrap a module:
 
-* the weights become DTensors ``Shard(0)`` on the ``ep`` mesh: rank ``r`` holds experts
-  ``r·E/ep … (r+1)·E/ep − 1`` (the module takes their local shards);
-* before the forward the rows go to their experts' ranks (:func:`~meshplan.expert_parallel.dispatch.dispatch`)
-  and the counts become the local experts' counts; after it the outputs come back in the order they left
+* every parameter becomes a DTensor ``Shard(0)`` on the ``ep`` mesh: rank ``r`` holds experts
+  ``r·E/ep … (r+1)·E/ep − 1``; during the forward the module sees their local shards (plain tensors, so code
+  that indexes ``weight[e]`` works), and gradients flow to the DTensors;
+* before the forward the rows go to their experts' ranks
+  (:func:`~meshplan.expert_parallel.dispatch.dispatch`), after it the outputs come back in the order they left
   (:func:`~meshplan.expert_parallel.dispatch.combine`).
+
+Two call interfaces (the plan's ``interface``):
+
+* ``sorted``: ``forward(x_sorted, counts)``, rows sorted by global expert, ``counts[E]`` rows each; the module
+  gets this rank's experts' rows and ``counts[E_local]``;
+* ``topk``: ``forward(hidden, top_k_index, top_k_weights)`` with one row per token (transformers'
+  ``MixtralExperts``); the style sorts the token copies by expert, and the module gets one row per copy, its
+  local expert index and weight 1; the gate weights are applied where the copies return, and the copies are summed
+  per token. An index ``≥ E`` (transformers' "no expert") contributes zero.
 """
 
 from __future__ import annotations
@@ -16,51 +25,113 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from meshplan._torch import module_parameters
 from meshplan.errors import PlanError
 from meshplan.expert_parallel.dispatch import combine, dispatch, plan_routes
 
-__all__ = ["ExpertParallel"]
+__all__ = ["ExpertParallel", "sort_copies"]
+
+
+def sort_copies(top_k_index: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The token copies of a ``(T, k)`` expert choice sorted by expert (stable): ``(copies, counts)``.
+
+    ``copies[i]`` indexes the flattened ``(T·k)`` choices (token ``copies[i] // k``); ``counts[e]`` copies go to
+    expert ``e``. Choices ``≥ experts`` are left out."""
+    flat = top_k_index.reshape(-1)
+    counts = torch.bincount(flat.clamp(max=experts), minlength=experts + 1)
+    kept = int(counts[:experts].sum())
+    return torch.argsort(flat, stable=True)[:kept], counts[:experts]
 
 
 class ExpertParallel(ParallelStyle):
     """Shard a grouped-experts module over a 1-D ``ep`` mesh and route its rows there and back.
 
     Keyword Args:
-        dim (int): the experts dim of every parameter. Default: 0.
+        interface (str): ``"sorted"`` (``forward(x_sorted, counts)``) or ``"topk"``
+            (``forward(hidden, top_k_index, top_k_weights)``). Default: ``"sorted"``.
 
     Example::
 
         >>> parallelize_module(model.layers[0].moe.experts, topo["ep"], ExpertParallel())
     """
 
-    def __init__(self, *, dim: int = 0) -> None:
+    def __init__(self, *, interface: str = "sorted") -> None:
         super().__init__()
-        self.dim = dim
+        if interface not in ("sorted", "topk"):
+            raise ValueError(f"interface must be 'sorted' or 'topk', got {interface!r}")
+        self.interface = interface
 
     def __repr__(self) -> str:
-        return f"{self.__class__.__name__}(dim={self.dim})"
+        return f"{self.__class__.__name__}(interface={self.interface!r})"
 
     def _partition(self, name: str, module: nn.Module, mesh: Any) -> None:
         for pname, p in list(module.named_parameters(recurse=False)):
-            if p.shape[self.dim] % mesh.size():
-                raise PlanError(f"experts: ep({mesh.size()}) does not divide the {p.shape[self.dim]} experts of "
-                                f"{name or type(module).__name__}.{pname}")
-            module.register_parameter(pname, nn.Parameter(distribute_tensor(p, mesh, [Shard(self.dim)]),
+            if p.dim() == 0 or p.shape[0] % mesh.size():
+                raise PlanError(f"experts: ep({mesh.size()}) does not divide the {p.shape[0] if p.dim() else 0} "
+                                f"experts (dim 0) of {name or type(module).__name__}.{pname} {tuple(p.shape)}")
+            module.register_parameter(pname, nn.Parameter(distribute_tensor(p, mesh, [Shard(0)], src_data_rank=self.src_data_rank),
                                                           p.requires_grad))
 
     def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
         group, ep, pending = device_mesh.get_group(), device_mesh.size(), []
+        topk = self.interface == "topk"
 
-        def before(_mod: nn.Module, inputs: tuple, _mesh: Any) -> tuple:
-            x_sorted, counts, *rest = inputs
+        def before(mod: nn.Module, inputs: tuple, _mesh: Any) -> tuple:
+            _swap_local(mod, pending)
+            experts = ep * next(iter(pending[-1].values())).shape[0]
+            if topk:
+                return _dispatch_topk(inputs, experts, group, ep, pending)
+            x_sorted, counts, *rest = _inputs(inputs, 2, "forward(x_sorted, counts)")
             routes = plan_routes(counts, group, ep)
             pending.append(routes)
             return (dispatch(x_sorted, routes, group), routes.local_counts, *rest)
 
-        def after(_mod: nn.Module, outputs: torch.Tensor, _mesh: Any) -> torch.Tensor:
-            return combine(outputs, pending.pop(), group)
+        def after(mod: nn.Module, outputs: torch.Tensor, _mesh: Any) -> torch.Tensor:
+            state = pending.pop()
+            _restore(mod, pending.pop())
+            if not topk:
+                return combine(outputs, state, group)
+            routes, copies, weights, tokens, k = state
+            y = combine(outputs, routes, group) * weights.reshape(-1).index_select(0, copies).unsqueeze(-1)
+            return y.new_zeros(tokens, y.shape[-1]).index_add(0, torch.div(copies, k, rounding_mode="floor"), y)
 
         return distribute_module(module, device_mesh, self._partition, before, after)
+
+
+def _inputs(inputs: tuple, n: int, signature: str) -> tuple:
+    if len(inputs) < n or not all(isinstance(t, torch.Tensor) for t in inputs[:n]):
+        raise PlanError(f"experts: the module must be called with {n} positional tensors ({signature}); got "
+                        f"{len(inputs)} positional inputs (keyword arguments are not seen by the style)")
+    return inputs
+
+
+def _dispatch_topk(inputs: tuple, experts: int, group: Any, ep: int, pending: list) -> tuple:
+    """``(hidden, top_k_index, top_k_weights)`` → this rank's experts' rows, local expert index, weight 1."""
+    hidden, index, weights, *rest = _inputs(inputs, 3, "forward(hidden, top_k_index, top_k_weights)")
+    tokens, k = index.shape
+    copies, counts = sort_copies(index, experts)
+    routes = plan_routes(counts, group, ep)
+    rows = dispatch(hidden.index_select(0, torch.div(copies, k, rounding_mode="floor")), routes, group)
+    local = torch.repeat_interleave(torch.arange(routes.local_counts.numel(), device=rows.device),
+                                    routes.local_counts.to(rows.device)).unsqueeze(-1)
+    pending.append((routes, copies, weights, tokens, k))
+    return (rows, local, torch.ones(rows.shape[0], 1, dtype=weights.dtype, device=rows.device), *rest)
+
+
+def _swap_local(module: nn.Module, pending: list) -> None:
+    """During the forward the module's parameters are their local shards (gradients flow to the DTensors)."""
+    held, slots = {}, module_parameters(module)
+    for name, p in list(slots.items()):
+        if isinstance(p, DTensor):
+            held[name] = p
+            slots[name] = p.to_local()
+    if not held:
+        raise PlanError(f"experts: {type(module).__name__} has no expert-sharded parameters")
+    pending.append(held)
+
+
+def _restore(module: nn.Module, held: dict) -> None:
+    module_parameters(module).update(held)

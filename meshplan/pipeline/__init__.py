@@ -30,8 +30,11 @@ def _tied(model: nn.Module, split: StageSplit) -> list[tuple[str, str]]:
 
 
 def split_pipeline(model: nn.Module, section: Pipeline, block_pattern: str, topology: Any,
-                   where: str = "pipeline") -> tuple[PipelineApplied, StageSplit]:
+                   where: str = "pipeline", opaque: tuple[str, ...] = ()) -> tuple[PipelineApplied, StageSplit]:
     """Check the schedule, assign stages and prune ``model`` to this rank's (in place).
+
+    ``opaque``: modules the split probe runs as shape-preserving stand-ins (MoE blocks: data-dependent routing
+    has no meta kernels); see :func:`~meshplan.pipeline.probe.probe_split`.
 
     Returns:
         ``(record, split)``: the record gets its views and stages from :func:`build_stages`.
@@ -44,7 +47,7 @@ def split_pipeline(model: nn.Module, section: Pipeline, block_pattern: str, topo
     check_schedule(section, lay.pp, lay.vpp, where)
     split = plan_split(model, section, block_pattern, lay.pp * lay.vpp, where)
     from meshplan.pipeline.probe import probe_split
-    probe_split(model, split, where)  # refuse a model a later stage would compute differently
+    probe_split(model, split, where, opaque=opaque)  # refuse a model a later stage would compute differently
     ids = local_stage_ids(topology.pp_rank, lay.pp, lay.vpp, section.schedule)
     tied = _tied(model, split)
     record = PipelineApplied(section=section, stage_ids=ids, num_stages=split.num_stages,

@@ -61,8 +61,12 @@ def _around(model: nn.Module, container: str) -> list[str]:
     return out
 
 
-def probe_split(model: nn.Module, split: StageSplit, where: str = "pipeline", seq: int = 8) -> None:
+def probe_split(model: nn.Module, split: StageSplit, where: str = "pipeline", seq: int = 8,
+                opaque: tuple[str, ...] = ()) -> None:
     """Run a meta copy of ``model`` on meta token ids and check the split is safe (see the module doc).
+
+    ``opaque`` modules (MoE blocks, whose routing is data-dependent and has no meta kernels) run in the copy as
+    stand-ins returning a new tensor shaped like their first input: a residual branch's contract.
 
     Raises:
         PlanError: naming the module and why a later stage would compute something else, or that the model
@@ -71,6 +75,8 @@ def probe_split(model: nn.Module, split: StageSplit, where: str = "pipeline", se
     from meshplan.checks.dry_run import meta_copy
     try:
         copy, ids = meta_copy(model), torch.zeros(1, seq, dtype=torch.long, device="meta")
+        for path in opaque:
+            copy.get_submodule(path).forward = _same_shape  # the throwaway copy only
         calls = _run(copy, split, ids)
     except Exception as meta_error:  # transformers' masks call .item(): a tiny real copy of the architecture
         copy = _tiny_copy(model, meta_error, where)
@@ -85,6 +91,10 @@ def probe_split(model: nn.Module, split: StageSplit, where: str = "pipeline", se
     _check_first(calls, split, ids, where)
     _check_blocks(calls, split, where)
     _check_after(calls, split, where)
+
+
+def _same_shape(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    return torch.empty_like(x)
 
 
 def _check_after(calls: dict, split: StageSplit, where: str) -> None:

@@ -16,6 +16,7 @@ from meshplan.plan_file.blocks import Blocks, split_legacy
 from meshplan.plan_file.data_parallel import DataParallel
 from meshplan.plan_file.pipeline import Pipeline
 from meshplan.plan_file.context_parallel import ContextParallel
+from meshplan.plan_file.expert_parallel import ExpertParallel
 
 __all__ = ["Plan", "load_plan", "as_plan"]
 
@@ -43,6 +44,9 @@ class Plan(Strict):
     context_parallel: ContextParallel | None = Field(
         None, description="Context parallelism over layout.cp: sequences split across cp ranks (load-balanced for "
                           "causal attention), attention made exact across the shards.")
+    expert_parallel: ExpertParallel | None = Field(
+        None, description="Expert parallelism for mixture-of-experts layers: experts sharded over layout.ep on the "
+                          "folded expert mesh (pp, edp, ep, etp), tokens dispatched by all-to-all.")
     source: str | None = Field(None, exclude=True, description="Where the plan was read from (set by the loader).")
 
     @field_validator("version", mode="before")

@@ -138,6 +138,13 @@ class TpGradSync:
             return None
         return cls(tp_mesh.get_group(), names, plain, sequence_parallel)
 
+    def add_plain(self, names: Iterable[str]) -> None:
+        """Also sum the gradients of the plain parameters ``names`` over tp (each tp rank saw its own tokens: the
+        MoE blocks' router and shared expert under expert parallelism); call :meth:`install` after."""
+        added = {_clean(n) for n in names}
+        self.plain |= added
+        self.names |= added
+
     # ------------------------------------------------------------------ installation
     def install(self, model: nn.Module) -> "TpGradSync":
         """(Re)install the hooks on ``model``; call again after ``fully_shard``/``replicate``.

@@ -1,0 +1,200 @@
+"""The ``expert_parallel`` section checked against model and layout, and applied.
+
+:func:`check_expert_parallel` (shared by :func:`meshplan.parallelize` and ``meshplan check``) finds the MoE blocks
+(each experts module's parent, holding one router), reads the expert count from the experts' parameters and
+checks it against the layout with the valid values. :func:`apply_expert_parallel` shards every experts module
+over ``ep`` (:class:`~meshplan.expert_parallel.experts.ExpertParallel`) and, under tensor parallelism, makes each
+MoE block run on this tp rank's own tokens (:func:`~meshplan.expert_parallel.region.token_region`): its other
+parameters (router, shared expert) stay whole and their gradients join the tp sum of the model's grad sync.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.nn as nn
+
+from meshplan.errors import PlanError
+from meshplan.mesh.ranks import divisors_text
+from meshplan.plan_file.expert_parallel import ExpertParallel, ExpertsRule, RouterRule
+from meshplan.plan_file.patterns import match_rules
+
+__all__ = ["MoeBlock", "EpApplied", "check_expert_parallel", "apply_expert_parallel", "moe_blocks"]
+
+_TOP_K = ("top_k", "num_experts_per_tok")
+
+
+@dataclass(frozen=True)
+class MoeBlock:
+    """One MoE block of the model.
+
+    Attributes:
+        path: the block (the experts module's parent). experts: the experts module's path.
+        router: the router's path. num_experts: experts in the layer (dim 0 of the experts' parameters).
+        interface: how the block calls the experts (``sorted`` or ``topk``).
+    """
+
+    path: str
+    experts: str
+    router: str
+    num_experts: int
+    interface: str
+
+
+@dataclass
+class EpApplied:
+    """What :func:`apply_expert_parallel` did; recorded as :attr:`meshplan.state.ParallelState.expert_parallel`.
+
+    Attributes:
+        section: the validated section. blocks: the :class:`MoeBlock` of each MoE layer.
+        ep, etp, edp: the expert mesh's degrees.
+        expert_params: paths of the expert-sharded parameters (kept out of the dense data-parallel sharding;
+            FSDP2 shards them over ``edp``).
+        replicated: paths of the blocks' other parameters, whose gradients are summed over tp.
+        adjusted: ``{experts path: (global, local)}`` stored ``num_experts`` counts divided by ep.
+    """
+
+    section: ExpertParallel
+    blocks: tuple[MoeBlock, ...]
+    ep: int
+    etp: int
+    edp: int
+    expert_params: tuple[str, ...] = ()
+    replicated: tuple[str, ...] = ()
+    adjusted: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+
+def moe_blocks(model: nn.Module, section: ExpertParallel | None) -> set[str]:
+    """The MoE blocks ``section`` names (its experts modules' parents); patterns that match nothing are
+    :func:`check_expert_parallel`'s to report."""
+    if section is None:
+        return set()
+    experts = match_rules(model, section.patterns(ExpertsRule), "", errors=[])
+    return {path.rpartition(".")[0] for path in experts}
+
+
+def _interface(module: nn.Module, rule: ExpertsRule, where: str) -> str:
+    if rule.interface is not None:
+        return rule.interface
+    params = [p for p in inspect.signature(module.forward).parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    found = {2: "sorted", 3: "topk"}.get(len(params))
+    if found is None:
+        raise PlanError(f"{where}: {type(module).__name__}.forward takes {len(params)} positional inputs; expected 2 "
+                        f"(x_sorted, counts: interface sorted) or 3 (hidden, top_k_index, top_k_weights: interface "
+                        f"topk); say `interface:` in the rule")
+    return found
+
+
+def _num_experts(module: nn.Module, path: str, ep: int, where: str) -> int:
+    shapes = {n: tuple(p.shape) for n, p in module.named_parameters(recurse=False)}
+    if not shapes:
+        raise PlanError(f"{where}: experts module {path} ({type(module).__name__}) has no parameters of its own; "
+                        f"expected grouped weights [E, …]")
+    sizes = {s[0] if s else 0 for s in shapes.values()}
+    if len(sizes) != 1 or 0 in sizes:
+        raise PlanError(f"{where}: the parameters of experts module {path} disagree on the expert count (dim 0): "
+                        f"{shapes}; expected grouped weights [E, …] with one E")
+    experts = sizes.pop()
+    if experts % ep:
+        raise PlanError(f"{where}: ep({ep}) does not divide the {experts} experts of {path}; valid ep: "
+                        f"{divisors_text(experts)}")
+    return experts
+
+
+def _top_k(block: nn.Module, router: nn.Module) -> int | None:
+    for mod in (router, block):
+        for name in _TOP_K:
+            k = getattr(mod, name, None)
+            if isinstance(k, int) and not isinstance(k, bool):
+                return k
+    return None
+
+
+def check_expert_parallel(model: nn.Module, section: ExpertParallel, layout: Any, where: str = "expert_parallel",
+                          tp_rules: Any = None) -> tuple[MoeBlock, ...]:
+    """The MoE blocks of ``model`` that ``section`` names, checked against the resolved ``layout``.
+
+    Args:
+        tp_rules: the ``tensor_parallel`` rules; under tp > 1 none may claim a module inside an MoE block.
+
+    Raises:
+        PlanError: a pattern that matches nothing, ``etp`` > 1, an expert count ``ep`` does not divide, a block
+            without exactly one router, a router outside every block, top-k above the expert count, an experts
+            interface that cannot be read, a tensor-parallel rule inside an MoE block.
+    """
+    if layout.etp != 1:
+        raise PlanError(f"{where}: layout.etp({layout.etp}) > 1: tensor parallelism inside the experts is not "
+                        f"supported; set layout.etp: 1 (attention keeps tp({layout.tp}), each ep rank holds whole "
+                        f"experts; etp defaults to tp)")
+    matched = match_rules(model, section.rules, f"{where}.rules")
+    routers = [p for p, (_, r) in matched.items() if isinstance(r, RouterRule)]
+    blocks, claimed = [], set()
+    for path, (pattern, rule) in matched.items():
+        if not isinstance(rule, ExpertsRule):
+            continue
+        if "." not in path:
+            raise PlanError(f"{where}.rules.{pattern!r}: experts module {path!r} must sit inside an MoE block (its "
+                            f"parent holds the router)")
+        module = model.get_submodule(path)
+        parent = path.rsplit(".", 1)[0]
+        mine = [r for r in routers if r.startswith(parent + ".")]
+        if len(mine) != 1:
+            raise PlanError(f"{where}.rules: MoE block {parent} (parent of experts {path}) holds {len(mine)} router "
+                            f"modules {mine}; expected exactly one (style: router)")
+        claimed.update(mine)
+        experts = _num_experts(module, path, layout.ep, f"{where}.rules.{pattern!r}")
+        k = _top_k(model.get_submodule(parent), model.get_submodule(mine[0]))
+        if k is not None and not 1 <= k <= experts:
+            raise PlanError(f"{where}: MoE block {parent} routes each token to top_k({k}) of {experts} experts; "
+                            f"expected 1 <= top_k <= {experts}")
+        blocks.append(MoeBlock(parent, path, mine[0], experts, _interface(module, rule, f"{where}.rules.{pattern!r}")))
+    stray = sorted(set(routers) - claimed)
+    if stray:
+        raise PlanError(f"{where}.rules: router {stray[0]} is in no MoE block (the parent of an experts module)")
+    if tp_rules and layout.tp > 1:
+        _no_tp_inside(model, blocks, tp_rules, where)
+    return tuple(blocks)
+
+
+def _no_tp_inside(model: nn.Module, blocks: list[MoeBlock], tp_rules: Any, where: str) -> None:
+    for path, (pattern, rule) in match_rules(model, tp_rules, "tensor_parallel.rules", errors=[]).items():
+        for b in blocks:
+            if path == b.path or path.startswith(b.path + "."):
+                raise PlanError(f"tensor_parallel.rules.{pattern!r} ({rule.style}) claims {path}, inside the MoE "
+                                f"block {b.path}, which runs on each tp rank's own tokens ({where}, etp 1); remove "
+                                f"the rule: the block's parameters outside the experts stay whole and their "
+                                f"gradients are summed over tp")
+
+
+def apply_expert_parallel(model: nn.Module, section: ExpertParallel, topology: Any, blocks: tuple[MoeBlock, ...],
+                          tensor_parallel: Any = None) -> EpApplied:
+    """Shard the experts of ``blocks`` (from :func:`check_expert_parallel`) over ``topology["ep"]``; under tp > 1
+    each block runs on its tp rank's tokens and its other parameters' gradients are summed over tp.
+
+    Args:
+        tensor_parallel: the model's :class:`~meshplan.tensor_parallel.apply.TpApplied` (needed when tp > 1).
+
+    Raises:
+        PlanError: tp > 1 without a tensor_parallel section, a tensor-parallel rule inside an MoE block.
+    """
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from meshplan.expert_parallel.experts import ExpertParallel as ExpertsStyle
+    lay = topology.layout
+    src = None if any(p.is_meta for p in model.parameters()) else 0
+    expert_params, adjusted = [], {}
+    for b in blocks:
+        module = model.get_submodule(b.experts)
+        parallelize_module(module, topology["ep"], ExpertsStyle(interface=b.interface), src_data_rank=src)
+        expert_params += [f"{b.experts}.{n}" for n, _ in module.named_parameters(recurse=False)]
+        stored = vars(module).get("num_experts")
+        if isinstance(stored, int) and stored == b.num_experts and lay.ep > 1:
+            module.num_experts = adjusted.setdefault(b.experts, (stored, stored // lay.ep))[1]
+    replicated = []
+    if lay.tp > 1:
+        from meshplan.expert_parallel.region import token_regions
+        replicated = token_regions(model, blocks, topology, tensor_parallel, set(expert_params))
+    return EpApplied(section, blocks, lay.ep, lay.etp, lay.edp, tuple(expert_params), tuple(replicated), adjusted)

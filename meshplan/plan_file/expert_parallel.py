@@ -1,0 +1,98 @@
+"""The ``expert_parallel`` plan section, as data: mixture-of-experts layers on the folded expert mesh.
+
+Two styles, by module-path pattern (``*`` = one path segment):
+
+* ``experts``: a grouped-experts module (parameters ``[E, …]``, experts on dim 0) sharded over ``layout.ep``;
+  token copies go to their expert's rank and back by all-to-all with uneven splits. Its gradients are summed
+  over ``edp`` (FSDP2 shards it over ``edp`` when data parallelism shards).
+* ``router``: the router, replicated; its gradients are summed over the dense data axes like any dense
+  parameter.
+
+The MoE block is the module holding both (the experts' parent). Under tensor parallelism (``etp: 1``) it runs on
+this tp rank's own tokens (its sequence shard); its parameters outside the experts (router, shared expert) stay
+whole on every tp rank and their gradients are summed over tp. Torch-free; applied by
+:mod:`meshplan.expert_parallel`.
+
+Example (YAML)::
+
+    layout: {tp: 2, ep: 2, etp: 1}
+    expert_parallel:
+      rules:
+        layers.*.moe.experts: experts
+        layers.*.moe.router: router
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Union, get_args
+
+from pydantic import BeforeValidator, Field, field_validator
+
+from meshplan.plan_file.strict import Strict
+
+__all__ = ["ExpertParallel", "ExpertsRule", "RouterRule", "EXPERT_STYLE_NAMES", "INTERFACES"]
+
+Interface = Literal["sorted", "topk"]
+#: the ways a grouped-experts module is called
+INTERFACES: tuple[str, ...] = get_args(Interface)
+
+
+class ExpertsRule(Strict):
+    """Grouped experts sharded over ``ep`` on dim 0, their token rows dispatched and combined by all-to-all."""
+
+    style: Literal["experts"] = Field(description="Shard the experts (dim 0 of every parameter) over ep.")
+    interface: Interface | None = Field(
+        None, description="How the block calls the experts module. sorted: forward(x_sorted, counts), rows sorted "
+                          "by expert with counts[E] rows each (torchtitan's GroupedExperts). topk: "
+                          "forward(hidden, top_k_index, top_k_weights), one row per token (transformers' "
+                          "MixtralExperts and kin). Default: read from the forward's signature (2 inputs: sorted, "
+                          "3: topk).")
+
+
+class RouterRule(Strict):
+    """The router: replicated, gradients summed over the dense data axes (and over tp, whose ranks route their
+    own tokens)."""
+
+    style: Literal["router"] = Field(description="Replicate the router; it routes this rank's own tokens.")
+
+
+ExpertRule = Annotated[Union[ExpertsRule, RouterRule], Field(discriminator="style")]
+#: the expert-parallel style names, read from the rule classes
+EXPERT_STYLE_NAMES: tuple[str, ...] = tuple(get_args(c.model_fields["style"].annotation)[0]
+                                            for c in get_args(get_args(ExpertRule)[0]))
+
+#: transformers' ``base_model_ep_plan`` strings → meshplan rules (``grouped_gemm`` names the experts' bare
+#: parameters, which the ``experts`` rule on their module covers)
+HF_EP_ALIASES: dict[str, dict[str, Any]] = {
+    "ep_dispatch_experts": {"style": "experts", "interface": "topk"},
+    "ep_router": {"style": "router"},
+}
+
+
+def _normalise(v: Any) -> Any:
+    if isinstance(v, str):
+        return dict(HF_EP_ALIASES.get(v.strip(), {"style": v.strip()}))
+    return v
+
+
+class ExpertParallel(Strict):
+    """The ``expert_parallel`` plan section: ``experts`` and ``router`` rules on the folded expert mesh."""
+
+    rules: dict[str, Annotated[ExpertRule, BeforeValidator(_normalise)]] = Field(
+        ..., description="Module-path pattern ('*' = one path segment) → experts | router (or {style: experts, "
+                         "interface: …}). Every pattern must match; each experts module's parent (the MoE block) "
+                         "must hold one router.")
+
+    @field_validator("rules")
+    @classmethod
+    def _needs_experts(cls, rules: dict) -> dict:
+        for pattern in rules:
+            if not pattern or any(not seg for seg in pattern.split(".")):
+                raise ValueError(f"rule pattern {pattern!r} has an empty path segment")
+        if not any(isinstance(r, ExpertsRule) for r in rules.values()):
+            raise ValueError("expert_parallel.rules names no experts module (style: experts)")
+        return rules
+
+    def patterns(self, kind: type) -> dict[str, Any]:
+        """The rules of one style class (:class:`ExpertsRule` or :class:`RouterRule`)."""
+        return {p: r for p, r in self.rules.items() if isinstance(r, kind)}
