@@ -12,7 +12,7 @@ from _launch import case_result, launch
 pytestmark = pytest.mark.dist
 
 CASES = {
-    2: ["ep2", "ep2_shared_dense", "ep2_checkpointed", "ep2_ddp", "ep1_tp2", "ep2_tp2_sp"],
+    2: ["ep2", "ep2_shared_dense", "ep2_checkpointed", "ep2_ddp", "ep1_tp2", "ep2_tp2_sp", "cp2_ep2"],
     4: ["ep4", "ep2_tp2_sp", "ep2_tp2_plan_file", "ep2_tp2_no_sp", "ep2_edp2", "ep2_hsdp", "ep4_tp2", "pp2_ep2"],
 }
 

@@ -22,6 +22,7 @@ from typing import Any
 import torch.nn as nn
 
 from meshplan.checks.context import context_lines
+from meshplan.checks.experts import experts_lines
 from meshplan.checks.pipeline import stage_lines
 from meshplan.plan_file.patterns import wildcard
 from meshplan.tensor_parallel.layouts import Stream, redistribute_collectives
@@ -85,8 +86,28 @@ def _rows(model: nn.Module, mods: dict[str, nn.Module], matched: dict, fanout: s
     return rows
 
 
-def _parameter_totals(report, mods: dict[str, nn.Module], matched: dict, applied: Any) -> dict[str, int]:
-    """Parameter counts and bytes per rank; every parameter no tp rank shards goes to ``report.unsharded``."""
+class _Moe:
+    """The expert_parallel section as the totals see it: expert modules (sharded over ep, whole over tp) and the
+    MoE blocks (run on each tp rank's own tokens)."""
+
+    def __init__(self, model: nn.Module, plan: Any, ep: int):
+        from meshplan.expert_parallel.apply import expert_modules
+        self.experts = expert_modules(model, plan.expert_parallel)
+        self.blocks = tuple(p.rpartition(".")[0] + "." for p in self.experts)
+        self.ep = ep
+
+    def reason(self, path: str) -> str:
+        if path in self.experts:
+            return "experts: whole on every tp rank (etp 1), ep 1"
+        if (path + ".").startswith(self.blocks):
+            return "in an MoE block: each tp rank routes its own tokens; gradients summed over tp"
+        return "no rule"
+
+
+def _parameter_totals(report, mods: dict[str, nn.Module], matched: dict, applied: Any,
+                      moe: _Moe) -> dict[str, int]:
+    """Parameter counts and bytes per rank; every parameter no tp rank shards goes to ``report.unsharded``
+    (experts sharded over ep count 1/ep per rank and are not listed)."""
     seen, total, local_n, local_b, un_n, un_b = set(), 0, 0, 0, 0, 0
     covered = {p: (pat, r.style) for p, (pat, r) in matched.items()}
     for mod_path, mod in mods.items():
@@ -99,13 +120,19 @@ def _parameter_totals(report, mods: dict[str, nn.Module], matched: dict, applied
             local_n += local.numel()
             local_b += local.numel() * local.element_size()
             rule = covered.get(mod_path)
+            if mod_path in moe.experts:  # expert parallelism: whole over tp (etp 1), sharded over ep
+                local_n += local.numel() // moe.ep - local.numel()
+                local_b += (local.numel() // moe.ep - local.numel()) * local.element_size()
+                if moe.ep > 1:
+                    continue
             if applied:
                 sharded = any(type(x).__name__ in ("Shard", "_StridedShard") for x in getattr(prm, "placements", ()))
             else:  # no dry run (errors): what the rule would do
                 sharded = rule is not None and STYLES[rule[1]].shards_param(name)
             if not sharded:
                 key = f"{mod_path}.{name}" if mod_path else name
-                report.unsharded[key] = f"replicated by rule {rule[0]!r} ({rule[1]})" if rule else "no rule"
+                report.unsharded[key] = (f"replicated by rule {rule[0]!r} ({rule[1]})" if rule else
+                                         moe.reason(mod_path))
                 un_n += prm.numel()
                 un_b += local.numel() * local.element_size()
     return {"parameters": total, "parameters_per_rank": local_n if applied else None,
@@ -132,7 +159,7 @@ def explain(report, model: nn.Module, plan, tp: int, matched: dict, fanout: set,
     for row in rows:
         fwd_total.update(row["forward"])
         bwd_total.update(row["backward"])
-    sizes = _parameter_totals(report, mods, matched, applied)
+    sizes = _parameter_totals(report, mods, matched, applied, _Moe(model, plan, report.experts.get("ep", 1)))
     if applied and applied[1].finalizer is not None and (section.sequence_parallel is not False or
                                                          any(STYLES[r.style].replicated for _, r in matched.values())):
         bwd_total.update(["all_reduce"])
@@ -194,6 +221,7 @@ def render_table(report) -> str:
         out.append(f"unsharded parameters ({len(report.unsharded)}, every tp rank holds them whole): {shown}")
     out += stage_lines(report.pipeline)
     out += context_lines(report.context)
+    out += experts_lines(report.experts)
     out += [f"warning: {w}" for w in report.warnings]
     out.append("ok" if report.ok else f"{len(report.errors)} error(s):")
     out += [f"  {i}. {e}" for i, e in enumerate(report.errors, 1)]

@@ -25,6 +25,7 @@ class Report:
         pipeline: the ``pipeline`` section's schedule and one row per stage (see
             :mod:`meshplan.checks.pipeline`); empty without a section or when the split failed.
         context: the ``context_parallel`` section's summary (see :mod:`meshplan.checks.context`), or empty.
+        experts: the ``expert_parallel`` section's summary (see :mod:`meshplan.checks.experts`), or empty.
     """
 
     source: str
@@ -38,6 +39,7 @@ class Report:
     totals: dict[str, Any] = field(default_factory=dict)
     pipeline: dict[str, Any] = field(default_factory=dict)
     context: dict[str, Any] = field(default_factory=dict)
+    experts: dict[str, Any] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -50,11 +52,12 @@ class Report:
             raise PlanError(f"{len(self.errors)} problem(s) in {self.source}:\n{lines}")
 
     def to_dict(self) -> dict:
-        """The ``--format json`` document: ``{ok, errors, warnings, modules, unsharded, totals, pipeline, context}``."""
+        """The ``--format json`` document: ``{ok, errors, warnings, modules, unsharded, totals, pipeline, context, experts}``."""
         return {"ok": self.ok, "source": self.source, "model": self.model, "tp": self.tp,
                 "world_size": self.world_size, "errors": [str(e) for e in self.errors], "warnings": self.warnings,
                 "modules": self.modules, "unsharded": self.unsharded, "totals": self.totals,
-                "pipeline": self.pipeline or None, "context": self.context or None}
+                "pipeline": self.pipeline or None, "context": self.context or None,
+                "experts": self.experts or None}
 
 
 def fold_errors(errors: list[PlanError]) -> list[PlanError]:

@@ -236,6 +236,7 @@ def check(model: nn.Module, plan: Plan | Mapping[str, Any] | str, world_size: in
     from meshplan.checks.dry_run import meta_dry_run
     from meshplan.checks.explain import explain
     from meshplan.checks.context import check_context
+    from meshplan.checks.experts import check_experts
     from meshplan.checks.pipeline import check_pipeline
     p = as_plan(plan)
     lay = Layout.model_validate(dict(layout)) if isinstance(layout, Mapping) else layout or p.layout or Layout()
@@ -254,6 +255,7 @@ def check(model: nn.Module, plan: Plan | Mapping[str, Any] | str, world_size: in
     matched, checker = _static(model, p, resolved.tp, report, shadow)
     check_pipeline(model, p, resolved, report)  # the schedule and the split (on a meta copy)
     check_context(model, p, resolved, report)  # the context_parallel section
+    check_experts(model, p, resolved, report)  # the expert_parallel section
     applied = None
     if report.ok and p.tensor_parallel is not None and dry_run:
         applied = meta_dry_run(model, p, resolved.tp, report)

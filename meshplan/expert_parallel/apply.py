@@ -21,7 +21,8 @@ from meshplan.mesh.ranks import divisors_text
 from meshplan.plan_file.expert_parallel import ExpertParallel, ExpertsRule, RouterRule
 from meshplan.plan_file.patterns import match_rules
 
-__all__ = ["MoeBlock", "EpApplied", "check_expert_parallel", "apply_expert_parallel", "moe_blocks"]
+__all__ = ["MoeBlock", "EpApplied", "check_expert_parallel", "apply_expert_parallel", "moe_blocks", "expert_modules",
+           "stand_in"]
 
 _TOP_K = ("top_k", "num_experts_per_tok")
 
@@ -66,13 +67,29 @@ class EpApplied:
     adjusted: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
-def moe_blocks(model: nn.Module, section: ExpertParallel | None) -> set[str]:
-    """The MoE blocks ``section`` names (its experts modules' parents); patterns that match nothing are
-    :func:`check_expert_parallel`'s to report."""
+def expert_modules(model: nn.Module, section: ExpertParallel | None) -> set[str]:
+    """The experts modules ``section`` names; patterns that match nothing are :func:`check_expert_parallel`'s to
+    report."""
     if section is None:
         return set()
-    experts = match_rules(model, section.patterns(ExpertsRule), "", errors=[])
-    return {path.rpartition(".")[0] for path in experts}
+    return set(match_rules(model, section.patterns(ExpertsRule), "", errors=[]))
+
+
+def moe_blocks(model: nn.Module, section: ExpertParallel | None) -> set[str]:
+    """The MoE blocks ``section`` names: its experts modules' parents."""
+    return {path.rpartition(".")[0] for path in expert_modules(model, section)}
+
+
+def stand_in(module: nn.Module) -> None:
+    """Make ``module`` (an MoE block of a THROWAWAY copy: the split probe's, the shadow run's) return a new tensor
+    shaped like its first input, without running: routing is data-dependent (no meta kernels, no DTensor rules)
+    and a block's contract is a residual branch's."""
+    module.forward = _same_shape
+
+
+def _same_shape(x: Any, *args: Any, **kwargs: Any) -> Any:
+    import torch
+    return torch.empty_like(x)
 
 
 def _interface(module: nn.Module, rule: ExpertsRule, where: str) -> str:

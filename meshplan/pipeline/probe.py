@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 
 from meshplan.errors import PlanError
+from meshplan.expert_parallel.apply import stand_in
 from meshplan.pipeline.split import StageSplit
 
 __all__ = ["probe_split"]
@@ -76,7 +77,7 @@ def probe_split(model: nn.Module, split: StageSplit, where: str = "pipeline", se
     try:
         copy, ids = meta_copy(model), torch.zeros(1, seq, dtype=torch.long, device="meta")
         for path in opaque:
-            copy.get_submodule(path).forward = _same_shape  # the throwaway copy only
+            stand_in(copy.get_submodule(path))  # the throwaway copy only
         calls = _run(copy, split, ids)
     except Exception as meta_error:  # transformers' masks call .item(): a tiny real copy of the architecture
         copy = _tiny_copy(model, meta_error, where)
@@ -91,10 +92,6 @@ def probe_split(model: nn.Module, split: StageSplit, where: str = "pipeline", se
     _check_first(calls, split, ids, where)
     _check_blocks(calls, split, where)
     _check_after(calls, split, where)
-
-
-def _same_shape(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-    return torch.empty_like(x)
 
 
 def _check_after(calls: dict, split: StageSplit, where: str) -> None:

@@ -6,7 +6,7 @@ gradient norm (1e-5 relative) against one device on the same global batch (targe
 differ per rank). No token is dropped (``capacity_factor=None``) and the auxiliary loss is not trained (it is a
 per-rank statistic, see examples/moe.py). Layouts: ep over the data ranks, ep over the tp ranks (MoE parallel
 folding, etp 1, with and without sequence parallelism), expert FSDP over edp, HSDP, pipeline stages, activation
-checkpointing, a shared expert and a dense first layer.
+checkpointing, a shared expert and a dense first layer, cp 2 × ep 2 (the ep group spans the cp ranks).
 """
 
 import os
@@ -33,7 +33,8 @@ DENSE_RULES = {"layers.*.feed_forward.w1": "colwise", "layers.*.feed_forward.w3"
                "layers.*.feed_forward.w2": "rowwise"}
 
 
-def model_case(layout, tp=None, args=None, blocks=None, pipeline=None, data_parallel=None, plan_file=None):
+def model_case(layout, tp=None, args=None, blocks=None, pipeline=None, data_parallel=None, plan_file=None,
+               context=None):
     """The example MoE decoder under ``layout`` (with tensor-parallel rules when ``tp`` says sequence_parallel)."""
     args = args or tiny_args(aux_loss_coef=0.0, capacity_factor=None)
     torch.manual_seed(0)
@@ -45,7 +46,8 @@ def model_case(layout, tp=None, args=None, blocks=None, pipeline=None, data_para
     if tp is not None:
         rules = {**TP_RULES, **(DENSE_RULES if args.n_dense_layers else {})}
         plan["tensor_parallel"] = {"sequence_parallel": tp, "loss_parallel": True, "rules": rules}
-    for key, value in (("blocks", blocks), ("pipeline", pipeline), ("data_parallel", data_parallel)):
+    for key, value in (("blocks", blocks), ("pipeline", pipeline), ("data_parallel", data_parallel),
+                       ("context_parallel", context)):
         if value:
             plan[key] = value
     topo = meshplan.build_mesh(layout)
@@ -93,6 +95,8 @@ CASES_2 = {
     "ep2_ddp": lambda: model_case({"ep": 2, "dp_replicate": 2}),
     "ep1_tp2": lambda: model_case({"tp": 2, "etp": 1}, tp=True),
     "ep2_tp2_sp": lambda: model_case({"tp": 2, "ep": 2, "etp": 1}, tp=True),
+    "cp2_ep2": lambda: model_case({"cp": 2, "ep": 2}, context={"attention": "layers.*.attention",
+                                                               "positions": {"buffer": "freqs_cis"}}),
 }
 CASES_4 = {
     "ep4": lambda: model_case({"ep": 4}, args=_args(n_experts=8)),
