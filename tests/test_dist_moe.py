@@ -2,7 +2,7 @@
 expert parallelism through ``meshplan.parallelize`` + ``meshplan.train_step`` matches one device over 3 AdamW steps
 (parameters, losses and gradient norms within 1e-5), for ep over the data ranks (ep 2, 4; expert FSDP over edp;
 DDP; HSDP), ep folded over tp (tp 2 × ep 2 and tp 2 × ep 4 with etp 1, with and without sequence parallelism;
-the checked-in plans/moe.yaml), a shared expert with a dense first layer, activation checkpointing and pp 2 × ep 2.
+the checked-in plans/moe.yaml), experts split over etp = tp 2, a shared expert with a dense first layer, activation checkpointing and pp 2 × ep 2.
 """
 
 import pytest
@@ -12,8 +12,11 @@ from _launch import case_result, launch
 pytestmark = pytest.mark.dist
 
 CASES = {
-    2: ["ep2", "ep2_shared_dense", "ep2_checkpointed", "ep2_ddp", "ep1_tp2", "ep2_tp2_sp", "cp2_ep2"],
-    4: ["ep4", "ep2_tp2_sp", "ep2_tp2_plan_file", "ep2_tp2_no_sp", "ep2_edp2", "ep2_hsdp", "ep4_tp2", "pp2_ep2"],
+    2: ["ep2", "ep2_shared_dense", "ep2_checkpointed", "ep2_ddp", "ep1_tp2", "ep2_tp2_sp", "etp2", "etp2_no_sp",
+        "cp2_ep2"],
+    4: ["ep4", "ep2_tp2_sp", "ep2_tp2_plan_file", "ep2_tp2_no_sp", "ep2_edp2", "ep2_hsdp", "ep4_tp2", "ep2_etp2",
+        "ep2_etp2_no_sp", "pp2_ep2"],
+    8: ["ep2_etp2_edp2", "ep4_tp2_edp2"],
 }
 
 

@@ -31,7 +31,7 @@ def meta_moe(**kw):
         return moe.build(moe.tiny_args(**kw))
 
 
-def resolved(world=4, **layout):
+def resolved(world=8, **layout):
     return Layout.model_validate(layout).resolve(world)
 
 
@@ -63,7 +63,10 @@ def test_the_blocks_of_the_example():
 @pytest.mark.parametrize("model_kw,layout,rules,match", [
     ({"n_experts": 6}, dict(ep=4), RULES, r"ep\(4\) does not divide the 6 experts of layers.0.moe.experts; "
                                           r"valid ep: 1, 2, 3, 6"),
-    ({}, dict(tp=2, ep=2), RULES, r"layout.etp\(2\) > 1: tensor parallelism inside the experts is not supported"),
+    ({}, dict(tp=4, ep=2, etp=2), RULES, r"layout.etp\(2\) must be 1 .* or tp\(4\) .*; valid etp: 1, 4"),
+    ({"moe_hidden": 90}, dict(tp=4, ep=2), RULES, r"etp\(4\) does not divide the FFN size 90 of w1 \(4, 90, 64\); "
+                                                   r"valid etp: 1, 2, 3, 5, 6, 9"),
+    ({"moe_hidden": 64}, dict(tp=2, ep=2), RULES, r"cannot tell the FFN dim of w1 \(4, 64, 64\) from the model dim"),
     ({}, dict(ep=2), {"layers.*.moe.experts": "experts"}, r"MoE block layers.0.moe .* holds 0 router modules"),
     ({}, dict(ep=2), {**RULES, "layers.*.attention": "router"}, r"router layers.0.attention is in no MoE block"),
     ({}, dict(ep=2), {"layers.*.moe.experts": "experts", "layers.*.moe.nothing": "router"},
@@ -74,6 +77,11 @@ def test_the_blocks_of_the_example():
 def test_refusals_name_the_values(model_kw, layout, rules, match):
     with pytest.raises(PlanError, match=match):
         check_expert_parallel(meta_moe(**model_kw), ExpertParallel(rules=rules), resolved(**layout))
+
+
+def test_ffn_dims_for_etp():
+    blocks = check_expert_parallel(meta_moe(), ExpertParallel(rules=RULES), resolved(tp=2, ep=2))
+    assert blocks[0].ffn == (("w1", 1, 1), ("w2", 2, 1), ("w3", 1, 1))  # [E, hidden, dim], [E, dim, hidden]
 
 
 def test_top_k_above_the_expert_count():

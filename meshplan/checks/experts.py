@@ -56,8 +56,12 @@ def experts_lines(experts: dict) -> list[str]:
     data = "summed over edp, FSDP2/DDP over edp" if e["edp"] > 1 else "edp 1: no data-parallel reduction"
     comm = ("1 all_to_all of counts + 2 all_to_all of rows (dispatch, combine) forward, 2 backward" if e["ep"] > 1
             else "no all_to_all (ep 1)")
-    tp = (f"; tp {e['tp']}: each tp rank routes its own tokens (the block's other parameters summed over tp)"
-          if e["tp"] > 1 else "")
+    if e["etp"] > 1:
+        tp = (f"; etp {e['etp']} = tp: each expert's FFN split over the tp group, which routes its whole token set "
+              f"(1 all_reduce of the expert rows over etp forward, 1 of their gradient backward)")
+    else:
+        tp = (f"; tp {e['tp']}: each tp rank routes its own tokens (the block's other parameters summed over tp)"
+              if e["tp"] > 1 else "")
     return [f"expert parallel: ep {e['ep']} × etp {e['etp']}, edp {e['edp']} (expert gradients {data}); experts: "
             f"{', '.join(e['experts'])} ({e['blocks']} blocks, {'/'.join(map(str, e['num_experts']))} experts, "
             f"{'/'.join(map(str, e['per_rank']))} per rank, interface {'/'.join(e['interface'])}); router: "

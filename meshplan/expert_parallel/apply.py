@@ -35,6 +35,8 @@ class MoeBlock:
         path: the block (the experts module's parent). experts: the experts module's path.
         router: the router's path. num_experts: experts in the layer (dim 0 of the experts' parameters).
         interface: how the block calls the experts (``sorted`` or ``topk``).
+        ffn: with etp > 1, ``((parameter, FFN dim, packed parts), …)`` of the experts (see
+            :mod:`meshplan.expert_parallel.etp`); empty with etp 1.
     """
 
     path: str
@@ -42,6 +44,7 @@ class MoeBlock:
     router: str
     num_experts: int
     interface: str
+    ffn: tuple[tuple[str, int, int], ...] = ()
 
 
 @dataclass
@@ -142,10 +145,10 @@ def check_expert_parallel(model: nn.Module, section: ExpertParallel, layout: Any
             without exactly one router, a router outside every block, top-k above the expert count, an experts
             interface that cannot be read, a tensor-parallel rule inside an MoE block.
     """
-    if layout.etp != 1:
-        raise PlanError(f"{where}: layout.etp({layout.etp}) > 1: tensor parallelism inside the experts is not "
-                        f"supported; set layout.etp: 1 (attention keeps tp({layout.tp}), each ep rank holds whole "
-                        f"experts; etp defaults to tp)")
+    if layout.etp not in (1, layout.tp):
+        raise PlanError(f"{where}: layout.etp({layout.etp}) must be 1 (whole experts on each ep rank, each tp rank "
+                        f"routing its own tokens) or tp({layout.tp}) (each expert's FFN split over the tp group); "
+                        f"valid etp: {', '.join(map(str, sorted({1, layout.tp})))}")
     matched = match_rules(model, section.rules, f"{where}.rules")
     routers = [p for p, (_, r) in matched.items() if isinstance(r, RouterRule)]
     blocks, claimed = [], set()
@@ -167,7 +170,14 @@ def check_expert_parallel(model: nn.Module, section: ExpertParallel, layout: Any
         if k is not None and not 1 <= k <= experts:
             raise PlanError(f"{where}: MoE block {parent} routes each token to top_k({k}) of {experts} experts; "
                             f"expected 1 <= top_k <= {experts}")
-        blocks.append(MoeBlock(parent, path, mine[0], experts, _interface(module, rule, f"{where}.rules.{pattern!r}")))
+        ffn = ()
+        if layout.etp > 1:
+            from meshplan.expert_parallel.etp import ffn_dims, model_dim
+            dims = ffn_dims(module, model_dim(model.get_submodule(mine[0]), experts), layout.etp,
+                            f"{where}.rules.{pattern!r}")
+            ffn = tuple((n, d, k) for n, (d, k) in dims.items())
+        blocks.append(MoeBlock(parent, path, mine[0], experts, _interface(module, rule, f"{where}.rules.{pattern!r}"),
+                               ffn))
     stray = sorted(set(routers) - claimed)
     if stray:
         raise PlanError(f"{where}.rules: router {stray[0]} is in no MoE block (the parent of an experts module)")
@@ -203,9 +213,11 @@ def apply_expert_parallel(model: nn.Module, section: ExpertParallel, topology: A
     lay = topology.layout
     src = None if any(p.is_meta for p in model.parameters()) else 0
     expert_params, adjusted = [], {}
+    mesh = topology.expert["ep", "etp"] if lay.etp > 1 else topology["ep"]
     for b in blocks:
         module = model.get_submodule(b.experts)
-        parallelize_module(module, topology["ep"], ExpertsStyle(interface=b.interface), src_data_rank=src)
+        style = ExpertsStyle(interface=b.interface, ffn={n: (d, k) for n, d, k in b.ffn})
+        parallelize_module(module, mesh, style, src_data_rank=src)
         expert_params += [f"{b.experts}.{n}" for n, _ in module.named_parameters(recurse=False)]
         stored = vars(module).get("num_experts")
         if isinstance(stored, int) and stored == b.num_experts and lay.ep > 1:

@@ -31,6 +31,8 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from meshplan._torch import module_parameters
 from meshplan.errors import PlanError
 from meshplan.expert_parallel.dispatch import combine, dispatch, plan_routes
+from meshplan.expert_parallel.etp import EtpCopy, EtpSum
+from meshplan.tensor_parallel.packed import packed_order, packed_placement
 
 __all__ = ["ExpertParallel", "sort_copies"]
 
@@ -52,46 +54,66 @@ class ExpertParallel(ParallelStyle):
     Keyword Args:
         interface (str): ``"sorted"`` (``forward(x_sorted, counts)``) or ``"topk"``
             (``forward(hidden, top_k_index, top_k_weights)``). Default: ``"sorted"``.
+        ffn (dict): on an ``(ep, etp)`` mesh, ``{parameter: (FFN dim, packed parts)}``: each expert's FFN dim is
+            split over etp (see :mod:`meshplan.expert_parallel.etp`) and the outputs summed over etp.
 
     Example::
 
         >>> parallelize_module(model.layers[0].moe.experts, topo["ep"], ExpertParallel())
     """
 
-    def __init__(self, *, interface: str = "sorted") -> None:
+    def __init__(self, *, interface: str = "sorted", ffn: dict[str, tuple[int, int]] | None = None) -> None:
         super().__init__()
         if interface not in ("sorted", "topk"):
             raise ValueError(f"interface must be 'sorted' or 'topk', got {interface!r}")
         self.interface = interface
+        self.ffn = dict(ffn or {})
 
     def __repr__(self) -> str:
-        return f"{self.__class__.__name__}(interface={self.interface!r})"
+        return f"{self.__class__.__name__}(interface={self.interface!r}, ffn={self.ffn!r})"
 
     def _partition(self, name: str, module: nn.Module, mesh: Any) -> None:
+        ep = mesh.size(0)
         for pname, p in list(module.named_parameters(recurse=False)):
-            if p.dim() == 0 or p.shape[0] % mesh.size():
-                raise PlanError(f"experts: ep({mesh.size()}) does not divide the {p.shape[0] if p.dim() else 0} "
+            if p.dim() == 0 or p.shape[0] % ep:
+                raise PlanError(f"experts: ep({ep}) does not divide the {p.shape[0] if p.dim() else 0} "
                                 f"experts (dim 0) of {name or type(module).__name__}.{pname} {tuple(p.shape)}")
-            module.register_parameter(pname, nn.Parameter(distribute_tensor(p, mesh, [Shard(0)], src_data_rank=self.src_data_rank),
-                                                          p.requires_grad))
+            if mesh.ndim == 1:
+                t = distribute_tensor(p, mesh, [Shard(0)], src_data_rank=self.src_data_rank)
+            else:  # (ep, etp): the experts over ep, each expert's FFN dim over etp (packed parts separately)
+                dim, packed = self.ffn[pname]
+                order = packed_order(p.detach(), dim, packed, mesh.size(1))
+                local = distribute_tensor(order, mesh, [Shard(0), Shard(dim)], src_data_rank=self.src_data_rank)
+                t = DTensor.from_local(local.to_local(), mesh, [Shard(0), packed_placement(dim, packed)],
+                                       run_check=False, shape=p.shape, stride=p.stride())
+            module.register_parameter(pname, nn.Parameter(t, p.requires_grad))
 
     def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
-        group, ep, pending = device_mesh.get_group(), device_mesh.size(), []
+        if device_mesh.ndim not in (1, 2) or (device_mesh.ndim == 2 and not self.ffn):
+            raise PlanError(f"experts: expected a 1-D ep mesh, or an (ep, etp) mesh with the FFN dims given; got "
+                            f"{device_mesh}")
+        ep_mesh = device_mesh if device_mesh.ndim == 1 else device_mesh["ep"]
+        etp_group = device_mesh["etp"].get_group() if device_mesh.ndim == 2 else None
+        group, ep, pending = ep_mesh.get_group(), ep_mesh.size(), []
         topk = self.interface == "topk"
 
         def before(mod: nn.Module, inputs: tuple, _mesh: Any) -> tuple:
             _swap_local(mod, pending)
-            experts = ep * next(iter(pending[-1].values())).shape[0]
+            experts = ep * next(iter(pending[-1].values())).shape[0]  # local shards: E / ep experts
             if topk:
-                return _dispatch_topk(inputs, experts, group, ep, pending)
-            x_sorted, counts, *rest = _inputs(inputs, 2, "forward(x_sorted, counts)")
-            routes = plan_routes(counts, group, ep)
-            pending.append(routes)
-            return (dispatch(x_sorted, routes, group), routes.local_counts, *rest)
+                rows, *rest = _dispatch_topk(inputs, experts, group, ep, pending)
+            else:
+                x_sorted, counts, *more = _inputs(inputs, 2, "forward(x_sorted, counts)")
+                routes = plan_routes(counts, group, ep)
+                pending.append(routes)
+                rows, rest = dispatch(x_sorted, routes, group), [routes.local_counts, *more]
+            return (EtpCopy.apply(rows, etp_group) if etp_group is not None else rows, *rest)
 
         def after(mod: nn.Module, outputs: torch.Tensor, _mesh: Any) -> torch.Tensor:
             state = pending.pop()
             _restore(mod, pending.pop())
+            if etp_group is not None:  # partial sums over the FFN's etp shards: whole rows before they return
+                outputs = EtpSum.apply(outputs, etp_group)
             if not topk:
                 return combine(outputs, state, group)
             routes, copies, weights, tokens, k = state

@@ -11,6 +11,10 @@ So each MoE block becomes a token region on the tp mesh (torch's ``PrepareModule
 
 The block's parameters outside its experts (router, shared expert) stay whole on every tp rank; each rank's
 gradient covers its tokens, so they are summed over tp by the model's grad sync, in its one coalesced reduction.
+
+With ``etp`` = ``tp`` (experts split over the tp group, :mod:`meshplan.expert_parallel.etp`) the block instead runs
+on the tp group's whole token set (the stream all-gathered in, sliced out): every tp rank routes the same tokens
+and its parameters get the same, whole gradients.
 """
 
 from __future__ import annotations
@@ -26,13 +30,13 @@ from meshplan.tensor_parallel.layouts import Stream, placement
 __all__ = ["token_regions", "region_style"]
 
 
-def region_style(stream: Stream) -> Any:
+def region_style(stream: Stream, whole: bool = False) -> Any:
     """The ``PrepareModuleInputOutput`` making a block run on this rank's tokens for the residual stream
-    ``stream``."""
-    from torch.distributed.tensor import Shard
+    ``stream`` (``whole``: on the tp group's whole token set, for experts split over etp = tp)."""
+    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import PrepareModuleInputOutput
     outer = placement(stream.layout)
-    own = outer if isinstance(outer, Shard) else Shard(1)
+    own = Replicate() if whole else outer if isinstance(outer, Shard) else Shard(1)
     return PrepareModuleInputOutput(input_layouts=(outer,), desired_input_layouts=(own,), use_local_input=True,
                                     output_layouts=(own,), desired_output_layouts=(outer,),
                                     use_local_output=stream.local)
@@ -63,14 +67,15 @@ def token_regions(model: nn.Module, blocks: tuple, topology: Any, tensor_paralle
         raise PlanError(f"expert_parallel: layout.tp({tp}) > 1 needs a tensor_parallel section (the dense layers' "
                         f"rules); without one every tp rank would compute the same tokens")
     stream = Stream(tensor_parallel.sequence_parallel, False)
+    whole = topology.layout.etp > 1  # etp = tp: every tp rank routes the group's tokens, gradients alike
     names = []
     for b in blocks:
         block = model.get_submodule(b.path)
-        if not stream.sequence_parallel:
+        if not stream.sequence_parallel and not whole:
             block.register_forward_pre_hook(_even(b.path, tp))
-        parallelize_module(block, topology["tp"], region_style(stream))
+        parallelize_module(block, topology["tp"], region_style(stream, whole))
         names += [f"{b.path}.{n}" for n, p in block.named_parameters()
-                  if p.requires_grad and f"{b.path}.{n}" not in expert_params]
+                  if p.requires_grad and f"{b.path}.{n}" not in expert_params and not whole]
     if names:
         sync = tensor_parallel.finalizer
         if sync is None:

@@ -27,7 +27,7 @@ from meshplan._torch import StridedShard, style_prepare_fns
 from meshplan.tensor_parallel.styles import ColwiseParallel, RowwiseParallel
 
 __all__ = ["PackedColwiseParallel", "PackedRowwiseParallel", "is_conv1d", "features", "packed_placement",
-           "shard_packed", "uses_packed_style"]
+           "shard_packed", "uses_packed_style", "packed_order"]
 
 
 def is_conv1d(module: nn.Module) -> bool:
@@ -50,6 +50,19 @@ def packed_placement(dim: int, packed: int) -> Placement:
     return Shard(dim) if packed == 1 else StridedShard(dim, split_factor=packed)
 
 
+def packed_order(t: torch.Tensor, dim: int, packed: int, shards: int) -> torch.Tensor:
+    """``t`` with ``dim`` reordered so that an ordinary ``Shard(dim)`` over ``shards`` ranks hands each rank its
+    slice of every one of the ``packed`` chunks (``_StridedShard(dim, split_factor=packed)``'s local shards).
+
+    Raises:
+        ValueError: ``packed * shards`` does not divide ``t.shape[dim]``.
+    """
+    n = t.shape[dim]
+    if n % (packed * shards):
+        raise ValueError(f"packed({packed}) x tp({shards}) does not divide size {n} of dim {dim}")
+    return t.unflatten(dim, (packed, shards, n // (packed * shards))).transpose(dim, dim + 1).flatten(dim, dim + 2)
+
+
 def shard_packed(t: torch.Tensor, mesh: DeviceMesh, dim: int, packed: int, src_data_rank: int | None = 0) -> DTensor:
     """Shard ``dim`` of ``t`` over ``mesh`` with each of ``packed`` chunks sharded separately.
 
@@ -63,10 +76,7 @@ def shard_packed(t: torch.Tensor, mesh: DeviceMesh, dim: int, packed: int, src_d
     t = t.detach()
     if packed == 1:
         return distribute_tensor(t, mesh, [Shard(dim)], src_data_rank=src_data_rank)
-    tp, n = mesh.size(), t.shape[dim]
-    if n % (packed * tp):
-        raise ValueError(f"packed({packed}) x tp({tp}) does not divide size {n} of dim {dim}")
-    order = t.unflatten(dim, (packed, tp, n // (packed * tp))).transpose(dim, dim + 1).flatten(dim, dim + 2)
+    order = packed_order(t, dim, packed, mesh.size())
     local = distribute_tensor(order, mesh, [Shard(dim)], src_data_rank=src_data_rank).to_local()
     return DTensor.from_local(local, mesh, [packed_placement(dim, packed)], run_check=False,
                               shape=t.shape, stride=t.stride())

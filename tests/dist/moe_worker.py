@@ -6,7 +6,8 @@ gradient norm (1e-5 relative) against one device on the same global batch (targe
 differ per rank). No token is dropped (``capacity_factor=None``) and the auxiliary loss is not trained (it is a
 per-rank statistic, see examples/moe.py). Layouts: ep over the data ranks, ep over the tp ranks (MoE parallel
 folding, etp 1, with and without sequence parallelism), expert FSDP over edp, HSDP, pipeline stages, activation
-checkpointing, a shared expert and a dense first layer, cp 2 × ep 2 (the ep group spans the cp ranks).
+checkpointing, a shared expert and a dense first layer, cp 2 × ep 2 (the ep group spans the cp ranks), and
+experts split over etp = tp 2 (with and without sequence parallelism, with FSDP2 over edp 2 at world 8).
 """
 
 import os
@@ -95,6 +96,8 @@ CASES_2 = {
     "ep2_ddp": lambda: model_case({"ep": 2, "dp_replicate": 2}),
     "ep1_tp2": lambda: model_case({"tp": 2, "etp": 1}, tp=True),
     "ep2_tp2_sp": lambda: model_case({"tp": 2, "ep": 2, "etp": 1}, tp=True),
+    "etp2": lambda: model_case({"tp": 2, "etp": 2}, tp=True, args=_args(shared_expert=True)),
+    "etp2_no_sp": lambda: model_case({"tp": 2, "etp": 2}, tp=False),
     "cp2_ep2": lambda: model_case({"cp": 2, "ep": 2}, context={"attention": "layers.*.attention",
                                                                "positions": {"buffer": "freqs_cis"}}),
 }
@@ -107,10 +110,17 @@ CASES_4 = {
     "ep2_edp2": lambda: model_case({"ep": 2}),
     "ep2_hsdp": lambda: model_case({"ep": 2, "dp_replicate": 2}, data_parallel={"mode": "hsdp"}),
     "ep4_tp2": lambda: model_case({"tp": 2, "ep": 4, "etp": 1}, tp=True, args=_args(n_experts=8)),
+    "ep2_etp2": lambda: model_case({"tp": 2, "ep": 2, "etp": 2}, tp=True, args=_args(shared_expert=True)),
+    "ep2_etp2_no_sp": lambda: model_case({"tp": 2, "ep": 2, "etp": 2}, tp=False),
     "pp2_ep2": lambda: model_case({"pp": 2, "ep": 2}, args=_args(n_layers=2),
                                   pipeline={"schedule": "1f1b", "microbatches": 2}),
 }
 
+CASES_8 = {
+    "ep2_etp2_edp2": lambda: model_case({"tp": 2, "ep": 2, "etp": 2}, tp=True, args=_args(n_experts=4)),
+    "ep4_tp2_edp2": lambda: model_case({"tp": 2, "ep": 4, "etp": 1}, tp=True, args=_args(n_experts=8)),
+}
+
 if __name__ == "__main__":
     dist.init_process_group("gloo")
-    run_cases(CASES_4 if WORLD == 4 else CASES_2)
+    run_cases({2: CASES_2, 4: CASES_4, 8: CASES_8}[WORLD])
