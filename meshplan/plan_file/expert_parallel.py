@@ -2,16 +2,16 @@
 
 Two styles, by module-path pattern (``*`` = one path segment):
 
-* ``experts``: a grouped-experts module (parameters ``[E, …]``, experts on dim 0) sharded over ``layout.ep``;
-  token copies go to their expert's rank and back by all-to-all with uneven splits. Its gradients are summed
-  over ``edp`` (FSDP2 shards it over ``edp`` when data parallelism shards).
+* ``experts``: a grouped-experts module (parameters ``[E, …]``, experts on dim 0) sharded over ``layout.ep``
+  (and each expert's FFN over ``etp`` when ``etp`` = ``tp`` > 1); token copies go to their expert's rank and back by
+  all-to-all with uneven splits. Its gradients are summed over ``edp`` (FSDP2 shards it over ``edp``).
 * ``router``: the router, replicated; its gradients are summed over the dense data axes like any dense
   parameter.
 
-The MoE block is the module holding both (the experts' parent). Under tensor parallelism (``etp: 1``) it runs on
-this tp rank's own tokens (its sequence shard); its parameters outside the experts (router, shared expert) stay
-whole on every tp rank and their gradients are summed over tp. Torch-free; applied by
-:mod:`meshplan.expert_parallel`.
+The MoE block is the module holding both (the experts' parent). Under tensor parallelism with ``etp: 1`` it runs
+on this tp rank's own tokens (its sequence shard); its parameters outside the experts (router, shared expert) stay
+whole on every tp rank and their gradients are summed over tp. With ``etp`` = ``tp`` it runs on the tp group's
+whole token set. Torch-free; applied by :mod:`meshplan.expert_parallel`; see ``docs/expert-parallel.md``.
 
 Example (YAML)::
 
