@@ -56,6 +56,10 @@ def test_parity_world8(world8, case):
     _parity(world8, case, 8)
 
 
+def test_meta_init_and_load_under_fsdp_over_tp(world4):
+    case_result(world4, "meta_init_and_load_fsdp_tp", 4)
+
+
 def test_mixed_precision(world2):
     case_result(world2, "mixed_precision", 2)
 

@@ -18,6 +18,10 @@ CASES = {
         "ep2_etp2_no_sp", "pp2_ep2"],
     8: ["ep2_etp2_edp2", "ep4_tp2_edp2"],
 }
+META_INIT = {
+    2: ["ep2_meta_init"],
+    4: ["ep2_tp2_meta_init", "ep2_etp2_meta_init"],
+}
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +39,11 @@ def results():
 def test_matches_one_device(results, n, case):
     value = case_result(results(n), case, n)
     assert all(v["worst"] <= 1e-5 for v in value.values()), value
+
+
+@pytest.mark.parametrize("n,case", [(n, c) for n, cases in META_INIT.items() for c in cases])
+def test_meta_init_equals_one_device(results, n, case):
+    case_result(results(n), case, n)  # every parameter exactly the one-device one (expert shards included)
 
 
 def test_tp_ranks_route_each_token_once(results):

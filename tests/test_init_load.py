@@ -41,6 +41,20 @@ def test_local_slices():
     assert got.tolist() == [[r * 12 + c for c in (2, 3, 6, 7, 10, 11)] for r in range(4)]
 
 
+@pytest.mark.parametrize("coord,rows", [((0, 0), (0, 2)), ((0, 1), (4, 6)), ((1, 0), (2, 4)), ((1, 1), (6, 8))])
+def test_local_slices_fsdp_over_tp(coord, rows):
+    """FSDP2 over a tensor-parallel Shard(0) (dp, tp): tp shards first, dp each tp shard: torch's
+    _StridedShard docstring table ((dp, tp) = (0, 1) holds rows 4-5)."""
+    got = local_slices((8, 8), [_StridedShard(0, split_factor=2), Shard(0)], _Mesh([2, 2], list(coord)))
+    assert got == [[rows], [(0, 8)]]
+
+
+def test_local_slices_fsdp_of_size_one_over_ep():
+    """Experts' FSDP2 over edp 1 in front of ep 2: plain ep halves (materialize put rank 1's rows wrong before)."""
+    assert local_slices((4, 3), [_StridedShard(0, split_factor=2), Shard(0)], _Mesh([1, 2], [0, 1])) == \
+        [[(2, 4)], [(0, 3)]]
+
+
 def shard_of(t, full):
     return take_slices(lambda s: full[s], local_slices(tuple(t.shape), t.placements, t.device_mesh))
 

@@ -17,27 +17,38 @@ from meshplan._torch import StridedShard
 __all__ = ["local_slices", "take_slices"]
 
 
-def local_slices(shape: tuple[int, ...], placements, mesh) -> list[list[tuple[int, int]]]:
-    """This rank's index ranges per tensor dim: ``[[(start, stop), ...], ...]`` (several for a packed dim).
+def _chunk(idx: torch.Tensor, n: int) -> list[torch.Tensor]:
+    """``torch.chunk`` into exactly ``n`` pieces (trailing ones empty when it gives fewer), as DTensor shards."""
+    pieces = list(torch.chunk(idx, n)) if idx.numel() else []
+    return pieces + [idx[:0]] * (n - len(pieces))
 
-    ``Shard(d)`` follows ``torch.chunk``; ``_StridedShard(d, split_factor=k)`` gives one range in each
-    of the k chunks (meshplan's packed weights). Replicate/Partial keep the whole dim.
+
+def _runs(idx: torch.Tensor) -> list[tuple[int, int]]:
+    """Sorted-or-not indices → their contiguous ``(start, stop)`` runs, in order."""
+    if idx.numel() == 0:
+        return [(0, 0)]
+    breaks = (torch.nonzero(idx[1:] != idx[:-1] + 1).flatten() + 1).tolist()
+    bounds = [0, *breaks, idx.numel()]
+    return [(int(idx[a]), int(idx[b - 1]) + 1) for a, b in zip(bounds, bounds[1:])]
+
+
+def local_slices(shape: tuple[int, ...], placements, mesh) -> list[list[tuple[int, int]]]:
+    """This rank's index ranges per tensor dim: ``[[(start, stop), ...], ...]`` (several for a strided dim).
+
+    The placements apply left to right over the mesh dims, each to what the previous ones left, as DTensor
+    shards: ``Shard(d)`` follows ``torch.chunk``; ``_StridedShard(d, split_factor=k)`` cuts the rest into k
+    pieces, each chunked over the mesh dim, and keeps its chunk of every piece (meshplan's packed weights; FSDP2's
+    data-parallel dim in front of a tensor-parallel ``Shard`` of the same dim). Replicate/Partial keep the dim.
     """
-    out = [[(0, n)] for n in shape]
+    idx = [torch.arange(n) for n in shape]
     coord = mesh.get_coordinate()
     for i, pl in enumerate(placements):
         if not isinstance(pl, (Shard, StridedShard)):
             continue
         d, size, c = pl.dim % len(shape), mesh.size(i), coord[i]
         k = getattr(pl, "split_factor", 1)
-        new = []
-        for lo, hi in out[d]:
-            n = (hi - lo) // k  # each of the k packed chunks is chunked over the mesh dim like torch.chunk
-            chunk = -(-n // size)
-            a, b = min(n, c * chunk), min(n, c * chunk + chunk)
-            new += [(lo + j * n + a, lo + j * n + b) for j in range(k)]
-        out[d] = new
-    return out
+        idx[d] = torch.cat([_chunk(piece, size)[c] for piece in _chunk(idx[d], k)])
+    return [_runs(t) for t in idx]
 
 
 def take_slices(read: Callable[[tuple[slice, ...]], torch.Tensor], ranges: list[list[tuple[int, int]]]) -> torch.Tensor:

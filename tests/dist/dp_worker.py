@@ -220,8 +220,34 @@ def control_mean_of_means():
                for n, p in model.named_parameters())
 
 
+def meta_init_and_load(layout):
+    """FSDP2 over tensor-parallel Shard(0) weights (colwise, vocab-parallel embedding, lm_head): a meta-device
+    model materialized with a seed equals the one-device model, and a full state dict loads into the right rows
+    (each dp rank's slice of each tp shard, torch's _StridedShard order)."""
+    args = tiny_args()
+    plan = {"layout": layout, "tensor_parallel": {"sequence_parallel": True, "loss_parallel": True,
+                                                  "rules": TP_RULES}, "data_parallel": {}}
+    topo = meshplan.build_mesh(layout)
+    torch.manual_seed(0)
+    ref = build(args)
+    with torch.device("meta"):
+        model = meshplan.parallelize(build(args), plan, topo)
+    meshplan.materialize(model, seed=0)
+    want = dict(ref.named_parameters())
+    wrong = [n for n, p in model.named_parameters() if not torch.equal(p.full_tensor(), want[n].detach())]
+    assert not wrong, f"materialize: {wrong}"
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.mul_(-2.0)
+    meshplan.load_state_dict(model, ref.state_dict() if dist.get_rank() == 0 else None)
+    wrong = [n for n, p in model.named_parameters() if not torch.equal(p.full_tensor(), want[n].detach())]
+    assert not wrong, f"load_state_dict: {wrong}"
+    return {"parameters": len(want)}
+
+
 CASES_BY_WORLD = {
     4: {
+        "meta_init_and_load_fsdp_tp": lambda: meta_init_and_load({"dp_shard": 2, "tp": 2}),
         "fsdp_tp": lambda: compare({"dp_shard": 2, "tp": 2}, tp=True),
         "hsdp": lambda: compare({"dp_replicate": 2, "dp_shard": 2}, microbatches=2),
         "ddp_tp": lambda: compare({"dp_replicate": 2, "tp": 2}, tp=True),

@@ -84,6 +84,25 @@ def tokens_reach_experts_once():
     return {"copies": int(routed)}
 
 
+def meta_init(layout, tp=None):
+    """A meta-device build, parallelized and materialized with a seed, equals the one-device model built with it
+    (the expert shards included: each rank draws the one-device stream and keeps its experts)."""
+    args = _args(shared_expert=True)
+    plan = {"layout": layout, "expert_parallel": {"rules": EP_RULES}}
+    if tp is not None:
+        plan["tensor_parallel"] = {"sequence_parallel": tp, "loss_parallel": True, "rules": TP_RULES}
+    topo = meshplan.build_mesh(layout)
+    with torch.device("meta"):
+        model = build(args)
+    meshplan.materialize(meshplan.parallelize(model, plan, topo), seed=0)
+    torch.manual_seed(0)
+    ref = dict(build(args).named_parameters())
+    for name, p in model.named_parameters():
+        full = p.full_tensor() if isinstance(p, torch.distributed.tensor.DTensor) else p
+        assert torch.equal(full.detach(), ref[name.replace("_checkpoint_wrapped_module.", "")].detach()), name
+    return {"parameters": len(ref)}
+
+
 def _args(**kw):
     return tiny_args(aux_loss_coef=0.0, capacity_factor=None, **kw)
 
@@ -96,6 +115,7 @@ CASES_2 = {
     "ep2_ddp": lambda: model_case({"ep": 2, "dp_replicate": 2}),
     "ep1_tp2": lambda: model_case({"tp": 2, "etp": 1}, tp=True),
     "ep2_tp2_sp": lambda: model_case({"tp": 2, "ep": 2, "etp": 1}, tp=True),
+    "ep2_meta_init": lambda: meta_init({"ep": 2}),
     "etp2": lambda: model_case({"tp": 2, "etp": 2}, tp=True, args=_args(shared_expert=True)),
     "etp2_no_sp": lambda: model_case({"tp": 2, "etp": 2}, tp=False),
     "cp2_ep2": lambda: model_case({"cp": 2, "ep": 2}, context={"attention": "layers.*.attention",
@@ -110,6 +130,8 @@ CASES_4 = {
     "ep2_edp2": lambda: model_case({"ep": 2}),
     "ep2_hsdp": lambda: model_case({"ep": 2, "dp_replicate": 2}, data_parallel={"mode": "hsdp"}),
     "ep4_tp2": lambda: model_case({"tp": 2, "ep": 4, "etp": 1}, tp=True, args=_args(n_experts=8)),
+    "ep2_tp2_meta_init": lambda: meta_init({"tp": 2, "ep": 2, "etp": 1}, tp=True),
+    "ep2_etp2_meta_init": lambda: meta_init({"tp": 2, "ep": 2, "etp": 2}, tp=True),
     "ep2_etp2": lambda: model_case({"tp": 2, "ep": 2, "etp": 2}, tp=True, args=_args(shared_expert=True)),
     "ep2_etp2_no_sp": lambda: model_case({"tp": 2, "ep": 2, "etp": 2}, tp=False),
     "pp2_ep2": lambda: model_case({"pp": 2, "ep": 2}, args=_args(n_layers=2),
