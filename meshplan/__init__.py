@@ -7,7 +7,7 @@ from meshplan.plan_file.document import Plan, load_plan
 __all__ = ["PlanError", "Layout", "ResolvedLayout", "Plan", "load_plan", "build_mesh", "init",
            "Topology", "current_topology", "parallelize", "cross_entropy", "loss_parallel",
            "train_step", "clip_grad_norm_", "materialize", "load_state_dict", "load_full_state_dict",
-           "load_safetensors", "plan", "check", "parallel_state", "shard_sequence"]
+           "load_safetensors", "plan", "check", "parallel_state", "shard_sequence", "memory"]
 __version__ = "0.1.0"
 
 
@@ -43,6 +43,9 @@ def __getattr__(name: str):
     if name == "plan":
         from meshplan.decorator import plan
         return plan
+    if name in ("memory", "ActivationMemory"):
+        import meshplan.checks.memory as mem
+        return getattr(mem, name)
     if name == "check":
         from meshplan.checks.validate import check
         return check

@@ -28,7 +28,8 @@ __all__ = [
     # meshes
     "flatten_mesh",
     # autograd and dispatch
-    "queue_backward_callback", "hook_registered", "tensor_version", "TorchDispatchMode", "tree_map", "tree_leaves",
+    "queue_backward_callback", "saved_tensors_hooks_active", "hook_registered", "tensor_version",
+    "TorchDispatchMode", "tree_map", "tree_leaves",
     # ops
     "foreach_mul_", "safe_softmax", "LOG_SOFTMAX", "CPU_FLASH_ATTENTION", "CPU_FLASH_ATTENTION_BACKWARD",
     # modules and styles
@@ -141,6 +142,12 @@ def flatten_mesh(mesh: Any, name: str | None = None) -> Any:
 
 
 # ---------------------------------------------------------------- autograd and dispatch
+
+
+def saved_tensors_hooks_active() -> bool:
+    """Is a saved-tensor hook pair active (activation checkpointing's, a user's)? Nested hooks replace the outer
+    ones, so the SP re-gather (:mod:`meshplan.tensor_parallel.regather`) stands aside then."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
 
 
 def queue_backward_callback(fn: Callable[[], None]) -> None:

@@ -56,6 +56,26 @@ def test_parity_world8(world8, case):
     _parity(world8, case, 8)
 
 
+@pytest.mark.parametrize("case", ["regather_tp4", "regather_tp4_saved", "regather_tp2_fsdp_ac_full",
+                                  "regather_tp2_fsdp_ac_selective", "regather_tp2_fsdp_every2",
+                                  "regather_tp2_fsdp_saved"])
+def test_sp_regather_parity_world4(world4, case):
+    """save_gathered_inputs false (the default) and true, tp 4; tp 2 with FSDP, ± activation checkpointing."""
+    _parity(world4, case, 4)
+
+
+def test_sp_regather_parity_world8(world8):
+    _parity(world8, "regather_tp4_fsdp2", 8)
+
+
+def test_sp_regather_adds_one_backward_all_gather_per_block_input(world4):
+    counts = case_result(world4, "regather_counts_tp4", 4)[0]
+    saved, regather = counts["true"], counts["false"]
+    assert regather["forward"] == saved["forward"]  # the same forward
+    extra = {k: regather["backward"].get(k, 0) - v for k, v in saved["backward"].items()}
+    assert extra == {"reduce_scatter@4": 0, "all_gather@4": 4, "all_reduce@4": 0}  # 2 layers x (attention, mlp)
+
+
 def test_meta_init_and_load_under_fsdp_over_tp(world4):
     case_result(world4, "meta_init_and_load_fsdp_tp", 4)
 

@@ -111,6 +111,17 @@ def test_queue_backward_callback_runs_after_backward():
     assert ran == [True]
 
 
+def test_saved_tensors_hooks_active():
+    assert not _torch.saved_tensors_hooks_active()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        assert _torch.saved_tensors_hooks_active()
+    x = torch.ones(2, requires_grad=True)
+    seen = []
+    torch.utils.checkpoint.checkpoint(lambda a: seen.append(_torch.saved_tensors_hooks_active()) or a * 2, x,
+                                      use_reentrant=False)
+    assert seen == [True]  # non-reentrant activation checkpointing runs the forward under its hooks
+
+
 def test_hook_registered_and_tensor_version():
     t = torch.ones(2, requires_grad=True)
     handle = t.register_hook(lambda g: g)

@@ -65,8 +65,9 @@ def _params(mod: nn.Module, applied: Any) -> tuple[dict[str, dict], int]:
 
 
 def _rows(model: nn.Module, mods: dict[str, nn.Module], matched: dict, fanout: set, stream: Stream,
-          applied: Any) -> list[dict]:
-    """One row per ruled module and per converted parent, in model order."""
+          applied: Any, regather: bool = False) -> list[dict]:
+    """One row per ruled module and per converted parent, in model order (``regather``: a converted parent's
+    gathered input is gathered again in backward, ``save_gathered_inputs: false``)."""
     torch_plan = applied[1].plan if applied else {}
     entries = [(p, pat, rule.style, rule.overrides()) for p, (pat, rule) in matched.items()]
     entries += [(p, "(colwise parent)", _CONVERSION, {}) for p in sorted(fanout)]
@@ -75,7 +76,7 @@ def _rows(model: nn.Module, mods: dict[str, nn.Module], matched: dict, fanout: s
     for path, pattern, style, o in sorted(entries, key=lambda e: order.get(e[0], 0)):
         if style == _CONVERSION:
             fwd = redistribute_collectives(stream.layout, "replicate")
-            bwd = redistribute_collectives("partial", stream.layout)
+            bwd = redistribute_collectives("partial", stream.layout) + (fwd if regather else [])  # re-gather
             params, nbytes = {}, 0
         else:
             fwd, bwd = STYLES[style].collectives(o, stream)
@@ -154,7 +155,7 @@ def explain(report, model: nn.Module, plan, tp: int, matched: dict, fanout: set,
     """
     section = plan.tensor_parallel
     mods = dict((applied[0] if applied else model).named_modules())
-    rows = _rows(model, mods, matched, fanout, Stream.of(section), applied)
+    rows = _rows(model, mods, matched, fanout, Stream.of(section), applied, not section.save_gathered_inputs)
     fwd_total, bwd_total = Counter(), Counter()
     for row in rows:
         fwd_total.update(row["forward"])

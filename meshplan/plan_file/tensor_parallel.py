@@ -189,6 +189,12 @@ class TensorParallel(Strict):
                                  "generator and keeps its slice, so dropout equals the one-device run (any device, "
                                  "no communication, tp-times the RNG work: a CPU/testing path; on CUDA torch's "
                                  "OffsetBasedRNGTracker does this for DTensors).")
+    save_gathered_inputs: bool = Field(
+        False, description="Under sequence parallelism each block input is all-gathered once for its colwise "
+                           "layers. false (Megatron-SP's memory): autograd keeps this rank's shard and the backward "
+                           "gathers it again (one more all_gather per block input, started early to overlap); the "
+                           "values are the same. true: keep the gathered input (torch's behaviour: tp times the "
+                           "bytes, no extra collective).")
     adjust_head_counts: bool = Field(
         True, description="Divide stored head counts (n_heads, num_key_value_heads, …) of modules that own colwise "
                           "projections by tp, so models that reshape with them work on local shards.")

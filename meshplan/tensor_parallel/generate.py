@@ -125,13 +125,13 @@ def generate_tp_plan(model: nn.Module, section: TensorParallel, tp: int, source:
             norm_dropouts.append(path)
         if spec.on_local_heads:
             head_norms.append(path)  # runs unchanged on local heads; its grads join TpGradSync's tp sum
-    _convert_once(model, modules, plan, fanout, stream)
+    _convert_once(model, modules, plan, fanout, stream, section.save_gathered_inputs)
     return plan, {"fanout": list(fanout), "local_heads": list(local_heads), "head_norms": head_norms,
                   "norm_dropouts": norm_dropouts, "matched": matched, "modules": modules}
 
 
 def _convert_once(model: nn.Module, modules: dict[str, nn.Module], plan: dict[str, Any], fanout: dict[str, None],
-                  stream: Stream) -> None:
+                  stream: Stream, save_gathered: bool = True) -> None:
     """One input conversion (stream → replicate) on each parent of colwise children, unless the user
     prepared it by hand."""
     arg_names: dict[type, str | None] = {}  # inspect.signature once per class
@@ -146,4 +146,4 @@ def _convert_once(model: nn.Module, modules: dict[str, nn.Module], plan: dict[st
         else:
             name = arg_names[type(target)] = hidden_arg_name(target)
         plan[parent] = PrepareHiddenInput(input_layout=placement(stream.layout), desired_layout=placement("replicate"),
-                                          arg_name=name)
+                                          arg_name=name, save_gathered=save_gathered)

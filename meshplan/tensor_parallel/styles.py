@@ -105,32 +105,53 @@ class PrepareHiddenInput(ParallelStyle):
         desired_layout (Placement): layout the module needs. Default: ``Replicate()``.
         arg_name (str, optional): keyword name of the argument; default: read from ``forward``.
         use_local_output (bool): hand the module a plain tensor. Default: False (one conversion per block).
+        save_gathered (bool): let autograd keep the gathered input for the module's backward (torch's behaviour).
+            False: keep this rank's shard and gather it again in backward
+            (:class:`~meshplan.tensor_parallel.regather.Regather`, Megatron-SP's memory). Default: True.
     """
 
     def __init__(self, *, input_layout=Shard(1), desired_layout=Replicate(), arg_name: str | None = None,
-                 use_local_output: bool = False):
+                 use_local_output: bool = False, save_gathered: bool = True):
         super().__init__()
         self.input_layout = input_layout
         self.desired_layout = desired_layout
         self.arg_name = arg_name
         self.use_local_output = use_local_output
+        self.save_gathered = save_gathered
 
-    def _hook(self, mesh, name, _module, args, kwargs):
+    def _convert(self, x: Any, mesh: DeviceMesh, regather: Any) -> Any:
+        out = _to_dtensor(x, mesh, self.input_layout, self.desired_layout, self.use_local_output)
+        if regather is not None:
+            gathers = isinstance(out, torch.Tensor) and isinstance(self.input_layout, Shard) \
+                and isinstance(self.desired_layout, Replicate) and local_tensor(out).numel() != local_tensor(x).numel()
+            regather.enter(local_tensor(x) if gathers else None, out if gathers else None)
+        return out
+
+    def _hook(self, mesh, name, regather, _module, args, kwargs):
         if args:
-            args = (_to_dtensor(args[0], mesh, self.input_layout, self.desired_layout, self.use_local_output), *args[1:])
+            args = (self._convert(args[0], mesh, regather), *args[1:])
         elif name is not None and name in kwargs:
-            kwargs = {**kwargs, name: _to_dtensor(kwargs[name], mesh, self.input_layout, self.desired_layout,
-                                                  self.use_local_output)}
+            kwargs = {**kwargs, name: self._convert(kwargs[name], mesh, regather)}
+        elif regather is not None:
+            regather.enter(None, None)
         return args, kwargs
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         name = self.arg_name or hidden_arg_name(module)
-        module.register_forward_pre_hook(lambda m, a, k: self._hook(device_mesh, name, m, a, k), with_kwargs=True)
+        regather = None
+        if not self.save_gathered:
+            from meshplan.tensor_parallel.regather import Regather
+            regather = Regather(device_mesh.get_group(), self.input_layout.dim if isinstance(
+                self.input_layout, Shard) else 1)
+            module.register_forward_hook(lambda m, a, out: regather.exit(out), always_call=True)
+        module.register_forward_pre_hook(lambda m, a, k: self._hook(device_mesh, name, regather, m, a, k),
+                                         with_kwargs=True)
         return module
 
     def __repr__(self) -> str:
         return (f"{self.__class__.__name__}(input_layout={self.input_layout}, desired_layout={self.desired_layout}, "
-                f"arg_name={self.arg_name}, use_local_output={self.use_local_output})")
+                f"arg_name={self.arg_name}, use_local_output={self.use_local_output}, "
+                f"save_gathered={self.save_gathered})")
 
 
 class ReplicateParallel(ParallelStyle):

@@ -41,11 +41,18 @@ def global_batch(step, vocab):
     return x, torch.where(keep, y, -100)
 
 
-def reference(steps, args):
-    """One device, the full global batch, F.cross_entropy mean, torch's clip_grad_norm_, AdamW."""
+def optimizer(params, kind="adamw"):
+    """AdamW, or SGD with momentum: AdamW divides fp32 noise by its own running size, so at tp 4 two exact
+    computations of this tiny model end a few 1e-5 apart after 3 steps (the same with and without the SP
+    re-gather: it is bit-exact); SGD keeps the noise at its size."""
+    return torch.optim.AdamW(params, lr=LR) if kind == "adamw" else torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+def reference(steps, args, opt_kind="adamw"):
+    """One device, the full global batch, F.cross_entropy mean, torch's clip_grad_norm_, AdamW (or SGD)."""
     torch.manual_seed(0)
     model = build(args)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    opt = optimizer(model.parameters(), opt_kind)
     losses, norms = [], []
     for s in range(steps):
         x, y = global_batch(s, args.vocab_size)
@@ -58,7 +65,7 @@ def reference(steps, args):
     return model, losses, norms
 
 
-def _build(layout, dp_section, args, tp, sp, lp, blocks=None):
+def _build(layout, dp_section, args, tp, sp, lp, blocks=None, save=None):
     """The parallel model; ``dp_section`` None: a plan without a data_parallel section (tp only); ``blocks``: the
     blocks section (checkpointing)."""
     topo = meshplan.build_mesh(layout)
@@ -66,6 +73,8 @@ def _build(layout, dp_section, args, tp, sp, lp, blocks=None):
     model = build(args)
     if tp:
         plan = {"tensor_parallel": {"sequence_parallel": sp, "loss_parallel": lp, "rules": TP_RULES}}
+        if save is not None:
+            plan["tensor_parallel"]["save_gathered_inputs"] = save
         if dp_section is not None:
             plan["data_parallel"] = dp_section
         if blocks is not None:
@@ -87,9 +96,10 @@ def _my_batches(steps, args, dp, r):
         yield x[r * rows:(r + 1) * rows], y[r * rows:(r + 1) * rows], y
 
 
-def parallel(layout, dp_section, steps, args, microbatches, tp=False, sp=True, lp=False, blocks=None):
-    model, dp, r = _build(layout, dp_section, args, tp, sp, lp, blocks)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+def parallel(layout, dp_section, steps, args, microbatches, tp=False, sp=True, lp=False, blocks=None, save=None,
+             opt_kind="adamw"):
+    model, dp, r = _build(layout, dp_section, args, tp, sp, lp, blocks, save)
+    opt = optimizer(model.parameters(), opt_kind)
     loss_fn = (lambda out, y: meshplan.cross_entropy(out, y, reduction="sum")) if lp else sum_ce
     results = []
     for *batch, _ in _my_batches(steps, args, dp, r):
@@ -131,14 +141,15 @@ def hand_loop(layout, dp_section, steps, args, microbatches, sp=True, no_sync=Fa
 
 
 def compare(layout, section=None, microbatches=1, tp=False, sp=True, lp=False, hand=False, no_sync=False,
-            no_dp=False, blocks=None):
-    args = tiny_args()
-    ref, ref_losses, ref_norms = reference(STEPS, args)
+            no_dp=False, blocks=None, save=None, opt_kind="adamw", **model_kw):
+    """One device vs ``layout``; ``save``: the plan's ``save_gathered_inputs`` (None: the default, false)."""
+    args = tiny_args(**model_kw)
+    ref, ref_losses, ref_norms = reference(STEPS, args, opt_kind)
     section = None if no_dp else section or {}
     if hand:
         model, results = hand_loop(layout, section, STEPS, args, microbatches, sp, no_sync)
     else:
-        model, results = parallel(layout, section, STEPS, args, microbatches, tp, sp, lp, blocks)
+        model, results = parallel(layout, section, STEPS, args, microbatches, tp, sp, lp, blocks, save, opt_kind)
     ref_params = dict(ref.named_parameters())
     worst, worst_name = 0.0, ""
     for name, p in model.named_parameters():
@@ -245,8 +256,33 @@ def meta_init_and_load(layout):
     return {"parameters": len(want)}
 
 
+def regather_counts(layout, **model_kw):
+    """Collectives of one forward and one backward with save_gathered_inputs true and false (tp only)."""
+    args = tiny_args(**model_kw)
+    x, y = global_batch(0, args.vocab_size)
+    out = {}
+    for save in (True, False):
+        model, _, _ = _build(layout, None, args, True, True, False, save=save)
+        with CommLog() as fwd:
+            loss = sum_ce(model(x), y)
+        with CommLog() as bwd:
+            loss.backward()
+        out[str(save).lower()] = {"forward": dict(fwd.by_group()), "backward": dict(bwd.by_group())}
+    return out
+
+
 CASES_BY_WORLD = {
     4: {
+        "regather_tp4": lambda: compare({"tp": 4}, tp=True, n_kv_heads=4, opt_kind="sgd"),
+        "regather_tp4_saved": lambda: compare({"tp": 4}, tp=True, save=True, n_kv_heads=4, opt_kind="sgd"),
+        "regather_tp2_fsdp_ac_full": lambda: compare({"dp_shard": 2, "tp": 2}, tp=True, blocks={
+            "activation_checkpointing": {"mode": "full"}}),
+        "regather_tp2_fsdp_ac_selective": lambda: compare({"dp_shard": 2, "tp": 2}, tp=True, blocks={
+            "activation_checkpointing": {"mode": "selective", "ops": ["aten.mm.default"]}}),
+        "regather_tp2_fsdp_every2": lambda: compare({"dp_shard": 2, "tp": 2}, tp=True, n_layers=4, blocks={
+            "activation_checkpointing": {"mode": "selective", "every": 2}}),
+        "regather_tp2_fsdp_saved": lambda: compare({"dp_shard": 2, "tp": 2}, tp=True, save=True),
+        "regather_counts_tp4": lambda: regather_counts({"tp": 4}, n_kv_heads=4),
         "meta_init_and_load_fsdp_tp": lambda: meta_init_and_load({"dp_shard": 2, "tp": 2}),
         "fsdp_tp": lambda: compare({"dp_shard": 2, "tp": 2}, tp=True),
         "hsdp": lambda: compare({"dp_replicate": 2, "dp_shard": 2}, microbatches=2),
@@ -268,6 +304,7 @@ CASES_BY_WORLD = {
         "counts_hsdp_accum2": lambda: comm_counts({"dp_replicate": 2, "dp_shard": 2}, microbatches=2),
     },
     8: {
+        "regather_tp4_fsdp2": lambda: compare({"dp_shard": 2, "tp": 4}, tp=True, n_kv_heads=4, opt_kind="sgd"),
         "hsdp_tp_accum2": lambda: compare({"dp_replicate": 2, "dp_shard": 2, "tp": 2}, blocks={
             "activation_checkpointing": {"mode": "selective", "every": 2, "ops": ["aten.mm.default"]}},
             microbatches=2, tp=True),
