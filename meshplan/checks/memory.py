@@ -7,6 +7,10 @@ the start of the forward to the end of the backward. Storages are counted once (
 size in bytes, so the numbers are exact on the meta device (no memory is touched) and on CPU or CUDA. Parameters
 and inputs made before the step are not counted; FSDP2's gathered parameters are (they are made in the step).
 
+The meta device runs the ops the model asks for, but kernels chosen by device are not: ``scaled_dot_product_attention``
+takes its math path there (it keeps the ``s × s`` attention probabilities) where CPU and CUDA run fused kernels
+(they keep the output and a log-sum-exp), so measure fused attention on the device it runs on.
+
 On CUDA ``torch.cuda.max_memory_allocated`` is reported too (the allocator's view, with its caching and
 fragmentation). Nothing here changes how the model runs: the SP re-gather (``save_gathered_inputs: false``) and
 activation checkpointing work as in training.

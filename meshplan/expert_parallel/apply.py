@@ -223,7 +223,7 @@ def apply_expert_parallel(model: nn.Module, section: ExpertParallel, topology: A
         if isinstance(stored, int) and stored == b.num_experts and lay.ep > 1:
             module.num_experts = adjusted.setdefault(b.experts, (stored, stored // lay.ep))[1]
     replicated = []
-    if lay.tp > 1:
+    if lay.tp > 1 or tensor_parallel is not None:  # a tensor_parallel section makes the stream a DTensor, even at tp 1
         from meshplan.expert_parallel.region import token_regions
         replicated = token_regions(model, blocks, topology, tensor_parallel, set(expert_params))
     return EpApplied(section, blocks, lay.ep, lay.etp, lay.edp, tuple(expert_params), tuple(replicated), adjusted)

@@ -99,7 +99,7 @@ class ExpertParallel(ParallelStyle):
 
         def before(mod: nn.Module, inputs: tuple, _mesh: Any) -> tuple:
             _swap_local(mod, pending)
-            experts = ep * next(iter(pending[-1].values())).shape[0]  # local shards: E / ep experts
+            experts = next(iter(pending[-1].values())).shape[0]  # the DTensors' global experts dim: E
             if topk:
                 rows, *rest = _dispatch_topk(inputs, experts, group, ep, pending)
             else:

@@ -75,7 +75,7 @@ def token_regions(model: nn.Module, blocks: tuple, topology: Any, tensor_paralle
             block.register_forward_pre_hook(_even(b.path, tp))
         parallelize_module(block, topology["tp"], region_style(stream, whole))
         names += [f"{b.path}.{n}" for n, p in block.named_parameters()
-                  if p.requires_grad and f"{b.path}.{n}" not in expert_params and not whole]
+                  if p.requires_grad and f"{b.path}.{n}" not in expert_params and not whole and tp > 1]
     if names:
         sync = tensor_parallel.finalizer
         if sync is None:

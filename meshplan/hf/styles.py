@@ -65,7 +65,8 @@ HF_ALIASES: dict[str, dict[str, Any]] = {
     "all_reduce_output": {"style": "prepare_output", "output_layouts": "partial", "desired_output_layouts": _REP},
 }
 
-_MOE = "expert parallelism is not part of meshplan's tensor_parallel section"
+_MOE = ("it shards experts, which meshplan writes in the expert_parallel section (meshplan.hf.from_hf(model_type, "
+        "ep=N) converts a model's base_model_ep_plan), not as a tensor_parallel rule")
 _PARAM = "it shards a bare nn.Parameter, and meshplan rules address modules"
 #: transformers strings meshplan rejects, with the reason
 HF_UNSUPPORTED: dict[str, str] = {

@@ -1,0 +1,86 @@
+"""transformers' mixture-of-experts models in a meshplan plan: the ``expert_parallel`` section from the config's
+``base_model_ep_plan``, and the tensor-parallel rules that remain.
+
+transformers shards experts two ways. Its ``base_model_tp_plan`` splits each expert over tp (``moe_tp_experts``,
+``packed_colwise``/``rowwise`` on the experts' bare parameters); meshplan writes that as ``layout.etp`` = tp
+(:mod:`meshplan.expert_parallel.etp`), so those entries are dropped. Its ``base_model_ep_plan`` dispatches tokens
+to experts sharded over the ranks (``ep_dispatch_experts`` on the experts module, ``grouped_gemm`` on its
+parameters): that is meshplan's ``experts`` style (``interface: topk``). transformers' plan names no router;
+meshplan needs one per MoE block, read from the model: the child of the experts' parent whose class name says
+router, or named ``gate``/``router``, holding an ``[E, hidden]`` weight. Torch-free apart from the model passed in.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from meshplan.errors import PlanError
+from meshplan.hf.styles import HF_UNSUPPORTED
+
+__all__ = ["expert_rules", "is_moe_plan", "MOE_STYLES"]
+
+MOE_STYLES = {k for k, why in HF_UNSUPPORTED.items() if "expert" in why}
+
+
+def is_moe_plan(hf_rules: dict[str, str]) -> bool:
+    """Does a transformers tp_plan shard experts (an MoE model)?"""
+    return any(v in MOE_STYLES for v in hf_rules.values())
+
+
+def _router(model: Any, block: str, experts: int, model_type: str) -> str:
+    from meshplan.plan_file.patterns import wildcard
+    parent = model.get_submodule(block)
+    found = []
+    for name, child in parent.named_children():
+        named = "Router" in type(child).__name__ or name in ("gate", "router")
+        weight = getattr(child, "weight", None)
+        if named and getattr(weight, "ndim", 0) == 2 and weight.shape[0] == experts:
+            found.append(f"{block}.{name}")
+    if len(found) != 1:
+        raise PlanError(f"{model_type}: MoE block {block} has {len(found)} router candidates {found}; expected one "
+                        f"child named gate/router (or a *Router class) with an [{experts}, hidden] weight: write the "
+                        f"expert_parallel rules by hand")
+    return wildcard(found[0])
+
+
+def expert_rules(model: Any, config: Any, prefix: str, tp_rules: dict[str, Any],
+                 model_type: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(tensor-parallel rules without the experts' entries, expert_parallel rules)`` for an MoE model.
+
+    Args:
+        model: a small meta-device instance (module paths). config: its transformers config.
+        prefix: the base model's path prefix (``"model."``). tp_rules: the converted tp rules (full paths).
+
+    Raises:
+        PlanError: no ``base_model_ep_plan``, an ep style meshplan does not know, or no single router per block.
+    """
+    from meshplan.plan_file.patterns import match_rules
+    ep_plan = getattr(config, "base_model_ep_plan", None) or {}
+    rules: dict[str, Any] = {}
+    for key, style in ep_plan.items():
+        if style == "grouped_gemm":
+            continue  # the experts' bare parameters: the experts rule shards them
+        if style not in ("ep_dispatch_experts", "ep_router"):
+            raise PlanError(f"{model_type}: base_model_ep_plan rule {key!r}: transformers style {style!r} has no "
+                            f"meshplan equivalent (meshplan maps ep_dispatch_experts and ep_router)")
+        rules[prefix + key] = style
+    experts = [k for k, v in rules.items() if v == "ep_dispatch_experts"]
+    if not experts:
+        raise PlanError(f"{model_type}: the tp_plan shards experts but the config has no base_model_ep_plan with "
+                        f"ep_dispatch_experts; write the expert_parallel rules by hand")
+    blocks = set()
+    for pattern in experts:
+        for path in match_rules(model, {pattern: pattern}, "base_model_ep_plan", errors=[]):
+            module = model.get_submodule(path)
+            count = next(p.shape[0] for p in module.parameters())
+            blocks.add((path.rpartition(".")[0], count))
+    if not any(v == "ep_router" for v in rules.values()):
+        rules.update({_router(model, b, n, model_type): "ep_router" for b, n in sorted(blocks)})
+    inside = tuple(b + "." for b, _ in blocks)
+    kept = {}
+    for key, rule in tp_rules.items():
+        style = rule if isinstance(rule, str) else rule.get("style")
+        hits = match_rules(model, {key: key}, "", errors=[]) if style not in MOE_STYLES else {}
+        if hits and not any(h.startswith(inside) or h + "." in inside for h in hits):
+            kept[key] = rule  # dense layers' rules; experts' entries and rules inside MoE blocks are dropped
+    return kept, rules
