@@ -35,13 +35,17 @@ Measured:
 
 Theoretical minimum per step (Megatron-SP; b batch, s sequence, h hidden, L layers, t tp, β = 4 bytes):
 
-* per layer 2 all-gathers + 2 reduce-scatters forward and the same backward, each over b·s·h;
+* per layer 2 all-gathers + 2 reduce-scatters forward; backward the same plus one all-gather per block input
+  (2 per layer): Megatron-SP keeps only its sequence shard of each block input for the weight gradients and
+  gathers it again in backward (Korthikanti et al. 2022, sec. 4.2.2), as meshplan's default
+  ``save_gathered_inputs: false`` does; each over b·s·h. (A plan that keeps the gathered inputs, as the
+  hand-written and transformers' plans do, sends 2L fewer all-gathers and keeps tp× the bytes of them);
 * embedding: reduce-scatter forward, all-gather backward; lm_head: all-gather forward, reduce-scatter backward;
 * vocab-parallel loss: 3 small all-reduces (row max and row Σexp over b·s fp32; [loss sum, token count]);
 * norm-weight gradients: ONE coalesced all-reduce of (2L+1)·h elements;
 * the optimizer step: none.
 
-  collectives = 8L + 8;  bytes = (8L+4)·(t−1)/t·b·s·h·β + 2·(t−1)/t·(2·b·s·4 + 16 + (2L+1)·h·β).
+  collectives = 10L + 8;  bytes = (10L+4)·(t−1)/t·b·s·h·β + 2·(t−1)/t·(2·b·s·4 + 16 + (2L+1)·h·β).
 
 A count below the minimum is possible (one all-reduce does the work of a reduce-scatter + all-gather); the
 bytes column is the one to compare.
@@ -84,9 +88,9 @@ def minimum(shape: Shape, t: int) -> tuple[int, float]:
     """(collectives, bytes one rank sends) per step for Megatron-SP; see the module docstring."""
     L, bsh = shape.layers, shape.batch * shape.seq * shape.hidden
     ring = (t - 1) / t
-    big = (8 * L + 4) * ring * bsh * BETA
+    big = (10 * L + 4) * ring * bsh * BETA
     small = 2 * ring * (2 * shape.batch * shape.seq * 4 + 16 + (2 * L + 1) * shape.hidden * BETA)
-    return 8 * L + 8, big + small
+    return 10 * L + 8, big + small
 
 
 class _Phase:
@@ -288,8 +292,9 @@ def main(argv=None) -> str:
 def _footnotes(shape: Shape, args, gloo: dict | None) -> str:
     notes = [
         "collectives/step: counted by CommDebugMode on the fake group (world = tp), AG all-gather, RS "
-        "reduce-scatter, AR all-reduce; (min) = Megatron-SP, 8L+8. bytes: ring bytes one rank sends; × min: over "
-        "(8L+4)·(t-1)/t·bsh·4 + 2·(t-1)/t·(2bs·4 + 16 + (2L+1)·h·4).",
+        "reduce-scatter, AR all-reduce; (min) = Megatron-SP with its backward re-gather, 10L+8. bytes: ring "
+        "bytes one rank sends; × min: over "
+        "(10L+4)·(t-1)/t·bsh·4 + 2·(t-1)/t·(2bs·4 + 16 + (2L+1)·h·4).",
         "AR in opt.step: all-reduces AdamW issues itself (stock DTensor leaves the norm-weight grads Partial: 3 "
         "per weight). AR in clip: meshplan.clip_grad_norm_ (meshplan) / torch.nn.utils.clip_grad_norm_ (others).",
         "params/grads × ideal: local bytes after backward over (matrices / t + norm weights); a replicated "

@@ -98,6 +98,8 @@ class ExpertParallel(ParallelStyle):
         topk = self.interface == "topk"
 
         def before(mod: nn.Module, inputs: tuple, _mesh: Any) -> tuple:
+            _inputs(inputs, *(3, "forward(hidden, top_k_index, top_k_weights)") if topk else
+                    (2, "forward(x_sorted, counts)"))  # before anything changes
             _swap_local(mod, pending)
             experts = next(iter(pending[-1].values())).shape[0]  # the DTensors' global experts dim: E
             if topk:
@@ -117,7 +119,8 @@ class ExpertParallel(ParallelStyle):
             if not topk:
                 return combine(outputs, state, group)
             routes, copies, weights, tokens, k = state
-            y = combine(outputs, routes, group) * weights.reshape(-1).index_select(0, copies).unsqueeze(-1)
+            y = combine(outputs, routes, group)
+            y = (y * weights.reshape(-1).index_select(0, copies).unsqueeze(-1)).to(y.dtype)  # as transformers
             return y.new_zeros(tokens, y.shape[-1]).index_add(0, torch.div(copies, k, rounding_mode="floor"), y)
 
         return distribute_module(module, device_mesh, self._partition, before, after)
