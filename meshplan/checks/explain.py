@@ -155,7 +155,8 @@ def explain(report, model: nn.Module, plan, tp: int, matched: dict, fanout: set,
     """
     section = plan.tensor_parallel
     mods = dict((applied[0] if applied else model).named_modules())
-    rows = _rows(model, mods, matched, fanout, Stream.of(section), applied, not section.save_gathered_inputs)
+    regather = section is not None and not section.save_gathered_inputs
+    rows = _rows(model, mods, matched, fanout, Stream.of(section), applied, regather)
     fwd_total, bwd_total = Counter(), Counter()
     for row in rows:
         fwd_total.update(row["forward"])
