@@ -4,8 +4,9 @@ A dispatch mode watches every tensor the step's ops create (a DTensor counts its
 alive when the forward has returned are what autograd keeps for the backward (the saved activations, plus the
 output), and they are attributed to the block that created them; the peak is the most bytes alive at once from
 the start of the forward to the end of the backward. Storages are counted once (views share them) and by their
-size in bytes, so the numbers are exact on the meta device (no memory is touched) and on CPU or CUDA. Parameters
-and inputs made before the step are not counted; FSDP2's gathered parameters are (they are made in the step).
+size in bytes, so the numbers are exact on the meta device (no memory is touched) and on CPU or CUDA. Parameters,
+buffers and their views (a transposed weight) are not counted, nor inputs made before the step; FSDP2's gathered
+parameters are (they are made in the step).
 
 The meta device runs the ops the model asks for, but kernels chosen by device are not: ``scaled_dot_product_attention``
 takes its math path there (it keeps the ``s × s`` attention probabilities) where CPU and CUDA run fused kernels
@@ -54,8 +55,9 @@ class ActivationMemory:
 
 
 class _Tracker(TorchDispatchMode):
-    def __init__(self) -> None:
+    def __init__(self, before: set[int]) -> None:
         super().__init__()
+        self.before = before  # storages that existed before the step (parameters, buffers): views of them are free
         self.live: dict[int, tuple[Any, int, str]] = {}  # id(storage) -> (weakref, bytes, block)
         self.block = ""
         self.now = self.peak = 0
@@ -71,7 +73,7 @@ class _Tracker(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 st = local_tensor(t).untyped_storage()
                 key = id(st)
-                if key not in self.live:
+                if key not in self.live and key not in self.before:
                     self.live[key] = (weakref.ref(st, lambda _r, k=key: self._gone(k)), st.nbytes(), self.block)
                     self.now += st.nbytes()
                     self.peak = max(self.peak, self.now)
@@ -94,7 +96,8 @@ def memory(model: nn.Module, step: Callable[[], Any], blocks: str = "layers.*") 
         >>> mem = meshplan.memory(model, lambda: meshplan.cross_entropy(model(x), y))
         >>> mem.per_layer(), mem.peak
     """
-    tracker = _Tracker()
+    held = [local_tensor(t).untyped_storage() for t in (*model.parameters(), *model.buffers())]
+    tracker = _Tracker({id(st) for st in held})
     paths = [p for p in match_pattern(model, blocks, "meshplan.memory") if p]
     handles = []
     for path in paths:
@@ -117,6 +120,7 @@ def memory(model: nn.Module, step: Callable[[], Any], blocks: str = "layers.*") 
     finally:
         for h in handles:
             h.remove()
+        del held
     result.peak = tracker.peak
     result.cuda_peak = torch.cuda.max_memory_allocated() if cuda else None
     return result
