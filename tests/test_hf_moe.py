@@ -60,3 +60,71 @@ def test_bad_ep_is_refused_with_the_valid_values():
 def test_ep_for_a_dense_model_is_refused():
     with pytest.raises(PlanError, match="ep=2 given, but LlamaForCausalLM has no experts"):
         from_hf("llama", ep=2)
+
+
+def test_ep_not_dividing_the_experts_is_refused_with_the_valid_values():
+    """ep 3 for the tiny models' 4 experts (world 3: tp 1; world 6: tp 2)."""
+    import hf_models
+    with torch.device("meta"):
+        model = hf_models.mixtral()
+    for tp, world in ((1, 3), (2, 6)):
+        plan = from_hf("mixtral", ep=3, tp=tp)
+        plan.pop("_origin")
+        report = meshplan.check(model, plan, world_size=world)
+        assert not report.ok and any("ep(3) does not divide the 4 experts of model.layers.0.mlp.experts; valid ep: "
+                                     "1, 2, 4" in str(e) for e in report.errors), report.errors
+
+
+def _inside_moe_blocks(model, rules):
+    """The module paths a tensor_parallel rule claims inside an MoE block (the experts' parent)."""
+    from meshplan.plan_file.patterns import match_rules
+    blocks = tuple(n.rpartition(".")[0] + "." for n, m in model.named_modules() if n.endswith(".mlp.experts"))
+    return [p for k in rules for p in match_rules(model, {k: k}, "", errors=[]) if p.startswith(blocks)]
+
+
+@pytest.mark.parametrize("arch,config", [("qwen3_moe", {"mlp_only_layers": [0]}),
+                                         ("qwen2_moe", {"decoder_sparse_step": 2})])
+def test_dense_layers_of_a_mixed_model_keep_their_rules(tmp_path, arch, config):
+    """Qwen3-MoE's mlp_only_layers / Qwen2-MoE's decoder_sparse_step: the dense MLPs keep transformers' colwise /
+    rowwise rules (layers.*.mlp.gate_proj does not reach Qwen2-MoE's mlp.shared_expert.gate_proj), no rule claims a
+    module inside an MoE block, and the plan checks on the model."""
+    import json
+
+    import hf_models
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": arch, "num_hidden_layers": 4, **config}))
+    plan = from_hf(tmp_path, ep=2)
+    plan.pop("_origin")
+    rules = plan["tensor_parallel"]["rules"]
+    assert {k: v for k, v in rules.items() if ".mlp." in k} == {
+        "model.layers.*.mlp.gate_proj": "colwise", "model.layers.*.mlp.up_proj": "colwise",
+        "model.layers.*.mlp.down_proj": "rowwise"}
+    assert plan["expert_parallel"] == {"rules": EXPERTS}
+    with torch.device("meta"):
+        model = getattr(hf_models, arch)(**config)
+    assert {type(layer.mlp).__name__.endswith("SparseMoeBlock") for layer in model.model.layers} == {True, False}
+    assert _inside_moe_blocks(model, rules) == []
+    report = meshplan.check(model, plan, world_size=4)
+    assert report.ok, report.errors
+
+
+def test_qwen2_moe_router_is_the_gate_not_the_shared_expert_gate():
+    plan = from_hf("qwen2_moe", ep=2)
+    assert "model.layers.*.mlp.shared_expert_gate" not in plan["expert_parallel"]["rules"]
+    assert not [k for k in plan["tensor_parallel"]["rules"] if "shared_expert" in k]
+
+
+@pytest.mark.parametrize("change,count", [("drop", 0), ("add", 2)])
+def test_no_single_router_per_block_is_refused_naming_the_block(change, count):
+    """No router candidate, or two (a gate and a router), in an MoE block: a PlanError naming the block."""
+    import hf_models
+
+    from meshplan.hf.moe import expert_rules
+    with torch.device("meta"):
+        model = hf_models.mixtral()
+        block = model.model.layers[1].mlp
+        if change == "drop":
+            block.gate = torch.nn.Identity()
+        else:
+            block.router = torch.nn.Linear(64, 4, bias=False)
+    with pytest.raises(PlanError, match=rf"mixtral: MoE block model.layers.1.mlp has {count} router candidates"):
+        expert_rules(model, model.config, "model.", {}, "mixtral")
