@@ -2,7 +2,8 @@
 and Qwen2-MoE (gated shared expert), unmodified, with the plan ``meshplan.hf.from_hf(model_type, ep=…)`` writes,
 match one device over 3 SGD steps (parameters, losses and gradient norms within 1e-5): ep over the data ranks
 (ep 2, ep 4, expert FSDP over edp 2), ep folded over tp (tp 2 × ep 2, etp 1, with and without sequence
-parallelism), and Mixtral's packed gate_up split over etp = tp 2."""
+parallelism; Qwen3-MoE with a dense MLP layer, which keeps its tp rules), and Mixtral's packed gate_up split over
+etp = tp 2."""
 
 import pytest
 
@@ -13,7 +14,7 @@ pytestmark = pytest.mark.dist
 CASES = {
     2: ["mixtral_ep2", "qwen2_moe_ep2"],
     4: ["mixtral_ep4", "mixtral_tp2_ep2", "mixtral_tp2_etp2", "qwen3_moe_ep2_edp2", "qwen3_moe_tp2_ep2",
-        "qwen2_moe_tp2_ep2", "qwen2_moe_tp2_ep2_no_sp"],
+        "qwen3_moe_mixed_tp2_ep2", "qwen2_moe_tp2_ep2", "qwen2_moe_tp2_ep2_no_sp"],
 }
 
 

@@ -79,7 +79,8 @@ def _inside_moe_blocks(model, rules):
     """The module paths a tensor_parallel rule claims inside an MoE block (the experts' parent)."""
     from meshplan.plan_file.patterns import match_rules
     blocks = tuple(n.rpartition(".")[0] + "." for n, m in model.named_modules() if n.endswith(".mlp.experts"))
-    return [p for k in rules for p in match_rules(model, {k: k}, "", errors=[]) if p.startswith(blocks)]
+    claimed = [p for k in rules for p in match_rules(model, {k: k}, "", errors=[])]
+    return [p for p in claimed if p.startswith(blocks) or p + "." in blocks]
 
 
 @pytest.mark.parametrize("arch,config", [("qwen3_moe", {"mlp_only_layers": [0]}),
@@ -128,3 +129,10 @@ def test_no_single_router_per_block_is_refused_naming_the_block(change, count):
             block.router = torch.nn.Linear(64, 4, bias=False)
     with pytest.raises(PlanError, match=rf"mixtral: MoE block model.layers.1.mlp has {count} router candidates"):
         expert_rules(model, model.config, "model.", {}, "mixtral")
+
+
+def test_cli_convert_writes_the_expert_section(capsys):
+    from meshplan.cli.main import main
+    assert main(["convert", "mixtral", "--ep", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "  ep: 2\n  etp: 1\n" in out and "expert_parallel:\n  rules:\n" in out

@@ -30,7 +30,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from meshplan.cli.args import add_layout_flags, layout_from_args
+from meshplan.cli.args import add_layout_flags, int_arg, layout_from_args
 from meshplan.errors import PlanError
 from meshplan.checks.model_factory import _config_arg, _failure, _hf_config_of, _quiet_transformers, _silenced, build_model
 
@@ -92,7 +92,7 @@ def _convert(args: argparse.Namespace) -> int:
         try:
             with _quiet_transformers(), _silenced():
                 rules = from_hf(args.source, sequence_parallel=not args.no_sequence_parallel,
-                                loss_parallel=not args.no_loss_parallel)
+                                loss_parallel=not args.no_loss_parallel, ep=args.ep)
         except PlanError:
             raise
         except (Exception, SystemExit) as e:  # transformers rejecting a malformed config.json
@@ -138,6 +138,9 @@ def register(sub) -> None:
     v.add_argument("--from", dest="from_", choices=("hf", "meshplan"), default="hf")
     v.add_argument("--to", choices=("meshplan", "hf"), default="meshplan")
     v.add_argument("-o", "--output", default=None, help="write here instead of stdout")
+    v.add_argument("--ep", type=int_arg(1, 1 << 20, " (2**20)"), default=None,
+                   help="--from hf, mixture-of-experts models: the expert-parallel degree (an expert_parallel section "
+                        "from the config's base_model_ep_plan)")
     v.add_argument("--no-sequence-parallel", action="store_true", help="write sequence_parallel: false")
     v.add_argument("--no-loss-parallel", action="store_true", help="write loss_parallel: false")
     v.set_defaults(func=_convert)

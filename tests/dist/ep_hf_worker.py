@@ -6,7 +6,9 @@ model, see cp_worker.sgd): every parameter within ‖Δ‖/‖ref‖ ≤ 1e-5, e
 1e-5 relative. transformers' default experts implementation (``grouped_mm``) runs on the local experts.
 """
 
+import json
 import os
+import tempfile
 
 import torch
 import torch.distributed as dist
@@ -29,7 +31,12 @@ def hf_moe_case(arch, layout, sequence_parallel=True, **overrides):
     vocab = ref.config.vocab_size
     ref_losses, ref_norms = _train_ref(ref, lambda s: (global_batch(s, vocab)[1],),
                                        lambda m, y: m(input_ids=y.clamp(min=0), labels=y).loss, sgd)
-    plan = from_hf(arch, ep=layout.get("ep", 1), tp=layout.get("tp", 1), sequence_parallel=sequence_parallel)
+    source = arch
+    if overrides:  # the converter reads the model's own config (e.g. its dense layers), as a config.json
+        source = os.path.join(tempfile.mkdtemp(prefix="meshplan-ep-hf-"), "config.json")
+        with open(source, "w") as f:
+            json.dump({"model_type": arch, **overrides}, f)
+    plan = from_hf(source, ep=layout.get("ep", 1), tp=layout.get("tp", 1), sequence_parallel=sequence_parallel)
     plan.pop("_origin")
     plan["layout"], plan["blocks"] = layout, {"pattern": "model.layers.*"}
     topo = meshplan.build_mesh(layout)
@@ -57,6 +64,9 @@ CASES = {
         "qwen3_moe_ep2_edp2": lambda: hf_moe_case("qwen3_moe", {"ep": 2}),
         "qwen3_moe_tp2_ep2": lambda: hf_moe_case("qwen3_moe", {"tp": 2, "ep": 2, "etp": 1}),
         "qwen2_moe_tp2_ep2": lambda: hf_moe_case("qwen2_moe", {"tp": 2, "ep": 2, "etp": 1}),
+        # dense MLP layers (mlp_only_layers) keep transformers' colwise/rowwise rules beside the MoE blocks
+        "qwen3_moe_mixed_tp2_ep2": lambda: hf_moe_case("qwen3_moe", {"tp": 2, "ep": 2, "etp": 1},
+                                                       mlp_only_layers=[0]),
         "qwen2_moe_tp2_ep2_no_sp": lambda: hf_moe_case("qwen2_moe", {"tp": 2, "ep": 2, "etp": 1},
                                                        sequence_parallel=False),
     },
