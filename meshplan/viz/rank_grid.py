@@ -17,9 +17,9 @@ __all__ = ["rank_grid", "panel_kinds", "KIND_HUES", "group_colour"]
 #: the hue (degrees) of each group kind's colours
 KIND_HUES = {"tp": 212, "cp": 275, "dp": 140, "dp_replicate": 95, "dp_shard": 165, "pp": 28,
              "ep": 355, "etp": 45, "edp": 185}
-_TITLES = {"tp": "TP (tensor parallel)", "cp": "CP (context parallel)", "dp": "DP (data parallel)",
-           "dp_replicate": "DP replicate (HSDP outer)", "dp_shard": "DP shard (FSDP)", "pp": "PP (pipeline stages)",
-           "ep": "expert grid: EP", "etp": "expert grid: ETP", "edp": "expert grid: EDP"}
+_TITLES = {"tp": "tensor parallel", "cp": "context parallel", "dp": "data parallel", "dp_replicate": "HSDP replicas",
+           "dp_shard": "FSDP shards", "pp": "pipeline stages", "ep": "expert grid", "etp": "expert grid",
+           "edp": "expert grid"}
 _LIGHTNESS = (0.36, 0.62, 0.46, 0.74, 0.30, 0.55)
 CELL, PAD, HEAD = 38, 18, 34
 
@@ -57,7 +57,7 @@ def _panel(d: Drawing, r: ResolvedLayout, kind: str, ox: float, oy: float, cols:
     groups, n = _groups(r, kind), r.world_size
     member = {rank: gi for gi, g in enumerate(groups) for rank in g}
     span = sum(len({m // per_node for m in g}) > 1 for g in groups) if per_node else 0
-    title = f"{_TITLES[kind]}: {len(groups)} groups of {len(groups[0])}"
+    title = f"{kind} groups ({_TITLES[kind]}): {len(groups)} × {len(groups[0])} ranks"
     title += f"; {span} span nodes" if per_node else ""
     d.text(ox, oy + 14, title, size=13, weight="bold", data={"kind": kind, "groups": str(len(groups))})
     gx = ox + (58 if node_rows else 0)
@@ -99,7 +99,7 @@ def rank_grid(r: ResolvedLayout, gpus_per_node: int | None = None) -> Drawing:
     cols, node_rows = _layout(r, gpus_per_node)
     rows = -(-r.world_size // cols)
     pw = cols * CELL + (58 if node_rows else 0)
-    pw = max(pw, max(text_width(f"{_TITLES[k]}: 0000 groups of 0000; 000 span nodes", 13) for k in kinds) * 0.8)
+    pw = max(pw, max(text_width(f"{k} groups ({_TITLES[k]}): 0000 × 0000 ranks; 000 span nodes", 13) for k in kinds) * 0.8)
     ph = HEAD + rows * CELL
     per_row = max(1, min(len(kinds), int(1400 // (pw + PAD))))
     d = Drawing(per_row * (pw + PAD) + PAD, 48 + -(-len(kinds) // per_row) * (ph + PAD) + 30)
