@@ -74,6 +74,8 @@ def write_output(data: str | bytes, output: str | None) -> None:
     from pathlib import Path
     if output is None:
         if isinstance(data, bytes):
+            if sys.stdout.isatty():
+                raise PlanError("--format png writes binary data: pass -o FILE.png or redirect stdout to a file")
             sys.stdout.flush()
             sys.stdout.buffer.write(data)
             sys.stdout.buffer.flush()
