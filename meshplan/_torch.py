@@ -36,6 +36,8 @@ __all__ = [
     "DropoutNd", "module_parameters", "module_buffers", "style_prepare_fns",
     # data parallelism
     "checkpoint_wrapper", "CheckpointWrapper", "CHECKPOINT_PREFIX", "replicate",
+    # pipeline parallelism
+    "step_microbatches",
     # context parallelism
     "ring_attention_dispatch",
 ]
@@ -256,6 +258,13 @@ def remove_split_marker(m: nn.Module) -> None:
     model as it was."""
     if "_orig_forward" in vars(m):
         del m.forward, m._orig_forward
+
+
+def step_microbatches(schedule: Any, n: int) -> None:
+    """Run a one-stage schedule's own step loop on stand-in stages that record their calls: GPipe and 1F1B run
+    their loop, not their ``pipeline_order`` IR (wrong for 1F1B's last rank in torch 2.13), so the order of the
+    picture of ``meshplan check --schedule`` is what the loop calls."""
+    schedule._step_microbatches([()] * n, [{}] * n, [None] * n)
 
 
 # ---------------------------------------------------------------- context parallelism
