@@ -18,7 +18,7 @@ from __future__ import annotations
 import sys
 from typing import Sequence
 
-from meshplan.cli import plans, ranks
+from meshplan.cli import convert, plans, ranks
 from meshplan.cli.args import Parser, error_line
 from meshplan.errors import PlanError
 
@@ -31,6 +31,7 @@ def build_parser() -> Parser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     ranks.register(sub)
     plans.register(sub)
+    convert.register(sub)
     return parser
 
 

@@ -1,4 +1,4 @@
-"""``meshplan check`` and ``meshplan convert``: added to the parser by :mod:`meshplan.cli.main`.
+"""``meshplan check``: added to the parser by :mod:`meshplan.cli.main`.
 
 The model convention of ``check --model MODULE:FACTORY [--config JSON]``:
 
@@ -133,40 +133,8 @@ def _numerics(args: argparse.Namespace, meta_model: Any, plan: Any, tp: int):
         return check_numerics(model, plan, tp=tp)
 
 
-def _convert(args: argparse.Namespace) -> int:
-    if (args.from_, args.to) == ("hf", "meshplan"):
-        from meshplan.hf.convert import from_hf, plan_yaml
-        try:
-            with _quiet_transformers(), _silenced():
-                rules = from_hf(args.source, sequence_parallel=not args.no_sequence_parallel,
-                                loss_parallel=not args.no_loss_parallel, ep=args.ep)
-        except PlanError:
-            raise
-        except (Exception, SystemExit) as e:  # transformers rejecting a malformed config.json
-            raise PlanError(f"convert {args.source!r}: transformers cannot use this config: {_failure(e)}") from None
-        text = plan_yaml(rules)
-    elif (args.from_, args.to) == ("meshplan", "hf"):
-        from meshplan.hf.convert import to_hf
-        from meshplan.plan_file.document import load_plan
-        text = json.dumps(to_hf(load_plan(args.source)), indent=2) + "\n"
-    else:
-        raise PlanError(f"convert: --from {args.from_} --to {args.to} is not supported; use --from hf --to meshplan "
-                        f"or --from meshplan --to hf")
-    if args.output:
-        out = Path(args.output)
-        if out.is_dir():
-            raise PlanError(f"-o {args.output!r}: is a directory, expected a file path")
-        try:
-            out.write_text(text, encoding="utf-8")
-        except (OSError, ValueError) as e:  # missing folder, no permission, a NUL in the path
-            raise PlanError(f"-o {args.output!r}: cannot write: {getattr(e, 'strerror', None) or e}") from None
-    else:
-        sys.stdout.write(text)
-    return 0
-
-
 def register(sub) -> None:
-    """Add ``check`` and ``convert`` to the ``meshplan`` subparsers."""
+    """Add ``check`` to the ``meshplan`` subparsers."""
     c = sub.add_parser("check", help="validate a plan against a model on the meta device and explain it",
                        description=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     c.add_argument("plan", help="plan file (.yaml/.json/.toml)")
@@ -186,16 +154,4 @@ def register(sub) -> None:
                    help="also run the plan on a small real instance, tp ranks simulated in this process, and "
                         "compare the loss and every gradient with the unparallelized model (exit 2 if any differs)")
     c.set_defaults(func=_check)
-    v = sub.add_parser("convert", help="convert a transformers tp_plan to a meshplan plan (offline), or back")
-    v.add_argument("source", help="--from hf: a model type (llama, mistral, qwen2, gpt2, …), a config.json or a "
-                                  "directory holding one; --from meshplan: a plan file")
-    v.add_argument("--from", dest="from_", choices=("hf", "meshplan"), default="hf")
-    v.add_argument("--to", choices=("meshplan", "hf"), default="meshplan")
-    v.add_argument("-o", "--output", default=None, help="write here instead of stdout")
-    v.add_argument("--ep", type=int_arg(1, 1 << 20, " (2**20)"), default=None,
-                   help="--from hf, mixture-of-experts models: the expert-parallel degree (an expert_parallel section "
-                        "from the config's base_model_ep_plan)")
-    v.add_argument("--no-sequence-parallel", action="store_true", help="write sequence_parallel: false")
-    v.add_argument("--no-loss-parallel", action="store_true", help="write loss_parallel: false")
-    v.set_defaults(func=_convert)
 
