@@ -115,13 +115,10 @@ def _load(source: str) -> dict | None:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as e:
         raise PlanError(f"{source}: not a JSON document: {getattr(e, 'strerror', None) or e}") from None
-    if not isinstance(data, dict) or "model_type" in data:
-        return None if isinstance(data, dict) else _not_doc(source)
+    if not isinstance(data, dict) or "model_type" in data or not set(data) & {"tp_plan", "pp_plan", "ep_plan",
+                                                                               *_SIZES} and not _flat(data):
+        return None  # a transformers config: from_hf reads it (and says what transformers thinks of it)
     return data
-
-
-def _not_doc(source: str):
-    raise PlanError(f"{source}: expected a JSON object (tp_plan, pp_plan, tp_size, …)")
 
 
 def _rules(tp_plan: dict, modules: dict | None, notes: Notes) -> tuple[dict, bool]:
