@@ -80,7 +80,7 @@ def _fill(kind: str, chunk: int) -> str:
     if chunk == 0 or kind == "idle":
         return KIND_COLOURS[kind]
     base = {"F": 212, "B": 28, "I": 40, "W": 110}[kind]
-    return hsl(base, 0.55, 0.30 if chunk % 2 else 0.68)
+    return hsl(base, 0.65, 0.40 if chunk % 2 else 0.70)
 
 
 def _row(d: Drawing, placed: list[Placed], y: float, x0: float, unit: float, span: int, chunks: dict) -> None:
