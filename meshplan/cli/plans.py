@@ -25,12 +25,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import warnings
-from pathlib import Path
 from typing import Any
 
-from meshplan.cli.args import add_layout_flags, int_arg, layout_from_args, write_output
+from meshplan.cli.args import add_layout_flags, layout_from_args, write_output
 from meshplan.errors import PlanError
 from meshplan.checks.model_factory import _config_arg, _failure, _hf_config_of, _quiet_transformers, _silenced, build_model
 

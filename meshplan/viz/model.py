@@ -17,9 +17,8 @@ from typing import Any
 from meshplan.plan_file.patterns import wildcard
 from meshplan.tensor_parallel.layouts import Stream
 from meshplan.tensor_parallel.style_table import STYLES
-from meshplan.viz.drawing import Drawing, ink_on, text_width
 
-__all__ = ["model_picture", "Item", "model_items", "STYLE_COLOURS", "CONVERSION"]
+__all__ = ["Item", "model_items", "describe", "STYLE_COLOURS", "CONVERSION"]
 
 CONVERSION = "input conversion"
 #: box colour per style (the input conversion: its frame)
@@ -27,7 +26,7 @@ STYLE_COLOURS = {"colwise": "#4e79a7", "rowwise": "#e15759", "norm": "#d3cfc9", 
                  "embedding_colwise": "#8cd17d", "embedding_tables": "#86bcb6", "lm_head": "#b07aa1",
                  "replicate": "#9c755f", "head_norm": "#76b7b2", "prepare_input": "#edc948",
                  "prepare_output": "#edc948", CONVERSION: "#f1ce63"}
-_FWD, _BWD, BOX_H, EDGE_H, WIDTH = "#1f5fa8", "#c0392b", 44, 40, 760
+BOX_H, EDGE_H, WIDTH = 44, 40, 760
 
 
 def describe(layout: Any, after: str = "") -> str:
