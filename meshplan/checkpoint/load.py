@@ -134,9 +134,11 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
     resumed = manifest.data
     if data is not None and manifest.data is not None:
         resumed = check_resume(manifest.data, data, str(path), allow_batch_change)
-    if optimizer is not None and not manifest.has_optimizer:
+    if optimizer is not None and manifest.optimizer == "none":
         raise PlanError(f"meshplan.load({path}): the checkpoint holds no optimizer state (saved without an "
                         f"optimizer); pass optimizer=None to load the model only")
+    if manifest.optimizer != "saved":
+        optimizer = None  # "empty": saved before the first step, a fresh optimizer is the saved one
     same = manifest.rng and manifest.same_layout(*run_layout(model))
     state = gather_state(model, optimizer, group_rank() if same else None, aliases=False)
     metadata = FileSystemReader(path).read_metadata()

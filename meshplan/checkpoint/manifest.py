@@ -87,7 +87,8 @@ class Manifest:
         data: the data position, or None.
         world_size: ranks that saved it; ``layout``: their layout (``ResolvedLayout.fingerprint()``) or None.
         plan: the plan's fingerprint (None: no plan), for telling whether RNG states may be restored.
-        has_optimizer: the optimizer's state is in it; ``rng``: each rank's RNG state is in it.
+        optimizer: ``"saved"`` (its state and hyperparameters are in it), ``"empty"`` (it had taken no step: a
+            fresh optimizer is the same), ``"none"`` (saved without one); ``rng``: each rank's RNG state is in it.
         torch: torch's version; ``meshplan``: meshplan's; ``saved_at``: Unix time; ``format``: :data:`FORMAT`.
     """
 
@@ -97,7 +98,7 @@ class Manifest:
     world_size: int = 1
     layout: str | None = None
     plan: str | None = None
-    has_optimizer: bool = False
+    optimizer: str = "none"
     rng: bool = False
     torch: str = ""
     meshplan: str = ""

@@ -45,6 +45,12 @@ def group_rank(group: Any = None) -> int:
     return dist.get_rank(group) if dist.is_initialized() else 0
 
 
+def _optimizer_kind(optimizer: Any) -> str:
+    """``"none"``, ``"empty"`` (no step taken: nothing to save, and torch's state-dict API would take a
+    zero-learning-rate step to create its state, advancing AdamW's step counts) or ``"saved"``."""
+    return "none" if optimizer is None else "saved" if optimizer.state else "empty"
+
+
 def _manifest(model: nn.Module, optimizer: Any, step: int, extra: Any, data: DataState | None,
               where: str) -> dict:
     try:
@@ -55,7 +61,7 @@ def _manifest(model: nn.Module, optimizer: Any, step: int, extra: Any, data: Dat
     import meshplan
     world, layout, plan = run_layout(model)
     return Manifest(step=step, extra=dict(extra or {}), data=data, world_size=world, layout=layout, plan=plan,
-                    has_optimizer=optimizer is not None, rng=True, torch=torch.__version__,
+                    optimizer=_optimizer_kind(optimizer), rng=True, torch=torch.__version__,
                     meshplan=meshplan.__version__).to_json()
 
 
@@ -111,7 +117,8 @@ def save(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
         process_group = dist.new_group(backend="gloo")
         cleanup = lambda: dist.destroy_process_group(process_group)  # noqa: E731
     partial = _fresh_partial(final, process_group)
-    state = as_boxes(gather_state(model, optimizer, group_rank()))
+    kind = _optimizer_kind(optimizer)
+    state = as_boxes(gather_state(model, optimizer if kind == "saved" else None, group_rank()))
     writer = CommitWriter(partial, final, manifest, on_commit)
     if not async_save:
         dcp.save(state, storage_writer=writer, planner=BoxSavePlanner(), process_group=process_group)

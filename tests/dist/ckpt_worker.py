@@ -97,21 +97,26 @@ def batch(step, topo):
     return x[r * rows:(r + 1) * rows], y[r * rows:(r + 1) * rows]
 
 
+def hf_loss(out, y):
+    """The summed cross-entropy of a transformers model's logits (vocab-sharded under loss_parallel)."""
+    return meshplan.cross_entropy(out.logits, y, reduction="sum")
+
+
 class Run:
     """One model under one plan, with its AdamW and its steps."""
 
     def __init__(self, model_name, plan_name, seed):
         plan = meshplan.Plan.from_data(PLANS[plan_name])
         self.topo = meshplan.build_mesh(plan.layout)
-        self.hf = model_name == "phi3"
-        self.model = meshplan.parallelize(MODELS[model_name](seed), plan, self.topo)
+        model = MODELS[model_name](seed)
+        self.hf = type(model).__module__.startswith("transformers")
+        self.model = meshplan.parallelize(model, plan, self.topo)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=LR, weight_decay=0.1)
 
     def step(self, s):
         x, y = batch(s, self.topo)
-        if self.hf:  # transformers' own loss (labels shifted inside the model)
-            return float(meshplan.train_step(self.model, {"input_ids": x, "labels": y}, None, self.opt).loss)
-        return float(meshplan.train_step(self.model, (x, y), meshplan.cross_entropy, self.opt).loss)
+        loss_fn = hf_loss if self.hf else meshplan.cross_entropy
+        return float(meshplan.train_step(self.model, (x, y), loss_fn, self.opt).loss)
 
 
 def full_state(run):
@@ -181,6 +186,66 @@ def packed_to_plain():
     return {"differ": _differ(got, ref), "compared": len(got)}
 
 
+def async_and_keep_last():
+    """CheckpointManager(every=1, keep=2, async_save=True): the loop changes the model right after save()
+    returns, yet the checkpoint holds the model as it was; three saves leave the last two; a torn folder of a
+    later step is ignored by discovery."""
+    root = shared_dir()
+    a = Run("llama", "tp2", seed=0)
+    a.step(0)
+    ref = full_state(a)
+    ckpt = meshplan.CheckpointManager(root, every=1, keep=2, async_save=True)
+    handle = ckpt.save(1, a.model, a.opt, data=meshplan.DataState(GLOBAL_BATCH, 0, GLOBAL_BATCH))
+    a.step(1)  # mutates parameters and moments while the background thread writes
+    ckpt.wait()
+    assert handle.done()
+    b = Run("llama", "tp4", seed=1)
+    saved = meshplan.load(root / "step-00000001", b.model, b.opt, data=meshplan.DataState(GLOBAL_BATCH, 0))
+    differ = _differ(full_state(b), ref)
+    for s in (2, 3):
+        ckpt.save(s, a.model, a.opt)
+    ckpt.wait()
+    if dist.get_rank() == 0:  # a torn save of a later step: a .partial folder with some shards in it
+        torn = root / "step-00000009.partial"
+        torn.mkdir()
+        (torn / "__0_0.distcp").write_bytes(b"torn")
+    dist.barrier()
+    latest = ckpt.latest()
+    ckpt.close()
+    names = sorted(p.name for p in root.iterdir())
+    return {"differ": differ, "folders": names, "latest": latest.name,
+            "data": saved.data.to_json()}
+
+
+def _error(fn):
+    try:
+        fn()
+    except meshplan.PlanError as e:
+        return str(e)
+    return None
+
+
+def refusals():
+    """Errors, the same on every rank, before any tensor moves."""
+    root = shared_dir()
+    a = Run("llama", "tp2", seed=0)
+    a.step(0)
+    meshplan.save(root / "step-1", a.model, a.opt, step=1, data=meshplan.DataState(GLOBAL_BATCH, 0, GLOBAL_BATCH))
+    meshplan.save(root / "model-only", a.model, step=1)
+    other = Run("moe", "ep2", seed=0)
+    b = Run("llama", "tp4", seed=1)
+    out = {
+        "other_model": _error(lambda: meshplan.load(root / "step-1", other.model, other.opt)),
+        "batch": _error(lambda: meshplan.load(root / "step-1", b.model, b.opt, data=meshplan.DataState(16, 0))),
+        "seed": _error(lambda: meshplan.load(root / "step-1", b.model, b.opt, data=meshplan.DataState(8, 1))),
+        "no_optimizer": _error(lambda: meshplan.load(root / "model-only", b.model, b.opt)),
+        "partial": _error(lambda: meshplan.load(root / "step-1.partial", b.model)),
+    }
+    allowed = meshplan.load(root / "step-1", b.model, b.opt, data=meshplan.DataState(16, 0), allow_batch_change=True)
+    out["allowed"] = allowed.data.to_json()
+    return out
+
+
 CASES = {
     "tp2_same_plan": lambda: reshard("llama", "tp2", "tp2"),
     "tp2_to_tp4": lambda: reshard("llama", "tp2", "tp4"),
@@ -194,8 +259,11 @@ CASES = {
     "tp2ep2_to_ep4": lambda: reshard("moe", "tp2ep2", "ep4"),
     "packed_tp2_to_tp4": lambda: reshard("phi3", "packed_tp2", "packed_tp4"),
     "packed_to_plain": packed_to_plain,
+    "async_and_keep_last": async_and_keep_last,
+    "refusals": refusals,
 }
 
 if __name__ == "__main__":
+    from export_worker import CASES as EXPORT_CASES  # the same launch
     dist.init_process_group("gloo")
-    run_cases(CASES)
+    run_cases({**CASES, **EXPORT_CASES})
