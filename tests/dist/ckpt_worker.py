@@ -33,6 +33,7 @@ from dp_worker import TP_RULES
 
 warnings.filterwarnings("ignore")
 WORLD = int(os.environ["WORLD_SIZE"])
+REPO = Path(__file__).resolve().parents[2]
 GLOBAL_BATCH, SEQ, LR = 8, 16, 1e-3
 PIPE = {"blocks": {"pattern": "layers.*"}, "pipeline": {"schedule": "1f1b", "microbatches": 2}}
 EP_RULES = {"layers.*.moe.experts": "experts", "layers.*.moe.router": "router"}
@@ -45,7 +46,7 @@ def tp_plan(rules=TP_RULES, sp=True):
     return {"tensor_parallel": {"sequence_parallel": sp, "loss_parallel": True, "rules": rules}}
 
 
-PHI3 = meshplan.load_plan("plans/phi3_packed.yaml").model_dump(mode="json", exclude_unset=True)
+PHI3 = meshplan.load_plan(REPO / "plans/phi3_packed.yaml").model_dump(mode="json", exclude_unset=True)
 PLANS = {
     "tp2": {"layout": {"tp": 2}, **tp_plan()},  # × dp_shard 2: FSDP2's _StridedShard over tp's Shard
     "tp4": {"layout": {"tp": 4}, **tp_plan()},

@@ -15,17 +15,17 @@ import torch
 import torch.distributed as dist
 
 import meshplan
-from ckpt_worker import GLOBAL_BATCH, MODELS, PLANS, SEQ, Run, _differ, full_state, reshard, shared_dir
+from ckpt_worker import GLOBAL_BATCH, MODELS, PLANS, REPO, SEQ, Run, _differ, full_state, reshard, shared_dir
 from meshplan.checkpoint.export import INDEX
 
 warnings.filterwarnings("ignore")
-HF_LLAMA = meshplan.load_plan("plans/hf_llama.yaml").model_dump(mode="json", exclude_unset=True)
+HF_LLAMA = meshplan.load_plan(REPO / "plans/hf_llama.yaml").model_dump(mode="json", exclude_unset=True)
 HF_PIPE = {"blocks": {"pattern": "model.layers.*"}, "pipeline": {"schedule": "1f1b", "microbatches": 2}}
-HF_MIXTRAL = {**meshplan.load_plan("plans/hf_mixtral_ep.yaml").model_dump(mode="json", exclude_unset=True),
+HF_MIXTRAL = {**meshplan.load_plan(REPO / "plans/hf_mixtral_ep.yaml").model_dump(mode="json", exclude_unset=True),
               "blocks": {"pattern": "model.layers.*"}}
 PLANS.update({
     "hf_pp2tp2": {**HF_LLAMA, **HF_PIPE, "layout": {"pp": 2, "tp": 2}},
-    "hf_cp2tp2": meshplan.load_plan("plans/hf_llama_cp.yaml").model_dump(mode="json", exclude_unset=True),
+    "hf_cp2tp2": meshplan.load_plan(REPO / "plans/hf_llama_cp.yaml").model_dump(mode="json", exclude_unset=True),
     "hf_tp2ep2": HF_MIXTRAL,  # tp 2 × ep 2, etp 1
     "hf_tp2ep2etp2": {**HF_MIXTRAL, "layout": {"tp": 2, "ep": 2, "etp": 2}},  # gate|up split over etp (strided)
     "hf_ep4": {"layout": {"ep": 4}, "expert_parallel": HF_MIXTRAL["expert_parallel"], "blocks": HF_MIXTRAL["blocks"]},
