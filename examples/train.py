@@ -118,7 +118,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="save checkpoints here (step-N folders) and resume from the latest complete one")
     ap.add_argument("--checkpoint-every", type=int, default=None,
                     help="save every N steps (and after the last step); default: only after the last step")
-    ap.add_argument("--keep", type=int, default=3, help="complete checkpoints kept (the latest K)")
+    ap.add_argument("--keep", type=int, default=3, help="complete checkpoints kept: the latest K (0: all)")
     ap.add_argument("--async-checkpoint", action="store_true",
                     help="write checkpoints in the background (the loop waits only for a CPU copy)")
     ap.add_argument("--allow-batch-change", action="store_true",
@@ -178,7 +178,7 @@ def main() -> None:
                      f"data-parallel size ({topo.data_world_size})")
         model = meshplan.parallelize(_model(args), plan, topo)
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-        ckpt = meshplan.CheckpointManager(args.checkpoint_dir, every=args.checkpoint_every, keep=args.keep,
+        ckpt = meshplan.CheckpointManager(args.checkpoint_dir, every=args.checkpoint_every, keep=args.keep or None,
                                           async_save=args.async_checkpoint) if args.checkpoint_dir else None
         done, position = _resume(args, ckpt, model, opt, meshplan.DataState(global_batch, args.seed),
                                  topo.rank)
