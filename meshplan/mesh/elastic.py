@@ -29,4 +29,4 @@ def restart_store(timeout: datetime.timedelta) -> Any:
     if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "MASTER_ADDR" not in env or "MASTER_PORT" not in env:
         return None
     store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, timeout=timeout)
-    return dist.PrefixStore(f"meshplan/restart{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/", store)
+    return dist.PrefixStore(f"meshplan/restart{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
