@@ -170,3 +170,37 @@ def test_restart_store_prefixes_keys_with_the_restart_count(monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
     restart_store(timeout).set("rank_1", b"addr")
     assert server.get("meshplan/restart2/rank_1") == b"addr"
+
+
+def test_single_process_save_load_list_and_export(tmp_path, capsys):
+    """Without a process group: save, the CLI's listing, load into another init, ``meshplan export``."""
+    import warnings
+
+    import llama
+    import meshplan
+    from meshplan.cli.main import main
+    from safetensors.torch import load_file
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    torch.manual_seed(0)
+    model = llama.build(llama.tiny_args())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.zeros(1, 4, dtype=torch.long)).sum().backward()
+    opt.step()
+    meshplan.save(tmp_path / "step-00000001", model, opt, step=1, extra={"note": "x"})
+    partial_dir(step_dir(tmp_path, 2)).mkdir()
+    assert main(["checkpoints", str(tmp_path)]) == 0
+    listing = capsys.readouterr().out
+    assert "step-00000001  step 1" in listing and "optimizer saved" in listing and "step-00000002.partial  torn" in listing
+    torch.manual_seed(1)
+    other = llama.build(llama.tiny_args())
+    other_opt = torch.optim.AdamW(other.parameters(), lr=1e-3)
+    saved = meshplan.load(tmp_path / "step-00000001", other, other_opt)
+    assert saved.step == 1 and saved.extra == {"note": "x"} and saved.rng_restored
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), other.state_dict().values()))
+    assert torch.equal(opt.state_dict()["state"][0]["exp_avg"], other_opt.state_dict()["state"][0]["exp_avg"])
+    assert main(["export", str(tmp_path), str(tmp_path / "out")]) == 0
+    exported = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert exported.keys() == model.state_dict().keys()
+    assert all(torch.equal(exported[k], v) for k, v in model.state_dict().items())
+    assert main(["export", str(tmp_path / "nothing"), str(tmp_path / "o2")]) == 2
+    assert "neither a complete checkpoint nor a folder holding one" in capsys.readouterr().err
