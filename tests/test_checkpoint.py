@@ -198,6 +198,10 @@ def test_single_process_save_load_list_and_export(tmp_path, capsys):
     assert saved.step == 1 and saved.extra == {"note": "x"} and saved.rng_restored
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), other.state_dict().values()))
     assert torch.equal(opt.state_dict()["state"][0]["exp_avg"], other_opt.state_dict()["state"][0]["exp_avg"])
+    with torch.device("meta"):
+        meta = llama.build(llama.tiny_args())
+    with pytest.raises(PlanError, match="is on the meta device; its tensors are filled in place, so materialize it"):
+        meshplan.load(tmp_path / "step-00000001", meta)
     assert main(["export", str(tmp_path), str(tmp_path / "out")]) == 0
     exported = load_file(str(tmp_path / "out" / "model.safetensors"))
     assert exported.keys() == model.state_dict().keys()

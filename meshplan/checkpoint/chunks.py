@@ -100,13 +100,11 @@ def _dcp_describes(t: DTensor, boxes: list[Box]) -> bool:
 
 
 def as_boxes(state: Mapping[str, Any]) -> dict[str, Any]:
-    """``state`` with each DTensor whose shard DCP would misplace replaced by its :class:`Boxes` (views: loading
-    into them fills the DTensor). Nested dicts are walked; other values are kept."""
+    """The flat ``state`` with each DTensor whose shard DCP would misplace replaced by its :class:`Boxes` (views:
+    loading into them fills the DTensor); other values kept."""
     out: dict[str, Any] = {}
     for k, v in state.items():
-        if isinstance(v, Mapping):
-            out[k] = as_boxes(v)
-        elif isinstance(v, DTensor) and v.device_mesh.get_coordinate() is not None:
+        if isinstance(v, DTensor) and v.device_mesh.get_coordinate() is not None:
             boxes = boxes_of(v)
             out[k] = v if _dcp_describes(v, boxes) else Boxes(tuple(v.shape), boxes, v.dtype)
         else:

@@ -109,7 +109,8 @@ def export_safetensors(model: nn.Module, path: str | Path, *, max_shard_bytes: i
                        process_group: Any = None) -> Path:
     """Write ``model``'s full state dict as safetensors in the folder ``path``: usable without meshplan.
 
-    Every rank calls it. Each rank writes its shards once (a temporary :func:`meshplan.save` in
+    Every rank calls it. Files of an earlier export in ``path`` (``model*.safetensors``, the index) are replaced.
+    Each rank writes its shards once (a temporary :func:`meshplan.save` in
     ``path/.meshplan-shards``), then its share of the output files, each holding one file's full tensors at a
     time; the temporary folder is removed. A transformers model also gets its ``config.json``, so
     ``AutoModelForCausalLM.from_pretrained(path)`` loads it; any model's ``load_state_dict`` takes
@@ -130,6 +131,9 @@ def export_safetensors(model: nn.Module, path: str | Path, *, max_shard_bytes: i
     """
     path = Path(path)
     tmp = path / ".meshplan-shards"
+    if group_rank(process_group) == 0 and path.is_dir():  # an earlier export's files (save() then syncs the ranks)
+        for old in [*path.glob("model*.safetensors"), path / INDEX]:
+            old.unlink(missing_ok=True)
     save(tmp, model, step=0, process_group=process_group)
     on = dist.is_initialized()
     world = dist.get_world_size(process_group) if on else 1

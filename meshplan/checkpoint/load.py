@@ -121,8 +121,9 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
         :class:`Saved`: step, extra, the data position to continue from, whether RNG states were restored.
 
     Raises:
-        PlanError: not a complete checkpoint; another seed or global batch size; missing keys, shape
-            mismatches or (``strict``) unexpected model keys, named, on every rank; no optimizer state saved.
+        PlanError: not a complete checkpoint; a model on the meta device; another seed or global batch size;
+            missing keys, shape mismatches or (``strict``) unexpected model keys, named, on every rank; no
+            optimizer state saved.
 
     Example::
 
@@ -131,6 +132,10 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
     """
     path = Path(path)
     manifest = read_manifest(path)
+    if any(t.is_meta for t in model.parameters()):
+        raise PlanError(f"meshplan.load({path}): {type(model).__name__} is on the meta device; its tensors are filled "
+                        f"in place, so materialize it first (meshplan.materialize(model, seed=0), or build it on "
+                        f"the device) and build the optimizer over the materialized parameters")
     resumed = manifest.data
     if data is not None and manifest.data is not None:
         resumed = check_resume(manifest.data, data, str(path), allow_batch_change)
