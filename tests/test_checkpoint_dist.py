@@ -19,6 +19,7 @@ from _launch import case_result, launch
 pytestmark = pytest.mark.dist
 
 RESHARD = ["tp2_same_plan", "tp2_to_tp4", "pp2_to_fsdp4", "fsdp4_to_hsdp2x2", "pp2tp2_to_fsdp4", "fsdp4_to_pp2tp2",
+           "cp2tp2_to_tp4",
            "tied_pp2_to_fsdp4", "tied_fsdp4_to_pp2", "ep2_to_ep4", "tp2ep2_to_ep4", "packed_tp2_to_tp4",
            "mixtral_etp2_to_ep4"]
 EXPORT = ["export_pp2tp2", "export_tied_pp2", "export_moe_ep2_sharded", "export_phi3_packed_fsdp",

@@ -5,7 +5,8 @@ full (the reference), saves with ``meshplan.save``, and takes step 3 under A (th
 built from ANOTHER seed under plan B then loads the checkpoint: every parameter, AdamW moment, step count and
 hyperparameter must equal A's bit for bit, and B's step 3 loss must equal A's (exactly for the same plan; to fp32
 reduction noise, 1e-6 relative, across plans). Layouts: tensor parallelism 2 → 4 (vocab-parallel embedding,
-FSDP2's ``_StridedShard`` over tp), pipeline 2 → none, FSDP 4 → 2 (HSDP), pp × tp → FSDP only and back, tied
+FSDP2's ``_StridedShard`` over tp), pipeline 2 → none, FSDP 4 → 2 (HSDP), pp × tp → FSDP only and back, cp 2 × tp 2
+(plans/llama_cp.yaml) → tp 4, tied
 embeddings across pipeline stages and back, expert parallelism 2 → 4 (and tp 2 × ep 2 → ep 4), packed fused
 projections (Phi-3's q|k|v, ``_StridedShard``) at tp 2 × FSDP → tp 4 and → one plain model. The other cases:
 asynchronous saves (the loop mutates the model while the checkpoint is written), keep-last-K and latest-complete
@@ -54,6 +55,7 @@ PLANS = {
     "fsdp4": {"layout": {}},
     "hsdp2x2": {"layout": {"dp_replicate": 2, "dp_shard": 2}},
     "pp2tp2": {"layout": {"pp": 2, "tp": 2}, **PIPE, **tp_plan()},
+    "cp2tp2": meshplan.load_plan(REPO / "plans/llama_cp.yaml").model_dump(mode="json", exclude_unset=True),
     "ep2": {"layout": {"ep": 2}, "expert_parallel": {"rules": EP_RULES}},  # dense dp 4, experts edp 2
     "ep4": {"layout": {"ep": 4}, "expert_parallel": {"rules": EP_RULES}},
     "tp2ep2": {"layout": {"tp": 2, "ep": 2, "etp": 1}, "expert_parallel": {"rules": EP_RULES},
@@ -254,6 +256,7 @@ CASES = {
     "fsdp4_to_hsdp2x2": lambda: reshard("llama", "fsdp4", "hsdp2x2"),
     "pp2tp2_to_fsdp4": lambda: reshard("llama", "pp2tp2", "fsdp4"),
     "fsdp4_to_pp2tp2": lambda: reshard("llama", "fsdp4", "pp2tp2"),
+    "cp2tp2_to_tp4": lambda: reshard("llama", "cp2tp2", "tp4"),
     "tied_pp2_to_fsdp4": lambda: reshard("tied", "pp2", "fsdp4"),
     "tied_fsdp4_to_pp2": lambda: reshard("tied", "fsdp4", "pp2"),
     "ep2_to_ep4": lambda: reshard("moe", "ep2", "ep4"),
