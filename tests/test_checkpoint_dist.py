@@ -10,6 +10,7 @@ folder. See the workers' docstrings for each case.
 """
 
 import json
+import shutil
 import tempfile
 
 import pytest
@@ -94,8 +95,11 @@ def test_transformers_checkpoint_into_plan(world4, case):
 
 def test_rank_killed_mid_save_restart_ignores_torn_folder():
     root = tempfile.mkdtemp(prefix="meshplan-restart-")
-    results = launch("tests/dist/restart_worker.py", 2, torchrun_args=("--max-restarts=1",),
-                     env={"MESHPLAN_CKPT_DIR": root}, timeout=300)
+    try:
+        results = launch("tests/dist/restart_worker.py", 2, torchrun_args=("--max-restarts=1",),
+                         env={"MESHPLAN_CKPT_DIR": root}, timeout=300)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
     values = case_result(results, "torn_then_resume", 2)
     for v in values.values():
         assert v["attempt"] == 1  # the result comes from the restarted group

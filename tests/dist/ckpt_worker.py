@@ -86,8 +86,9 @@ MODELS = {"llama": _llama, "tied": lambda seed: _llama(seed, tie=True), "moe": _
 
 
 def shared_dir():
-    """A fresh folder, the same on every rank."""
-    name = [tempfile.mkdtemp(prefix="meshplan-ckpt-") if dist.get_rank() == 0 else None]
+    """A fresh folder, the same on every rank (inside the launch's result folder: one folder left per launch)."""
+    name = [tempfile.mkdtemp(prefix="ckpt-", dir=os.environ.get("MESHPLAN_CASE_OUT")) if dist.get_rank() == 0
+            else None]
     dist.broadcast_object_list(name, src=0)
     return Path(name[0])
 
