@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from meshplan.errors import PlanError
 from meshplan.plan_file.layout import Layout
+from meshplan.mesh.elastic import restart_store
 from meshplan.mesh.topology import Topology, build_mesh
 
 __all__ = ["init", "plan_fingerprint", "check_same_plan"]
@@ -202,8 +203,10 @@ def init(layout_or_plan: Any = None, *, backend: str | None = None, timeout_s: f
         use_cuda = torch.cuda.is_available() and backend in (None, "nccl")
         if use_cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = restart_store(timeout)  # torchrun restarts: fresh rendezvous keys per group (mesh/elastic.py)
         dist.init_process_group(backend or ("nccl" if use_cuda else "gloo"), rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+                                timeout=timeout, **({"store": store} if store is not None else {}))
         owns = True
     resolved = layout.resolve(dist.get_world_size())
     _agree(resolved.fingerprint(), plan)  # before any collective of the model: a mismatch fails, never hangs
