@@ -90,7 +90,7 @@ def test_transformers_checkpoint_into_plan(world4, case):
     values = case_result(world4, case, 4)
     for v in values.values():
         assert v["differ"] == [] and v["compared"] > 0, v
-        assert v.get("rel", 0.0) <= 1e-5, v
+        assert v["rel"] <= 1e-5, v  # the first train_step after loading (pipelined too) vs the checkpoint
 
 
 def test_rank_killed_mid_save_restart_ignores_torn_folder():

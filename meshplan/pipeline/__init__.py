@@ -92,7 +92,8 @@ def build_stages(model: nn.Module, record: PipelineApplied, split: StageSplit, t
     record.views = []
     for s in record.stage_ids:
         view = stage_view(model, split, s)
-        boundary_hooks(view, tp_mesh, sequence_parallel, first=s == 0, last=s == split.num_stages - 1)
+        boundary_hooks(view, tp_mesh, sequence_parallel, first=s == 0, last=s == split.num_stages - 1,
+                       loss=record.loss)
         record.views.append(view)
     group = topology["pp"].get_group()
     record.stages = [PipelineStage(v, s, split.num_stages, device, group=group)

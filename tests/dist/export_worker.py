@@ -100,8 +100,7 @@ CASES = {
     "export_moe_ep2_sharded": lambda: export("moe", "ep2", max_shard_bytes=100_000),
     "export_phi3_packed_fsdp": lambda: export("phi3", "packed_tp2"),
     "export_mixtral_etp2": lambda: export("mixtral", "hf_tp2ep2etp2"),
-    # shards only: a pipelined transformers model cannot take a train_step (its stages return ModelOutput)
-    "hf_to_pp2tp2": lambda: hf_import("hf_llama", "hf_pp2tp2", step=False),
+    "hf_to_pp2tp2": lambda: hf_import("hf_llama", "hf_pp2tp2"),
     "hf_to_cp2tp2": lambda: hf_import("hf_llama", "hf_cp2tp2"),
     "hf_mixtral_to_tp2ep2": lambda: hf_import("mixtral", "hf_tp2ep2"),
     "hf_mixtral_to_etp2": lambda: hf_import("mixtral", "hf_tp2ep2etp2"),
