@@ -38,6 +38,8 @@ __all__ = [
     "checkpoint_wrapper", "CheckpointWrapper", "CHECKPOINT_PREFIX", "replicate",
     # context parallelism
     "ring_attention_dispatch",
+    # faults
+    "set_group_timeout", "default_store", "flight_recorder_dump",
 ]
 
 # ---------------------------------------------------------------- simulated ranks
@@ -274,3 +276,25 @@ def ring_attention_dispatch(load_balance: bool) -> Iterator[None]:
     finally:
         cp_attention._disable_cp_dtensor_dispatcher()
         cp_attention._cp_options.enable_load_balance = old
+
+
+# ---------------------------------------------------------------- faults
+
+
+def set_group_timeout(group: Any, seconds: float) -> None:
+    """``group``'s collective timeout: DeviceMesh sub-groups do not inherit init_process_group's (they get 30 min)."""
+    import datetime
+    torch.distributed.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds), group)
+
+
+def default_store() -> Any:
+    """The default group's c10d store (torchrun's agent hosts it): where ranks keep their heartbeats."""
+    return torch.distributed.distributed_c10d._get_default_store()
+
+
+def flight_recorder_dump(stack_traces: bool = False, only_active: bool = False) -> dict:
+    """torch's flight recorder, ``{}`` when off: the entries say process_group, profiling_name, retired, frames…"""
+    import pickle
+    raw = torch._C._distributed_c10d._dump_fr_trace(includeCollectives=True, includeStackTraces=stack_traces,
+                                                     onlyActive=only_active)
+    return pickle.loads(raw) if raw else {}

@@ -62,6 +62,8 @@ class Topology:
         rank: this process's global rank.
         plan_fingerprint: hash of the plan given to ``meshplan.init`` (every rank had the same), else None;
             ``meshplan.parallelize`` names ranks that pass another plan.
+        faults: the :class:`~meshplan.faults.watch.FaultWatch` ``meshplan.init`` started (timeouts, heartbeat,
+            failed collectives reported as :class:`~meshplan.errors.RankFailure`), else None.
 
     ``topo["tp"]``, ``topo["dp_shard_cp"]``, … return the (flattened where
     needed) 1-D meshes; see :data:`MESH_KEYS`. ``with topo:`` makes it the
@@ -76,6 +78,7 @@ class Topology:
         self._flat = dict(flat)
         self.rank = rank
         self.plan_fingerprint: str | None = None
+        self.faults: Any = None
         self._owns_pg = owns_process_group
         self._tokens: list[contextvars.Token] = []
 
@@ -144,10 +147,27 @@ class Topology:
         self._tokens.append(_ACTIVE.set(weakref.ref(self)))  # the `with` statement keeps `self` alive
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        """Leave the topology; the outermost ``with`` of the one ``meshplan.init`` built also ends the job's
+        distributed state: a failed collective escaping the block becomes a RankFailure (any other error is
+        recorded for the peers' reports), the heartbeat stops, and the process group ``init`` created is shut down
+        so that the process exits 0 (:func:`meshplan.faults.shutdown.shutdown`)."""
         _ACTIVE.reset(self._tokens.pop())
-        if self._owns_pg and not self._tokens and dist.is_initialized():
-            dist.destroy_process_group()
+        if self._tokens:
+            return
+        failure = self.faults.ending(exc) if self.faults is not None else None
+        self.faults = None
+        if self._owns_pg and dist.is_initialized():
+            from meshplan.faults.shutdown import shutdown
+            shutdown(clean=exc is None)
+        if failure is not None:
+            raise failure from exc
+
+    def adopt_group(self, group: Any, axis: str) -> None:
+        """A process group meshplan made beside the meshes (the pipeline's embedding group): reports name it
+        ``axis`` and it gets the plan's timeout."""
+        if self.faults is not None:
+            self.faults.adopt(group, axis)
 
     def __repr__(self) -> str:
         s = self.layout

@@ -17,6 +17,7 @@ from meshplan.plan_file.data_parallel import DataParallel
 from meshplan.plan_file.pipeline import Pipeline
 from meshplan.plan_file.context_parallel import ContextParallel
 from meshplan.plan_file.expert_parallel import ExpertParallel
+from meshplan.plan_file.faults import Faults
 
 __all__ = ["Plan", "load_plan", "as_plan"]
 
@@ -47,6 +48,10 @@ class Plan(Strict):
     expert_parallel: ExpertParallel | None = Field(
         None, description="Expert parallelism for mixture-of-experts layers: experts sharded over layout.ep on the "
                           "folded expert mesh (pp, edp, ep, etp), tokens dispatched by all-to-all.")
+    faults: Faults | None = Field(
+        None, description="Collective timeouts of every process group (until and after the first train_step), "
+                          "heartbeats and the flight recorder: a silent or dead rank makes the others end with a "
+                          "RankFailure naming it and the mesh axis, not hang.")
     source: str | None = Field(None, exclude=True, description="Where the plan was read from (set by the loader).")
 
     @field_validator("version", mode="before")
