@@ -178,21 +178,21 @@ class FaultWatch:
     def ending(self, exc: BaseException | None) -> RankFailure | None:
         """The end of ``with meshplan.init(...)`` with ``exc`` escaping (or None): a failed collective becomes the
         RankFailure returned, anything else is recorded for the peers' reports (``error``; ``terminated`` for
-        SIGTERM; ``exit`` for a rank that finished); then :meth:`close`."""
-        failure = None
+        SIGTERM; ``exit`` for a rank that finished). The caller closes the watch."""
         cause = collective_cause(exc) if exc is not None else None
         if cause is not None:
             failure = self.failure(cause)
-        elif isinstance(exc, Terminated):
+            if isinstance(exc, Terminated):
+                self.close()
+                self.term.die()
+            return failure
+        if isinstance(exc, Terminated):
             self.record_failure("terminated", "stopped by SIGTERM")
         elif exc is not None and not isinstance(exc, RankFailure):
             self.record_failure("error", f"{type(exc).__name__}: {exc}")
         elif exc is None:
             self.record_failure("exit", "")
-        self.close()
-        if failure is not None and isinstance(exc, Terminated):
-            self.term.die()
-        return failure
+        return None
 
     def record_failure(self, kind: str, text: str) -> None:
         """``fail/<rank>`` in the store: peers count this rank as a victim (``fault``) or name its error."""

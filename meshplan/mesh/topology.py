@@ -8,6 +8,7 @@ one process.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import weakref
 from typing import Any, Mapping
@@ -155,13 +156,27 @@ class Topology:
         _ACTIVE.reset(self._tokens.pop())
         if self._tokens:
             return
-        failure = self.faults.ending(exc) if self.faults is not None else None
-        self.faults = None
-        if self._owns_pg and dist.is_initialized():
-            from meshplan.faults.shutdown import shutdown
-            shutdown(clean=exc is None)
+        watch, self.faults = self.faults, None
+        failure = watch.ending(exc) if watch is not None else None
+        try:
+            if self._owns_pg and dist.is_initialized():
+                from meshplan.faults.shutdown import shutdown
+                with watch.translating() if watch is not None and exc is None else contextlib.nullcontext():
+                    shutdown(self.process_groups(), clean=exc is None)
+        finally:
+            if watch is not None:
+                watch.close()
         if failure is not None:
             raise failure from exc
+
+    def process_groups(self) -> list:
+        """This rank's process groups of every mesh key, once each, the world's last."""
+        groups = {}
+        for key in MESH_KEYS:
+            group = self[key].get_group()
+            groups.setdefault(group.group_name, group)
+        world = groups.pop(dist.group.WORLD.group_name, dist.group.WORLD)
+        return [*groups.values(), world]
 
     def adopt_group(self, group: Any, axis: str) -> None:
         """A process group meshplan made beside the meshes (the pipeline's embedding group): reports name it

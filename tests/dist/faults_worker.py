@@ -1,0 +1,105 @@
+"""Real gloo processes that lose a rank, or race at exit.
+
+The first argument says what happens:
+
+* ``sigstop`` / ``sigkill``: train the example Llama (tp 2 × dp_shard, SP, loss_parallel; ``faults``: 4 s timeout,
+  1 s heartbeat); at step 3 the rank given as the second argument stops or kills itself. Every other rank must end with one
+  RankFailure naming it: a handler on the ``meshplan.faults`` logger writes ``rank<R>.json`` (the message and when
+  it came) the moment meshplan logs it, before torchrun's SIGTERM can end the rank. The victim writes its pid and
+  the time first. The last survivor to report kills a stopped victim, so the launch ends at once.
+* ``exit_race``: the torch 2.13 + gloo race at interpreter exit made likely (:mod:`meshplan.faults.shutdown`):
+  rank 0 issues an all_reduce with ``async_op=True`` inside ``saved_tensors_hooks`` and never waits for it; rank 1
+  joins it 0.5 s later. Inside ``with meshplan.init(...)`` the process then simply ends: its exit status is the
+  test. ``exit_race_plain`` does the same with ``init_process_group``/``destroy_process_group`` (torch
+  alone), for the before/after counts of ``benchmarks/faults.py``.
+"""
+
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import meshplan
+from llama import ModelArgs, build
+
+RANK, WORLD = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+OUT = Path(os.environ["MESHPLAN_CASE_OUT"])
+TIMEOUT_S = 4.0
+PLAN = {"layout": {"tp": 2},
+        "tensor_parallel": {"sequence_parallel": True, "loss_parallel": True, "rules": {
+            "tok_embeddings": "embedding", "layers.*.attention_norm": "norm", "layers.*.attention.wq": "colwise",
+            "layers.*.attention.wk": "colwise", "layers.*.attention.wv": "colwise",
+            "layers.*.attention.wo": "rowwise", "layers.*.ffn_norm": "norm", "layers.*.feed_forward.w1": "colwise",
+            "layers.*.feed_forward.w3": "colwise", "layers.*.feed_forward.w2": "rowwise", "norm": "norm",
+            "output": "lm_head"}},
+        "faults": {"init_timeout_s": 60.0, "timeout_s": TIMEOUT_S, "heartbeat_s": 1.0}}
+
+
+def _write(case: str, value: dict) -> None:
+    (OUT / f"rank{RANK}.json").write_text(json.dumps({case: {"value": value}}))
+
+
+class _Report(logging.Handler):
+    """Writes this rank's RankFailure message (and its time) when meshplan logs it; the last survivor to report
+    kills a stopped victim."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        _write("fault", {"t": time.time(), "message": record.getMessage()})
+        victim = json.loads((OUT / "victim.json").read_text())
+        reported = len(list(OUT.glob("rank*.json")))
+        if reported >= WORLD and sys.argv[1] == "sigstop":  # every survivor + the victim's file
+            os.kill(victim["pid"], signal.SIGKILL)
+
+
+def lose_a_rank(sig: str, victim: int) -> None:
+    logging.getLogger("meshplan.faults").addHandler(_Report())
+    args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, ffn_dim=128, max_seq_len=16)
+    with meshplan.init(PLAN) as topo:
+        torch.manual_seed(0)
+        model = meshplan.parallelize(build(args), PLAN, topo)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        g = torch.Generator().manual_seed(topo.data_rank)
+        for step in range(1, 6):
+            if step == 3 and RANK == victim:
+                info = {"pid": os.getpid(), "t": time.time(), "signal": sig}
+                (OUT / "victim.json").write_text(json.dumps(info))
+                _write("victim", info)
+                os.kill(os.getpid(), signal.SIGSTOP if sig == "sigstop" else signal.SIGKILL)
+            x = torch.randint(0, 128, (4, 16), generator=g)
+            meshplan.train_step(model, (x, x.roll(-1, 1)), meshplan.cross_entropy, opt, topology=topo)
+
+
+def _race() -> None:
+    t = torch.ones(4096)
+    if RANK == 0:
+        with torch.autograd.graph.saved_tensors_hooks(lambda x: x, lambda x: x):  # Python objects in the TLS
+            dist.all_reduce(t, async_op=True)  # never waited
+    else:
+        time.sleep(0.5)
+        dist.all_reduce(t)
+
+
+def exit_race(plain: bool) -> None:
+    """Returns, and the interpreter finalizes as any script's does."""
+    if plain:
+        dist.init_process_group("gloo")
+        _race()
+        _write("exit", {"plain": True})
+        dist.destroy_process_group()
+        return
+    with meshplan.init({"tp": 1}):
+        _race()
+        _write("exit", {"plain": False})
+
+
+if __name__ == "__main__":
+    if sys.argv[1].startswith("exit_race"):
+        exit_race(plain=sys.argv[1] == "exit_race_plain")
+    else:
+        lose_a_rank(sys.argv[1], int(sys.argv[2]))

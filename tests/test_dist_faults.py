@@ -1,0 +1,55 @@
+"""Real torchrun/gloo launches that lose a rank (SIGSTOP, SIGKILL) or race at exit.
+
+A stopped or killed rank: every other rank ends with one RankFailure naming it and the mesh axis it waited on,
+sooner than the plan's timeout (4 s) + 30 s after the signal. The exit race (an unwaited async collective holding
+Python objects at interpreter exit): a run inside ``with meshplan.init(...)`` exits 0.
+"""
+
+import re
+
+import pytest
+
+from _launch import launch
+
+pytestmark = pytest.mark.dist
+
+WORLD = 4
+VICTIM = 2
+TIMEOUT_S = 4.0
+
+
+def _survivors(results):
+    meta = results["_meta"]
+    assert "victim" in results and VICTIM in results["victim"], meta["stderr"]
+    sent = results["victim"][VICTIM]["value"]["t"]
+    reports = {r: v["value"] for r, v in results.get("fault", {}).items()}
+    assert sorted(reports) == [r for r in range(WORLD) if r != VICTIM], (sorted(reports), meta["stderr"])
+    return sent, reports
+
+
+@pytest.mark.parametrize("signal_name, verb", [("sigstop", "stopped answering"), ("sigkill", "died")])
+def test_lost_rank_is_named_on_every_other_rank(signal_name, verb):
+    results = launch("tests/dist/faults_worker.py", WORLD, signal_name, str(VICTIM), timeout=300)
+    sent, reports = _survivors(results)
+    for rank, report in reports.items():
+        msg = report["message"]
+        assert msg.startswith(f"meshplan: rank {VICTIM} {verb} ("), msg
+        if signal_name == "sigstop":
+            assert "its process is stopped (SIGSTOP?)" in msg, msg
+        else:
+            assert re.search(r"its process (is gone|exited)", msg), msg
+        # what this rank waited in, on which mesh axis, and why it gave up
+        assert re.search(rf"rank {rank} was waiting in \w+ #\d+ over mesh axis (tp|dp_shard) \(ranks [\d, -]+\) "
+                         rf"for [\d.]+ s", msg), msg
+        if signal_name == "sigstop" and "timed out" in msg:
+            assert "(faults.timeout_s = 4 s, the plan)" in msg, msg
+        assert "\n" not in msg
+        assert report["t"] - sent < TIMEOUT_S + 30, (rank, report["t"] - sent)
+
+
+@pytest.mark.parametrize("mode", ["exit_race"])
+def test_finished_run_exits_0_despite_the_gloo_exit_race(mode):
+    results = launch("tests/dist/faults_worker.py", 2, mode, timeout=120)
+    assert sorted(results.get("exit", {})) == [0, 1], results["_meta"]["stderr"]
+    assert results["_meta"]["returncode"] == 0, results["_meta"]["stderr"]
+    assert "terminate called" not in results["_meta"]["stderr"]
