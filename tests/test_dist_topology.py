@@ -75,3 +75,10 @@ def test_one_rank_mismatch_fails_every_rank_with_the_diff(results, name):
     if name == "world_layout":
         assert "vs tp=4" in msg and "every rank must load the same plan and run in the same world" in msg, msg
     assert max(v["seconds"] for v in values.values()) < 30
+
+
+def test_every_group_waits_the_plans_timeout(results):
+    n, res = results
+    for value in case_result(res, "group_timeouts", n).values():
+        assert value["torch"] == 1800.0  # a DeviceMesh sub-group, torch alone: 30 minutes
+        assert value["groups"] >= 3 and value["init"] == [77.0] and value["steady"] == [33.0], value

@@ -533,3 +533,11 @@ def test_python_data_ends_in_plan_or_plan_error(data):
         assert isinstance(as_plan(data), Plan)
     except PlanError as e:
         assert "\n" not in str(e)
+
+
+def test_legacy_spelling_in_an_invalid_plan_prints_nothing(tmp_path):
+    """Found by the long fuzz (seed 15): a deprecated ``data_parallel.blocks`` in a plan that does not validate
+    printed a FutureWarning besides the PlanError; the warning now comes only with a Plan."""
+    path = tmp_path / "plan.yml"
+    path.write_text("data_parallel:\n  blocks: -6.9e+16\n  etp: 1\n")
+    assert load_outcome(path) == "error"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import os
 import socket
 import threading
@@ -20,6 +21,8 @@ import time
 from typing import Any, Callable
 
 __all__ = ["fault_store", "Heartbeat", "read_records", "process_state"]
+
+_LOG = logging.getLogger("meshplan.faults")
 
 
 def _tcp_store(store: Any) -> Any:
@@ -30,13 +33,17 @@ def _tcp_store(store: Any) -> Any:
 
 
 def fault_store(base: Any, timeout_s: float) -> Any:
-    """A store for the fault keys: a new client of ``base``'s TCPStore (its own socket and timeout) under
-    ``meshplan/faults/<run>/<restart>/``; ``base`` itself (prefixed) when it is not a TCPStore."""
+    """A store for the fault keys: a new client of ``base``'s TCPStore (its own socket; ``timeout_s`` to connect
+    and per operation) under ``meshplan/faults/<run>/<restart>/``; ``base`` itself (prefixed) when it is not a
+    TCPStore or the new client cannot connect (a loaded machine: the job must not depend on it)."""
     import torch.distributed as dist
     tcp = _tcp_store(base)
     if tcp is not None:
-        base = dist.TCPStore(tcp.host, tcp.port, is_master=False, wait_for_workers=False,
-                             timeout=datetime.timedelta(seconds=timeout_s))
+        try:
+            base = dist.TCPStore(tcp.host, tcp.port, is_master=False, wait_for_workers=False,
+                                 timeout=datetime.timedelta(seconds=timeout_s))
+        except (RuntimeError, ValueError) as e:  # DistNetworkError, DistStoreError
+            _LOG.warning("meshplan: heartbeats share the process group's store (%s)", " ".join(str(e).split())[:200])
     run = os.environ.get("TORCHELASTIC_RUN_ID", "run")
     return dist.PrefixStore(f"meshplan/faults/{run}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", base)
 
@@ -84,11 +91,16 @@ class Heartbeat:
 
     def start(self) -> None:
         """Publish ``proc/<rank>`` and the first beat (so every key exists once :func:`start` returns), then beat
-        in the background."""
+        in the background. Never raises: a store that cannot be written leaves this rank without a heartbeat (a
+        warning) and the job running."""
         pid = os.getpid()
-        self.store.set(f"proc/{self.rank}", json.dumps({"host": socket.gethostname(), "pid": pid,
-                                                        "start": _start_ticks(pid)}))
-        self.beat()
+        try:
+            self.store.set(f"proc/{self.rank}", json.dumps({"host": socket.gethostname(), "pid": pid,
+                                                            "start": _start_ticks(pid)}))
+            self.beat()
+        except Exception as e:  # noqa: BLE001 - the job goes on; its reports can say less
+            _LOG.warning("meshplan: no heartbeat for rank %d: %s", self.rank, " ".join(str(e).split())[:200])
+            return
         self._thread = threading.Thread(target=self._run, name=f"meshplan-heartbeat-{self.rank}", daemon=True)
         self._thread.start()
 

@@ -69,7 +69,7 @@ class FaultWatch:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.steady_state = False
         self._groups: dict[str, tuple[Any, str]] = {dist.group.WORLD.group_name: (dist.group.WORLD, "world")}
-        self.store = fault_store(_torch.default_store(), max(5.0, 2 * settings.heartbeat_s))
+        self.store = fault_store(_torch.default_store(), max(60.0, 5 * settings.heartbeat_s))
         self.heartbeat = None
         self.term = TermGuard()
         self._set_timeouts(settings.init_timeout_s)

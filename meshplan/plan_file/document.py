@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
@@ -77,13 +78,18 @@ class Plan(Strict):
             check_data(data)  # sizes, depth, integers Python cannot print: before pydantic sees them
         except PlanError as e:
             raise PlanError(f"{source or '<plan>'}: {e}") from None
-        dp, blocks = split_legacy(data.get("data_parallel"), data.get("blocks"), source or "<plan>")
+        with warnings.catch_warnings(record=True) as deprecated:  # shown only for a plan that validates: an
+            warnings.simplefilter("always")                          # invalid one ends in one PlanError, nothing else
+            dp, blocks = split_legacy(data.get("data_parallel"), data.get("blocks"), source or "<plan>")
         if dp is not data.get("data_parallel"):
             data = {**data, "data_parallel": dp, "blocks": blocks}
         try:
-            return cls.model_validate({**data, "source": source})
+            plan = cls.model_validate({**data, "source": source})
         except ValidationError as e:
             raise PlanError(f"{source or '<plan>'}: {pydantic_message(e)}") from None
+        for w in deprecated:
+            warnings.warn(w.message, w.category, stacklevel=3)
+        return plan
 
 
 def load_plan(path: str | Path) -> Plan:

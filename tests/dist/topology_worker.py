@@ -162,6 +162,28 @@ def _mismatch(name):
         torch.__version__ = real
 
 
+def case_every_group_has_the_plan_timeout():
+    """Every group of the topology (DeviceMesh sub-groups and flattened ones included; torch gives those 30
+    minutes whatever init_process_group said) waits faults.init_timeout_s, then faults.timeout_s after the first
+    step."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    def seconds(group):
+        return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+    bare = init_device_mesh("cpu", (WORLD // 2, 2), mesh_dim_names=("a", "b"))  # torch alone
+    plan = {"layout": {"tp": 2, "pp": 2} if WORLD == 8 else {"tp": 2},
+            "faults": {"init_timeout_s": 77, "timeout_s": 33, "heartbeat_s": 1}}
+    topo = meshplan.init(plan)
+    try:
+        groups = topo.process_groups()
+        first = {g.group_name: seconds(g) for g in groups}
+        topo.faults.steady()
+        return {"torch": seconds(bare.get_group("b")), "groups": len(groups), "init": sorted(set(first.values())),
+                "steady": sorted({seconds(g) for g in groups})}
+    finally:
+        topo.faults.close()
+
+
 def setup():
     return None
 
@@ -175,4 +197,5 @@ if __name__ == "__main__":
         run_cases({"init_and_groups": case_init_and_groups, "mismatch": case_mismatch_fails_everywhere,
                    "init_plan_mismatch": case_init_plan_mismatch,
                    "parallelize_plan_mismatch": case_parallelize_plan_mismatch,
+                   "group_timeouts": case_every_group_has_the_plan_timeout,
                    **{f"mismatch_{name}": functools.partial(_mismatch, name) for name in MISMATCHES}})
