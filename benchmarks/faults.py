@@ -30,26 +30,27 @@ TIMEOUT_S = 4.0  # the faults section of tests/dist/faults_worker.py
 
 
 def detect(repeat: int) -> None:
-    print(f"| world | signal | victim | ranks that named it | time to the error, s (min / median / max) | timeout |")
-    print("|---|---|---|---|---|---|")
+    print("| world | plan | signal (where) | victim | ranks that named it | time to the error, s (min / median / max) "
+          "| timeout |")
+    print("|---|---|---|---|---|---|---|")
     for world in (2, 4):
         victim = world - 1
-        for sig in ("sigstop", "sigkill"):
+        for sig, kind, where in (("sigstop", "tp", "step"), ("sigstop", "pp", "forward"), ("sigkill", "tp", "step")):
             times, named, total = [], 0, 0
             for _ in range(repeat):
-                res = launch("tests/dist/faults_worker.py", world, sig, str(victim), timeout=300)
+                res = launch("tests/dist/faults_worker.py", world, sig, str(victim), kind, where, timeout=300)
                 sent = res.get("victim", {}).get(victim, {}).get("value", {}).get("t")
-                for rank in range(world):
-                    if rank == victim:
-                        continue
+                verb = "stopped answering" if sig == "sigstop" else "died"
+                for rank in (r for r in range(world) if r != victim):
                     total += 1
                     report = res.get("fault", {}).get(rank, {}).get("value")
-                    verb = "stopped answering" if sig == "sigstop" else "died"
                     if report and sent and report["message"].startswith(f"meshplan: rank {victim} {verb}"):
                         named += 1
                         times.append(report["t"] - sent)
-            shown = (f"{min(times):.2f} / {statistics.median(times):.2f} / {max(times):.2f}" if times else "-")
-            print(f"| {world} | {sig.upper()} | {victim} | {named}/{total} | {shown} | {TIMEOUT_S:g} s |", flush=True)
+            shown = f"{min(times):.2f} / {statistics.median(times):.2f} / {max(times):.2f}" if times else "-"
+            plan = "tp 2 × FSDP" if kind == "tp" else "pp 2 (1F1B) × FSDP"
+            print(f"| {world} | {plan} | {sig.upper()} ({'mid-forward' if where == 'forward' else 'step start'}) | "
+                  f"{victim} | {named}/{total} | {shown} | {TIMEOUT_S:g} s |", flush=True)
 
 
 def _torchrun(src: Path, nproc: int, script: str, *args: str) -> dict:

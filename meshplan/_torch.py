@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import datetime
+import pickle
 from functools import partial
 from typing import Any, Callable, Iterator
 
@@ -20,26 +22,20 @@ __all__ = [
     # simulated ranks
     "FakeStore", "LocalTensor", "LocalTensorMode", "local_tensor_mode", "no_local_tensor_mode", "simulated_ranks",
     "rank_tensors", "module_view", "retarget_graph_device", "remove_split_marker",
-    # DTensor internals
-    "StridedShard", "local_tensor", "compute_local_shape_and_global_offset", "funcol", "dtensor_op_handlers",
+    "StridedShard", "local_tensor", "compute_local_shape_and_global_offset", "funcol", "dtensor_op_handlers",  # DTensor
     # DTensor sharding rules
     "OpOverload", "OpSchema", "OpStrategy", "StrategyType", "expand_to_full_mesh_op_strategy",
     "is_tensor_evenly_shardable_on_dim", "sharding_propagator",
-    # meshes
-    "flatten_mesh",
+    "flatten_mesh",  # meshes
     # autograd and dispatch
     "queue_backward_callback", "saved_tensors_hooks_active", "hook_registered", "tensor_version",
     "TorchDispatchMode", "tree_map", "tree_leaves",
     # ops
     "foreach_mul_", "safe_softmax", "LOG_SOFTMAX", "CPU_FLASH_ATTENTION", "CPU_FLASH_ATTENTION_BACKWARD",
-    # modules and styles
-    "DropoutNd", "module_parameters", "module_buffers", "style_prepare_fns",
-    # data parallelism
-    "checkpoint_wrapper", "CheckpointWrapper", "CHECKPOINT_PREFIX", "replicate",
-    # context parallelism
-    "ring_attention_dispatch",
-    # faults
-    "set_group_timeout", "default_store", "flight_recorder_dump",
+    "DropoutNd", "module_parameters", "module_buffers", "style_prepare_fns",  # modules and styles
+    "checkpoint_wrapper", "CheckpointWrapper", "CHECKPOINT_PREFIX", "replicate",  # data parallelism
+    "ring_attention_dispatch",  # context parallelism
+    "set_group_timeout", "group_options", "default_store", "flight_recorder_dump",  # faults
 ]
 
 # ---------------------------------------------------------------- simulated ranks
@@ -283,8 +279,13 @@ def ring_attention_dispatch(load_balance: bool) -> Iterator[None]:
 
 def set_group_timeout(group: Any, seconds: float) -> None:
     """``group``'s collective timeout: DeviceMesh sub-groups do not inherit init_process_group's (they get 30 min)."""
-    import datetime
     torch.distributed.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds), group)
+
+
+def group_options(seconds: float) -> Any:
+    """Options making a DeviceMesh dim's groups with this timeout: gloo keeps it for point-to-point waits."""
+    options = torch._C._distributed_c10d.Backend.Options
+    return options(torch.distributed.get_backend(), datetime.timedelta(seconds=seconds))
 
 
 def default_store() -> Any:
@@ -294,7 +295,6 @@ def default_store() -> Any:
 
 def flight_recorder_dump(stack_traces: bool = False, only_active: bool = False) -> dict:
     """torch's flight recorder, ``{}`` when off: the entries say process_group, profiling_name, retired, frames…"""
-    import pickle
     raw = torch._C._distributed_c10d._dump_fr_trace(includeCollectives=True, includeStackTraces=stack_traces,
                                                      onlyActive=only_active)
     return pickle.loads(raw) if raw else {}

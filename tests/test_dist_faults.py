@@ -27,9 +27,13 @@ def _survivors(results):
     return sent, reports
 
 
-@pytest.mark.parametrize("signal_name, verb", [("sigstop", "stopped answering"), ("sigkill", "died")])
-def test_lost_rank_is_named_on_every_other_rank(signal_name, verb):
-    results = launch("tests/dist/faults_worker.py", WORLD, signal_name, str(VICTIM), timeout=300)
+@pytest.mark.parametrize("signal_name, verb, kind, where", [
+    ("sigstop", "stopped answering", "tp", "step"),      # tp × FSDP: every collective times out
+    ("sigstop", "stopped answering", "pp", "forward"),   # 1F1B × FSDP, inside the schedule: sends and receives too
+    ("sigkill", "died", "tp", "step"),
+])
+def test_lost_rank_is_named_on_every_other_rank(signal_name, verb, kind, where):
+    results = launch("tests/dist/faults_worker.py", WORLD, signal_name, str(VICTIM), kind, where, timeout=300)
     sent, reports = _survivors(results)
     for rank, report in reports.items():
         msg = report["message"]
@@ -39,12 +43,14 @@ def test_lost_rank_is_named_on_every_other_rank(signal_name, verb):
         else:
             assert re.search(r"its process (is gone|exited)", msg), msg
         # what this rank waited in, on which mesh axis, and why it gave up
-        assert re.search(rf"rank {rank} was waiting in \w+ #\d+ over mesh axis (tp|dp_shard) \(ranks [\d, -]+\) "
-                         rf"for [\d.]+ s", msg), msg
+        assert re.search(rf"rank {rank} was waiting in (\w+ #\d+|a pipeline (send|recv)) over mesh axis "
+                         rf"(tp|dp_shard|pp) \(ranks [\d, -]+\)( for [\d.]+ s)?", msg), msg
         if signal_name == "sigstop" and "timed out" in msg:
             assert "(faults.timeout_s = 4 s, the plan)" in msg, msg
         assert "\n" not in msg
         assert report["t"] - sent < TIMEOUT_S + 30, (rank, report["t"] - sent)
+    if kind == "pp":  # rank 0 is rank 2's pipeline peer: gloo records no send or receive, meshplan names them
+        assert "was waiting in a pipeline send" in reports[0]["message"] or "pipeline recv" in reports[0]["message"]
 
 
 @pytest.mark.parametrize("mode", ["exit_race"])

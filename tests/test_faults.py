@@ -154,7 +154,7 @@ def test_process_states_of_local_peers():
 def _watch(store, world=4, rank=0, heartbeat_s=0.1):
     groups = {"15": ("tp", (0, 1)), "9": ("dp_shard", (0, 2))}
     return SimpleNamespace(store=store, world=world, rank=rank, settings=Faults(heartbeat_s=heartbeat_s),
-                           timeout_s=4.0, timeout_key="faults.timeout_s", origin="plans/x.yaml",
+                           timeout_s=4.0, timeout_key="faults.timeout_s", origin="plans/x.yaml", steady_state=True,
                            axis_of=lambda name: groups.get(name, ("?", ())))
 
 
@@ -253,6 +253,16 @@ def test_collective_failures_told_from_bugs(text, failed):
     stopped.__context__ = RuntimeError(text)
     assert (watch.collective_cause(stopped) is stopped.__context__) is failed
     assert watch.collective_cause(ValueError("x")) is None
+    try:  # a pipeline stage re-raises a failed send with its own message
+        try:
+            raise RuntimeError(text)
+        except RuntimeError as e:
+            raise RuntimeError("Failed to run stage backward: Stage output: …") from e
+    except RuntimeError as wrapped:
+        assert (watch.collective_cause(wrapped) is wrapped.__cause__) is failed
+        translated = RankFailure("rank 1 died …")
+        translated.__cause__ = wrapped
+        assert watch.collective_cause(translated) is None  # once only
 
 
 # ---------------------------------------------------------------- agreement diffs (the launches check the exchange)

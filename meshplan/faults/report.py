@@ -10,8 +10,10 @@ flight recorder (:mod:`meshplan.faults.flight`), its group's mesh axis from the 
 
 from __future__ import annotations
 
+import math
 import re
 import time
+import traceback
 from typing import Any
 
 from meshplan.errors import RankFailure
@@ -93,6 +95,19 @@ def _find_silent(watch: Any, ranks: list[int], deadline: float) -> tuple[list[in
         time.sleep(min(0.2, watch.settings.heartbeat_s / 4))
 
 
+def _p2p(watch: Any, exc: BaseException, timeout: float | None, now: float) -> Any:
+    """The pipeline send or receive ``exc`` ended, over the pp group (gloo records no point-to-point operation in
+    the flight recorder): a pipeline schedule waiting on its point-to-point works in ``exc``'s traceback; the
+    message says which (``for recv operation``). None otherwise."""
+    from meshplan.faults.flight import Collective
+    frames = traceback.extract_tb(exc.__traceback__) if exc.__traceback__ is not None else []
+    if not any(f.name == "_wait_batch_p2p" or ("pipelining" in f.filename and "p2p" in f.name) for f in frames):
+        return None
+    m = re.search(r"for (send|recv) operation", str(exc))
+    return Collective(op=f"a pipeline {m.group(1) if m else 'send/recv'}", group=getattr(watch, "p2p_group", None)
+                      or "?", seq=-1, issued=now - timeout if timeout is not None else math.nan, waiting=False)
+
+
 def _own_text(watch: Any, entry: Any, exc: BaseException, timeout: float | None, now: float) -> str:
     """``rank 0 was waiting in all_reduce #41 over mesh axis tp (ranks 0-1) for 20.0 s, issued from …``."""
     if entry is None:
@@ -100,14 +115,21 @@ def _own_text(watch: Any, entry: Any, exc: BaseException, timeout: float | None,
                 f"faults.flight_recorder, set before meshplan.init creates the process group)")
     axis, group = watch.axis_of(entry.group)
     where = "the whole world" if axis == "world" else f"mesh axis {axis}"
-    text = (f"rank {watch.rank} was waiting in {entry.op} #{entry.seq} over {where} (ranks {ranks_text(group)}) "
-            f"for {entry.waited_s(now):.1f} s")
+    seq = f" #{entry.seq}" if entry.seq >= 0 else ""
+    waited = f" for {entry.waited_s(now):.1f} s" if not math.isnan(entry.issued) else ""
+    text = f"rank {watch.rank} was waiting in {entry.op}{seq} over {where} (ranks {ranks_text(group)}){waited}"
     return text + (f", issued from {entry.caller}" if entry.caller else "")
 
 
-def _cause_text(watch: Any, exc: BaseException, timeout: float | None) -> str:
+def _cause_text(watch: Any, exc: BaseException, timeout: float | None, p2p: bool) -> str:
     if timeout is not None:
-        return f"timed out after {timeout:g} s ({watch.timeout_key} = {watch.timeout_s:g} s, {watch.origin})"
+        key, value = watch.timeout_key, watch.timeout_s
+        settings = watch.settings
+        if abs(timeout - value) > 0.5 and abs(timeout - settings.init_timeout_s) <= 0.5:
+            key, value = "faults.init_timeout_s", settings.init_timeout_s
+        why = "; gloo keeps the timeout a group was made with for point-to-point waits" if p2p and key.startswith(
+            "faults.init") and watch.steady_state else ""
+        return f"timed out after {timeout:g} s ({key} = {value:g} s, {watch.origin}{why})"
     first = re.sub(r"^\[[^\]]*\]\s*", "", " ".join(str(exc).split()))
     first = re.split(r"(?<=[a-z0-9\]])\. ", first)[0][:200]
     return f"the collective failed: {type(exc).__name__}: {first}"
@@ -118,7 +140,8 @@ def diagnose(watch: Any, exc: BaseException) -> RankFailure:
     from meshplan import _torch
     from meshplan.faults import flight
     timeout = _timeout_of(exc, watch.timeout_s)
-    entry = flight.failed_entry(_torch.flight_recorder_dump(stack_traces=True), timeout)
+    p2p = _p2p(watch, exc, timeout, time.time())
+    entry = p2p or flight.failed_entry(_torch.flight_recorder_dump(stack_traces=True), timeout)
     axis, group = watch.axis_of(entry.group) if entry is not None else (None, ())
     everyone = list(range(watch.world))
     deadline = time.time() + STALE_BEATS * watch.settings.heartbeat_s + 1.0
@@ -132,7 +155,8 @@ def diagnose(watch: Any, exc: BaseException) -> RankFailure:
         who = (f"no rank missed its heartbeat (every rank is alive: the ranks issued different collectives, "
                f"e.g. a rank-dependent branch or a rank that skipped a step"
                + (f"; waiting now: {', '.join(waits)})" if waits else ")"))
-    message = f"{who}; {_own_text(watch, entry, exc, timeout, now)}; {_cause_text(watch, exc, timeout)}"
+    cause = _cause_text(watch, exc, timeout, p2p is not None)
+    message = f"{who}; {_own_text(watch, entry, exc, timeout, now)}; {cause}"
     return RankFailure(message, silent=tuple(in_group), axis=axis, group_ranks=group,
                        op=entry.op if entry is not None else None,
                        waited_s=entry.waited_s(now) if entry is not None else None)

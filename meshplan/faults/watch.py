@@ -41,15 +41,17 @@ def is_collective_failure(exc: BaseException) -> bool:
 
 
 def collective_cause(exc: BaseException) -> BaseException | None:
-    """``exc`` if it is a failed collective; for :class:`Terminated` (SIGTERM while unwinding) the failed
-    collective it interrupted, if any; else None."""
-    seen = exc
-    while seen is not None:
-        if is_collective_failure(seen):
-            return seen
-        if not isinstance(exc, Terminated):
+    """The failed collective behind ``exc``: ``exc`` itself, or one in its chain of causes (a pipeline stage
+    re-raises a failed send as ``RuntimeError("Failed to run stage backward …") from e``; SIGTERM arriving while a
+    failed collective unwinds raises :class:`Terminated` in its context); else None."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, RankFailure):  # translated already
             return None
-        seen = seen.__context__
+        if is_collective_failure(exc):
+            return exc
+        exc = exc.__cause__ or exc.__context__
     return None
 
 
@@ -71,6 +73,7 @@ class FaultWatch:
         self._groups: dict[str, tuple[Any, str]] = {dist.group.WORLD.group_name: (dist.group.WORLD, "world")}
         self.store = fault_store(_torch.default_store(), max(60.0, 5 * settings.heartbeat_s))
         self.heartbeat = None
+        self.p2p_group: str | None = None
         self.term = TermGuard()
         self._set_timeouts(settings.init_timeout_s)
 
@@ -78,6 +81,8 @@ class FaultWatch:
         """Name the topology's groups by their mesh axes (the first key naming a group wins: tp over tp_cp when
         cp is 1, any key over ``world``) and give them the current timeout."""
         from meshplan.mesh.topology import MESH_KEYS
+        if topology.layout.pp > 1:
+            self.p2p_group = topology["pp"].get_group().group_name  # where the pipeline's sends and receives go
         for key in MESH_KEYS:
             group = topology[key].get_group()
             if self._groups.get(group.group_name, (None, "world"))[1] == "world":

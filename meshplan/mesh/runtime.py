@@ -178,7 +178,8 @@ def init(layout_or_plan: Any = None, *, backend: str | None = None, timeout_s: f
     try:
         with watch.translating() if watch is not None else contextlib.nullcontext():
             agree(claims)  # before any collective of the model: a mismatch fails, never hangs
-        topo = build_mesh(resolved, device_type, _owns_process_group=owns)
+        made = dict(timeout_s=settings.init_timeout_s, p2p_timeout_s=settings.timeout_s) if watch is not None else {}
+        topo = build_mesh(resolved, device_type, **made, _owns_process_group=owns)
     except BaseException:
         if watch is not None:
             watch.close()

@@ -200,14 +200,35 @@ def _as_layout(layout: Layout | Mapping[str, Any]) -> Layout:
         raise PlanError(f"layout: {pydantic_message(e)}") from None
 
 
+def _made_with_timeout(names: tuple[str, ...], sizes: tuple[int, ...], timeout_s: float | None,
+                       p2p_timeout_s: float | None = None) -> dict | None:
+    """DeviceMesh's ``backend_override`` making each sub-group with ``timeout_s`` (torch would give it 30 minutes;
+    a whole-world dim reuses the default group) and the ``pp`` dim's groups, whatever their size, with
+    ``p2p_timeout_s``: gloo keeps a group's creation timeout for point-to-point waits (the pipeline's sends and
+    receives), whatever is set later."""
+    if timeout_s is None:
+        return None
+    from meshplan._torch import group_options
+    world = dist.get_world_size()
+    made = {n: group_options(timeout_s) for n, size in zip(names, sizes) if size < world}
+    if p2p_timeout_s is not None and "pp" in names and sizes[names.index("pp")] > 1:
+        made["pp"] = group_options(p2p_timeout_s)
+    return made or None
+
+
 def build_mesh(layout: Layout | Mapping[str, Any] | ResolvedLayout, device_type: str | None = None,
-               *, _owns_process_group: bool = False) -> Topology:
+               *, timeout_s: float | None = None, p2p_timeout_s: float | None = None,
+               _owns_process_group: bool = False) -> Topology:
     """Build the dense and expert DeviceMeshes of ``layout`` on the default process group.
 
     Args:
         layout: a :class:`Layout`, a resolved layout, or a dict such as ``{"tp": 4}``
             (unnamed degrees are 1, ``dp_shard`` inferred).
         device_type: ``"cpu"`` / ``"cuda"``; default from the process group's backend.
+        timeout_s: make the meshes' sub-groups with this timeout (``meshplan.init`` passes the plan's
+            ``faults.init_timeout_s``); default torch's (30 minutes).
+        p2p_timeout_s: make the dense mesh's ``pp`` groups with this timeout (``faults.timeout_s``): on gloo, the
+            one a pipeline send or receive waits, from the first step on.
 
     Returns:
         A :class:`Topology`.
@@ -233,14 +254,18 @@ def build_mesh(layout: Layout | Mapping[str, Any] | ResolvedLayout, device_type:
     dev = _device_type(device_type)
     grid = resolved.mesh_grid
     names = tuple(reversed(grid.order))
-    dense = init_device_mesh(dev, tuple(grid.size(n) for n in names), mesh_dim_names=names)
+    sizes = tuple(grid.size(n) for n in names)
+    dense = init_device_mesh(dev, sizes, mesh_dim_names=names,
+                             backend_override=_made_with_timeout(names, sizes, timeout_s, p2p_timeout_s))
     flat = {}
     for key, dims in _FLAT.items():
         ordered = tuple(n for n in names if n in dims)
         flat[key] = flatten_mesh(dense[ordered], key)
     eg = resolved.expert_grid
     enames = tuple(n for n in reversed(eg.order) if n != "cp")
-    expert = init_device_mesh(dev, tuple(eg.size(n) for n in enames), mesh_dim_names=enames)
+    esizes = tuple(eg.size(n) for n in enames)
+    expert = init_device_mesh(dev, esizes, mesh_dim_names=enames,
+                              backend_override=_made_with_timeout(enames, esizes, timeout_s))
     return Topology(resolved, dense, expert, flat, dist.get_rank(), _owns_process_group)
 
 

@@ -2,8 +2,9 @@
 
 The first argument says what happens:
 
-* ``sigstop`` / ``sigkill``: train the example Llama (tp 2 × dp_shard, SP, loss_parallel; ``faults``: 4 s timeout,
-  1 s heartbeat); at step 3 the rank given as the second argument stops or kills itself. Every other rank must end with one
+* ``sigstop`` / ``sigkill`` VICTIM ``tp|pp`` ``step|forward``: train the example Llama (tp 2 × dp_shard with SP
+  and loss_parallel, or pp 2 (1F1B) × dp_shard; ``faults``: 4 s timeout, 1 s heartbeat); at step 3 rank VICTIM
+  stops or kills itself, before the step or inside the forward of its last Linear (mid-schedule). Every other rank must end with one
   RankFailure naming it: a handler on the ``meshplan.faults`` logger writes ``rank<R>.json`` (the message and when
   it came) the moment meshplan logs it, before torchrun's SIGTERM can end the rank. The victim writes its pid and
   the time first. The last survivor to report kills a stopped victim, so the launch ends at once.
@@ -39,6 +40,9 @@ PLAN = {"layout": {"tp": 2},
             "layers.*.feed_forward.w3": "colwise", "layers.*.feed_forward.w2": "rowwise", "norm": "norm",
             "output": "lm_head"}},
         "faults": {"init_timeout_s": 60.0, "timeout_s": TIMEOUT_S, "heartbeat_s": 1.0}}
+#: pipeline stages (1F1B) × FSDP: the victim stops inside its forward, peers wait in sends and receives
+PP_PLAN = {"layout": {"pp": 2}, "blocks": {"pattern": "layers.*"}, "pipeline": {"schedule": "1f1b", "microbatches": 2},
+           "faults": PLAN["faults"]}
 
 
 def _write(case: str, value: dict) -> None:
@@ -57,20 +61,33 @@ class _Report(logging.Handler):
             os.kill(victim["pid"], signal.SIGKILL)
 
 
-def lose_a_rank(sig: str, victim: int) -> None:
+def _stop_at(model: torch.nn.Module, sig: str, where: str, step: list) -> None:
+    """Signal this rank at step 3: before it (``step``), or inside its last Linear's forward (``forward``)."""
+    def now():
+        info = {"pid": os.getpid(), "t": time.time(), "signal": sig}
+        (OUT / "victim.json").write_text(json.dumps(info))
+        _write("victim", info)
+        os.kill(os.getpid(), signal.SIGSTOP if sig == "sigstop" else signal.SIGKILL)
+    if where == "forward":
+        last = [m for m in model.modules() if isinstance(m, torch.nn.Linear)][-1]
+        last.register_forward_hook(lambda *_: now() if step[0] == 3 else None)
+    else:
+        model.register_forward_pre_hook(lambda *_: now() if step[0] == 3 else None)
+
+
+def lose_a_rank(sig: str, victim: int, kind: str, where: str) -> None:
     logging.getLogger("meshplan.faults").addHandler(_Report())
+    plan = PP_PLAN if kind == "pp" else PLAN
     args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, ffn_dim=128, max_seq_len=16)
-    with meshplan.init(PLAN) as topo:
+    with meshplan.init(plan) as topo:
         torch.manual_seed(0)
-        model = meshplan.parallelize(build(args), PLAN, topo)
+        model = meshplan.parallelize(build(args), plan, topo)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         g = torch.Generator().manual_seed(topo.data_rank)
-        for step in range(1, 6):
-            if step == 3 and RANK == victim:
-                info = {"pid": os.getpid(), "t": time.time(), "signal": sig}
-                (OUT / "victim.json").write_text(json.dumps(info))
-                _write("victim", info)
-                os.kill(os.getpid(), signal.SIGSTOP if sig == "sigstop" else signal.SIGKILL)
+        step = [0]
+        if RANK == victim:
+            _stop_at(model, sig, where, step)
+        for step[0] in range(1, 6):
             x = torch.randint(0, 128, (4, 16), generator=g)
             meshplan.train_step(model, (x, x.roll(-1, 1)), meshplan.cross_entropy, opt, topology=topo)
 
@@ -102,4 +119,4 @@ if __name__ == "__main__":
     if sys.argv[1].startswith("exit_race"):
         exit_race(plain=sys.argv[1] == "exit_race_plain")
     else:
-        lose_a_rank(sys.argv[1], int(sys.argv[2]))
+        lose_a_rank(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4])
