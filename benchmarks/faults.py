@@ -78,6 +78,8 @@ def exit_statuses(runs: int, train_src: Path) -> None:
     rows = [("gloo exit race provoked, torch alone", None, 2, ("tests/dist/faults_worker.py", "exit_race_plain")),
             ("gloo exit race provoked, inside `with meshplan.init`", None, 2,
              ("tests/dist/faults_worker.py", "exit_race")),
+            ("gloo exit race provoked, `topo = meshplan.init(…)` … `topo.close()`", None, 2,
+             ("tests/dist/faults_worker.py", "exit_race_close")),
             (f"examples/train.py --steps 5, plans/llama.yaml, from {train_src}", train_src, 2, train),
             (f"examples/train.py --steps 5, plans/llama.yaml, from {train_src}", train_src, 4, train)]
     print("| run | ranks | exit 0 | aborted at exit | s per launch |")

@@ -53,7 +53,7 @@ def test_lost_rank_is_named_on_every_other_rank(signal_name, verb, kind, where):
         assert "was waiting in a pipeline send" in reports[0]["message"] or "pipeline recv" in reports[0]["message"]
 
 
-@pytest.mark.parametrize("mode", ["exit_race"])
+@pytest.mark.parametrize("mode", ["exit_race", "exit_race_close"])
 def test_finished_run_exits_0_despite_the_gloo_exit_race(mode):
     results = launch("tests/dist/faults_worker.py", 2, mode, timeout=120)
     assert sorted(results.get("exit", {})) == [0, 1], results["_meta"]["stderr"]

@@ -63,7 +63,8 @@ def _flat(data: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def _key_diff(a: dict[str, Any], b: dict[str, Any], r0: int, r1: int, missing: str = "no such key") -> tuple[str, int]:
-    """``key: rank 0 has X, rank R has Y; …`` over the differing keys (first :data:`MAX_DIFF_KEYS`), and their count."""
+    """``key: rank 0 has X, rank R has Y; …`` over the differing keys (the first :data:`MAX_DIFF_KEYS`), and their
+    count."""
     keys = list(dict.fromkeys([*a, *b]))
     keys = [k for k in keys if a.get(k, ...) != b.get(k, ...)]
 

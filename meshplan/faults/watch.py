@@ -27,8 +27,9 @@ __all__ = ["FaultWatch", "is_collective_failure", "collective_cause"]
 
 _LOG = logging.getLogger("meshplan.faults")
 _COLLECTIVE_ERROR = re.compile(
-    r"Timed out waiting \d+ ?ms|Application timeout caused pair closure|Connection (closed|reset) by peer|Broken pipe|gloo/transport/|Watchdog caught "
-    r"collective operation timeout|NCCL communicator was aborted|ProcessGroup\w* .*(aborted|timed out)", re.I)
+    r"Timed out waiting \d+ ?ms|Application timeout caused pair closure|Connection (closed|reset) by peer|"
+    r"Broken pipe|gloo/transport/|Watchdog caught collective operation timeout|NCCL communicator was aborted|"
+    r"ProcessGroup\w* .*(aborted|timed out)", re.I)
 
 
 def is_collective_failure(exc: BaseException) -> bool:

@@ -154,12 +154,21 @@ class Topology:
         recorded for the peers' reports), the heartbeat stops, and the process group ``init`` created is shut down
         so that the process exits 0 (:func:`meshplan.faults.shutdown.shutdown`)."""
         _ACTIVE.reset(self._tokens.pop())
-        if self._tokens:
-            return
+        if not self._tokens:
+            self._end(exc)
+
+    def close(self) -> None:
+        """What the end of ``with meshplan.init(...)`` does, for a script that kept the topology without ``with``:
+        call it once at the very end, on every rank, so that the process exits 0
+        (:mod:`meshplan.faults.shutdown`)."""
+        self._end(None)
+
+    def _end(self, exc: BaseException | None) -> None:
         watch, self.faults = self.faults, None
+        owns, self._owns_pg = self._owns_pg, False  # ended once
         failure = watch.ending(exc) if watch is not None else None
         try:
-            if self._owns_pg and dist.is_initialized():
+            if owns and dist.is_initialized():
                 from meshplan.faults.shutdown import shutdown
                 with watch.translating() if watch is not None and exc is None else contextlib.nullcontext():
                     shutdown(self.process_groups(), clean=exc is None)

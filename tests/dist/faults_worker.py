@@ -11,8 +11,8 @@ The first argument says what happens:
 * ``exit_race``: the torch 2.13 + gloo race at interpreter exit made likely (:mod:`meshplan.faults.shutdown`):
   rank 0 issues an all_reduce with ``async_op=True`` inside ``saved_tensors_hooks`` and never waits for it; rank 1
   joins it 0.5 s later. Inside ``with meshplan.init(...)`` the process then simply ends: its exit status is the
-  test. ``exit_race_plain`` does the same with ``init_process_group``/``destroy_process_group`` (torch
-  alone), for the before/after counts of ``benchmarks/faults.py``.
+  test. ``exit_race_close`` keeps the topology without ``with`` and calls ``topo.close()``; ``exit_race_plain``
+  uses ``init_process_group``/``destroy_process_group`` (torch alone), for the counts of ``benchmarks/faults.py``.
 """
 
 import json
@@ -102,21 +102,27 @@ def _race() -> None:
         dist.all_reduce(t)
 
 
-def exit_race(plain: bool) -> None:
-    """Returns, and the interpreter finalizes as any script's does."""
-    if plain:
+def exit_race(mode: str) -> None:
+    """Returns, and the interpreter finalizes as any script's does. ``plain``: torch alone; ``with``: inside
+    ``with meshplan.init(...)``; ``close``: ``topo = meshplan.init(...)`` … ``topo.close()``."""
+    if mode == "plain":
         dist.init_process_group("gloo")
         _race()
-        _write("exit", {"plain": True})
+        _write("exit", {"mode": mode})
         dist.destroy_process_group()
-        return
-    with meshplan.init({"tp": 1}):
+    elif mode == "with":
+        with meshplan.init({"tp": 1}):
+            _race()
+            _write("exit", {"mode": mode})
+    else:
+        topo = meshplan.init({"tp": 1})
         _race()
-        _write("exit", {"plain": False})
+        _write("exit", {"mode": mode})
+        topo.close()
 
 
 if __name__ == "__main__":
     if sys.argv[1].startswith("exit_race"):
-        exit_race(plain=sys.argv[1] == "exit_race_plain")
+        exit_race({"exit_race": "with", "exit_race_plain": "plain", "exit_race_close": "close"}[sys.argv[1]])
     else:
         lose_a_rank(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4])
