@@ -102,11 +102,15 @@ def _race() -> None:
         dist.all_reduce(t)
 
 
+KEPT: list = []
+
+
 def exit_race(mode: str) -> None:
     """Returns, and the interpreter finalizes as any script's does. ``plain``: torch alone; ``with``: inside
     ``with meshplan.init(...)``; ``close``: ``topo = meshplan.init(...)`` … ``topo.close()``."""
     if mode == "plain":
         dist.init_process_group("gloo")
+        KEPT.append(dist.group.WORLD)  # what a DeviceMesh or an FSDP module keeps until the interpreter ends
         _race()
         _write("exit", {"mode": mode})
         dist.destroy_process_group()
