@@ -18,6 +18,18 @@ VICTIM = 2
 TIMEOUT_S = 4.0
 
 
+def _dumps(results, reports):
+    """faults.dump_dir: each survivor's flight-recorder trace (torch's pickle) and its report."""
+    import pickle
+    from pathlib import Path
+    out = Path(results["_meta"]["out"]) / "dumps"
+    for rank, report in reports.items():
+        text = (out / f"meshplan_report_rank{rank}.txt").read_text()
+        assert text == report["message"].removeprefix("meshplan: ") + "\n"
+        trace = pickle.loads((out / f"meshplan_fr_rank{rank}").read_bytes())
+        assert trace["entries"] and {"process_group", "profiling_name", "frames"} <= set(trace["entries"][-1])
+
+
 def _survivors(results):
     meta = results["_meta"]
     assert "victim" in results and VICTIM in results["victim"], meta["stderr"]
@@ -49,6 +61,7 @@ def test_lost_rank_is_named_on_every_other_rank(signal_name, verb, kind, where):
             assert "(faults.timeout_s = 4 s, the plan)" in msg, msg
         assert "\n" not in msg
         assert report["t"] - sent < TIMEOUT_S + 30, (rank, report["t"] - sent)
+    _dumps(results, reports)
     if kind == "pp":  # rank 0 is rank 2's pipeline peer: gloo records no send or receive, meshplan names them
         assert "was waiting in a pipeline send" in reports[0]["message"] or "pipeline recv" in reports[0]["message"]
 

@@ -8,6 +8,7 @@ reports the entry still waiting, and the failed rank itself finds its entry by a
 
 from __future__ import annotations
 
+import logging
 import os
 import sysconfig
 import time
@@ -21,11 +22,20 @@ _SKIP_DIRS = tuple(str(Path(p).resolve()) for p in (
     Path(__file__).resolve().parents[1], Path(os.path.dirname(os.__file__)), sysconfig.get_paths()["stdlib"]))
 
 
-def enable(entries: int) -> bool:
+def enable(entries: int, dump_dir: str | None = None) -> bool:
     """Turn the flight recorder on for process groups created from now on (``TORCH_FR_BUFFER_SIZE``; a value
-    already in the environment wins). Returns whether it is on."""
+    already in the environment wins). With ``dump_dir``, NCCL's watchdog writes its own trace there too on a
+    timeout (``TORCH_NCCL_DUMP_ON_TIMEOUT``, ``TORCH_FR_DUMP_TEMP_FILE``: the files meshplan writes on gloo).
+    Returns whether the recorder is on."""
     if entries > 0:
         os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(entries))
+    if dump_dir is not None and entries > 0:
+        try:
+            Path(dump_dir).mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # reported again, with the path, if a collective fails
+            logging.getLogger("meshplan.faults").warning("meshplan: faults.dump_dir %s: %s", dump_dir, e)
+        os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+        os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", str(Path(dump_dir) / "meshplan_fr_rank"))
     return int(os.environ.get("TORCH_FR_BUFFER_SIZE", "0") or 0) > 0
 
 

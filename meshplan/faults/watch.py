@@ -176,7 +176,11 @@ class FaultWatch:
         out = Path(self.settings.dump_dir)
         try:
             out.mkdir(parents=True, exist_ok=True)
-            (out / f"meshplan_fr_rank{self.rank}").write_bytes(pickle.dumps(_torch.flight_recorder_dump(True)))
+            trace = _torch.flight_recorder_dump(True)
+            trace["pg_config"] = {name: {"name": name, "desc": getattr(group, "group_desc", axis) or axis,
+                                         "ranks": str(list(self.axis_of(name)[1]))}
+                                  for name, (group, axis) in self._groups.items()}  # gloo records none
+            (out / f"meshplan_fr_rank{self.rank}").write_bytes(pickle.dumps(trace))
             (out / f"meshplan_report_rank{self.rank}.txt").write_text(report + "\n")
         except OSError as e:
             _LOG.error("meshplan: cannot write the fault dump to %s: %s", out, e)

@@ -167,7 +167,7 @@ def init(layout_or_plan: Any = None, *, backend: str | None = None, timeout_s: f
         if use_cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         from meshplan.faults.flight import enable
-        enable(settings.flight_recorder)
+        enable(settings.flight_recorder, settings.dump_dir)
         dist.init_process_group(backend or ("nccl" if use_cuda else "gloo"), rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=settings.init_timeout_s))
         owns = True

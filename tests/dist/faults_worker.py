@@ -39,7 +39,7 @@ PLAN = {"layout": {"tp": 2},
             "layers.*.attention.wo": "rowwise", "layers.*.ffn_norm": "norm", "layers.*.feed_forward.w1": "colwise",
             "layers.*.feed_forward.w3": "colwise", "layers.*.feed_forward.w2": "rowwise", "norm": "norm",
             "output": "lm_head"}},
-        "faults": {"init_timeout_s": 60.0, "timeout_s": TIMEOUT_S, "heartbeat_s": 1.0}}
+        "faults": {"init_timeout_s": 60.0, "timeout_s": TIMEOUT_S, "heartbeat_s": 1.0, "dump_dir": str(OUT / "dumps")}}
 #: pipeline stages (1F1B) × FSDP: the victim stops inside its forward, peers wait in sends and receives
 PP_PLAN = {"layout": {"pp": 2}, "blocks": {"pattern": "layers.*"}, "pipeline": {"schedule": "1f1b", "microbatches": 2},
            "faults": PLAN["faults"]}
