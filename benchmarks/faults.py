@@ -48,7 +48,7 @@ def detect(repeat: int) -> None:
                         named += 1
                         times.append(report["t"] - sent)
             shown = f"{min(times):.2f} / {statistics.median(times):.2f} / {max(times):.2f}" if times else "-"
-            plan = "tp 2 × FSDP" if kind == "tp" else "pp 2 (1F1B) × FSDP"
+            plan = ("tp 2" if kind == "tp" else "pp 2 (1F1B)") + (" × dp_shard 2 (FSDP)" if world == 4 else "")
             print(f"| {world} | {plan} | {sig.upper()} ({'mid-forward' if where == 'forward' else 'step start'}) | "
                   f"{victim} | {named}/{total} | {shown} | {TIMEOUT_S:g} s |", flush=True)
 
@@ -91,12 +91,12 @@ def exit_statuses(runs: int, train_src: Path) -> None:
 
 
 def overhead(pairs: int) -> None:
-    """Alternating launches (recorder off, on), median tokens/s of steps 6-30 each."""
+    """Alternating launches (recorder off, on), median tokens/s of steps 6-25 each."""
     speeds: dict[str, list[float]] = {"off": [], "on": []}
     for _ in range(pairs):
         for mode in ("off", "on"):
             os.environ["TORCH_FR_BUFFER_SIZE"] = "0" if mode == "off" else "2000"
-            meta = launch("examples/train.py", 2, "--steps", "30", "--json", timeout=600)["_meta"]
+            meta = launch("examples/train.py", 2, "--steps", "25", "--json", timeout=600)["_meta"]
             steps = [json.loads(line) for line in meta["stdout"].splitlines() if line.startswith('{"step"')]
             speeds[mode].append(statistics.median(s["tokens_per_s"] for s in steps if s["step"] > 5))
     os.environ.pop("TORCH_FR_BUFFER_SIZE", None)
