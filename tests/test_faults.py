@@ -152,10 +152,11 @@ def test_process_states_of_local_peers():
 
 
 def _watch(store, world=4, rank=0, heartbeat_s=0.1):
-    groups = {"15": ("tp", (0, 1)), "9": ("dp_shard", (0, 2))}
-    return SimpleNamespace(store=store, world=world, rank=rank, settings=Faults(heartbeat_s=heartbeat_s),
+    groups = {"15": ("tp", (0, 1)), "9": ("dp_shard", (0, 2)), "7": ("pp", (0, 2))}
+    return SimpleNamespace(store=store, world=world, rank=rank,
+                           settings=Faults(init_timeout_s=60.0, timeout_s=4.0, heartbeat_s=min(heartbeat_s, 1.3)),
                            timeout_s=4.0, timeout_key="faults.timeout_s", origin="plans/x.yaml", steady_state=True,
-                           axis_of=lambda name: groups.get(name, ("?", ())))
+                           axis_of=lambda name: groups.get(name, ("?", ())), p2p_group="7")
 
 
 def _dump(monkeypatch, *entries):
@@ -231,6 +232,26 @@ def test_report_sees_a_stopped_local_peer_at_once(store, monkeypatch):
     finally:
         sleeper.kill()
         sleeper.wait()
+
+
+def _wait_batch_p2p():  # the name torch's pipeline schedules wait on their sends and receives under
+    raise RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:129] Timed out waiting 60000ms for send operation to "
+                       "complete")
+
+
+def test_report_names_a_pipeline_send_and_the_timeout_that_fired(store, monkeypatch):
+    """gloo records no send or receive in the flight recorder: a schedule's point-to-point wait is named from the
+    traceback, over the pp group; the timeout that fired (60 s) is init_timeout_s's value, whatever the phase."""
+    _dump(monkeypatch, _entry(0, 5, "15", 41, created=time.time() - 70))  # an older collective, not the one
+    for r in range(4):
+        _beat(store, r, 0.0 if r != 2 else 61.0)
+    try:
+        _wait_batch_p2p()
+    except RuntimeError as e:
+        msg = str(report.diagnose(_watch(store, heartbeat_s=10.0), e))
+    assert msg.startswith("rank 2 stopped answering (last heartbeat 61.0 s ago); rank 0 was waiting in a pipeline "
+                          "send over mesh axis pp (ranks 0, 2) for 60.0 s; timed out after 60 s "
+                          "(faults.init_timeout_s = 60 s, plans/x.yaml)"), msg
 
 
 def test_ranks_text():

@@ -121,15 +121,15 @@ def _own_text(watch: Any, entry: Any, exc: BaseException, timeout: float | None,
     return text + (f", issued from {entry.caller}" if entry.caller else "")
 
 
-def _cause_text(watch: Any, exc: BaseException, timeout: float | None, p2p: bool) -> str:
+def _cause_text(watch: Any, exc: BaseException, timeout: float | None) -> str:
+    """``timed out after 4 s (faults.timeout_s = 4 s, plans/x.yaml)``: the setting whose value fired (a pipeline
+    send waits ``timeout_s`` in the first step too), else the current one; or the error's first sentence."""
     if timeout is not None:
-        key, value = watch.timeout_key, watch.timeout_s
-        settings = watch.settings
-        if abs(timeout - value) > 0.5 and abs(timeout - settings.init_timeout_s) <= 0.5:
-            key, value = "faults.init_timeout_s", settings.init_timeout_s
-        why = "; gloo keeps the timeout a group was made with for point-to-point waits" if p2p and key.startswith(
-            "faults.init") and watch.steady_state else ""
-        return f"timed out after {timeout:g} s ({key} = {value:g} s, {watch.origin}{why})"
+        s = watch.settings
+        key = next((k for k, v in (("faults.timeout_s", s.timeout_s), ("faults.init_timeout_s", s.init_timeout_s))
+                    if abs(timeout - v) <= 0.5), watch.timeout_key)
+        value = s.timeout_s if key == "faults.timeout_s" else s.init_timeout_s
+        return f"timed out after {timeout:g} s ({key} = {value:g} s, {watch.origin})"
     first = re.sub(r"^\[[^\]]*\]\s*", "", " ".join(str(exc).split()))
     first = re.split(r"(?<=[a-z0-9\]])\. ", first)[0][:200]
     return f"the collective failed: {type(exc).__name__}: {first}"
@@ -155,7 +155,7 @@ def diagnose(watch: Any, exc: BaseException) -> RankFailure:
         who = (f"no rank missed its heartbeat (every rank is alive: the ranks issued different collectives, "
                f"e.g. a rank-dependent branch or a rank that skipped a step"
                + (f"; waiting now: {', '.join(waits)})" if waits else ")"))
-    cause = _cause_text(watch, exc, timeout, p2p is not None)
+    cause = _cause_text(watch, exc, timeout)
     message = f"{who}; {_own_text(watch, entry, exc, timeout, now)}; {cause}"
     return RankFailure(message, silent=tuple(in_group), axis=axis, group_ranks=group,
                        op=entry.op if entry is not None else None,
