@@ -1,10 +1,10 @@
 """meshplan: plans that turn an ordinary ``nn.Module`` into an N-D parallel model."""
 
-from meshplan.errors import PlanError
+from meshplan.errors import PlanError, RankFailure
 from meshplan.plan_file.layout import Layout, ResolvedLayout
 from meshplan.plan_file.document import Plan, load_plan
 
-__all__ = ["PlanError", "Layout", "ResolvedLayout", "Plan", "load_plan", "build_mesh", "init",
+__all__ = ["PlanError", "RankFailure", "Layout", "ResolvedLayout", "Plan", "load_plan", "build_mesh", "init",
            "Topology", "current_topology", "parallelize", "cross_entropy", "loss_parallel",
            "train_step", "clip_grad_norm_", "materialize", "load_state_dict", "load_full_state_dict",
            "load_safetensors", "plan", "check", "parallel_state", "shard_sequence", "memory", "save", "load",

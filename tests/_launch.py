@@ -37,7 +37,7 @@ def launch(script: str, nproc: int, *args: str, timeout: float = 900, torchrun_a
            *torchrun_args, str(ROOT / script), *args]
     t = time.time()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    results: dict = {"_meta": {"returncode": proc.returncode, "seconds": time.time() - t,
+    results: dict = {"_meta": {"returncode": proc.returncode, "seconds": time.time() - t, "out": str(out),
                                "stderr": proc.stderr[-6000:], "stdout": proc.stdout[-3000:]}}
     for f in sorted(out.glob("rank*.json")):
         rank = int(f.stem[4:])
