@@ -1,7 +1,7 @@
 """The ``pipeline`` section in ``meshplan check``: the schedule against the layout, the split against the model.
 
 :func:`check_pipeline` runs what :func:`meshplan.parallelize` runs before it prunes a rank's model
-(:func:`~meshplan.pipeline.stages.check_schedule`, then :func:`~meshplan.pipeline.split.plan_split` on a
+(:func:`~meshplan.plan_file.stages.check_schedule`, then :func:`~meshplan.pipeline.split.plan_split` on a
 meta-device copy; for ``split: trace``, :func:`~meshplan.pipeline.traced.plan_traced`, which traces nothing),
 collects the errors into the report, and records one row per stage: the pp rank that runs it, its end modules
 and blocks, and its (global) parameter count. :func:`stage_lines` renders those rows for the text report::

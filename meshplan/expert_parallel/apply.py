@@ -17,7 +17,7 @@ from typing import Any
 import torch.nn as nn
 
 from meshplan.errors import PlanError
-from meshplan.mesh.ranks import divisors_text
+from meshplan.mesh.ranks import not_dividing
 from meshplan.plan_file.expert_parallel import ExpertParallel, ExpertsRule, RouterRule
 from meshplan.plan_file.patterns import match_rules
 
@@ -118,9 +118,9 @@ def _num_experts(module: nn.Module, path: str, ep: int, where: str) -> int:
         raise PlanError(f"{where}: the parameters of experts module {path} disagree on the expert count (dim 0): "
                         f"{shapes}; expected grouped weights [E, …] with one E")
     experts = sizes.pop()
-    if experts % ep:
-        raise PlanError(f"{where}: ep({ep}) does not divide the {experts} experts of {path}; valid ep: "
-                        f"{divisors_text(experts)}")
+    why = not_dividing("ep", ep, "the {n} experts of " + path, experts)
+    if why:
+        raise PlanError(f"{where}: {why}")
     return experts
 
 

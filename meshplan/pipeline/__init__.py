@@ -40,7 +40,7 @@ def split_pipeline(model: nn.Module, section: Pipeline, block_pattern: str, topo
         ``(record, split)``: the record gets its views and stages from :func:`build_stages`.
 
     Raises:
-        PlanError: see :func:`~meshplan.pipeline.stages.check_schedule` and
+        PlanError: see :func:`~meshplan.plan_file.stages.check_schedule` and
             :func:`~meshplan.pipeline.split.plan_split`.
     """
     lay = topology.layout
