@@ -18,7 +18,7 @@ from __future__ import annotations
 import sys
 from typing import Sequence
 
-from meshplan.cli import plans, ranks
+from meshplan.cli import plans, ranks, solve
 from meshplan.cli.args import Parser, error_line
 from meshplan.errors import PlanError
 
@@ -26,11 +26,13 @@ __all__ = ["main", "build_parser"]
 
 
 def build_parser() -> Parser:
-    """The ``meshplan`` parser: ``ranks``, ``schema`` (torch-free), ``check`` and ``convert``."""
+    """The ``meshplan`` parser: ``ranks``, ``schema`` (torch-free), ``check``, ``convert``, ``estimate``, ``solve``
+    and ``profile``."""
     parser = Parser(prog="meshplan", description="Validate and inspect meshplan plans and layouts (no GPU needed).")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     ranks.register(sub)
     plans.register(sub)
+    solve.register(sub)
     return parser
 
 
