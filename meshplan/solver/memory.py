@@ -250,9 +250,9 @@ def rank_memory(s: ModelShape, c: Candidate, tr: Training, place: Placement, pp_
 
 def _fsdp_buffers(s: ModelShape, c: Candidate, tr: Training, kinds: dict, ends: list, sharded: bool,
                   memo: dict) -> tuple[float, float]:
-    """``(gathered, transient)``: FSDP2's unsharded parameters alive at the end of the forward (the root's,
-    which it keeps, and the last block's; every block while microbatches accumulate unsharded or without
-    resharding), and one block's unsharded gradient during its backward."""
+    """``(gathered, transient)``: FSDP2's unsharded parameters alive at the end of the forward (the root's, which
+    it does not reshard; every block's too while microbatches accumulate unsharded or without resharding), and a
+    block's gathered parameters and unsharded gradient during its backward."""
     if not sharded or not kinds:
         return 0.0, 0.0
     sizes = {moe: _per_block(s, c, moe, 1, 1, memo)[2] for moe, _ in kinds}
@@ -262,4 +262,4 @@ def _fsdp_buffers(s: ModelShape, c: Candidate, tr: Training, kinds: dict, ends: 
     if keep_all:
         every = sum(n * sizes[moe] for (moe, _), n in kinds.items())
         return (root + every) * b, every * b
-    return (root + max(sizes.values())) * b, max(sizes.values()) * b
+    return root * b, 2 * max(sizes.values()) * b  # during a block's backward: its gathered parameters and gradient
