@@ -7,7 +7,7 @@ from meshplan.plan_file.document import Plan, load_plan
 __all__ = ["PlanError", "Layout", "ResolvedLayout", "Plan", "load_plan", "build_mesh", "init",
            "Topology", "current_topology", "parallelize", "cross_entropy", "loss_parallel",
            "train_step", "clip_grad_norm_", "materialize", "load_state_dict", "load_full_state_dict",
-           "load_safetensors", "plan", "check", "parallel_state", "shard_sequence", "memory"]
+           "load_safetensors", "plan", "check", "parallel_state", "shard_sequence", "memory", "estimate", "solve"]
 __version__ = "0.1.0"
 
 
@@ -49,6 +49,9 @@ def __getattr__(name: str):
     if name == "check":
         from meshplan.checks.validate import check
         return check
+    if name in ("estimate", "solve"):  # torch-free: the layout solver and cost model
+        import meshplan.solver.api as solver
+        return getattr(solver, name)
     if name == "init":
         from meshplan.mesh.runtime import init
         return init

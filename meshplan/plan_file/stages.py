@@ -10,7 +10,10 @@ from __future__ import annotations
 from meshplan.errors import PlanError
 from meshplan.plan_file.pipeline import MULTI_STAGE_SCHEDULES, V_SCHEDULES, Pipeline
 
-__all__ = ["balanced", "local_stage_ids", "schedule_problem", "check_schedule"]
+__all__ = ["balanced", "local_stage_ids", "schedule_problem", "check_schedule", "SPLIT_BACKWARD", "other_degrees"]
+
+#: schedules that split each backward into its input and weight halves (I, W)
+SPLIT_BACKWARD = ("interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev")
 
 
 def balanced(n_blocks: int, n_stages: int, fewer_first: int = 0, fewer_last: int = 0) -> list[int]:
@@ -45,12 +48,24 @@ def local_stage_ids(pp_rank: int, pp: int, vpp: int, schedule: str) -> list[int]
     return [pp_rank + k * pp for k in range(vpp)]
 
 
-def schedule_problem(schedule: str, microbatches: int, pp: int, vpp: int, where: str = "pipeline") -> str | None:
-    """Why ``schedule`` cannot run ``microbatches`` over ``pp`` ranks of ``vpp`` stages each, or None.
+def other_degrees(layout) -> dict[str, int]:
+    """The degrees of a resolved layout besides the pipeline's: tp, cp, ep, and ``data``, the ranks a gradient is
+    reduced over by data parallelism (the dense data axes with cp; the experts' edp)."""
+    data = max(layout.dp_replicate * layout.dp_shard * layout.cp, layout.edp if layout.ep > 1 else 1)
+    return {"tp": layout.tp, "cp": layout.cp, "ep": layout.ep, "data": data}
+
+
+def schedule_problem(schedule: str, microbatches: int, pp: int, vpp: int, where: str = "pipeline",
+                     others: dict[str, int] | None = None) -> str | None:
+    """Why ``schedule`` cannot run ``microbatches`` over ``pp`` ranks of ``vpp`` stages each (beside the
+    ``others`` degrees, :func:`other_degrees`), or None.
 
     Rejects every combination torch 2.13's schedule classes reject when they are built (checked over a fake
     process group for pp ≤ 4, vpp ≤ 3, m ≤ 12) and, for a pipeline that fills, a few more (m ≥ pp for all but
-    GPipe; rounds of pp microbatches for the loop schedules with vpp > 1, as Megatron).
+    GPipe; rounds of pp microbatches for the loop schedules with vpp > 1, as Megatron). The split-backward
+    schedules run with pipeline parallelism alone: with FSDP2 torch 2.13 leaves some blocks' gradients unreduced
+    (parameters 6.5e-3 to 1.5e-2 from one device after 3 steps at pp 2 × dp 2), and tensor-parallel stages fail
+    in ``backward_weight_one_chunk`` (pp 2 × tp 2); cp and ep were not tried and are refused alike.
 
     Example::
 
@@ -58,6 +73,13 @@ def schedule_problem(schedule: str, microbatches: int, pp: int, vpp: int, where:
         'pipeline.microbatches: 1f1b needs at least pp(4) microbatches to fill the pipeline; found 2, expected >= 4 (or schedule: gpipe)'
     """
     s, m = schedule, microbatches
+    busy = {k: v for k, v in (others or {}).items() if v > 1}
+    if s in SPLIT_BACKWARD and busy:
+        found = ", ".join(f"{k}({v})" if k != "data" else f"data parallelism over {v} ranks" for k, v in busy.items())
+        return (f"{where}.schedule: {s} splits each backward into input and weight gradients, which runs with "
+                f"pipeline parallelism alone in torch 2.13 (FSDP2 leaves some gradients unreduced; tensor-parallel "
+                f"stages fail in backward_weight_one_chunk); found {found}, expected none, or schedule: 1f1b, "
+                f"interleaved_1f1b, looped_bfs or gpipe")
     if s in V_SCHEDULES and vpp != 2:
         return f"{where}.schedule: {s} runs two stages per rank in a V; found layout.vpp({vpp}), expected vpp = 2"
     if s not in MULTI_STAGE_SCHEDULES and vpp != 1:
@@ -79,20 +101,23 @@ def schedule_problem(schedule: str, microbatches: int, pp: int, vpp: int, where:
     return None
 
 
-def check_schedule(section: Pipeline, pp: int, vpp: int, where: str = "pipeline") -> None:
-    """Schedule, ``vpp`` and microbatches fit together (the valid values in the message).
+def check_schedule(section: Pipeline, pp: int, vpp: int, where: str = "pipeline",
+                   others: dict[str, int] | None = None) -> None:
+    """Schedule, ``vpp``, microbatches and data parallelism fit together (the valid values in the message).
 
     Args:
         section: the plan's ``pipeline`` section.
         pp: pipeline ranks (``layout.pp``).
         vpp: stages per rank (``layout.vpp``).
         where: prefix of the error messages (plan file and key).
+        others: the layout's other degrees (:func:`other_degrees`).
 
     Raises:
         PlanError: :func:`schedule_problem`'s reason: a one-stage schedule with vpp > 1, a V-shaped one without
             vpp = 2, too few microbatches (``dualpipev``: fewer than its 2·pp stages, torch's
-            ``ScheduleDualPipeV``), or a microbatch count torch's interleaved schedules cannot cut into rounds.
+            ``ScheduleDualPipeV``), a microbatch count torch's interleaved schedules cannot cut into rounds, or a
+            split-backward schedule beside other parallelism.
     """
-    why = schedule_problem(section.schedule, section.microbatches, pp, vpp, where)
+    why = schedule_problem(section.schedule, section.microbatches, pp, vpp, where, others)
     if why is not None:
         raise PlanError(why)

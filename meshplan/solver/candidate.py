@@ -14,7 +14,7 @@ from meshplan.errors import PlanError
 
 __all__ = ["Candidate", "Training", "DTYPE_BYTES"]
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8": 1}
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,8 @@ class Training:
         reshard_after_forward / cpu_offload: the ``data_parallel`` settings.
         cp_method: ``allgather_kv`` or ``ring``. clip: the step clips the gradient norm (one all-reduce).
         optimizer_states: tensors the optimizer keeps per parameter (AdamW: 2).
+        matmul_dtype: the dtype linear layers multiply in when it differs from ``dtype`` (``float8``: torchao's
+            float8 training, activations and gathered parameters staying in ``dtype``).
     """
 
     seq: int
@@ -44,12 +46,13 @@ class Training:
     cp_method: str = "allgather_kv"
     clip: bool = True
     optimizer_states: int = 2
+    matmul_dtype: str | None = None
 
     def __post_init__(self) -> None:
         if self.seq < 1 or self.global_batch < 1:
             raise PlanError(f"training: seq({self.seq}) and global batch({self.global_batch}) must be >= 1")
-        for name in ("dtype", "master_dtype", "reduce_dtype"):
-            if getattr(self, name) not in DTYPE_BYTES:
+        for name in ("dtype", "master_dtype", "reduce_dtype", "matmul_dtype"):
+            if getattr(self, name) not in (*DTYPE_BYTES, None if name == "matmul_dtype" else ""):
                 raise PlanError(f"training: {name} {getattr(self, name)!r} is not one of {', '.join(DTYPE_BYTES)}")
 
     @property

@@ -16,8 +16,9 @@ step recorded op by op; ``docs/tensor-parallel.md`` states the tensor-parallel o
 * **pp**: a send or receive per stage boundary a rank's stages touch, per microbatch and direction.
 * **dp**: FSDP2 per unit (each block, an MoE block's experts over edp, and the root): all-gathers before forward
   and, resharded, before backward; one reduce-scatter of its gradients (HSDP: then an all-reduce over the
-  replicas); parameters stay gathered between accumulated microbatches (``accumulate_unsharded``). DDP: one
-  all-reduce per step.
+  replicas); parameters stay gathered between accumulated microbatches (``accumulate_unsharded``). Under a
+  pipeline schedule a resharded block gathers for every forward and once more for the first backward that
+  follows forwards (``m + 1``: backwards keep it gathered until the step's last). DDP: one all-reduce per step.
 * **step**: the global token count and the clipping norm, one all-reduce each over the world.
 """
 
@@ -216,8 +217,8 @@ def _dp(s: ModelShape, c: Candidate, tr: Training, place: Placement, pp_rank: in
             gathers, syncs = 1, 1
         elif accumulate:
             gathers, syncs = m * (1 + reshard), m
-        elif c.pp > 1:
-            gathers, syncs = (1 + m * reshard) if kind == "root" or not reshard else 2 * m, 1
+        elif c.pp > 1:  # forwards gather, the first backward after them too; kept until the step's last backward
+            gathers, syncs = (m + 1 if reshard else 1), 1
         else:
             gathers, syncs = 1 + reshard, 1
         out += [Collective("dp", "all_gather", g, n * gat, gathers * k, f"{kind} parameters", True),

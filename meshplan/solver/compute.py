@@ -62,7 +62,7 @@ def block_time(s: ModelShape, c: Candidate, tr: Training, cl: Cluster, moe: bool
         f = 2 * m * n * k
         if f:
             mm_flops += f
-            mm_time += f / cl.matmul_rate((m * n * k) ** (1 / 3), tr.dtype)
+            mm_time += f / cl.matmul_rate((m * n * k) ** (1 / 3), tr.matmul_dtype or tr.dtype)
     attn = 2 * tokens * tr.seq * s.q_width / c.tp  # QK^T and AV over the causal half, this rank's heads
     attn_time = attn / (cl.peak(tr.dtype) * cl.attention_efficiency)
     passes = 3 + (1 if checkpointed else 0)  # forward + backward (2×), a recompute adds a forward

@@ -2,8 +2,8 @@
 
 Clusters (``--cluster``; every value per device):
 
-* ``h100-80g``: H100 SXM5 80 GB. Peak dense BF16 989.4 TFLOP/s and TF32 494.7 (NVIDIA's H100 datasheet quotes
-  1,979 / 989 "with sparsity", twice the dense rate), 80 GB HBM3 at 3.35 TB/s, NVLink 4 900 GB/s both ways
+* ``h100-80g``: H100 SXM5 80 GB. Peak dense BF16 989.4 TFLOP/s, FP8 1,978.9 and TF32 494.7 (NVIDIA's H100
+  datasheet quotes 1,979 / 3,958 / 989 "with sparsity", twice the dense rate), 80 GB HBM3 at 3.35 TB/s, NVLink 4 900 GB/s both ways
   (450 GB/s one way) — https://www.nvidia.com/en-us/data-center/h100/ . One 400 Gb/s InfiniBand NIC per GPU
   (ConnectX-7 in DGX H100: 50 GB/s one way) — https://docs.nvidia.com/dgx/dgxh100-user-guide/introduction-to-dgxh100.html
 * ``h200-141g``: H200 SXM 141 GB HBM3e at 4.8 TB/s, the same compute, NVLink and NIC as the H100 —
@@ -44,10 +44,10 @@ def cluster_preset(name: str) -> Cluster:
     """
     hopper_links = (Link(0.8 * 450 * GB, 5e-6), Link(0.8 * 50 * GB, 10e-6))
     if name == "h100-80g":
-        return Cluster("h100-80g", 8, 80 * GB, {"bfloat16": 989.4e12, "float32": 494.7e12}, 3.35e12, *hopper_links,
+        return Cluster("h100-80g", 8, 80 * GB, {"bfloat16": 989.4e12, "float32": 494.7e12, "float8": 1978.9e12}, 3.35e12, *hopper_links,
                        op_overhead=10e-6, source="NVIDIA H100 SXM5 datasheet; DGX H100 ConnectX-7 400 Gb/s per GPU")
     if name == "h200-141g":
-        return Cluster("h200-141g", 8, 141 * GB, {"bfloat16": 989.4e12, "float32": 494.7e12}, 4.8e12, *hopper_links,
+        return Cluster("h200-141g", 8, 141 * GB, {"bfloat16": 989.4e12, "float32": 494.7e12, "float8": 1978.9e12}, 4.8e12, *hopper_links,
                        op_overhead=10e-6, source="NVIDIA H200 SXM datasheet; 400 Gb/s per GPU")
     if name == "a100-80g":
         return Cluster("a100-80g", 8, 80 * GB, {"bfloat16": 312e12, "float32": 156e12}, 2.039e12,

@@ -80,7 +80,9 @@ def run_problem(s: ModelShape, c: Candidate, tr: Training, device: str = "cuda")
         return "blocks", (f"pipeline: {s.layers} blocks cannot fill {stages} stages (pp·vpp); expected at least "
                           f"{stages} blocks")
     if c.pp > 1:
-        why = schedule_problem(c.schedule or "1f1b", c.microbatches, c.pp, c.vpp)
+        data = max(c.dp * c.cp, c.world // (c.etp * c.ep * c.pp) if c.ep > 1 else 1)  # as other_degrees says
+        others = {"tp": c.tp, "cp": c.cp, "ep": c.ep, "data": data}
+        why = schedule_problem(c.schedule or "1f1b", c.microbatches, c.pp, c.vpp, others=others)
         if why:
             return "schedule", why
     if tr.global_batch % c.dp:

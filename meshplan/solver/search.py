@@ -19,7 +19,7 @@ from meshplan.context_parallel.chunks import check_seq_len
 from meshplan.errors import PlanError
 from meshplan.mesh.ranks import divisors
 from meshplan.plan_file.pipeline import SCHEDULES, V_SCHEDULES
-from meshplan.plan_file.stages import schedule_problem
+from meshplan.plan_file.stages import other_degrees, schedule_problem
 from meshplan.solver.candidate import Candidate, Training
 from meshplan.solver.cluster import Cluster
 from meshplan.solver.placement import Placement
@@ -194,7 +194,7 @@ class _Search:
                 continue
             c = cand.with_(micro_batch=mb, microbatches=local // mb)
             if c.pp > 1:
-                why = schedule_problem(c.schedule, c.microbatches, c.pp, c.vpp)
+                why = schedule_problem(c.schedule, c.microbatches, c.pp, c.vpp, others=other_degrees(place.layout))
                 if why:
                     self.enumerated += 1
                     self.reject(c.label(), ("schedule", why))
