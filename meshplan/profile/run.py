@@ -47,7 +47,8 @@ def cluster_from_measurement(m: dict) -> Cluster:
         name=f"profiled-{platform.node() or 'host'}-{m['backend']}-{world}", gpus_per_node=world, memory=memory,
         flops={m["dtype"]: max(r for _, r in rates)}, hbm_bandwidth=float(m["hbm_bandwidth"]), intra=link,
         inter=link, matmul_efficiency=1.0, attention_efficiency=0.5 if cpu else 0.35,
-        op_overhead=float(m["op_overhead"]), overlap=0.0 if cpu else 1.0, usable_memory=0.9, matmul_rates=rates,
+        op_overhead=float(m["op_overhead"]), overlap=0.0 if cpu else 1.0, usable_memory=0.9,
+        oversubscription=max(1.0, world / (os.cpu_count() or world)) if cpu else 1.0, matmul_rates=rates,
         collectives=fits, device=m["device"],
         source=(f"measured by `meshplan profile` on {platform.node()} ({m['backend']}, {world} processes, "
                 f"{os.cpu_count()} CPU cores, {m['threads']} threads each, {when})"))

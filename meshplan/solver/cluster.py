@@ -69,6 +69,9 @@ class Cluster:
         overlap: fraction of data-parallel and pipeline traffic hidden behind compute (1 on GPUs, whose
             collectives run on their own engines; 0 on a CPU, where the same cores compute and communicate).
         usable_memory: fraction of ``memory`` a layout may use (allocator, CUDA context, fragmentation).
+        oversubscription: ranks per compute unit on a node (a CPU host running more ranks than it has cores; 1
+            on GPUs). A rank idle in a pipeline bubble gives its share to the busy ones, so a bubble costs only
+            what the busy ranks cannot use.
         matmul_rates: measured ``(size, FLOP/s)`` points, size the cube root of m·n·k (``meshplan profile``).
         collectives: measured fits by kind and group size (``meshplan profile``).
         device: ``cuda`` or ``cpu``. source: where the numbers come from.
@@ -86,6 +89,7 @@ class Cluster:
     op_overhead: float = 0.0
     overlap: float = 1.0
     usable_memory: float = 0.9
+    oversubscription: float = 1.0
     matmul_rates: tuple[tuple[float, float], ...] = ()
     collectives: Mapping[str, Mapping[int, Fit]] = field(default_factory=dict)
     device: str = "cuda"

@@ -165,7 +165,9 @@ class ModelShape:
     def describe(self) -> str:
         moe = (f", {self.experts} experts top-{self.top_k} (width {self.expert_width}, {self.dense_layers} dense "
                f"layers)" if self.experts else "")
-        return (f"{self.name}: {self.parameters() / 1e9:.2f}B parameters, {self.layers} layers, hidden {self.hidden}, "
+        n = self.parameters()
+        count = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n:,}"
+        return (f"{self.name}: {count} parameters, {self.layers} layers, hidden {self.hidden}, "
                 f"{self.heads} heads / {self.kv_heads} KV, ffn {self.ffn} ({self.mlp}), vocab {self.vocab}{moe}")
 
 

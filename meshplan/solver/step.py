@@ -3,7 +3,9 @@
 Step time = the pipeline (each microbatch's compute and exposed tp/cp/ep communication on the slowest rank,
 times the microbatches, stretched by the schedule's idle fraction) + the exposed pipeline sends + the exposed
 data-parallel traffic (what does not hide behind compute, per the cluster's ``overlap``) + the optimizer step +
-the step's small all-reduces. Idle fractions (``docs/pipeline.md``, measured there by replaying each torch
+the step's small all-reduces. On a host running more ranks than cores (``Cluster.oversubscription`` o > 1) the
+bubble costs only what the busy ranks cannot take over: the pipeline stretches by ``1 / min(1, (1−f)·o)``. Idle
+fractions (``docs/pipeline.md``, measured there by replaying each torch
 schedule): ``(p−1)/(m+p−1)`` for GPipe and 1F1B, ``(p−1)/(v·m+p−1)`` interleaved, ``(p−1)/(3v·m+p−1)`` for the
 zero-bubble and V schedules (a split backward fills the bubble).
 """
@@ -133,7 +135,8 @@ def evaluate(s: ModelShape, c: Candidate, tr: Training, cl: Cluster, place: Plac
     slow = max(t_mb, key=t_mb.get)
     m = c.microbatches
     busy = m * t_mb[slow]
-    pipeline = busy / (1 - idle_fraction(c.schedule, c.pp, c.vpp, m))
+    busy_share = 1 - idle_fraction(c.schedule, c.pp, c.vpp, m)
+    pipeline = busy / min(1.0, busy_share * cl.oversubscription)  # idle ranks' cores go to the busy ones
     colls = per_rank[slow][2]["colls"]
     comm = _comm(colls, cl, ("pp", "dp", "step"), times)
     compute = m * per_rank[slow][0]
