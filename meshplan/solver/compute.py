@@ -45,7 +45,7 @@ def _matmuls(s: ModelShape, c: Candidate, moe: bool, tokens: float) -> list[tupl
     out = [(tokens, s.q_width / t, h), (tokens, 2 * s.kv_width / t, h), (tokens, h, s.q_width / t)]
     if not moe:
         return out + [(tokens, (s.mlp_matrices - 1) * s.ffn / t, h), (tokens, h, s.ffn / t)]
-    routed = (tokens if c.etp > 1 else tokens / t) * s.top_k / c.ep  # rows an expert rank computes, balanced
+    routed = (tokens if c.etp > 1 else tokens / t) * s.top_k  # rows an ep rank computes: its share of every rank's
     per_expert = routed / max(s.experts // c.ep, 1)
     fe = s.expert_width / c.etp
     experts = [(per_expert, (s.mlp_matrices - 1) * fe, h), (per_expert, h, fe)] * max(s.experts // c.ep, 1)

@@ -159,13 +159,13 @@ def block_activations(s: ModelShape, c: Candidate, tr: Training, moe: bool, chec
 
 
 def _moe_activations(s: ModelShape, c: Candidate, tokens: float, b: int) -> float:
-    """The MoE FFN: per routed token copy its row, the expert's intermediates and output, the weighted row;
-    the dispatch buffers across ep; the router's scores; a shared expert."""
+    """The MoE FFN: per routed token copy its sorted row, the expert's intermediates and output, the weighted
+    row (one more received row across ep); per token the combined output and the router's scores; a shared
+    expert."""
     h, k, width = s.hidden, s.top_k, (4 if s.mlp == "swiglu" else 2)
     routed = tokens if c.etp > 1 else tokens / c.tp  # etp 1: each tp rank routes its own share
-    per = k * (3 * h + width * s.expert_width / c.etp) * b + (2 * k * h * b if c.ep > 1 else 0)
+    per = k * (3 * h + width * s.expert_width / c.etp) * b + (k * h * b if c.ep > 1 else 0) + h * b
     per += 3 * s.experts * 4 + 3 * k * 8 + (width * s.shared_ffn + h) * b * (1 if s.shared_ffn else 0)
-    per += h * b if c.tp > 1 and c.etp == 1 else 0  # the token region's own copy of its input
     return routed * per
 
 
