@@ -52,6 +52,7 @@ class Placement:
     def __init__(self, cand: Candidate, layers: int, gpus_per_node: int, base: "Placement | None" = None):
         self.cand, self.layers = cand, layers
         self.gpus_per_node = gpus_per_node
+        self.memo: dict = {}  # what evaluations of this placement's candidates share (meshplan.solver.step)
         if base is not None:  # the same degrees and order: the same groups, other stages
             self.layout, self.groups = base.layout, base.groups
         else:

@@ -92,12 +92,20 @@ def _rank_microbatch(s: ModelShape, c: Candidate, tr: Training, cl: Cluster, pla
 
 
 def _ranks(s: ModelShape, c: Candidate, place: Placement, memo: dict) -> list[int]:
-    """One pipeline rank per distinct ``(blocks by kind, ends)``: the lowest, which holds the most microbatches."""
+    """One pipeline rank per distinct ``(blocks by kind, ends)``: the lowest, which holds the most microbatches
+    (kept on the placement per checkpointing choice: the same for every microbatching)."""
+    key = ("ranks", c.ac, c.ac_every, c.ac_ops)
+    if key in place.memo:
+        ranks, kinds = place.memo[key]
+        memo.update(kinds)
+        return ranks
     seen: dict = {}
     for r in range(c.pp):
-        key = (tuple(sorted(block_kinds(s, c, place, r, memo).items())), place.ends_of(r))
-        seen.setdefault(key, r)
-    return sorted(seen.values())
+        sig = (tuple(sorted(block_kinds(s, c, place, r, memo).items())), place.ends_of(r))
+        seen.setdefault(sig, r)
+    ranks = sorted(seen.values())
+    place.memo[key] = (ranks, {("kinds", r): memo[("kinds", r)] for r in ranks})
+    return ranks
 
 
 def _exposed_pp(colls: list[Collective], cl: Cluster, c: Candidate) -> float:
