@@ -41,6 +41,7 @@ SEQ, BATCH = 64, 8
 PLANS = {
     "tp2": (2, {"layout": {"tp": 2}, "tensor_parallel": TP}, "llama", 1),
     "tp2_no_sp": (2, {"layout": {"tp": 2}, "tensor_parallel": {**TP, "sequence_parallel": False}}, "llama", 1),
+    "tp2_no_loss_parallel": (2, {"layout": {"tp": 2}, "tensor_parallel": {**TP, "loss_parallel": False}}, "llama", 1),
     "tp2_save_gathered": (2, {"layout": {"tp": 2}, "tensor_parallel": {**TP, "save_gathered_inputs": True}}, "llama", 1),
     "fsdp4": (4, {"layout": {}}, "llama", 1),
     "fsdp4_mb2": (4, {"layout": {}}, "llama", 2),

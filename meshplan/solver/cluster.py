@@ -69,6 +69,8 @@ class Cluster:
         overlap: fraction of data-parallel and pipeline traffic hidden behind compute (1 on GPUs, whose
             collectives run on their own engines; 0 on a CPU, where the same cores compute and communicate).
         usable_memory: fraction of ``memory`` a layout may use (allocator, CUDA context, fragmentation).
+        host_bandwidth: bytes/s one device moves to and from host memory (PCIe) and the host's memory bandwidth
+            per device for an offloaded optimizer step (``data_parallel.cpu_offload``).
         oversubscription: ranks per compute unit on a node (a CPU host running more ranks than it has cores; 1
             on GPUs). A rank idle in a pipeline bubble gives its share to the busy ones, so a bubble costs only
             what the busy ranks cannot use.
@@ -89,6 +91,7 @@ class Cluster:
     op_overhead: float = 0.0
     overlap: float = 1.0
     usable_memory: float = 0.9
+    host_bandwidth: float = 25e9
     oversubscription: float = 1.0
     matmul_rates: tuple[tuple[float, float], ...] = ()
     collectives: Mapping[str, Mapping[int, Fit]] = field(default_factory=dict)

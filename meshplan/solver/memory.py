@@ -182,7 +182,8 @@ def _end_activations(s: ModelShape, c: Candidate, tr: Training, first: bool, las
         gathered = sh > 1
         norm = (s.norm_saved - (1 if gathered else 0)) * h / sh * b + 4 / sh + (h * b if gathered else 0)
         loss = 22 if t > 1 and tr.loss_parallel else 8
-        out += tokens * (norm + s.vocab / t * b + loss)
+        logits = s.vocab / t if tr.loss_parallel else s.vocab  # without loss_parallel the logits are gathered
+        out += tokens * (norm + logits * b + loss)
     return out
 
 

@@ -17,7 +17,8 @@ bandwidth reaches 360-370 GB/s of NVLink 4's 450 and ~45 GB/s of a 50 GB/s NIC i
 5 µs inside a node and 10 µs across nodes, 70% of peak for BF16 matmuls (cuBLAS on H100 runs 600-750 TFLOP/s on
 large GEMMs, less on the narrower ones tensor parallelism leaves), 35% for attention (FlashAttention-2 on H100:
 ~335 TFLOP/s forward, less backward — Shah et al., FlashAttention-3, arXiv 2407.08608, Fig. 1), 10 µs per operator
-launch (eager PyTorch) and 90% of the memory usable. None of these were fitted to the calibration runs in ``docs/solver.md``.
+launch (eager PyTorch), 90% of the memory usable, and 25 GB/s per device to and from the host (PCIe Gen4/5 x16
+in practice, and a host's memory bandwidth shared by 8 devices) for CPU offload. None of these were fitted to the calibration runs in ``docs/solver.md``.
 
 Models (``--preset``): the Llama 3 family (the Llama 3 paper, arXiv 2407.21783, Table 3; vocabulary 128,256 as
 in the released configs) and the GPT models of Megatron-LM's weak-scaling table (github.com/NVIDIA/Megatron-LM,

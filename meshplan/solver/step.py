@@ -3,7 +3,8 @@
 Step time = the pipeline (each microbatch's compute and exposed tp/cp/ep communication on the slowest rank,
 times the microbatches, stretched by the schedule's idle fraction) + the exposed pipeline sends + the exposed
 data-parallel traffic (what does not hide behind compute, per the cluster's ``overlap``) + the optimizer step +
-the step's small all-reduces. On a host running more ranks than cores (``Cluster.oversubscription`` o > 1) the
+the step's small all-reduces (with CPU offload the optimizer step and the parameter and gradient copies run at
+the host's bandwidth). On a host running more ranks than cores (``Cluster.oversubscription`` o > 1) the
 bubble costs only what the busy ranks cannot take over: the pipeline stretches by ``1 / min(1, (1−f)·o)``. Idle
 fractions (``docs/pipeline.md``, measured there by replaying each torch
 schedule): ``(p−1)/(m+p−1)`` for GPipe and 1F1B, ``(p−1)/(v·m+p−1)`` interleaved, ``(p−1)/(3v·m+p−1)`` for the
@@ -154,6 +155,8 @@ def evaluate(s: ModelShape, c: Candidate, tr: Training, cl: Cluster, place: Plac
     dp_exposed = (1 - cl.overlap) * comm["dp"] + cl.overlap * max(ends, comm["dp"] - compute)
     mem, worst = peak_memory(s, c, tr, place, memo)
     optimizer = mem.numel * tr.master_bytes * (3 * tr.optimizer_states + 4) / cl.hbm_bandwidth
+    if tr.cpu_offload:  # the step on the host; parameters in and gradients out over PCIe, once each per step
+        optimizer = mem.numel * tr.master_bytes * (3 * tr.optimizer_states + 6) / cl.host_bandwidth
     step = pipeline + pp_exposed + dp_exposed + optimizer + comm["step"]
     tokens = tr.tokens / step
     model = model_flops_per_token(s, tr.seq) * tokens / c.world
