@@ -40,6 +40,7 @@ def cluster_from_measurement(m: dict) -> Cluster:
     link = Link(bandwidth=big.bandwidth * (max(ag) - 1) / max(ag) if ag else 1e9,
                 latency=big.latency / max(max(ag) - 1, 1) if ag else 1e-5)
     rates = tuple((float(n), float(r)) for n, r in m["matmul_rates"])
+    memory_rates = tuple((float(n), float(r)) for n, r in m.get("memory_rates", ()))
     cpu = m["device"] == "cpu"
     memory = float(m["memory"] or _host_memory() / world)
     when = datetime.date.today().isoformat()
@@ -49,6 +50,7 @@ def cluster_from_measurement(m: dict) -> Cluster:
         inter=link, matmul_efficiency=1.0, attention_efficiency=0.5 if cpu else 0.35,
         op_overhead=float(m["op_overhead"]), overlap=0.0 if cpu else 1.0, usable_memory=0.9,
         oversubscription=max(1.0, world / (os.cpu_count() or world)) if cpu else 1.0, matmul_rates=rates,
+        memory_rates=memory_rates,
         collectives=fits, device=m["device"],
         source=(f"measured by `meshplan profile` on {platform.node()} ({m['backend']}, {world} processes, "
                 f"{os.cpu_count()} CPU cores, {m['threads']} threads each, {when})"))

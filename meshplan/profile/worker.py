@@ -4,7 +4,7 @@ Every rank measures at once, as training would load the machine (on a CPU host w
 rates are the oversubscribed ones training gets):
 
 * matmul rates: a ``[n, n] @ [n, n]`` forward and its two backward matmuls, by size ``n``;
-* memory bandwidth: an element-wise add over 64 MiB;
+* memory bandwidth: an element-wise add over tensors of 256 KiB (in cache) to 64 MiB (in memory);
 * operator overhead: a chain of tiny autograd ops, forward and backward, per op;
 * collectives: all-gather, reduce-scatter, all-reduce and all-to-all in groups of consecutive ranks of every
   size dividing the world (all groups at once), and paired send/recv; each fitted as ``latency + bytes /
@@ -57,10 +57,12 @@ def _compute(device: torch.device, dtype: torch.dtype) -> dict:
         w = torch.randn(n, n, device=device, dtype=dtype, requires_grad=True)
         sec = _timed(lambda: (a @ w).sum().backward(), reps=5 if n <= 512 else 3)
         rates.append((n, _mean_over_ranks(3 * 2 * n ** 3 / sec, device)))
-    x = torch.randn(1 << 24, device=device)
-    y = torch.randn(1 << 24, device=device)
-    sec = _timed(lambda: torch.add(x, y), reps=5)
-    bandwidth = _mean_over_ranks(3 * x.numel() * 4 / sec, device)
+    bandwidths = []
+    for n in (1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24):  # 256 KiB (in cache) … 64 MiB (memory) per tensor
+        x, y = torch.randn(n, device=device), torch.randn(n, device=device)
+        reps = max(3, (1 << 24) // n // 4)
+        sec = _timed(lambda: [torch.add(x, y) for _ in range(8)], reps=reps) / 8
+        bandwidths.append((n * 4, _mean_over_ranks(3 * n * 4 / sec, device)))
     tiny = torch.ones(8, device=device, requires_grad=True)
 
     def chain():
@@ -69,7 +71,8 @@ def _compute(device: torch.device, dtype: torch.dtype) -> dict:
             h = h * 1.0001
         h.sum().backward()
     overhead = _mean_over_ranks(_timed(chain, reps=5) / 100, device)  # 50 forward ops and their 50 backward
-    return {"matmul_rates": rates, "hbm_bandwidth": bandwidth, "op_overhead": overhead}
+    return {"matmul_rates": rates, "memory_rates": bandwidths, "hbm_bandwidth": bandwidths[-1][1],
+            "op_overhead": overhead}
 
 
 def _collective(kind: str, group, n: int, nbytes: int, device: torch.device):

@@ -47,6 +47,16 @@ class Fit:
         return self.latency + nbytes / self.bandwidth
 
 
+def _interpolate(points: list[tuple[float, float]], x: float, below) -> float:
+    """Piecewise log-linear in ``x`` over sorted ``(x, y)`` points; ``below(y0, x0)`` under the first, flat above."""
+    if x <= points[0][0]:
+        return below(points[0][1], points[0][0])
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x <= x1:
+            return y0 + math.log(x / x0) / math.log(x1 / x0) * (y1 - y0)
+    return points[-1][1]
+
+
 def _ring(kind: str, n: int) -> tuple[float, float]:
     """``(latency steps, volume factor)`` of a ring collective over ``n`` ranks."""
     steps = n - 1 if n <= 16 else 2 * math.log2(n)
@@ -75,6 +85,8 @@ class Cluster:
             on GPUs). A rank idle in a pipeline bubble gives its share to the busy ones, so a bubble costs only
             what the busy ranks cannot use.
         matmul_rates: measured ``(size, FLOP/s)`` points, size the cube root of m·n·k (``meshplan profile``).
+        memory_rates: measured ``(bytes per tensor, bytes/s)`` of element-wise work (caches make small tensors
+            faster than ``hbm_bandwidth``).
         collectives: measured fits by kind and group size (``meshplan profile``).
         device: ``cuda`` or ``cpu``. source: where the numbers come from.
     """
@@ -94,6 +106,7 @@ class Cluster:
     host_bandwidth: float = 25e9
     oversubscription: float = 1.0
     matmul_rates: tuple[tuple[float, float], ...] = ()
+    memory_rates: tuple[tuple[float, float], ...] = ()
     collectives: Mapping[str, Mapping[int, Fit]] = field(default_factory=dict)
     device: str = "cuda"
     source: str = ""
@@ -109,14 +122,14 @@ class Cluster:
         """FLOP/s of a matmul of ``size`` = (m·n·k)^(1/3): the measured curve, else peak × efficiency."""
         if not self.matmul_rates:
             return self.peak(dtype) * self.matmul_efficiency
-        pts = sorted(self.matmul_rates)
-        if size <= pts[0][0]:
-            return pts[0][1] * size / pts[0][0]  # below the smallest measured: rate falls with the size
-        for (s0, r0), (s1, r1) in zip(pts, pts[1:]):
-            if size <= s1:
-                w = math.log(size / s0) / math.log(s1 / s0)
-                return r0 + w * (r1 - r0)
-        return pts[-1][1]
+        # below the smallest measured size the rate falls with the size
+        return _interpolate(sorted(self.matmul_rates), size, below=lambda r, s0: r * size / s0)
+
+    def memory_rate(self, nbytes: float) -> float:
+        """Bytes/s element-wise work reaches on tensors of ``nbytes``: the measured curve, else ``hbm_bandwidth``."""
+        if not self.memory_rates:
+            return self.hbm_bandwidth
+        return _interpolate(sorted(self.memory_rates), nbytes, below=lambda r, s0: r)
 
     def comm_time(self, kind: str, n: int, nodes: int, nbytes: float) -> float:
         """Seconds one ``kind`` collective over ``n`` ranks on ``nodes`` nodes takes for ``nbytes`` (the full
@@ -146,6 +159,7 @@ class Cluster:
         d = asdict(self)
         d["collectives"] = {k: {str(n): asdict(f) for n, f in v.items()} for k, v in self.collectives.items()}
         d["matmul_rates"] = [list(p) for p in self.matmul_rates]
+        d["memory_rates"] = [list(p) for p in self.memory_rates]
         return d
 
     @classmethod
@@ -159,7 +173,8 @@ class Cluster:
             data = dict(d)
             data["intra"], data["inter"] = Link(**d["intra"]), Link(**d["inter"])
             data["flops"] = {str(k): float(v) for k, v in d["flops"].items()}
-            data["matmul_rates"] = tuple((float(s), float(r)) for s, r in d.get("matmul_rates", ()))
+            for key in ("matmul_rates", "memory_rates"):
+                data[key] = tuple((float(s), float(r)) for s, r in d.get(key, ()))
             data["collectives"] = {k: {int(n): Fit(**f) for n, f in v.items()}
                                    for k, v in d.get("collectives", {}).items()}
             cluster = cls(**data)

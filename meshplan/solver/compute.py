@@ -71,7 +71,8 @@ def block_time(s: ModelShape, c: Candidate, tr: Training, cl: Cluster, moe: bool
     ffn = (s.expert_width * s.top_k / c.etp * (1 / c.tp if c.etp == 1 else 1)) if moe else s.ffn / c.tp
     stream, heads, hidden = TOUCHES
     touched = stream * s.hidden / sh + heads * s.q_width / c.tp + hidden * ffn
-    elementwise = tokens * touched * tr.act_bytes / cl.hbm_bandwidth * (passes / 3) / (1 if s.kernels == "eager" else 3)
+    rate = cl.memory_rate(tokens * s.hidden / sh * tr.act_bytes)  # by the size of the tensors touched
+    elementwise = tokens * touched * tr.act_bytes / rate * (passes / 3) / (1 if s.kernels == "eager" else 3)
     seconds = mm_time * passes + attn_time * attn_passes + elementwise + OPS_PER_BLOCK * (passes / 3) * cl.op_overhead
     return seconds, mm_flops * passes + attn * attn_passes
 
@@ -83,7 +84,9 @@ def end_time(s: ModelShape, c: Candidate, tr: Training, cl: Cluster, first: bool
     if last:
         m, n, k = tokens, s.vocab / c.tp, s.hidden
         out += 3 * 2 * m * n * k / cl.matmul_rate((m * n * k) ** (1 / 3), tr.dtype)
-        out += 4 * tokens * s.vocab / c.tp * 4 / cl.hbm_bandwidth  # softmax and its gradient in float32
+        logits = tokens * s.vocab / c.tp * 4
+        out += 4 * logits / cl.memory_rate(logits)  # softmax and its gradient in float32
     if first:
-        out += 3 * tokens * s.hidden * tr.act_bytes / cl.hbm_bandwidth
+        rows = tokens * s.hidden * tr.act_bytes
+        out += 3 * rows / cl.memory_rate(rows)
     return out + 20 * (first + last) * cl.op_overhead

@@ -154,7 +154,8 @@ def evaluate(s: ModelShape, c: Candidate, tr: Training, cl: Cluster, place: Plac
     ends = 2 * comm["dp"] / dp_calls if dp_calls else 0.0  # the first gather and the last reduction stay exposed
     dp_exposed = (1 - cl.overlap) * comm["dp"] + cl.overlap * max(ends, comm["dp"] - compute)
     mem, worst = peak_memory(s, c, tr, place, memo)
-    optimizer = mem.numel * tr.master_bytes * (3 * tr.optimizer_states + 4) / cl.hbm_bandwidth
+    per_tensor = mem.numel * tr.master_bytes / max(mem.tensors, 1)  # AdamW's foreach ops, tensor by tensor
+    optimizer = mem.numel * tr.master_bytes * (3 * tr.optimizer_states + 4) / cl.memory_rate(per_tensor)
     if tr.cpu_offload:  # the step on the host; parameters in and gradients out over PCIe, once each per step
         optimizer = mem.numel * tr.master_bytes * (3 * tr.optimizer_states + 6) / cl.host_bandwidth
     step = pipeline + pp_exposed + dp_exposed + optimizer + comm["step"]
