@@ -8,7 +8,8 @@ Sources (every number below is copied from them):
 * Llama 3 405B: "The Llama 3 Herd of Models", arXiv 2407.21783, Table 4 (GPUs, TP, CP, PP, DP, sequence, batch
   per DP rank, 16M tokens per batch, TFLOPs/GPU, BF16 MFU); H100 80 GB, 400 Gb/s RoCE.
 * torchtitan: github.com/pytorch/torchtitan ``benchmarks/llama3_h100_202412_torchtitan.md`` (Dec 2024), Tables 1-6:
-  TPS/GPU of Llama 3.1 8B/70B/405B on H100 96 GB HBM2e (2.4 TB/s) at 500 W; sequence 8192 unless stated.
+  TPS/GPU of Llama 3.1 8B/70B/405B on H100 96 GB HBM2e (2.4 TB/s) at 500 W, whose peak the page puts "between SXM
+  and NVL" (H100 NVL: 835 dense BF16 TFLOP/s, used here); sequence 8192 unless stated.
 * Megatron-LM: github.com/NVIDIA/Megatron-LM ``images/model_table.png`` (README "Weak Scaling Results", Megatron-Core
   r0.8.0, July 2024): GPT models 1.7B-462B on 48-6144 H100s, vocabulary 131,072, sequence 4,096, per-GPU TFLOP/s
   and MFU; with TP/DP/PP communication overlap.
@@ -76,7 +77,8 @@ def _why(res, tp, cp, pp, dp) -> str:
 
 def llama3() -> None:
     cl = cluster_preset("h100-80g")
-    s = model_preset("llama3-405b")
+    # the paper (§3.3.2) all-gathers K and V, which GQA keeps far smaller than Q: gathered before the repeat
+    s = dataclasses.replace(model_preset("llama3-405b"), gqa_repeat=False)
     print("\n### Llama 3 405B (arXiv 2407.21783, Table 4), h100-80g\n")
     print("| GPUs | TP | CP | PP | DP | seq | published TFLOPs/GPU (MFU) | estimate TFLOPs/GPU (MFU) | est/pub | "
           "published layout's rank | valid candidates | solver's best |")
@@ -92,16 +94,20 @@ def llama3() -> None:
 
 def torchtitan() -> None:
     base = cluster_preset("h100-80g")
-    cl = dataclasses.replace(base, name="h100-96g-hbm2e-500w", memory=96e9, hbm_bandwidth=2.4e12)
+    # their H100s: 96 GB HBM2e at 2.4 TB/s, 500 W; peak "between SXM and NVL" (footnote 2): NVL's 835 dense BF16
+    # is the lower end, taken here (FP8 twice that)
+    cl = dataclasses.replace(base, name="h100-96g-hbm2e-500w", memory=96e9, hbm_bandwidth=2.4e12,
+                             flops={"bfloat16": 835e12, "float32": 417.5e12, "float8": 1670e12})
     print("\n### torchtitan Llama 3.1 (benchmarks/llama3_h100_202412_torchtitan.md), H100 96 GB HBM2e 2.4 TB/s\n")
     print("| table | model | GPUs | layout | seq | published TPS/GPU | estimate TPS/GPU | est/pub | rank | valid |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for table, name, gpus, tp, cp, pp, dp, seq, batch, ac, sched, compiled, fp8, tps in TORCHTITAN:
         s = dataclasses.replace(model_preset(name), kernels="fused" if compiled else "eager")
         tr = Training(seq=seq, global_batch=batch, matmul_dtype="float8" if fp8 else None)
-        space = Space(micro_batches=(1, 2, 4, 8) if pp > 1 else (1, 2), ac=("none", "selective", "full"))
+        # torchtitan's "selective" is its default op-level SAC (matmul outputs kept)
+        space = Space(micro_batches=(1, 2, 4, 8) if pp > 1 else (1, 2), ac_ops=ac == "selective")
         res = search(s, tr, cl, gpus, space)
-        e, rank = _published(res, tp, cp, pp, dp, ac if ac != "selective" else None, sched)
+        e, rank = _published(res, tp, cp, pp, dp, ac, sched)
         est = f"{e.tokens_per_s_device:,.0f}" if e else _why(res, tp, cp, pp, dp)
         ratio = f"{e.tokens_per_s_device / tps:.2f}" if e else "-"
         layout = f"tp{tp} cp{cp} pp{pp} dp{dp}" + (f" {sched}" if sched else "") + f" ac={ac}"

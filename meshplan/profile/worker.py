@@ -1,7 +1,7 @@
 """The ``meshplan profile`` job, one process per device under torchrun: what this machine computes and moves.
 
-Every rank measures at once, as training would load the machine (on a CPU host with more ranks than cores the
-rates are the oversubscribed ones training gets):
+Every rank measures at once and for long enough (~0.2 s windows) that ranks sharing cores contend as in training
+(on a CPU host with more ranks than cores the rates are the oversubscribed ones training gets):
 
 * matmul rates: a ``[n, n] @ [n, n]`` forward and its two backward matmuls, by size ``n``;
 * memory bandwidth: an element-wise add over tensors of 256 KiB (in cache) to 64 MiB (in memory);
@@ -30,17 +30,26 @@ SIZES = (64, 128, 256, 512, 1024)
 MESSAGE_BYTES = (1 << 13, 1 << 18, 1 << 22)
 
 
-def _timed(fn, reps: int) -> float:
-    """Median seconds of ``fn`` over ``reps`` runs, every rank starting together."""
+def _timed(fn, reps: int, window: float = 0.2) -> float:
+    """Median seconds per call of ``fn`` over ``reps`` windows of about ``window`` seconds each, every rank starting
+    together and running the same number of calls (a window long enough for ranks sharing cores to contend as
+    training makes them: a short burst runs each rank alone on a core)."""
     fn()
+    t = time.perf_counter()
+    fn()
+    calls = torch.tensor([max(1, int(window / max(time.perf_counter() - t, 1e-7)))], dtype=torch.float64)
+    dist.all_reduce(calls, op=dist.ReduceOp.MAX)
+    calls_n = int(calls)
+    cuda = torch.cuda.is_available() and dist.get_backend() == "nccl"
     times = []
     for _ in range(reps):
         dist.barrier()
         t = time.perf_counter()
-        fn()
-        if torch.cuda.is_available() and dist.get_backend() == "nccl":
+        for _ in range(calls_n):
+            fn()
+        if cuda:
             torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
+        times.append((time.perf_counter() - t) / calls_n)
     return statistics.median(times)
 
 
@@ -55,13 +64,12 @@ def _compute(device: torch.device, dtype: torch.dtype) -> dict:
     for n in SIZES:
         a = torch.randn(n, n, device=device, dtype=dtype, requires_grad=True)
         w = torch.randn(n, n, device=device, dtype=dtype, requires_grad=True)
-        sec = _timed(lambda: (a @ w).sum().backward(), reps=5 if n <= 512 else 3)
+        sec = _timed(lambda: (a @ w).sum().backward(), reps=3)
         rates.append((n, _mean_over_ranks(3 * 2 * n ** 3 / sec, device)))
     bandwidths = []
     for n in (1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24):  # 256 KiB (in cache) … 64 MiB (memory) per tensor
         x, y = torch.randn(n, device=device), torch.randn(n, device=device)
-        reps = max(3, (1 << 24) // n // 4)
-        sec = _timed(lambda: [torch.add(x, y) for _ in range(8)], reps=reps) / 8
+        sec = _timed(lambda: torch.add(x, y), reps=3)
         bandwidths.append((n * 4, _mean_over_ranks(3 * n * 4 / sec, device)))
     tiny = torch.ones(8, device=device, requires_grad=True)
 
@@ -70,7 +78,7 @@ def _compute(device: torch.device, dtype: torch.dtype) -> dict:
         for _ in range(50):
             h = h * 1.0001
         h.sum().backward()
-    overhead = _mean_over_ranks(_timed(chain, reps=5) / 100, device)  # 50 forward ops and their 50 backward
+    overhead = _mean_over_ranks(_timed(chain, reps=3) / 100, device)  # 50 forward ops and their 50 backward
     return {"matmul_rates": rates, "memory_rates": bandwidths, "hbm_bandwidth": bandwidths[-1][1],
             "op_overhead": overhead}
 
@@ -106,8 +114,8 @@ def _collectives(device: torch.device) -> dict:
         groups = [dist.new_group(list(range(s, s + n))) for s in range(0, world, n)]
         mine = groups[rank // n]
         for kind in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all"):
-            points = [(b, _mean_over_ranks(_timed(_collective(kind, mine, n, b, device), reps=5), device))
-                      for b in MESSAGE_BYTES]
+            points = [(b, _mean_over_ranks(_timed(_collective(kind, mine, n, b, device), reps=3, window=0.1),
+                                           device)) for b in MESSAGE_BYTES]
             out[kind][str(n)] = _fit(points)
     if world % 2 == 0:
         peer = rank ^ 1
@@ -119,7 +127,7 @@ def _collectives(device: torch.device) -> dict:
                 ops = [dist.P2POp(dist.isend, buf, peer), dist.P2POp(dist.irecv, torch.empty_like(buf), peer)]
                 for w in dist.batch_isend_irecv(ops):
                     w.wait()
-            points.append((b, _mean_over_ranks(_timed(pingpong, reps=5), device)))
+            points.append((b, _mean_over_ranks(_timed(pingpong, reps=3, window=0.1), device)))
         out["send"]["2"] = _fit(points)
     return out
 

@@ -37,7 +37,8 @@ class Space:
     Attributes:
         orders: Megatron order strings tried. schedules: pipeline schedules tried. vpps: stages per rank tried
             by the loop schedules with several (the V-shaped ones take 2). micro_batches: sequences per microbatch.
-        ac: activation checkpointing tried (``selective``: every ``ac_every``-th block).
+        ac: activation checkpointing tried (``selective``: every ``ac_every``-th block, or op level with
+            ``ac_ops``: matmul outputs kept, the rest recomputed).
         fixed: degrees pinned by the user (``{"tp": 8}``).
     """
 
@@ -47,6 +48,7 @@ class Space:
     micro_batches: tuple[int, ...] = (1, 2, 4, 8)
     ac: tuple[str, ...] = ("none", "selective", "full")
     ac_every: int = 2
+    ac_ops: bool = False
     fixed: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -203,8 +205,9 @@ class _Search:
             for ac in self.space.ac:
                 for keep in ((True, False) if sharded else (True,)):
                     self.enumerated += 1
-                    self.evaluate(c.with_(ac=ac, ac_every=self.space.ac_every if ac == "selective" else 1,
-                                          accumulate_unsharded=keep), place)
+                    selective = ac == "selective"
+                    self.evaluate(c.with_(ac=ac, ac_every=self.space.ac_every if selective else 1,
+                                          ac_ops=selective and self.space.ac_ops, accumulate_unsharded=keep), place)
 
     def evaluate(self, c: Candidate, place: Placement) -> None:
         memo: dict = {}
