@@ -131,13 +131,14 @@ def run_world(world: int, steps: int, tmp: Path) -> None:
     from meshplan.profile.run import profile_cluster
     cluster = profile_cluster(nproc=world, out=tmp / f"cluster{world}.json")
     print(f"\n### world {world} on {os.cpu_count()} cores — {cluster.source}\n")
-    print("| layout | model | measured s/step | predicted s/step | error |")
-    print("|---|---|---|---|---|")
+    print("| layout | model | measured s/step | predicted s/step | error | load before |")
+    print("|---|---|---|---|---|---|")
     results: dict[str, list] = {"llama": [], "moe": []}
     for name, (kind, plan) in LAYOUTS[world].items():
+        load = os.getloadavg()[0]
         got, want = measure(plan, kind, world, steps, tmp), predict(plan, kind, world, cluster)
         results[kind].append((name, got, want))
-        print(f"| {name} | {kind} | {got:.3f} | {want:.3f} | {100 * (want / got - 1):+.0f}% |")
+        print(f"| {name} | {kind} | {got:.3f} | {want:.3f} | {100 * (want / got - 1):+.0f}% | {load:.1f} |", flush=True)
     for kind, rows in results.items():
         if len(rows) > 2:
             rho = spearman([r[1] for r in rows], [r[2] for r in rows])

@@ -68,6 +68,7 @@ def test_one_line_errors(capsys, argv, needle):
     assert rc == 2 and err.count("\n") == 1 and err.startswith("meshplan: error: ") and needle in err, err
 
 
+@pytest.mark.fast
 def test_write_a_plan_that_check_accepts(tmp_path, capsys):
     import llama
     out = tmp_path / "chosen.yaml"

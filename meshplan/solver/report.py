@@ -35,7 +35,8 @@ def estimate_text(e: Estimate, s: ModelShape, cl: Cluster, source: str) -> str:
     lines = [f"meshplan estimate: {source}  {s.describe()}",
              f"layout: {c.label()} on {c.world} ranks (order {c.order})", "",
              f"memory per rank (pipeline rank {e.memory_rank}, the most loaded): {fmt_bytes(m.total)} of "
-             f"{fmt_bytes(usable)} usable on {cl.name}",
+             f"{fmt_bytes(usable)} usable on {cl.name}" + ("" if m.total <= usable else
+                                                          " — DOES NOT FIT (meshplan solve rejects it: memory)"),
              f"  parameters {fmt_bytes(m.params)} ({m.numel:,} elements in {m.tensors} tensors), gradients "
              f"{fmt_bytes(m.grads)}, optimizer {fmt_bytes(m.optimizer)}",
              f"  activations {fmt_bytes(m.activations)} (microbatches in flight), FSDP gathered parameters "
