@@ -4,6 +4,7 @@
     torchrun --standalone --nproc-per-node 1 examples/train.py --plan plans/single.yaml --global-batch 16 --json
     torchrun --standalone --nproc-per-node 4 examples/train.py --plan plans/llama_cp.yaml --seq 256   # cp 2 × tp 2
     torchrun --standalone --nproc-per-node 4 examples/train.py --model moe --plan plans/moe.yaml  # tp 2 × ep 2
+    torchrun --nproc-per-node 4 --max-restarts 3 examples/train.py --checkpoint-dir ckpt --checkpoint-every 10
 
 Synthetic data with a learnable rule (each token is the previous one plus a
 per-sequence stride, mod vocab), so the loss visibly falls. Prints loss and
@@ -23,6 +24,14 @@ command with any plan and a matching ``--nproc-per-node`` prints the same losses
 as one process with ``plans/single.yaml``, to fp32 noise. ``--json`` prints them
 exactly: one object per step on rank 0, ``{"step", "loss", "grad_norm", "tokens_per_s"}``
 (``tokens_per_s`` of that step alone); the banner goes to stderr then.
+
+Checkpoints (``--checkpoint-dir D --checkpoint-every N``, docs/checkpoints.md): every N steps and after the last
+one, ``meshplan.CheckpointManager`` saves the model, AdamW and the data position (samples seen, global batch,
+seed) into ``D/step-0000000N``; a run started with the same ``D`` resumes from the latest complete checkpoint by
+itself, on any plan and world size, and prints the losses the uninterrupted run printed (another global batch
+size is refused unless ``--allow-batch-change``). Each step reseeds torch's RNG from ``(seed, step)``, so any
+randomness in a step (dropout) repeats too. Under ``torchrun --max-restarts N`` a killed worker restarts the
+group, which resumes the same way.
 """
 
 from __future__ import annotations
@@ -65,11 +74,12 @@ def sample(vocab: int, seq: int, seed: int, index: int) -> torch.Tensor:
 
 
 def batches(vocab: int, seq: int, global_batch: int, data_rank: int = 0, data_world_size: int = 1,
-            seed: int = 0):
+            seed: int = 0, start_sample: int = 0):
     """Yield ``(inputs, targets)`` of this rank's slice of every step's global batch.
 
-    Step ``s`` (from 0) holds the global samples ``s·global_batch …``; data rank ``r`` of ``d`` takes the
-    contiguous ``global_batch / d`` of them starting at ``r·global_batch / d``.
+    Step ``s`` (from 0) holds the global samples ``start_sample + s·global_batch …``; data rank ``r`` of ``d``
+    takes the contiguous ``global_batch / d`` of them starting at ``r·global_batch / d``. A resumed run passes
+    the samples its checkpoint had seen as ``start_sample``.
     """
     if global_batch % data_world_size:
         raise ValueError(f"--global-batch {global_batch} is not divisible by the data-parallel size "
@@ -77,13 +87,19 @@ def batches(vocab: int, seq: int, global_batch: int, data_rank: int = 0, data_wo
     local = global_batch // data_world_size
     step = 0
     while True:
-        first = step * global_batch + data_rank * local
+        first = start_sample + step * global_batch + data_rank * local
         seqs = torch.stack([sample(vocab, seq, seed, i) for i in range(first, first + local)])
         yield seqs[:, :-1], seqs[:, 1:]
         step += 1
 
 
-def main() -> None:
+def step_seed(seed: int, step: int) -> int:
+    """The torch RNG seed of step ``step``: any randomness in a step (dropout) is a function of ``(seed, step)``,
+    so a resumed run draws what the uninterrupted one drew, on any layout (the data never touches it)."""
+    return _splitmix64((((seed & 0xFFFFFFFF) << 32) | (step & 0xFFFFFFFF)) ^ 0xD1B54A32D192ED03) >> 1
+
+
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--plan", default="plans/llama.yaml")
     ap.add_argument("--model", choices=("llama", "moe"), default="llama",
@@ -98,46 +114,94 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0, help="seeds the model init and the data")
+    ap.add_argument("--checkpoint-dir", default=None,
+                    help="save checkpoints here (step-N folders) and resume from the latest complete one")
+    ap.add_argument("--checkpoint-every", type=int, default=None,
+                    help="save every N steps (and after the last step); default: only after the last step")
+    ap.add_argument("--keep", type=int, default=3, help="complete checkpoints kept: the latest K (0: all)")
+    ap.add_argument("--async-checkpoint", action="store_true",
+                    help="write checkpoints in the background (the loop waits only for a CPU copy)")
+    ap.add_argument("--allow-batch-change", action="store_true",
+                    help="resume with another --global-batch than the checkpoint's (from its sample index)")
     ap.add_argument("--json", action="store_true",
                     help='print one JSON object per step on rank 0: {"step", "loss", "grad_norm", "tokens_per_s"}')
-    args = ap.parse_args()
+    return ap
 
+
+def _model(args: argparse.Namespace) -> torch.nn.Module:
+    common = dict(dim=args.dim, n_layers=args.layers, n_heads=8, n_kv_heads=4, vocab_size=256,
+                  ffn_dim=4 * args.dim, max_seq_len=args.seq, dropout=0.0)
+    cfg = (moe.ModelArgs(**common, moe_hidden=2 * args.dim, n_experts=args.experts, top_k=2,
+                         capacity_factor=None, aux_loss_coef=0.0)
+           if args.model == "moe" else llama.ModelArgs(**common))
+    torch.manual_seed(args.seed)
+    return (moe if args.model == "moe" else llama).build(cfg)  # same seed on every rank: each keeps its shards
+    # of one single-device init
+
+
+def _resume(args, ckpt, model, opt, data_state, rank) -> tuple[int, "meshplan.DataState"]:
+    """``(steps done, data position)``: from the latest complete checkpoint, else a fresh start."""
+    if ckpt is None:
+        return 0, data_state
+    try:
+        saved = ckpt.load_latest(model, opt, data=data_state, allow_batch_change=args.allow_batch_change)
+    except meshplan.PlanError as e:
+        sys.exit(f"train.py: error: {e}")
+    if saved is None:
+        return 0, data_state
+    if rank == 0:
+        print(f"resumed from {saved.path} (step {saved.step}, sample {saved.data.samples_seen})",
+              file=sys.stderr, flush=True)
+    return saved.step, saved.data
+
+
+def _report(args, topo, model, step, result, tokens_per_s) -> None:
+    if topo.rank != 0:
+        return
+    if args.json:
+        print(json.dumps({"step": step, "loss": float(result.loss), "grad_norm": float(result.grad_norm),
+                          "tokens_per_s": tokens_per_s}), flush=True)
+    elif step == 1 or step % 5 == 0 or step == args.steps:
+        layers = [m.aux_loss.detach() for m in model.modules() if isinstance(m, moe.MoE) and m.aux_loss is not None]
+        aux = f"  aux {float(sum(layers)):.3f} (rank 0's layers, not trained)" if layers else ""
+        print(f"step {step:3d}  loss {float(result.loss):.4f}  grad_norm {float(result.grad_norm):.3f}  "
+              f"tokens/s {tokens_per_s:,.0f}{aux}", flush=True)
+
+
+def main() -> None:
+    args = _parser().parse_args()
     plan = meshplan.load_plan(args.plan)
     with meshplan.init(plan) as topo:
         global_batch = args.global_batch if args.global_batch is not None else args.batch * topo.data_world_size
         if global_batch < 1 or global_batch % topo.data_world_size:
             sys.exit(f"train.py: error: the global batch ({global_batch}) must be a positive multiple of the "
                      f"data-parallel size ({topo.data_world_size})")
-        common = dict(dim=args.dim, n_layers=args.layers, n_heads=8, n_kv_heads=4, vocab_size=256,
-                      ffn_dim=4 * args.dim, max_seq_len=args.seq, dropout=0.0)
-        cfg = (moe.ModelArgs(**common, moe_hidden=2 * args.dim, n_experts=args.experts, top_k=2,
-                             capacity_factor=None, aux_loss_coef=0.0)
-               if args.model == "moe" else llama.ModelArgs(**common))
-        torch.manual_seed(args.seed)
-        model = (moe if args.model == "moe" else llama).build(cfg)  # same seed on every rank: each keeps its
-        # shards of one single-device init
-        meshplan.parallelize(model, plan, topo)
+        model = meshplan.parallelize(_model(args), plan, topo)
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-        data = batches(cfg.vocab_size, args.seq, global_batch, topo.data_rank, topo.data_world_size, args.seed)
+        ckpt = meshplan.CheckpointManager(args.checkpoint_dir, every=args.checkpoint_every, keep=args.keep or None,
+                                          async_save=args.async_checkpoint) if args.checkpoint_dir else None
+        done, position = _resume(args, ckpt, model, opt, meshplan.DataState(global_batch, args.seed),
+                                 topo.rank)
+        vocab = model.args.vocab_size
+        data = batches(vocab, args.seq, global_batch, topo.data_rank, topo.data_world_size, args.seed,
+                       start_sample=position.samples_seen)
         if topo.rank == 0:
             n_local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
             print(f"{topo!r}\nplan {args.plan}: {n_local:,} local parameters on "
                   f"rank 0; global batch {global_batch}", file=sys.stderr if args.json else sys.stdout, flush=True)
-        tokens_per_step = global_batch * args.seq
-        t0 = last = time.perf_counter()
-        for step in range(1, args.steps + 1):
-            x, y = next(data)
-            result = meshplan.train_step(model, (x, y), meshplan.cross_entropy, opt, topology=topo, max_grad_norm=1.0)
+        last = time.perf_counter()
+        for step in range(done + 1, args.steps + 1):
+            torch.manual_seed(step_seed(args.seed, step))
+            result = meshplan.train_step(model, next(data), meshplan.cross_entropy, opt, topology=topo,
+                                         max_grad_norm=1.0)
+            position = position.advanced()
             now = time.perf_counter()
-            if topo.rank == 0 and args.json:
-                print(json.dumps({"step": step, "loss": float(result.loss), "grad_norm": float(result.grad_norm),
-                                  "tokens_per_s": tokens_per_step / (now - last)}), flush=True)
-            elif topo.rank == 0 and (step == 1 or step % 5 == 0 or step == args.steps):
-                layers = [m.aux_loss.detach() for m in model.modules() if isinstance(m, moe.MoE) and m.aux_loss is not None]
-                aux = f"  aux {float(sum(layers)):.3f} (rank 0's layers, not trained)" if layers else ""
-                print(f"step {step:3d}  loss {float(result.loss):.4f}  grad_norm {float(result.grad_norm):.3f}  "
-                      f"tokens/s {tokens_per_step * step / (now - t0):,.0f}{aux}", flush=True)
+            _report(args, topo, model, step, result, global_batch * args.seq / (now - last))
             last = now
+            if ckpt is not None:
+                ckpt.save(step, model, opt, data=position, force=step == args.steps)
+        if ckpt is not None:
+            ckpt.close()
 
 
 if __name__ == "__main__":

@@ -1,13 +1,14 @@
 """meshplan: plans that turn an ordinary ``nn.Module`` into an N-D parallel model."""
 
-from meshplan.errors import PlanError
+from meshplan.errors import PlanError, RankFailure
 from meshplan.plan_file.layout import Layout, ResolvedLayout
 from meshplan.plan_file.document import Plan, load_plan
 
-__all__ = ["PlanError", "Layout", "ResolvedLayout", "Plan", "load_plan", "build_mesh", "init",
+__all__ = ["PlanError", "RankFailure", "Layout", "ResolvedLayout", "Plan", "load_plan", "build_mesh", "init",
            "Topology", "current_topology", "parallelize", "cross_entropy", "loss_parallel",
            "train_step", "clip_grad_norm_", "materialize", "load_state_dict", "load_full_state_dict",
-           "load_safetensors", "plan", "check", "parallel_state", "shard_sequence", "memory", "estimate", "solve"]
+           "load_safetensors", "plan", "check", "parallel_state", "shard_sequence", "memory", "save", "load",
+           "CheckpointManager", "DataState", "export_safetensors", "latest_checkpoint", "estimate", "solve"]
 __version__ = "0.1.0"
 
 
@@ -40,6 +41,8 @@ def __getattr__(name: str):
     if name in ("load_state_dict", "load_full_state_dict", "load_safetensors"):
         import meshplan.weights.load as loading
         return getattr(loading, name)
+    if name in ("save", "load", "CheckpointManager", "DataState", "export_safetensors", "latest_checkpoint"):
+        return _checkpoint(name)
     if name == "plan":
         from meshplan.decorator import plan
         return plan
@@ -56,3 +59,23 @@ def __getattr__(name: str):
         from meshplan.mesh.runtime import init
         return init
     raise AttributeError(f"module 'meshplan' has no attribute {name!r}")
+
+
+def _checkpoint(name: str):
+    if name == "save":
+        from meshplan.checkpoint.save import save
+        return save
+    if name == "load":
+        from meshplan.checkpoint.load import load
+        return load
+    if name == "CheckpointManager":
+        from meshplan.checkpoint.manager import CheckpointManager
+        return CheckpointManager
+    if name == "DataState":
+        from meshplan.checkpoint.manifest import DataState
+        return DataState
+    if name == "latest_checkpoint":
+        from meshplan.checkpoint.directory import latest_complete
+        return latest_complete
+    from meshplan.checkpoint.export import export_safetensors
+    return export_safetensors

@@ -2,13 +2,15 @@
 
 Each name says why meshplan needs it. ``tests/test_torch_private.py`` imports every one, so a torch
 upgrade that moves one fails in one obvious place. Grouped by concern: simulated ranks, DTensor
-internals, DTensor's sharding rules, meshes, autograd, ops, modules, data parallelism.
+internals, DTensor's sharding rules, meshes, autograd, ops, modules, data/pipeline/context parallelism, faults.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import datetime
+import pickle
 from functools import partial
 from typing import Any, Callable, Iterator
 
@@ -17,27 +19,18 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 __all__ = [
-    # simulated ranks
     "FakeStore", "LocalTensor", "LocalTensorMode", "local_tensor_mode", "no_local_tensor_mode", "simulated_ranks",
-    "rank_tensors", "module_view", "retarget_graph_device", "remove_split_marker",
-    # DTensor internals
-    "StridedShard", "local_tensor", "compute_local_shape_and_global_offset", "funcol", "dtensor_op_handlers",
-    # DTensor sharding rules
-    "OpOverload", "OpSchema", "OpStrategy", "StrategyType", "expand_to_full_mesh_op_strategy",
-    "is_tensor_evenly_shardable_on_dim", "sharding_propagator",
-    # meshes
-    "flatten_mesh",
-    # autograd and dispatch
-    "queue_backward_callback", "saved_tensors_hooks_active", "hook_registered", "tensor_version",
-    "TorchDispatchMode", "tree_map", "tree_leaves",
-    # ops
-    "foreach_mul_", "safe_softmax", "LOG_SOFTMAX", "CPU_FLASH_ATTENTION", "CPU_FLASH_ATTENTION_BACKWARD",
-    # modules and styles
-    "DropoutNd", "module_parameters", "module_buffers", "style_prepare_fns",
-    # data parallelism
-    "checkpoint_wrapper", "CheckpointWrapper", "CHECKPOINT_PREFIX", "replicate",
-    # context parallelism
-    "ring_attention_dispatch",
+    "rank_tensors", "module_view", "retarget_graph_device", "remove_split_marker",  # simulated ranks, stage views
+    "StridedShard", "local_tensor", "compute_local_shape_and_global_offset", "funcol", "dtensor_op_handlers",  # DTensor
+    "OpOverload", "OpSchema", "OpStrategy", "StrategyType", "expand_to_full_mesh_op_strategy",  # sharding rules
+    "is_tensor_evenly_shardable_on_dim", "sharding_propagator", "flatten_mesh",  # sharding rules, meshes
+    "queue_backward_callback", "saved_tensors_hooks_active", "hook_registered", "tensor_version",  # autograd
+    "TorchDispatchMode", "tree_map", "tree_leaves",  # dispatch
+    "foreach_mul_", "safe_softmax", "LOG_SOFTMAX", "CPU_FLASH_ATTENTION", "CPU_FLASH_ATTENTION_BACKWARD",  # ops
+    "DropoutNd", "module_parameters", "module_buffers", "style_prepare_fns",  # modules and styles
+    "checkpoint_wrapper", "CheckpointWrapper", "CHECKPOINT_PREFIX", "replicate",  # data parallelism
+    "step_microbatches", "ring_attention_dispatch",  # pipeline and context parallelism
+    "set_group_timeout", "group_options", "default_store", "flight_recorder_dump",  # faults
 ]
 
 # ---------------------------------------------------------------- simulated ranks
@@ -190,8 +183,7 @@ CPU_FLASH_ATTENTION_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attentio
 
 # ---------------------------------------------------------------- modules and styles
 
-# the base class of every nn.Dropout* module: how tp finds the dropouts of a model
-DropoutNd = nn.modules.dropout._DropoutNd
+DropoutNd = nn.modules.dropout._DropoutNd  # the base of every nn.Dropout*: how tp finds the dropouts of a model
 
 
 def module_parameters(m: nn.Module) -> dict[str, nn.Parameter | None]:
@@ -258,6 +250,13 @@ def remove_split_marker(m: nn.Module) -> None:
         del m.forward, m._orig_forward
 
 
+def step_microbatches(schedule: Any, n: int) -> None:
+    """Run a one-stage schedule's own step loop on stand-in stages that record their calls: GPipe and 1F1B run
+    their loop, not their ``pipeline_order`` IR (wrong for 1F1B's last rank in torch 2.13), so the order of the
+    picture of ``meshplan check --schedule`` is what the loop calls."""
+    schedule._step_microbatches([()] * n, [{}] * n, [None] * n)
+
+
 # ---------------------------------------------------------------- context parallelism
 
 @contextlib.contextmanager
@@ -274,3 +273,28 @@ def ring_attention_dispatch(load_balance: bool) -> Iterator[None]:
     finally:
         cp_attention._disable_cp_dtensor_dispatcher()
         cp_attention._cp_options.enable_load_balance = old
+
+
+# ---------------------------------------------------------------- faults
+
+def set_group_timeout(group: Any, seconds: float) -> None:
+    """``group``'s collective timeout: DeviceMesh sub-groups do not inherit init_process_group's (they get 30 min)."""
+    torch.distributed.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds), group)
+
+
+def group_options(seconds: float) -> Any:
+    """Options making a DeviceMesh dim's groups with this timeout: gloo keeps it for point-to-point waits."""
+    options = torch._C._distributed_c10d.Backend.Options
+    return options(torch.distributed.get_backend(), datetime.timedelta(seconds=seconds))
+
+
+def default_store() -> Any:
+    """The default group's c10d store (torchrun's agent hosts it): where ranks keep their heartbeats."""
+    return torch.distributed.distributed_c10d._get_default_store()
+
+
+def flight_recorder_dump(stack_traces: bool = False, only_active: bool = False) -> dict:
+    """torch's flight recorder, ``{}`` when off: the entries say process_group, profiling_name, retired, frames…"""
+    raw = torch._C._distributed_c10d._dump_fr_trace(includeCollectives=True, includeStackTraces=stack_traces,
+                                                     onlyActive=only_active)
+    return pickle.loads(raw) if raw else {}

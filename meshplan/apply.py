@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -68,8 +69,15 @@ def parallelize(model: nn.Module, plan: Plan | Mapping[str, Any] | str | Path | 
         mesh = current_topology() or build_mesh(p.layout or {})
     tp_mesh = _tp_mesh(mesh)
     from meshplan.mesh.runtime import check_same_plan
-    check_same_plan(p, mesh if isinstance(mesh, Topology) else tp_mesh)  # a rank with another plan fails, not hangs
-    topology = mesh if isinstance(mesh, Topology) else None
+    # a rank with another plan, model or torch fails, not hangs
+    check_same_plan(p, mesh if isinstance(mesh, Topology) else tp_mesh, model)
+    watch = getattr(mesh, "faults", None)
+    with watch.translating() if watch is not None else contextlib.nullcontext():
+        return _apply_sections(model, p, mesh if isinstance(mesh, Topology) else None, tp_mesh)
+
+
+def _apply_sections(model: nn.Module, p: Plan, topology: Topology | None, tp_mesh: DeviceMesh) -> nn.Module:
+    """:func:`parallelize` once the plan and the mesh are settled and every rank agrees."""
     data_parallel = p.data_parallel is not None or (topology is not None and topology.layout.dp * topology.layout.cp > 1)
     pipelined = p.pipeline is not None or (topology is not None and topology.layout.pp > 1)
     if (data_parallel or pipelined) and topology is None:

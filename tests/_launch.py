@@ -26,17 +26,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def launch(script: str, nproc: int, *args: str, timeout: float = 900) -> dict:
-    """Run ``torchrun --nproc-per-node nproc script`` and return ``{case: {rank: result}}``."""
+def launch(script: str, nproc: int, *args: str, timeout: float = 900, torchrun_args: tuple[str, ...] = (),
+           env: dict | None = None) -> dict:
+    """Run ``torchrun --nproc-per-node nproc [torchrun_args] script`` and return ``{case: {rank: result}}``."""
     out = Path(tempfile.mkdtemp(prefix="meshplan-dist-"))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MESHPLAN_CASE_OUT": str(out),
+    env = {**os.environ, **(env or {}), "OMP_NUM_THREADS": "1", "MESHPLAN_CASE_OUT": str(out),
            "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "examples"), str(ROOT / "tests"),
                                           os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           str(ROOT / script), *args]
+           *torchrun_args, str(ROOT / script), *args]
     t = time.time()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    results: dict = {"_meta": {"returncode": proc.returncode, "seconds": time.time() - t,
+    results: dict = {"_meta": {"returncode": proc.returncode, "seconds": time.time() - t, "out": str(out),
                                "stderr": proc.stderr[-6000:], "stdout": proc.stdout[-3000:]}}
     for f in sorted(out.glob("rank*.json")):
         rank = int(f.stem[4:])

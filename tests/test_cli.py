@@ -58,7 +58,7 @@ def test_svg(capsys):
     (["ranks", "--tp", "2"], "the following arguments are required: --world-size"),
     (["ranks", "--world-size", "8", "--tp", "x"], "argument --tp: invalid int value: 'x'"),
     (["ranks", "--world-size", "8", "--order", "tp-xx"], "order: order 'tp-xx' has unknown token(s) ['xx']"),
-    (["ranks", "--world-size", "8", "--format", "png"], "invalid choice: 'png'"),
+    (["ranks", "--world-size", "8", "--format", "gif"], "invalid choice: 'gif'"),
     (["nope"], "invalid choice: 'nope'"),
     (["ranks", "--world-size", "100000000", "--tp", "8"],
      "argument --world-size: expected an integer in [1, 65536] (2**16: the tables of larger worlds take minutes"),

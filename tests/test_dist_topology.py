@@ -39,3 +39,46 @@ def test_plan_mismatch_fails_on_every_rank_with_a_diff(results, case, where):
     if case == "parallelize_plan_mismatch":
         assert "rank(s) [1] pass another plan than they gave meshplan.init" in msg, msg
     assert max(v["seconds"] for v in values.values()) < 30  # no hang until the process-group timeout (120 s)
+
+
+#: what each one-rank mismatch's message must hold (besides naming rank 0 and rank 1)
+MISMATCH_TEXT = {
+    "sequence_parallel": "tensor_parallel.sequence_parallel: rank 0 has false, rank 1 has true",
+    "loss_parallel": "tensor_parallel.loss_parallel: rank 0 has false, rank 1 has true",
+    "rule": "tensor_parallel.rules.'layers.*.b'.style: rank 0 has \"rowwise\", rank 1 has \"colwise\"",
+    "fsdp_dtype": "data_parallel.param_dtype: rank 0 has \"float32\", rank 1 has \"bfloat16\"",
+    "faults_timeout": "faults: rank 0 has null, rank 1 has {\"dump_dir\": null, \"flight_recorder\": 2000, "
+                      "\"heartbeat_s\": 2.0, \"init_timeout_s\": 600.0, \"timeout_s\": 30.0}",
+    "model_shape": "layers.0.b.weight: rank 0 has [8, 8] float32, rank 1 has [16, 8] float32; layers.0.b.bias: "
+                   "rank 0 has [8] float32, rank 1 has [16] float32 (2 of 4 parameters and buffers differ); every "
+                   "rank must build the same model",
+    "model_layers": "layers.1.a.weight: rank 0 has no such parameter or buffer, rank 1 has [8, 8] float32",
+    "model_dtype": "layers.0.a.weight: rank 0 has [8, 8] float32, rank 1 has [8, 8] bfloat16",
+    "torch_version": "ranks disagree on the software: torch: rank 0 has \"2.13.0+cpu\", rank 1 has \"2.12.1+cpu\"; "
+                     "every rank must run the same torch, meshplan and Python",
+    "world_layout": "ranks disagree on the layout: rank 0 has 'tp=2;",
+}
+
+
+@pytest.mark.parametrize("name", sorted(MISMATCH_TEXT))
+def test_one_rank_mismatch_fails_every_rank_with_the_diff(results, name):
+    """Rank 1 with another plan key, model, dtype, torch or layout: every rank raises the same one-line PlanError
+    with the diff, within seconds (no hang until the timeout, no gloo size error naming nothing)."""
+    import torch
+    n, res = results
+    values = case_result(res, f"mismatch_{name}", n)
+    messages = {v["message"] for v in values.values()}
+    assert len(messages) == 1, messages  # the same line on every rank
+    msg = messages.pop()
+    assert "\n" not in msg and msg.startswith("ranks disagree on the "), msg
+    assert MISMATCH_TEXT[name].replace("2.13.0+cpu", torch.__version__) in msg, msg
+    if name == "world_layout":
+        assert "vs tp=4" in msg and "every rank must load the same plan and run in the same world" in msg, msg
+    assert max(v["seconds"] for v in values.values()) < 30
+
+
+def test_every_group_waits_the_plans_timeout(results):
+    n, res = results
+    for value in case_result(res, "group_timeouts", n).values():
+        assert value["torch"] == 1800.0  # a DeviceMesh sub-group, torch alone: 30 minutes
+        assert value["groups"] >= 3 and value["init"] == [77.0] and value["steady"] == [33.0], value

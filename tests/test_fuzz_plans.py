@@ -12,8 +12,11 @@ import contextlib
 import io
 import json
 import math
+import os
 import re
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -22,6 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from meshplan import Plan, PlanError, load_plan
+from meshplan.plan_file.document import as_plan
 from meshplan.cli.main import main
 
 pytestmark = pytest.mark.fast
@@ -33,6 +37,7 @@ KEYS = ("version", "layout", "tensor_parallel", "data_parallel", "tp", "cp", "ep
         "dp_shard", "order", "sequence_parallel", "loss_parallel", "dropout_rng", "adjust_head_counts", "rules",
         "style", "input_layouts", "output_layouts", "use_local_output", "packed", "mode", "blocks", "param_dtype",
         "reduce_dtype", "reshard_after_forward", "activation_checkpointing", "every", "ops", "compile", "source",
+        "faults", "timeout_s", "init_timeout_s", "heartbeat_s", "flight_recorder", "dump_dir",
         "layers.*.wq", "output", "", "x" * 40)
 WORDS = ("colwise", "rowwise", "norm", "embedding", "lm_head", "replicate", "shard(1)", "shard(-1)", "partial",
          "batch", "tp-cp-ep-dp-pp", "DPT", "cluster", "fsdp", "selective", "aten.mm.default", "bfloat16", "yes",
@@ -151,13 +156,41 @@ YAML_ODDITIES = [
     "layout: !!timestamp 2020-13-45\n", "!!omap [a: 1, a: 2]\n", "layout: !!python/name:os.system\n",
     "layout: !!float x\n", "layout: !!int x\n", "layout:\n  tp: 1:2:3\n", "layout: *nope\n", "%YAML 9.9\n---\n",
     "--- 1\n--- 2\n", "layout: {tp: .inf}\n", "version: !!bool yes\n", "null: 1\n", "1.5: x\n", "2020-01-01: x\n",
+    # alias bombs (a billion laughs: 9 levels of 9 references), a self-referential alias, merge-key fan-out
+    "".join(f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 9) if i else 'lol'}]\n" for i in range(10)),
+    "layout: &a [*a]\n", "a: &a {tp: 2}\nb: &b {<<: [*a, *a, *a]}\nlayout: {<<: [*b, *b, *b, *b]}\n",
+    "layout: !custom {tp: 2}\n", "!<tag:yaml.org,2002:python/none> x: 1\n", "layout: {tp: !!python/tuple [1, 2]}\n",
 ]
 
 
+#: YAML tags that construct Python objects or call functions under an unsafe loader; ``{path}`` is a file each one
+#: would create (``yaml.unsafe_load`` does: ``test_code_execution_payloads_are_real``), so its absence after
+#: ``load_plan`` proves the loader ran nothing
+CODE_TAGS = [
+    "!!python/object/apply:os.system ['touch {path}']",
+    "!!python/object/apply:subprocess.check_call [[touch, '{path}']]",
+    "!!python/object/apply:builtins.open ['{path}', w]",
+    "!!python/object/apply:builtins.exec [\"open('{path}', 'w')\"]",
+    "!!python/object/apply:io.open ['{path}', w]",
+    "!!python/object/new:builtins.eval [\"open('{path}', 'w')\"]",
+]
+#: tags that construct Python objects without touching a file (unsafe loaders build them)
+OBJECT_TAGS = ["!!python/object/new:pathlib.PosixPath ['{path}']", "!!python/name:os.system", "!!python/module:os",
+               "!!python/object:argparse.Namespace {{a: 1}}", "!!python/tuple [1, 2]", "!!python/bytes AAAA"]
+#: where a tag goes in a plan
+TAG_SPOTS = ["{tag}\n", "layout: {tag}\n", "layout:\n  tp: {tag}\n", "tensor_parallel:\n  rules:\n    wq: {tag}\n",
+             "faults: {{timeout_s: {tag} }}\n", "? {tag}\n: 1\n", "- {tag}\n", "a: &x {tag}\nlayout: *x\n"]
+
+
+#: the kinds of plan file :func:`plan_files` draws
+FILE_KINDS = ("data", "mutated", "bytes_mutated", "random_bytes", "nesting", "huge", "yaml_odd", "code_tag",
+              "duplicate_key", "non_finite")
+
+
 @st.composite
-def plan_files(draw) -> tuple[str, bytes]:
-    """``(suffix, content)`` of a plan file, valid or not."""
-    kind = draw(st.sampled_from(("data", "mutated", "bytes_mutated", "random_bytes", "nesting", "huge", "yaml_odd")))
+def plan_files(draw, kinds: tuple[str, ...] = FILE_KINDS) -> tuple[str, bytes]:
+    """``(suffix, content)`` of a plan file of one of ``kinds``, valid or not."""
+    kind = draw(st.sampled_from(kinds))
     suffix = draw(st.sampled_from(SUFFIXES))
     if kind == "data":
         return suffix, serialize(draw(st.dictionaries(keys, data, max_size=5) | data), suffix)
@@ -187,20 +220,66 @@ def plan_files(draw) -> tuple[str, bytes]:
         k = draw(st.sampled_from((4299, 4301, 5000, 20_000)))
         text = draw(st.sampled_from(HUGE_TEXT[suffix]))
         return suffix, text.format(d="9" * k, h="f" * k, b="1" * k, o="7" * k).encode()
+    if kind == "code_tag":
+        tag = draw(st.sampled_from(CODE_TAGS + OBJECT_TAGS)).format(path=CANARY)
+        return ".yaml", draw(st.sampled_from(TAG_SPOTS)).format(tag=tag).encode()
+    if kind == "duplicate_key":
+        return draw(duplicated_keys())
+    if kind == "non_finite":
+        suffix = draw(st.sampled_from((".yaml", ".json", ".toml")))
+        return suffix, draw(st.sampled_from(NON_FINITE[suffix])).format(v=draw(st.sampled_from(
+            NON_FINITE_VALUES[suffix]))).encode()
     return ".yaml", draw(st.sampled_from(YAML_ODDITIES)).encode()
 
 
+#: a file no input may create (``CODE_TAGS``); checked after every load
+CANARY = Path(tempfile.gettempdir()) / f"meshplan-fuzz-canary-{os.getpid()}"
+#: a float plan field set to NaN, ±inf or a huge value, in each format (``{v}``: the value as that format spells it)
+NON_FINITE = {".yaml": ["faults: {{timeout_s: {v}}}\n", "faults: {{heartbeat_s: {v}, timeout_s: {v}}}\n",
+                        "layout: {{tp: {v}}}\n", "faults: {{flight_recorder: {v}}}\n"],
+              ".json": ['{{"faults": {{"timeout_s": {v}}}}}', '{{"faults": {{"init_timeout_s": {v}}}}}',
+                        '{{"layout": {{"tp": {v}}}}}'],
+              ".toml": ["[faults]\ntimeout_s = {v}\n", "[faults]\nheartbeat_s = {v}\n", "[layout]\ntp = {v}\n"]}
+NON_FINITE_VALUES = {".yaml": [".nan", ".NaN", ".inf", "-.inf", "+.inf", "1e308", "1e309", "-0.0", "0x7fffffffffffffff"],
+                     ".json": ["NaN", "Infinity", "-Infinity", "1e308", "1e309", "-0.0", "9" * 400],
+                     ".toml": ["nan", "+nan", "inf", "-inf", "1e308", "1e309", "-0.0", "0x7fffffffffffffff"]}
+
+
+@st.composite
+def duplicated_keys(draw) -> tuple[str, bytes]:
+    """A real plan with one key written twice at the same level, as YAML, JSON or TOML text."""
+    suffix = draw(st.sampled_from((".yaml", ".json", ".toml")))
+    plan = draw(st.sampled_from(_real_plans()))
+    key = draw(st.sampled_from(sorted(plan)))
+    text = serialize(plan, suffix).decode("utf-8", "surrogatepass")
+    if suffix == ".json":
+        return suffix, text.replace("{", f"{{{json.dumps(key)}: 1, ", 1).encode()
+    if suffix == ".toml":
+        return suffix, (text + f"\n{json.dumps(key)} = 1\n").encode()
+    return suffix, (text + f"{key}: 1\n").encode()
+
+
+#: no input may take longer to load (a hang, an alias bomb expanded); generous: the machine is shared
+MAX_LOAD_S = 10.0
+
+
 def load_outcome(path: Path) -> str:
-    """``"plan"`` or ``"error"`` (one line, nothing printed); anything else escapes (and fails the caller)."""
+    """``"plan"`` or ``"error"`` (one line, nothing printed, in under :data:`MAX_LOAD_S`, no file created by a YAML
+    tag); anything else escapes (and fails the caller)."""
     err = io.StringIO()
+    t = time.perf_counter()
     try:
         with contextlib.redirect_stderr(err):  # e.g. pydantic-core's "Exception ignored" for an unprintable int
             plan = load_plan(path)
     except PlanError as e:
         assert "\n" not in str(e) and err.getvalue() == "", (str(e), err.getvalue())
-        return "error"
-    assert isinstance(plan, Plan) and err.getvalue() == "", err.getvalue()
-    return "plan"
+        outcome = "error"
+    else:
+        assert isinstance(plan, Plan) and err.getvalue() == "", err.getvalue()
+        outcome = "plan"
+    assert time.perf_counter() - t < MAX_LOAD_S, (path.read_bytes()[:200], time.perf_counter() - t)
+    assert not CANARY.exists(), f"a plan file ran code: {path.read_bytes()[:300]!r}"
+    return outcome
 
 
 @settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
@@ -367,3 +446,98 @@ def test_issue_inputs_one_line_exit_2(tmp_path, argv, message):
     finally:
         sys.path[:] = saved
     assert code == 2 and out == "" and message in err, err
+
+
+# ---- attacks, one by one: code execution, duplicate keys, non-finite numbers, unicode, alias bombs --------------
+
+
+@pytest.mark.parametrize("tag", CODE_TAGS)
+def test_code_execution_payloads_are_real(tmp_path, tag):
+    """The payloads work: an unsafe loader creates the file (so the canary's absence below means something)."""
+    target = tmp_path / "ran"
+    yaml.unsafe_load(f"x: {tag.format(path=target)}\n")  # noqa: S506 - the positive control
+    assert target.exists()
+
+
+@pytest.mark.parametrize("spot", TAG_SPOTS)
+@pytest.mark.parametrize("tag", CODE_TAGS + OBJECT_TAGS)
+def test_python_tags_run_nothing(tmp_path, tag, spot):
+    path = tmp_path / "plan.yaml"
+    path.write_text(spot.format(tag=tag.format(path=CANARY)))
+    with pytest.raises(PlanError, match=r"plan\.yaml: .*(constructor for the tag|tag:yaml\.org,2002:python)"):
+        load_plan(path)
+    assert not CANARY.exists()
+
+
+@pytest.mark.parametrize("suffix, text", [
+    (".yaml", "layout: {tp: 2}\nlayout: {tp: 4}\n"), (".yaml", "layout:\n  tp: 2\n  tp: 4\n"),
+    (".yaml", "tensor_parallel:\n  rules:\n    wq: colwise\n    wq: rowwise\n"), (".yaml", "{a: 1, a: 2}\n"),
+    (".json", '{"layout": {"tp": 2}, "layout": {"tp": 4}}'), (".json", '{"layout": {"tp": 2, "tp": 4}}'),
+    (".toml", "[layout]\ntp = 2\ntp = 4\n"), (".toml", "[layout]\ntp = 2\n[layout]\ncp = 1\n"),
+    (".toml", "layout = {tp = 2}\n[layout]\ncp = 1\n"),
+])
+def test_duplicate_keys_refused_in_every_format(tmp_path, suffix, text):
+    path = tmp_path / f"plan{suffix}"
+    path.write_text(text)
+    with pytest.raises(PlanError, match=r"(?i)duplicate|defined|overwrite|already exists|Cannot declare"):
+        load_plan(path)
+
+
+@pytest.mark.parametrize("suffix", [".yaml", ".json", ".toml"])
+def test_non_finite_and_huge_numbers_refused(tmp_path, suffix):
+    for template in NON_FINITE[suffix]:
+        for value in NON_FINITE_VALUES[suffix]:
+            path = tmp_path / f"plan{suffix}"
+            path.write_bytes(template.format(v=value).encode())
+            assert load_outcome(path) == "error", (template, value)
+
+
+@pytest.mark.parametrize("text", [
+    "l\u0430yout: {tp: 2}\n",                      # a Cyrillic а: not the key 'layout'
+    "layout: {tp: 2}\ntensor_parallel:\n  rules:\n    \"layers.*.wq\\u200b\": colwise\n",  # zero-width space
+    "\ufefflayout: {tp: 2}\n",                       # a byte-order mark
+    "layout: {tp: 2}  # \u202e\u2066 right-to-left override\n",
+    "tensor_parallel:\n  rules:\n    \"\U0001F600.*\": colwise\n",
+    "layout: \"\\0\"\n", "layout: \x00\n", "layout: \x85\n", "layout: {tp: 2}\n\u2028\u2029",
+])
+def test_unicode_ends_in_a_plan_or_one_plan_error(tmp_path, text):
+    for suffix, body in ((".yaml", text), (".json", json.dumps({"k": text})), (".toml", f"k = {json.dumps(text)}")):
+        path = tmp_path / f"plan{suffix}"
+        path.write_bytes(body.encode("utf-8"))
+        load_outcome(path)
+
+
+def test_alias_bomb_refused_fast(tmp_path):
+    path = tmp_path / "bomb.yaml"
+    path.write_text(YAML_ODDITIES[-6])  # 9**9 leaves if expanded
+    t = time.perf_counter()
+    with pytest.raises(PlanError, match="more than 100000 values"):
+        load_plan(path)
+    assert time.perf_counter() - t < MAX_LOAD_S
+
+
+python_data = st.recursive(
+    st.one_of(scalars, st.binary(max_size=4), st.just(object()), st.complex_numbers(), st.just(Ellipsis)),
+    lambda ch: (st.lists(ch, max_size=3) | st.tuples(ch, ch) | st.frozensets(st.integers(), max_size=3)
+                | st.dictionaries(st.one_of(keys, st.integers(), st.none(), st.tuples(st.integers())), ch,
+                                  max_size=4)),
+    max_leaves=15)
+
+
+@settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(st.one_of(st.dictionaries(keys, python_data, max_size=5), mutated_plans()))
+def test_python_data_ends_in_plan_or_plan_error(data):
+    """A dict built in Python (``meshplan.parallelize(model, {...})``) with any objects in it: a Plan or one
+    PlanError, as for a file."""
+    try:
+        assert isinstance(as_plan(data), Plan)
+    except PlanError as e:
+        assert "\n" not in str(e)
+
+
+def test_legacy_spelling_in_an_invalid_plan_prints_nothing(tmp_path):
+    """Found by the long fuzz (seed 15): a deprecated ``data_parallel.blocks`` in a plan that does not validate
+    printed a FutureWarning besides the PlanError; the warning now comes only with a Plan."""
+    path = tmp_path / "plan.yml"
+    path.write_text("data_parallel:\n  blocks: -6.9e+16\n  etp: 1\n")
+    assert load_outcome(path) == "error"

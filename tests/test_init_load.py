@@ -196,3 +196,13 @@ def test_load_errors(fake_pg, tmp_path):
         assert torch.equal(model.model.norm.weight.to_local(), sd["model.norm.weight"])
         with pytest.raises(PlanError, match="no safetensors checkpoint"):
             meshplan.load_safetensors(model, tmp_path / "nope")
+
+
+@pytest.mark.parametrize("coord,rows", [((0, 0), [(0, 2), (4, 5)]), ((1, 0), [(5, 6), (8, 10)]),
+                                        ((0, 1), [(2, 4), (6, 7)]), ((1, 1), [(7, 8), (10, 12)])])
+def test_local_slices_fsdp_over_packed_tp(coord, rows):
+    """FSDP2 (dp 2) over a packed q|k|v (3 parts of 4 rows, tp 2): tp rank t holds rows 2t..2t+1 of each part,
+    and FSDP2 chunks THAT local tensor (6 rows) over dp; DTensor's label (split factor tp) names other rows."""
+    got = local_slices((12, 4), [_StridedShard(0, split_factor=2), _StridedShard(0, split_factor=3)],
+                       _Mesh([2, 2], list(coord)))
+    assert got == [rows, [(0, 4)]]

@@ -1,6 +1,7 @@
 """Every private torch API in ``meshplan/_torch.py`` still imports and behaves as meshplan uses it (torch 2.13)."""
 
 import inspect
+import json
 
 import pytest
 import torch
@@ -203,3 +204,46 @@ def test_ring_attention_dispatch_enables_and_restores_torchs_cp_handlers():
     with _torch.ring_attention_dispatch(load_balance=not flag):
         assert flash in handlers() and cp_attention._cp_options.enable_load_balance is (not flag)
     assert dict(handlers()) == before and cp_attention._cp_options.enable_load_balance is flag
+
+
+# ---------------------------------------------------------------- faults
+
+
+def test_group_timeouts_store_and_flight_recorder():
+    """In a process of its own (the flight recorder's size is read once, when the first group is made): a new group
+    gets torch's 30 minutes, not init_process_group's timeout (so do DeviceMesh's sub-groups: test_dist_topology),
+    until set_group_timeout; group_options makes a DeviceMesh dim's group with its timeout; the default store is a
+    Store; the recorder lists each collective with the fields meshplan.faults.flight reads."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+    code = textwrap.dedent("""
+        import datetime, json, torch, torch.distributed as dist
+        from meshplan import _torch
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=datetime.timedelta(seconds=5))
+        tp = dist.new_group([0])
+        timeout = lambda g: g._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+        before = [timeout(dist.group.WORLD), timeout(tp)]
+        _torch.set_group_timeout(tp, 7.0)
+        from torch.distributed.device_mesh import init_device_mesh
+        made = init_device_mesh("cpu", (1, 1), mesh_dim_names=("a", "b"), backend_override={"b": _torch.group_options(9.0)})
+        dist.all_reduce(torch.ones(3), group=tp)
+        dump = _torch.flight_recorder_dump(stack_traces=True)
+        e = dump["entries"][-1]
+        print(json.dumps({"before": before, "after": timeout(tp), "made": timeout(made.get_group("b")), "store": isinstance(_torch.default_store(),
+                          dist.Store), "entry": {k: str(e[k]) for k in ("process_group", "profiling_name",
+                          "collective_seq_id", "retired", "pg_id")}, "frames": bool(e["frames"]),
+                          "time": e["time_created_ns"] > 0, "status": sorted(dump["pg_status"][str(e["pg_id"])]),
+                          "name": tp.group_name}))
+        dist.destroy_process_group()
+    """)
+    env = {**os.environ, "TORCH_FR_BUFFER_SIZE": "50", "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["before"] == [5.0, 1800.0] and got["after"] == 7.0 and got["made"] == 9.0 and got["store"], got
+    entry = got["entry"]
+    assert entry["profiling_name"] == "gloo:all_reduce" and entry["process_group"].startswith(f"('{got['name']}'")
+    assert entry["retired"] == "True" and got["frames"] and got["time"]
+    assert "last_completed_collective" in got["status"], got

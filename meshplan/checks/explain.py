@@ -28,7 +28,7 @@ from meshplan.plan_file.patterns import wildcard
 from meshplan.tensor_parallel.layouts import Stream, redistribute_collectives
 from meshplan.tensor_parallel.style_table import STYLES
 
-__all__ = ["explain", "render_table"]
+__all__ = ["explain", "render_table", "summary_lines"]
 
 
 def _short(style: Any) -> str | None:
@@ -208,14 +208,21 @@ def render_table(report) -> str:
                      is not None else "-"))
     widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)]
     line = lambda cells: "  ".join(c[:w].ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
-    t = report.totals
     out = [f"meshplan check: {report.source}  model {report.model}  tp={report.tp}  world_size={report.world_size}",
-           "", line(head), *(line(b) for b in body), "",
-           f"parameters: {t.get('parameters', 0):,} global, {_per_rank(t)}; unsharded "
+           "", line(head), *(line(b) for b in body), ""]
+    return "\n".join(out + summary_lines(report))
+
+
+def summary_lines(report, unsharded: bool = True) -> list[str]:
+    """The report's lines after the table (the model picture shows them too): parameters, collectives per
+    forward and backward, unsharded parameters, the pipeline stages, context and expert parallelism, warnings,
+    then ``ok`` or the numbered errors."""
+    t = report.totals
+    out = [f"parameters: {t.get('parameters', 0):,} global, {_per_rank(t)}; unsharded "
            f"{t.get('unsharded_parameters', 0):,}",
            f"collectives per forward: {_counts(t.get('forward', {}))}",
            f"collectives per backward: {_counts(t.get('backward', {}))}"]
-    if report.unsharded:
+    if report.unsharded and unsharded:
         folded: dict[str, str] = {}
         for k, v in report.unsharded.items():
             folded.setdefault(re.sub(r"\.\d+(?=\.)", ".*", k), v)
@@ -227,4 +234,4 @@ def render_table(report) -> str:
     out += [f"warning: {w}" for w in report.warnings]
     out.append("ok" if report.ok else f"{len(report.errors)} error(s):")
     out += [f"  {i}. {e}" for i, e in enumerate(report.errors, 1)]
-    return "\n".join(out)
+    return out

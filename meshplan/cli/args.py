@@ -7,7 +7,7 @@ from typing import Callable
 
 from meshplan.errors import PlanError
 
-__all__ = ["Parser", "int_arg", "add_layout_flags", "layout_from_args", "error_line"]
+__all__ = ["Parser", "int_arg", "add_layout_flags", "layout_from_args", "error_line", "write_output"]
 
 
 class Parser(argparse.ArgumentParser):
@@ -62,3 +62,33 @@ def layout_from_args(args: argparse.Namespace, base: dict | None = None):
 def error_line(message: str) -> str:
     """The one stderr line of a failure: every run of whitespace (newlines included) becomes one space."""
     return f"meshplan: error: {' '.join(message.split())}"
+
+
+def write_output(data: str | bytes, output: str | None) -> None:
+    """Write a command's result to ``output`` (a file path), or to stdout (bytes: its binary buffer).
+
+    Raises:
+        PlanError: ``output`` is a directory or cannot be written (one line: the path and why).
+    """
+    import sys
+    from pathlib import Path
+    if output is None:
+        if isinstance(data, bytes):
+            if sys.stdout.isatty():
+                raise PlanError("--format png writes binary data: pass -o FILE.png or redirect stdout to a file")
+            sys.stdout.flush()
+            sys.stdout.buffer.write(data)
+            sys.stdout.buffer.flush()
+        else:
+            sys.stdout.write(data)
+        return
+    out = Path(output)
+    if out.is_dir():
+        raise PlanError(f"-o {output!r}: is a directory, expected a file path")
+    try:
+        if isinstance(data, bytes):
+            out.write_bytes(data)
+        else:
+            out.write_text(data, encoding="utf-8")
+    except (OSError, ValueError) as e:  # missing folder, no permission, a NUL in the path
+        raise PlanError(f"-o {output!r}: cannot write: {getattr(e, 'strerror', None) or e}") from None

@@ -1,4 +1,4 @@
-"""``meshplan check`` and ``meshplan convert``: added to the parser by :mod:`meshplan.cli.main`.
+"""``meshplan check``: added to the parser by :mod:`meshplan.cli.main`.
 
 The model convention of ``check --model MODULE:FACTORY [--config JSON]``:
 
@@ -25,12 +25,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import warnings
-from pathlib import Path
 from typing import Any
 
-from meshplan.cli.args import add_layout_flags, int_arg, layout_from_args
+from meshplan.cli.args import add_layout_flags, layout_from_args, write_output
 from meshplan.errors import PlanError
 from meshplan.checks.model_factory import _config_arg, _failure, _hf_config_of, _quiet_transformers, _silenced, build_model
 
@@ -46,7 +44,11 @@ def _check(args: argparse.Namespace) -> int:
     plan = load_plan(args.plan)
     base = plan.layout.model_dump(exclude_unset=True) if plan.layout else None
     layout = layout_from_args(args, base)
-    layout.resolve(args.world_size or smallest_world(layout))  # bad flags: one line, before the model
+    resolved = layout.resolve(args.world_size or smallest_world(layout))  # bad flags: one line, before the model
+    if args.schedule and args.model is None:
+        return _schedule(args, plan, resolved, None)
+    if args.model is None:
+        raise PlanError("check: the following arguments are required: --model (only --schedule runs without one)")
     if plan.layout is None and args.tp is None:
         raise PlanError(f"{args.plan}: the plan has no layout and no --tp was given, so nothing would be sharded; "
                         f"add `layout: {{tp: N}}` to the plan or pass --tp N")
@@ -54,13 +56,56 @@ def _check(args: argparse.Namespace) -> int:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         report = check(model, plan, world_size=args.world_size, layout=layout)
+    if args.schedule:
+        return _schedule(args, plan, resolved, report)
     numerics = _numerics(args, model, plan, layout.tp) if args.numerics and report.ok else None
     if args.format == "json":
         doc = {**report.to_dict(), **({"numerics": numerics.to_dict()} if numerics else {})}
-        sys.stdout.write(json.dumps(doc, separators=(",", ":")) + "\n")
+        write_output(json.dumps(doc, separators=(",", ":")) + "\n", args.output)
+    elif args.format in ("svg", "png"):
+        from meshplan.checks.call_order import forward_order
+        from meshplan.checks.explain import summary_lines
+        from meshplan.viz.model_draw import model_picture
+        notes = summary_lines(report, unsharded=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            order = forward_order(model, layout.tp, notes) if report.modules else None
+        write_output(_picture(model_picture(report, plan, notes, order), args.format), args.output)
     else:
-        sys.stdout.write(render_table(report) + "\n" + (f"numerics: {numerics.summary()}\n" if numerics else ""))
+        write_output(render_table(report) + "\n" + (f"numerics: {numerics.summary()}\n" if numerics else ""),
+                     args.output)
     return 0 if report.ok and (numerics is None or numerics.ok) else 2
+
+
+def _picture(drawing: Any, fmt: str) -> str | bytes:
+    if fmt == "png":
+        from meshplan.viz.png import to_png
+        return to_png(drawing)
+    return drawing.to_svg()
+
+
+def _schedule(args: argparse.Namespace, plan: Any, resolved: Any, report: Any) -> int:
+    """``check --schedule``: the executed pipeline schedule (svg/png timeline, a text table, or json)."""
+    from meshplan.viz.timeline import schedule_document, schedule_table, timeline
+    from meshplan.pipeline.order import executed_steps
+    if plan.pipeline is None:
+        raise PlanError(f"{args.plan}: check --schedule: the plan has no pipeline section; found none, expected "
+                        f"e.g. `pipeline: {{schedule: 1f1b, microbatches: {2 * resolved.pp}}}`")
+    if report is not None and not report.ok:
+        raise PlanError(f"{args.plan}: " + "; ".join(str(e) for e in report.errors))
+    where = f"{args.plan}: pipeline"
+    sec = plan.pipeline
+    steps = executed_steps(sec.schedule, resolved.pp, resolved.vpp, sec.microbatches, where)
+    names = {r["stage"]: ", ".join([*r["first_modules"], *r["blocks_text"], *r["last_modules"]])
+             for r in (report.pipeline.get("stages", []) if report is not None else [])}
+    title = f"{args.plan}: {sec.schedule}, pp {resolved.pp} × vpp {resolved.vpp}, {sec.microbatches} microbatches"
+    if args.format in ("svg", "png"):
+        write_output(_picture(timeline(steps, title, names), args.format), args.output)
+    elif args.format == "json":
+        write_output(json.dumps(schedule_document(steps, sec.schedule), separators=(",", ":")) + "\n", args.output)
+    else:
+        write_output(schedule_table(steps, title) + "\n", args.output)
+    return 0
 
 
 def _numerics(args: argparse.Namespace, meta_model: Any, plan: Any, tp: int):
@@ -86,62 +131,25 @@ def _numerics(args: argparse.Namespace, meta_model: Any, plan: Any, tp: int):
         return check_numerics(model, plan, tp=tp)
 
 
-def _convert(args: argparse.Namespace) -> int:
-    if (args.from_, args.to) == ("hf", "meshplan"):
-        from meshplan.hf.convert import from_hf, plan_yaml
-        try:
-            with _quiet_transformers(), _silenced():
-                rules = from_hf(args.source, sequence_parallel=not args.no_sequence_parallel,
-                                loss_parallel=not args.no_loss_parallel, ep=args.ep)
-        except PlanError:
-            raise
-        except (Exception, SystemExit) as e:  # transformers rejecting a malformed config.json
-            raise PlanError(f"convert {args.source!r}: transformers cannot use this config: {_failure(e)}") from None
-        text = plan_yaml(rules)
-    elif (args.from_, args.to) == ("meshplan", "hf"):
-        from meshplan.hf.convert import to_hf
-        from meshplan.plan_file.document import load_plan
-        text = json.dumps(to_hf(load_plan(args.source)), indent=2) + "\n"
-    else:
-        raise PlanError(f"convert: --from {args.from_} --to {args.to} is not supported; use --from hf --to meshplan "
-                        f"or --from meshplan --to hf")
-    if args.output:
-        out = Path(args.output)
-        if out.is_dir():
-            raise PlanError(f"-o {args.output!r}: is a directory, expected a file path")
-        try:
-            out.write_text(text, encoding="utf-8")
-        except (OSError, ValueError) as e:  # missing folder, no permission, a NUL in the path
-            raise PlanError(f"-o {args.output!r}: cannot write: {getattr(e, 'strerror', None) or e}") from None
-    else:
-        sys.stdout.write(text)
-    return 0
-
-
 def register(sub) -> None:
-    """Add ``check`` and ``convert`` to the ``meshplan`` subparsers."""
+    """Add ``check`` to the ``meshplan`` subparsers."""
     c = sub.add_parser("check", help="validate a plan against a model on the meta device and explain it",
                        description=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     c.add_argument("plan", help="plan file (.yaml/.json/.toml)")
-    c.add_argument("--model", required=True, help="MODULE:FACTORY building the model (see below)")
+    c.add_argument("--model", default=None, help="MODULE:FACTORY building the model (see below); required but "
+                                                 "with --schedule")
     c.add_argument("--config", default=None, help="JSON object (or .json file) passed to the factory")
     c.add_argument("--path", action="append", help="extra import directory for MODULE (repeatable)")
     add_layout_flags(c, world_required=False)
-    c.add_argument("--format", choices=("table", "json"), default="table")
+    c.add_argument("--format", choices=("table", "json", "svg", "png"), default="table",
+                   help="svg/png: the model as its blocks with each layer's style, weight and activation shardings "
+                        "and the collectives at each boundary (png needs meshplan[viz])")
+    c.add_argument("--schedule", action="store_true",
+                   help="show the pipeline schedule torch runs for the plan's pipeline section instead: a timeline "
+                        "per pp rank (svg/png), the steps per rank (table) or json; --model adds the stages' blocks")
+    c.add_argument("-o", "--output", default=None, help="write here instead of stdout")
     c.add_argument("--numerics", action="store_true",
                    help="also run the plan on a small real instance, tp ranks simulated in this process, and "
                         "compare the loss and every gradient with the unparallelized model (exit 2 if any differs)")
     c.set_defaults(func=_check)
-    v = sub.add_parser("convert", help="convert a transformers tp_plan to a meshplan plan (offline), or back")
-    v.add_argument("source", help="--from hf: a model type (llama, mistral, qwen2, gpt2, …), a config.json or a "
-                                  "directory holding one; --from meshplan: a plan file")
-    v.add_argument("--from", dest="from_", choices=("hf", "meshplan"), default="hf")
-    v.add_argument("--to", choices=("meshplan", "hf"), default="meshplan")
-    v.add_argument("-o", "--output", default=None, help="write here instead of stdout")
-    v.add_argument("--ep", type=int_arg(1, 1 << 20, " (2**20)"), default=None,
-                   help="--from hf, mixture-of-experts models: the expert-parallel degree (an expert_parallel section "
-                        "from the config's base_model_ep_plan)")
-    v.add_argument("--no-sequence-parallel", action="store_true", help="write sequence_parallel: false")
-    v.add_argument("--no-loss-parallel", action="store_true", help="write loss_parallel: false")
-    v.set_defaults(func=_convert)
 

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from meshplan.cli.args import add_layout_flags, layout_from_args
+from meshplan.cli.args import add_layout_flags, int_arg, layout_from_args, write_output
 
 __all__ = ["register", "MAX_TABLE_RANKS"]
 
@@ -18,7 +18,8 @@ MAX_TABLE_RANKS = 1 << 16
 def _ranks(args: argparse.Namespace) -> int:
     from meshplan.mesh.rank_table import render
     resolved = layout_from_args(args).resolve(args.world_size)
-    sys.stdout.write(render(resolved, args.format) + "\n")
+    out = render(resolved, args.format, args.gpus_per_node)
+    write_output(out if isinstance(out, bytes) or out.endswith("\n") else out + "\n", args.output)
     return 0
 
 
@@ -33,7 +34,11 @@ def register(sub) -> None:
     r = sub.add_parser("ranks", help="groups and per-rank coordinates of a layout (Megatron-exact)")
     add_layout_flags(r, world_required=True, max_world=MAX_TABLE_RANKS,
                      why=" (2**16: the tables of larger worlds take minutes and gigabytes to print)")
-    r.add_argument("--format", choices=("table", "json", "svg"), default="table")
+    r.add_argument("--format", choices=("table", "json", "svg", "png"), default="table",
+                   help="svg/png: the rank grid, one panel per group kind (png needs meshplan[viz])")
+    r.add_argument("--gpus-per-node", type=int_arg(1, MAX_TABLE_RANKS, " (2**16)"), default=None,
+                   help="ranks per node: svg/png mark node boundaries and count groups that span nodes")
+    r.add_argument("-o", "--output", default=None, help="write here instead of stdout")
     r.set_defaults(func=_ranks)
     s = sub.add_parser("schema", help="print the JSON Schema of plan files")
     s.set_defaults(func=_schema)

@@ -8,6 +8,7 @@ one process.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import weakref
 from typing import Any, Mapping
@@ -62,6 +63,8 @@ class Topology:
         rank: this process's global rank.
         plan_fingerprint: hash of the plan given to ``meshplan.init`` (every rank had the same), else None;
             ``meshplan.parallelize`` names ranks that pass another plan.
+        faults: the :class:`~meshplan.faults.watch.FaultWatch` ``meshplan.init`` started (timeouts, heartbeat,
+            failed collectives reported as :class:`~meshplan.errors.RankFailure`), else None.
 
     ``topo["tp"]``, ``topo["dp_shard_cp"]``, … return the (flattened where
     needed) 1-D meshes; see :data:`MESH_KEYS`. ``with topo:`` makes it the
@@ -76,6 +79,7 @@ class Topology:
         self._flat = dict(flat)
         self.rank = rank
         self.plan_fingerprint: str | None = None
+        self.faults: Any = None
         self._owns_pg = owns_process_group
         self._tokens: list[contextvars.Token] = []
 
@@ -144,10 +148,50 @@ class Topology:
         self._tokens.append(_ACTIVE.set(weakref.ref(self)))  # the `with` statement keeps `self` alive
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        """Leave the topology; the outermost ``with`` of the one ``meshplan.init`` built also ends the job's
+        distributed state: a failed collective escaping the block becomes a RankFailure (any other error is
+        recorded for the peers' reports), the heartbeat stops, and the process group ``init`` created is shut down
+        so that the process exits 0 (:func:`meshplan.faults.shutdown.shutdown`)."""
         _ACTIVE.reset(self._tokens.pop())
-        if self._owns_pg and not self._tokens and dist.is_initialized():
-            dist.destroy_process_group()
+        if not self._tokens:
+            self._end(exc)
+
+    def close(self) -> None:
+        """What the end of ``with meshplan.init(...)`` does, for a script that kept the topology without ``with``:
+        call it once at the very end, on every rank, so that the process exits 0
+        (:mod:`meshplan.faults.shutdown`)."""
+        self._end(None)
+
+    def _end(self, exc: BaseException | None) -> None:
+        watch, self.faults = self.faults, None
+        owns, self._owns_pg = self._owns_pg, False  # ended once
+        failure = watch.ending(exc) if watch is not None else None
+        try:
+            if owns and dist.is_initialized():
+                from meshplan.faults.shutdown import shutdown
+                with watch.translating() if watch is not None and exc is None else contextlib.nullcontext():
+                    shutdown(self.process_groups(), clean=exc is None)
+        finally:
+            if watch is not None:
+                watch.close()
+        if failure is not None:
+            raise failure from exc
+
+    def process_groups(self) -> list:
+        """This rank's process groups of every mesh key, once each, the world's last."""
+        groups = {}
+        for key in MESH_KEYS:
+            group = self[key].get_group()
+            groups.setdefault(group.group_name, group)
+        world = groups.pop(dist.group.WORLD.group_name, dist.group.WORLD)
+        return [*groups.values(), world]
+
+    def adopt_group(self, group: Any, axis: str) -> None:
+        """A process group meshplan made beside the meshes (the pipeline's embedding group): reports name it
+        ``axis`` and it gets the plan's timeout."""
+        if self.faults is not None:
+            self.faults.adopt(group, axis)
 
     def __repr__(self) -> str:
         s = self.layout
@@ -165,14 +209,35 @@ def _as_layout(layout: Layout | Mapping[str, Any]) -> Layout:
         raise PlanError(f"layout: {pydantic_message(e)}") from None
 
 
+def _made_with_timeout(names: tuple[str, ...], sizes: tuple[int, ...], timeout_s: float | None,
+                       p2p_timeout_s: float | None = None) -> dict | None:
+    """DeviceMesh's ``backend_override`` making each sub-group with ``timeout_s`` (torch would give it 30 minutes;
+    a whole-world dim reuses the default group) and the ``pp`` dim's groups, whatever their size, with
+    ``p2p_timeout_s``: gloo keeps a group's creation timeout for point-to-point waits (the pipeline's sends and
+    receives), whatever is set later."""
+    if timeout_s is None:
+        return None
+    from meshplan._torch import group_options
+    world = dist.get_world_size()
+    made = {n: group_options(timeout_s) for n, size in zip(names, sizes) if size < world}
+    if p2p_timeout_s is not None and "pp" in names and sizes[names.index("pp")] > 1:
+        made["pp"] = group_options(p2p_timeout_s)
+    return made or None
+
+
 def build_mesh(layout: Layout | Mapping[str, Any] | ResolvedLayout, device_type: str | None = None,
-               *, _owns_process_group: bool = False) -> Topology:
+               *, timeout_s: float | None = None, p2p_timeout_s: float | None = None,
+               _owns_process_group: bool = False) -> Topology:
     """Build the dense and expert DeviceMeshes of ``layout`` on the default process group.
 
     Args:
         layout: a :class:`Layout`, a resolved layout, or a dict such as ``{"tp": 4}``
             (unnamed degrees are 1, ``dp_shard`` inferred).
         device_type: ``"cpu"`` / ``"cuda"``; default from the process group's backend.
+        timeout_s: make the meshes' sub-groups with this timeout (``meshplan.init`` passes the plan's
+            ``faults.init_timeout_s``); default torch's (30 minutes).
+        p2p_timeout_s: make the dense mesh's ``pp`` groups with this timeout (``faults.timeout_s``): on gloo, the
+            one a pipeline send or receive waits, from the first step on.
 
     Returns:
         A :class:`Topology`.
@@ -198,14 +263,18 @@ def build_mesh(layout: Layout | Mapping[str, Any] | ResolvedLayout, device_type:
     dev = _device_type(device_type)
     grid = resolved.mesh_grid
     names = tuple(reversed(grid.order))
-    dense = init_device_mesh(dev, tuple(grid.size(n) for n in names), mesh_dim_names=names)
+    sizes = tuple(grid.size(n) for n in names)
+    dense = init_device_mesh(dev, sizes, mesh_dim_names=names,
+                             backend_override=_made_with_timeout(names, sizes, timeout_s, p2p_timeout_s))
     flat = {}
     for key, dims in _FLAT.items():
         ordered = tuple(n for n in names if n in dims)
         flat[key] = flatten_mesh(dense[ordered], key)
     eg = resolved.expert_grid
     enames = tuple(n for n in reversed(eg.order) if n != "cp")
-    expert = init_device_mesh(dev, tuple(eg.size(n) for n in enames), mesh_dim_names=enames)
+    esizes = tuple(eg.size(n) for n in enames)
+    expert = init_device_mesh(dev, esizes, mesh_dim_names=enames,
+                              backend_override=_made_with_timeout(enames, esizes, timeout_s))
     return Topology(resolved, dense, expert, flat, dist.get_rank(), _owns_process_group)
 
 

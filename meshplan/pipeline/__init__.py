@@ -65,10 +65,11 @@ def _embedding_group(topology: Any, record: PipelineApplied, tied: list[tuple[st
     a rank running both ends (V-shaped schedules) sums them in autograd and needs none."""
     import torch.distributed as dist
     embd = topology.layout.groups("embd")
-    groups = [dist.new_group(g) for g in embd]
+    groups = [dist.new_group(g, group_desc="pp_embedding") for g in embd]
     if record.has_first == record.has_last:
         return [], None
     mine = next(g for g, ranks in zip(groups, embd) if topology.rank in ranks)
+    topology.adopt_group(mine, "pp_embedding")  # the plan's timeout; reports name it
     return [f if record.has_first else last for f, last in tied], mine
 
 def kept_rules(model: nn.Module, rules: dict, removed: set[str]) -> dict:
@@ -93,7 +94,8 @@ def build_stages(model: nn.Module, record: PipelineApplied, split: StageSplit, t
     record.views = []
     for s in record.stage_ids:
         view = stage_view(model, split, s)
-        boundary_hooks(view, tp_mesh, sequence_parallel, first=s == 0, last=s == split.num_stages - 1)
+        boundary_hooks(view, tp_mesh, sequence_parallel, first=s == 0, last=s == split.num_stages - 1,
+                       loss=record.loss)
         record.views.append(view)
     group = topology["pp"].get_group()
     record.stages = [PipelineStage(v, s, split.num_stages, device, group=group)

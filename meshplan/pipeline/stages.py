@@ -35,9 +35,12 @@ def _stream_placement(sequence_parallel: bool | str) -> Any:
 
 
 def boundary_hooks(view: nn.Module, tp_mesh: DeviceMesh | None, sequence_parallel: bool | str,
-                   first: bool, last: bool) -> None:
+                   first: bool, last: bool, loss: "StepLoss | None" = None) -> None:
     """Make a stage take and give plain tensors: a received local shard becomes the stream's DTensor, a DTensor
-    output (not the last stage's: the loss takes it) is sent as its local shard."""
+    output (not the last stage's: the loss takes it) is sent as its local shard. A transformers ``ModelOutput``
+    becomes its ``logits`` on every stage (on earlier stages the hidden state, the head being a pass-through):
+    torch's stages take and give tensors only. The last stage's output class is noted on ``loss``, which hands
+    the user's loss function the same class holding those logits, as the model without a pipeline would."""
     place = _stream_placement(sequence_parallel) if tp_mesh is not None and tp_mesh.size() > 1 else None
 
     def to_stream(_mod: nn.Module, args: tuple) -> tuple:
@@ -47,13 +50,15 @@ def boundary_hooks(view: nn.Module, tp_mesh: DeviceMesh | None, sequence_paralle
         return (x, *args[1:])
 
     def to_local(_mod: nn.Module, _args: tuple, out: Any) -> Any:
-        out = getattr(out, "logits", out) if not isinstance(out, torch.Tensor) else out  # transformers' outputs
-        return out.to_local() if isinstance(out, DTensor) else out
+        if not isinstance(out, torch.Tensor) and hasattr(out, "logits"):  # transformers' ModelOutput
+            if last and loss is not None:
+                loss.output_type = type(out)
+            out = out.logits
+        return out.to_local() if isinstance(out, DTensor) and not last else out
 
     if place is not None and not first:
         view.register_forward_pre_hook(to_stream, prepend=True)  # before the model's own root hooks (cp positions)
-    if not last:
-        view.register_forward_hook(to_local)
+    view.register_forward_hook(to_local)
 
 
 class StepLoss:
@@ -64,8 +69,11 @@ class StepLoss:
     def __init__(self) -> None:
         self.fn: Callable | None = None
         self.num_tokens = 1
+        self.output_type: type | None = None  # the last stage's ModelOutput class, whose logits it gives
 
     def __call__(self, output: Any, target: Any) -> torch.Tensor:
+        if self.output_type is not None:
+            output = self.output_type(logits=output)
         return self.fn(output, target) / max(self.num_tokens, 1)
 
 

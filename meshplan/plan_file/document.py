@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any, Literal, Mapping
 
@@ -17,6 +18,7 @@ from meshplan.plan_file.data_parallel import DataParallel
 from meshplan.plan_file.pipeline import Pipeline
 from meshplan.plan_file.context_parallel import ContextParallel
 from meshplan.plan_file.expert_parallel import ExpertParallel
+from meshplan.plan_file.faults import Faults
 
 __all__ = ["Plan", "load_plan", "as_plan"]
 
@@ -47,6 +49,10 @@ class Plan(Strict):
     expert_parallel: ExpertParallel | None = Field(
         None, description="Expert parallelism for mixture-of-experts layers: experts sharded over layout.ep on the "
                           "folded expert mesh (pp, edp, ep, etp), tokens dispatched by all-to-all.")
+    faults: Faults | None = Field(
+        None, description="Collective timeouts of every process group (until and after the first train_step), "
+                          "heartbeats and the flight recorder: a silent or dead rank makes the others end with a "
+                          "RankFailure naming it and the mesh axis, not hang.")
     source: str | None = Field(None, exclude=True, description="Where the plan was read from (set by the loader).")
 
     @field_validator("version", mode="before")
@@ -72,13 +78,18 @@ class Plan(Strict):
             check_data(data)  # sizes, depth, integers Python cannot print: before pydantic sees them
         except PlanError as e:
             raise PlanError(f"{source or '<plan>'}: {e}") from None
-        dp, blocks = split_legacy(data.get("data_parallel"), data.get("blocks"), source or "<plan>")
+        with warnings.catch_warnings(record=True) as deprecated:  # shown only for a plan that validates: an
+            warnings.simplefilter("always")                          # invalid one ends in one PlanError, nothing else
+            dp, blocks = split_legacy(data.get("data_parallel"), data.get("blocks"), source or "<plan>")
         if dp is not data.get("data_parallel"):
             data = {**data, "data_parallel": dp, "blocks": blocks}
         try:
-            return cls.model_validate({**data, "source": source})
+            plan = cls.model_validate({**data, "source": source})
         except ValidationError as e:
             raise PlanError(f"{source or '<plan>'}: {pydantic_message(e)}") from None
+        for w in deprecated:
+            warnings.warn(w.message, w.category, stacklevel=3)
+        return plan
 
 
 def load_plan(path: str | Path) -> Plan:

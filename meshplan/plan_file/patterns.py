@@ -12,7 +12,7 @@ from meshplan.errors import PlanError
 if TYPE_CHECKING:  # plan_file/ imports no torch
     import torch.nn as nn
 
-__all__ = ["match_rules", "match_pattern", "is_pattern", "wildcard"]
+__all__ = ["match_rules", "match_pattern", "is_pattern", "wildcard", "pattern_regex", "regex_patterns"]
 
 
 def is_pattern(path: str) -> bool:
@@ -127,3 +127,63 @@ def match_rules(model: nn.Module, rules: Mapping[str, Any], where: str = "tensor
             out[path] = cands[0]
     return out
 
+
+
+def pattern_regex(pattern: str, leaf: str = "weight") -> str:
+    """The regular expression of the parameter ``leaf`` of the modules a pattern matches (DeepSpeed AutoTP's
+    ``layer_specs`` match parameter names with ``re.match``): ``layers.*.wq`` → ``layers\\.[^.]+\\.wq\\.weight$``.
+
+    Example::
+
+        >>> pattern_regex("model.layers.*.mlp.up_proj")
+        'model\\.layers\\.[^.]+\\.mlp\\.up_proj\\.weight$'
+    """
+    segs = ["[^.]+" if seg == "*" else re.escape(seg).replace(r"\*", "[^.]*").replace(r"\?", "[^.]")
+            for seg in pattern.split(".")]
+    return r"\.".join(segs + ([re.escape(leaf)] if leaf else [])) + "$"
+
+
+_ANY_SEGMENT = {r"[^.]+", r"[^.]*", r"[^\.]+", r"[^\.]*", r"\d+", r"[0-9]+", r"\w+", r"[\w]+"}
+_PARAM_LEAF = re.compile(r"\\\.(weight|bias)\$?$|\$$")
+
+
+def _segment_options(seg: str) -> list[str] | None:
+    """A regex of one path segment → the fnmatch-style segments it stands for, or None when it is not one of the
+    simple forms (literal text, a class of literal letters ``[qkv]``, a group of literal words ``(up|gate)``)."""
+    if seg in _ANY_SEGMENT:
+        return ["*"]
+    opts = [""]
+    for tok in re.findall(r"\[\^\\?\.\][*+]|\\.|\[[A-Za-z0-9_]+\]|\((?:[A-Za-z0-9_]+\|)*[A-Za-z0-9_]+\)|[A-Za-z0-9_\-]|.",
+                          seg):
+        if tok.startswith("[^"):
+            alts = ["*"]
+        elif tok.startswith("[") and len(tok) > 2:
+            alts = list(tok[1:-1])
+        elif tok.startswith("(") and len(tok) > 2:
+            alts = tok[1:-1].split("|")
+        elif re.fullmatch(r"[A-Za-z0-9_\-]|\\[_\-]", tok):
+            alts = [tok[-1]]
+        else:
+            return None
+        opts = [o + a for o in opts for a in alts]
+    return opts
+
+
+def regex_patterns(regex: str) -> list[str] | None:
+    """The module patterns a parameter-name regex stands for, when it is written as :func:`pattern_regex`
+    writes one (segments of literal text, ``[^.]+`` / ``\\d+`` for a whole segment, ``[qkv]`` and ``(up|gate)``
+    alternatives, ending in ``\\.weight$``): ``model\\.layers\\.\\d+\\.self_attn\\.[qk]_proj\\.weight$`` →
+    ``[model.layers.*.self_attn.q_proj, model.layers.*.self_attn.k_proj]``. None for any other regex (a leading
+    ``.*`` matches any prefix: only a model's parameter names can resolve it).
+    """
+    body = _PARAM_LEAF.sub("", regex.removeprefix("^"))
+    segs = re.split(r"\\\.", body)
+    if not body or any(not s for s in segs):
+        return None
+    out = [""]
+    for seg in segs:
+        opts = _segment_options(seg)
+        if opts is None:
+            return None
+        out = [f"{o}.{x}" if o else x for o in out for x in opts]
+    return out

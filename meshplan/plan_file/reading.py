@@ -83,7 +83,7 @@ def check_data(obj: Any, max_nodes: int = MAX_PLAN_NODES, max_depth: int = MAX_P
         if isinstance(o, int) and o.bit_length() > MAX_INT_BITS:
             raise PlanError(f"{path or '(top)'}: an integer of {o.bit_length()} bits; plan integers have at most "
                             f"{MAX_INT_BITS} bits")
-        if isinstance(o, (dict, list)):
+        if isinstance(o, (dict, list, tuple, set, frozenset)):  # tuples and sets: a plan built in Python
             if depth > max_depth:
                 raise PlanError(f"{path}: nested deeper than {max_depth} levels")
             items = o.items() if isinstance(o, dict) else enumerate(o)
@@ -160,7 +160,9 @@ def _shown(value: Any, limit: int = 80) -> str:
     try:
         text = repr(value)
     except ValueError:
-        return f"an integer of {value.bit_length()} bits"
+        if isinstance(value, int):
+            return f"an integer of {value.bit_length()} bits"
+        return f"a {type(value).__name__} holding an integer too long to print"
     return text if len(text) <= limit else f"{text[:limit]}… ({len(text)} characters)"
 
 

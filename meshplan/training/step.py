@@ -143,12 +143,34 @@ def train_step(model: nn.Module, batch: tuple[Any, torch.Tensor] | dict, loss_fn
 
     Raises:
         PlanError: microbatches not dividing the batch, pp > 1 without pipeline stages, or DTensor parameters without a topology.
+        RankFailure: a collective failed because a rank died or stopped answering (``faults`` in the plan).
 
     Example::
 
         >>> loss_fn = lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten(), reduction="sum")
         >>> res = train_step(model, (tokens, labels), loss_fn, opt, microbatches=2, max_grad_norm=1.0)
     """
+    watch = _fault_watch(model, topology)
+    with watch.translating() if watch is not None else contextlib.nullcontext():
+        result = _step(model, batch, loss_fn, optimizer, topology, microbatches, max_grad_norm, ignore_index,
+                       sequence_parallel)
+    if watch is not None:
+        watch.steady()  # the first step is done: faults.timeout_s from now on
+    return result
+
+
+def _fault_watch(model: nn.Module, topology: Any) -> Any:
+    """The FaultWatch of the step's topology (``meshplan.init`` made it), else None."""
+    from meshplan.mesh.topology import current_topology
+    state = parallel_state(model)
+    topo = topology or (state.topology if state is not None else None) or current_topology()
+    return getattr(topo, "faults", None)
+
+
+def _step(model: nn.Module, batch: Any, loss_fn: Callable | None, optimizer: torch.optim.Optimizer, topology: Any,
+          microbatches: int, max_grad_norm: float | None, ignore_index: int,
+          sequence_parallel: bool | str | None) -> StepResult:
+    """:func:`train_step`'s work."""
     from meshplan.training.loss import cross_entropy
     if loss_fn is cross_entropy:  # its default is "mean"; the contract here is a sum
         loss_fn = functools.partial(cross_entropy, reduction="sum", ignore_index=ignore_index)

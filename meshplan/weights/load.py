@@ -74,25 +74,7 @@ def load_state_dict(model: nn.Module, source: str | Path | Mapping[str, torch.Te
         targets = model.state_dict(keep_vars=True)
     loaded: set[int] = set()
     if isinstance(source, (str, Path)):
-        from safetensors import safe_open
-        files = _sources(source)
-        keys = set(files)
-        with contextlib.ExitStack() as stack:
-            handles: dict[Path, Any] = {}
-            for k, t in targets.items():
-                if id(t) in loaded or k not in files:
-                    continue
-                if files[k] not in handles:
-                    handles[files[k]] = stack.enter_context(safe_open(str(files[k]), "pt", device="cpu"))
-                sl = handles[files[k]].get_slice(k)
-                if tuple(sl.get_shape()) != tuple(t.shape):
-                    raise PlanError(f"{files[k]}: {k}: checkpoint shape {tuple(sl.get_shape())}, model {tuple(t.shape)}")
-                full_ranges = [[(0, n)] for n in t.shape]
-                ranges = local_slices(tuple(t.shape), t.placements, t.device_mesh) if hasattr(t, "placements") \
-                    else full_ranges
-                with torch.no_grad():
-                    _local(t).copy_(take_slices(lambda s: sl[s], ranges).to(t.dtype))
-                loaded.add(id(t))
+        keys = _load_files(model, source, targets, loaded)
     else:
         keys = _load_broadcast(source, targets, others, src_rank, dev, loaded)
     missing = [k for k, t in targets.items() if id(t) not in loaded]
@@ -101,6 +83,44 @@ def load_state_dict(model: nn.Module, source: str | Path | Mapping[str, torch.Te
         raise PlanError(f"load_state_dict: missing keys {missing[:8]}{' …' if len(missing) > 8 else ''}; unexpected "
                         f"keys {unexpected[:8]}{' …' if len(unexpected) > 8 else ''}")
     return model
+
+
+def _load_files(model: nn.Module, source: str | Path, targets: dict[str, torch.Tensor], loaded: set[int]) -> set[str]:
+    """Every rank reads its slices of each target from safetensors files (transformers' stacked experts from
+    their per-expert tensors: :mod:`meshplan.hf.checkpoint_keys`).
+
+    Returns:
+        The checkpoint's keys, those read through a conversion counted under the parameter's name.
+    """
+    from safetensors import safe_open
+    from meshplan.hf.checkpoint_keys import converted_sources
+    files = _sources(source)
+    with contextlib.ExitStack() as stack:
+        handles: dict[Path, Any] = {}
+
+        def open_slice(k: str) -> Any:
+            if files[k] not in handles:
+                handles[files[k]] = stack.enter_context(safe_open(str(files[k]), "pt", device="cpu"))
+            return handles[files[k]].get_slice(k)
+
+        readers = {k: (lambda k=k: open_slice(k)) for k in files}
+        missing = {k for k in targets if k not in files}
+        converted, consumed = converted_sources(model, list(files), missing, open_slice) if missing else ({}, set())
+        readers.update(converted)
+        for k, t in targets.items():
+            if id(t) in loaded or k not in readers:
+                continue
+            sl = readers[k]()
+            if tuple(sl.get_shape()) != tuple(t.shape):
+                raise PlanError(f"{files.get(k, source)}: {k}: checkpoint shape {tuple(sl.get_shape())}, model "
+                                f"{tuple(t.shape)}")
+            full_ranges = [[(0, n)] for n in t.shape]
+            ranges = local_slices(tuple(t.shape), t.placements, t.device_mesh) if hasattr(t, "placements") \
+                else full_ranges
+            with torch.no_grad():
+                _local(t).copy_(take_slices(lambda s: sl[s], ranges).to(t.dtype))
+            loaded.add(id(t))
+    return (set(files) - consumed) | set(converted)
 
 
 def load_full_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor] | None, *, src_rank: int = 0,

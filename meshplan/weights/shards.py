@@ -37,16 +37,24 @@ def local_slices(shape: tuple[int, ...], placements, mesh) -> list[list[tuple[in
 
     The placements apply left to right over the mesh dims, each to what the previous ones left, as DTensor
     shards: ``Shard(d)`` follows ``torch.chunk``; ``_StridedShard(d, split_factor=k)`` cuts the rest into k
-    pieces, each chunked over the mesh dim, and keeps its chunk of every piece (meshplan's packed weights; FSDP2's
-    data-parallel dim in front of a tensor-parallel ``Shard`` of the same dim). Replicate/Partial keep the dim.
+    pieces, each chunked over the mesh dim, and keeps its chunk of every piece (meshplan's packed weights).
+    Replicate/Partial keep the dim.
+
+    A ``_StridedShard`` with a later placement on the same dim is FSDP2's data-parallel shard over a tensor- or
+    expert-parallel one: FSDP2 chunks the shard those later placements leave (its local tensor), so it applies
+    after them, as a plain chunk. For a ``Shard`` after it that is what DTensor's label says; for a packed
+    ``_StridedShard`` after it (FSDP2 over a packed projection) DTensor's label (split factor tp) describes
+    other rows than the ones the rank holds, and this function follows the data.
     """
     idx = [torch.arange(n) for n in shape]
     coord = mesh.get_coordinate()
-    for i, pl in enumerate(placements):
-        if not isinstance(pl, (Shard, StridedShard)):
-            continue
+    shards = [(i, pl) for i, pl in enumerate(placements) if isinstance(pl, (Shard, StridedShard))]
+    dims = [pl.dim % len(shape) for _, pl in shards]
+    fsdp = {i for n, (i, pl) in enumerate(shards) if isinstance(pl, StridedShard) and dims[n] in dims[n + 1:]}
+    order = [(i, pl) for i, pl in shards if i not in fsdp] + [(i, pl) for i, pl in reversed(shards) if i in fsdp]
+    for i, pl in order:
         d, size, c = pl.dim % len(shape), mesh.size(i), coord[i]
-        k = getattr(pl, "split_factor", 1)
+        k = getattr(pl, "split_factor", 1) if i not in fsdp else 1
         idx[d] = torch.cat([_chunk(piece, size)[c] for piece in _chunk(idx[d], k)])
     return [_runs(t) for t in idx]
 

@@ -8,6 +8,7 @@ device on ``tok_embeddings`` after 3 AdamW steps (fp32 reordering that AdamW's p
 the first step's gradients agree to 4.5e-7), and pp × tp reproduces tp's numbers exactly.
 """
 
+import functools
 import os
 
 import torch
@@ -18,6 +19,9 @@ import meshplan
 from _launch import run_cases
 from dp_worker import TP_RULES, sum_ce  # the tensor-parallel plan and summed loss of the data-parallel cases
 from llama import build, tiny_args
+from examples import hf_models
+
+HF_RULES = meshplan.load_plan("plans/hf_llama.yaml").tensor_parallel.model_dump(mode="json")["rules"]
 
 WORLD = int(os.environ["WORLD_SIZE"])
 GLOBAL_BATCH, SEQ, STEPS, LR, MAX_NORM = 8, 16, 3, 1e-3, 0.5
@@ -29,19 +33,25 @@ def global_batch(step, vocab):
     return x, torch.where(keep, y, -100)
 
 
-def reference(args, microbatches):
+def logits_ce(out, y):
+    """The summed loss of a transformers model's output (its logits: a pipelined model's loss function gets the
+    ModelOutput class it returns without a pipeline) or of plain logits."""
+    return sum_ce(out.logits if hasattr(out, "logits") else out, y)
+
+
+def reference(make, vocab, microbatches):
     """One device, the same microbatches accumulated (the pipeline's sums in the order they are made: on the
     tied 8-layer model, one full-batch backward differs from 4 accumulated ones by 2.7e-5 after 3 AdamW steps,
     fp32 reordering that AdamW's per-element scaling amplifies; the schedules' math is the accumulation's)."""
     torch.manual_seed(0)
-    model = build(args)
+    model = make()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses, norms = [], []
     for s in range(STEPS):
-        x, y = global_batch(s, args.vocab_size)
+        x, y = global_batch(s, vocab)
         n, loss = int((y != -100).sum()), 0.0
         for xm, ym in zip(x.chunk(microbatches), y.chunk(microbatches)):
-            part = sum_ce(model(xm), ym) / n
+            part = logits_ce(model(xm), ym) / n
             part.backward()
             loss += float(part)
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
@@ -56,25 +66,38 @@ def topo_dp(layout):
     return WORLD // (layout.get("pp", 1) * layout.get("tp", 1))  # dp_replicate × dp_shard
 
 
-def compare(layout, schedule="1f1b", microbatches=4, n_layers=4, tp=False, sp=True, lp=False, dp=None, **pipe):
-    """Train the pipelined model; every parameter this rank holds, the losses and norms vs one device."""
-    args = tiny_args(n_layers=n_layers, **({"tie_embeddings": True} if pipe.pop("tied", False) else {}))
-    ref, ref_losses, ref_norms = reference(args, microbatches * topo_dp(layout))
-    plan = {"layout": layout, "pipeline": {"schedule": schedule, "microbatches": microbatches, **pipe}}
+def compare(layout, schedule="1f1b", microbatches=4, n_layers=4, tp=False, sp=True, lp=False, dp=None, hf=False,
+            **pipe):
+    """Train the pipelined model; every parameter this rank holds, the losses and norms vs one device.
+
+    ``hf``: transformers' ``LlamaForCausalLM`` (its stages return ``ModelOutput``s) with plans/hf_llama.yaml's
+    rules, instead of the examples' Llama."""
+    tied = pipe.pop("tied", False)
+    if hf:
+        make, vocab, rules = functools.partial(hf_models.llama, num_hidden_layers=n_layers), 128, HF_RULES
+        pipe.setdefault("blocks", {"pattern": "model.layers.*"})
+    else:
+        args = tiny_args(n_layers=n_layers, **({"tie_embeddings": True} if tied else {}))
+        make, vocab, rules = functools.partial(build, args), args.vocab_size, TP_RULES
+    ref, ref_losses, ref_norms = reference(make, vocab, microbatches * topo_dp(layout))
+    blocks = pipe.pop("blocks", None)
+    plan = {"layout": layout, "pipeline": {"schedule": schedule, "microbatches": microbatches, **pipe},
+            **({"blocks": blocks} if blocks else {})}
     if tp:
-        plan["tensor_parallel"] = {"sequence_parallel": sp, "loss_parallel": lp, "rules": TP_RULES}
+        plan["tensor_parallel"] = {"sequence_parallel": sp, "loss_parallel": lp, "rules": rules}
     if dp is not None:
         plan["data_parallel"] = dp
     topo = meshplan.build_mesh(layout)
     torch.manual_seed(0)
-    model = meshplan.parallelize(build(args), plan, topo)
+    model = meshplan.parallelize(make(), plan, topo)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    loss_fn = (lambda out, y: meshplan.cross_entropy(out, y, reduction="sum")) if lp else sum_ce
+    loss_fn = (lambda out, y: meshplan.cross_entropy(out.logits if hf else out, y, reduction="sum")) if lp \
+        else logits_ce
     rows = GLOBAL_BATCH // topo.data_world_size
     r = topo.data_rank
     results = []
     for s in range(STEPS):
-        x, y = global_batch(s, args.vocab_size)
+        x, y = global_batch(s, vocab)
         batch = (x[r * rows:(r + 1) * rows], y[r * rows:(r + 1) * rows])
         results.append(meshplan.train_step(model, batch, loss_fn, opt, max_grad_norm=MAX_NORM))
     ref_params = dict(ref.named_parameters(remove_duplicate=False))
@@ -138,6 +161,7 @@ CASES_2 = {
     "load_full": lambda: load_full(P2),
     "load_full_tied": lambda: load_full(P2, tied=True),
     "tied_i1f1b": lambda: compare({"pp": 2, "vpp": 2}, "interleaved_1f1b", n_layers=4, tied=True),
+    "hf_llama_1f1b": lambda: compare(P2, "1f1b", hf=True),
 }
 CASES_4 = {
     "pp2_tp2_sp_lp": lambda: compare({"pp": 2, "tp": 2}, "1f1b", n_layers=2, tp=True, sp=True, lp=True),
@@ -145,6 +169,8 @@ CASES_4 = {
     "pp2_dp2": lambda: compare({"pp": 2}, "1f1b", dp={}),
     "pp4": lambda: compare({"pp": 4}, "1f1b", n_layers=4),
     "pp2_ddp": lambda: compare({"pp": 2, "dp_replicate": 2, "dp_shard": 1}, "gpipe", dp={"mode": "ddp"}),
+    "hf_llama_pp2_tp2_sp_lp": lambda: compare({"pp": 2, "tp": 2}, "1f1b", n_layers=2, tp=True, sp=True, lp=True,
+                                              hf=True),
 }
 CASES_8 = {
     "pp2_hsdp": lambda: compare({"pp": 2, "dp_replicate": 2, "dp_shard": 2}, "1f1b", microbatches=2, dp={"mode": "hsdp"}),

@@ -1,6 +1,7 @@
 """Real gloo processes: meshplan.init, the layout and plan fingerprints, topology groups, collectives on each mesh."""
 
 import copy
+import functools
 import os
 import time
 
@@ -97,6 +98,92 @@ def case_parallelize_plan_mismatch():
     return out
 
 
+def _on_rank1(plan: dict, path: tuple, value) -> dict:
+    """``plan`` with ``plan[path[0]]…[path[-1]] = value`` on rank 1 only."""
+    plan = copy.deepcopy(plan)
+    if dist.get_rank() == 1:
+        node = plan
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = value
+    return plan
+
+
+#: one mismatch on rank 1 each: (where it is caught, plan edit or None, what the model/torch does on rank 1)
+MISMATCHES = {
+    "sequence_parallel": ("meshplan.init", ("tensor_parallel", "sequence_parallel", True), None),
+    "loss_parallel": ("meshplan.init", ("tensor_parallel", "loss_parallel", True), None),
+    "rule": ("meshplan.parallelize", ("tensor_parallel", "rules", "layers.*.b", "colwise"), None),
+    "fsdp_dtype": ("meshplan.parallelize", ("data_parallel", "param_dtype", "bfloat16"), None),
+    "faults_timeout": ("meshplan.init", ("faults", "timeout_s", 30.0), None),
+    "model_shape": ("meshplan.parallelize", None, "shape"),
+    "model_layers": ("meshplan.parallelize", None, "layers"),
+    "model_dtype": ("meshplan.parallelize", None, "dtype"),
+    "torch_version": ("meshplan.init", None, "torch"),
+    "world_layout": ("meshplan.init", ("layout", "tp", 4), None),
+}
+
+
+class _Wide(torch.nn.Module):
+    """Like _Net; ``layers.0.b`` 8 -> 16 wide on rank 1 (``shape``), a second layer (``layers``), bf16 (``dtype``)."""
+
+    def __init__(self, kind=None):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([_Block()] + ([_Block()] if kind == "layers" else []))
+        if kind == "shape":
+            self.layers[0].b = torch.nn.Linear(8, 16)
+        if kind == "dtype":
+            self.to(torch.bfloat16)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _mismatch(name):
+    """Rank 1 differs in one way; every rank must raise the same PlanError at once, before any step."""
+    where, edit, kind = MISMATCHES[name]
+    base = copy.deepcopy(PLAN)
+    if name == "fsdp_dtype":
+        base["data_parallel"] = {"param_dtype": "float32"}
+    plan = _on_rank1(base, edit[:-1], edit[-1]) if edit is not None and where == "meshplan.init" else base
+    real = torch.__version__
+    if kind == "torch" and dist.get_rank() == 1:
+        torch.__version__ = "2.12.1+cpu"  # a rank on another image: simulated without installing another torch
+    try:
+        if where == "meshplan.init":
+            return _raises_plan_error(lambda: meshplan.init(plan))
+        topo = meshplan.init(base)
+        rank1 = _on_rank1(base, edit[:-1], edit[-1]) if edit is not None else base
+        model = _Wide(kind if dist.get_rank() == 1 else None)
+        return _raises_plan_error(lambda: meshplan.parallelize(model, rank1, topo))
+    finally:
+        torch.__version__ = real
+
+
+def case_every_group_has_the_plan_timeout():
+    """Every group of the topology (DeviceMesh sub-groups and flattened ones included; torch gives those 30
+    minutes whatever init_process_group said) waits faults.init_timeout_s, then faults.timeout_s after the first
+    step."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    def seconds(group):
+        return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+    bare = init_device_mesh("cpu", (WORLD // 2, 2), mesh_dim_names=("a", "b"))  # torch alone
+    plan = {"layout": {"tp": 2, "pp": 2} if WORLD == 8 else {"tp": 2},
+            "faults": {"init_timeout_s": 77, "timeout_s": 33, "heartbeat_s": 1}}
+    topo = meshplan.init(plan)
+    try:
+        groups = topo.process_groups()
+        first = {g.group_name: seconds(g) for g in groups}
+        topo.faults.steady()
+        return {"torch": seconds(bare.get_group("b")), "groups": len(groups), "init": sorted(set(first.values())),
+                "steady": sorted({seconds(g) for g in groups})}
+    finally:
+        topo.faults.close()
+
+
 def setup():
     return None
 
@@ -109,4 +196,6 @@ if __name__ == "__main__":
         assert dist.get_backend() == "gloo"
         run_cases({"init_and_groups": case_init_and_groups, "mismatch": case_mismatch_fails_everywhere,
                    "init_plan_mismatch": case_init_plan_mismatch,
-                   "parallelize_plan_mismatch": case_parallelize_plan_mismatch})
+                   "parallelize_plan_mismatch": case_parallelize_plan_mismatch,
+                   "group_timeouts": case_every_group_has_the_plan_timeout,
+                   **{f"mismatch_{name}": functools.partial(_mismatch, name) for name in MISMATCHES}})

@@ -1,0 +1,71 @@
+"""What every converter shares: the record of what a direction dropped or assumed, the sections a format cannot
+hold, and a rule written with only the layouts that differ from meshplan's generated ones. Torch-free apart from
+the style table (imported lazily)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+__all__ = ["Notes", "unheld_sections", "layout_overrides", "rule_data", "is_replicate", "SECTION_NAMES", "HEAD_NAMES"]
+
+#: what each plan section is, for the dropped lines
+SECTION_NAMES = {"blocks": "the blocks section (activation checkpointing, compile)",
+                 "data_parallel": "the data_parallel section (FSDP2/HSDP/DDP settings)",
+                 "pipeline": "the pipeline section", "context_parallel": "the context_parallel section",
+                 "expert_parallel": "the expert_parallel section", "tensor_parallel": "the tensor_parallel rules"}
+
+
+#: the last path segment of common output heads (a name is all a source without a model says)
+HEAD_NAMES = ("lm_head", "embed_out", "output")
+
+
+def is_replicate(layout: Any) -> bool:
+    """Is a layout text (``replicate``, ``shard(1)``, …; not None) Replicate?"""
+    from meshplan.plan_file.tensor_parallel import layout_kind
+    return isinstance(layout, str) and layout_kind(layout) == "R"
+
+
+@dataclass
+class Notes:
+    """What a conversion could not carry (``dropped``) and what it had to guess (``assumed``): one line each,
+    printed on stderr by ``meshplan convert``."""
+
+    dropped: list[str] = field(default_factory=list)
+    assumed: list[str] = field(default_factory=list)
+
+    def drop(self, what: str, why: str) -> None:
+        self.dropped.append(f"{what}: {why}")
+
+    def assume(self, what: str, why: str) -> None:
+        self.assumed.append(f"{what}: {why}")
+
+    def lines(self) -> list[str]:
+        return [f"meshplan convert: dropped {d}" for d in self.dropped] + \
+               [f"meshplan convert: assumed {a}" for a in self.assumed]
+
+
+def unheld_sections(plan: Any, held: set[str], target: str, notes: Notes) -> None:
+    """One dropped line per plan section ``target`` cannot hold."""
+    for name, what in SECTION_NAMES.items():
+        if getattr(plan, name, None) is not None and name not in held:
+            notes.drop(what, f"{target} has no equivalent")
+
+
+def layout_overrides(layout: Any, held: set[str], target: str, notes: Notes) -> None:
+    """One dropped line per degree or the order (set in the plan's layout) that ``target`` cannot hold."""
+    if layout is None:
+        return
+    for key, value in layout.model_dump(exclude_defaults=True).items():
+        if key not in held:
+            notes.drop(f"layout.{key} ({value})", f"{target} has no equivalent")
+
+
+def rule_data(style: str, overrides: Mapping[str, Any], stream: Any) -> str | dict:
+    """A plan rule (a style name, or a mapping) keeping only the overrides meshplan would not generate itself for
+    ``stream`` (a :class:`~meshplan.tensor_parallel.layouts.Stream`)."""
+    from meshplan.tensor_parallel.style_table import STYLES
+    spec = STYLES[style]
+    generated = spec.layouts({}, stream)
+    kept = {k: v for k, v in overrides.items() if v is not None and generated.get(k, object()) != v}
+    return {"style": style, **kept} if kept else style
