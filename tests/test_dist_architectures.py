@@ -17,8 +17,8 @@ def results():
 @pytest.mark.parametrize("name", sorted(FACTORIES))
 def test_three_adamw_steps_match_one_device(results, name):
     """Loss at each of 3 AdamW steps and every gradient of the first: relative error <= 1e-5. Later gradients
-    and every parameter after 3 steps: <= max(1e-5, 3 x the noise floor), the distance between two one-device
-    runs that only sum in another order (see arch_worker.py: Gemma2's floor is ~4e-5; for the others it is
+    and every parameter after 3 steps: <= max(1e-5, 3 x the noise floor), the larger distance of two one-device
+    runs that only sum in other orders (see arch_worker.py: Gemma2's floor is ~4e-5; for the others it is
     below 1e-5, so they are held to 1e-5). Key biases are judged by their gradients (tests/test_dist_hf.py).
     Through train_step with the model's own loss: the same loss each step and the same parameters after 3
     steps; the token count is the shifted one."""

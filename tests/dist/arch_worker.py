@@ -5,9 +5,11 @@ at each step, every parameter after them. transformers models are also trained t
 ``meshplan.train_step(model, {"input_ids", "labels"}, None, opt)`` (the model's own loss, tokens counted as it
 counts them), compared after 3 steps with the same one-device run.
 
-The noise floor: a second one-device copy sums in another order (two microbatches); its distance from the
-reference is what fp32 reordering alone does to each model (Gemma2: gradients 4e-5 apart after one AdamW
-step, as AdamW's first step turns near-zero gradients into whole +-lr updates). The first step has no such
+The noise floor: two more one-device copies sum in other orders (two microbatches; the batch's rows swapped);
+the larger of their distances from the reference is what fp32 reordering alone does to each model. Gemma2's is
+~4e-5 after 3 AdamW steps: AdamW turns near-zero gradients into near-whole +-lr updates, so an embedding entry
+whose true gradient cancels to ~1e-7 (its row's norm 0.36) moves 1.5e-4 apart on a 5e-7 difference. The two
+orders land on different such entries (Gemma2: 2.1e-5 and 3.8e-5), hence both. The first step has no such
 floor; later steps are judged against max(1e-5, 3 x the floor).
 """
 
@@ -72,12 +74,12 @@ def _parity(name, steps=3):
     torch.manual_seed(0)
     ref = factory()
     hf = hasattr(ref, "config")
-    model, alt = copy.deepcopy(ref), copy.deepcopy(ref)
+    model, alt, swapped = copy.deepcopy(ref), copy.deepcopy(ref), copy.deepcopy(ref)
     stepped = copy.deepcopy(ref) if hf else None
     meshplan.parallelize(model, plan)
     if stepped is not None:
         meshplan.parallelize(stepped, plan)
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (ref, model, alt, stepped) if m is not None]
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (ref, model, alt, swapped, stepped) if m is not None]
     worst = {"loss": 0.0, "grad": 0.0, "grad_name": None, "train_step_loss": 0.0, "first_step_grad": 0.0,
              "floor_grad": 0.0, "floor_param": 0.0}
     for step in range(steps):
@@ -88,24 +90,26 @@ def _parity(name, steps=3):
         loss.backward()
         worst["loss"] = max(worst["loss"], _rel(loss.detach(), loss_ref.detach()))
         _reordered_loss(alt, tokens, labels, hf).backward()
-        for (n, p), (_, q), (_, r) in zip(model.named_parameters(), ref.named_parameters(), alt.named_parameters()):
+        _loss(swapped, tokens[[1, 0]], labels[[1, 0]], hf).backward()
+        for (n, p), (_, q), (_, r), (_, w) in zip(model.named_parameters(), ref.named_parameters(),
+                                                  alt.named_parameters(), swapped.named_parameters()):
             e = _rel(p.grad, q.grad)
             if e > worst["grad"]:
                 worst["grad"], worst["grad_name"] = e, n
             if step == 0:
                 worst["first_step_grad"] = max(worst["first_step_grad"], e)
-            worst["floor_grad"] = max(worst["floor_grad"], _rel(r.grad, q.grad))
+            worst["floor_grad"] = max(worst["floor_grad"], _rel(r.grad, q.grad), _rel(w.grad, q.grad))
         if stepped is not None:
-            res = meshplan.train_step(stepped, {"input_ids": tokens, "labels": labels}, None, opts[3])
+            res = meshplan.train_step(stepped, {"input_ids": tokens, "labels": labels}, None, opts[4])
             worst["train_step_loss"] = max(worst["train_step_loss"], abs(res.loss - float(loss_ref)) / float(loss_ref))
             worst["train_step_tokens"] = res.num_tokens == int((labels[:, 1:] != -100).sum())
-        for opt in opts[:3]:
+        for opt in opts[:4]:
             opt.step()
             opt.zero_grad()
     per_param = {n: _rel(p.detach(), q.detach()) for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters())}
     worst["param"] = max(((n, e) for n, e in per_param.items() if not n.endswith(KEY_BIAS)), key=lambda kv: kv[1])
-    worst["floor_param"] = max(_rel(r.detach(), q.detach()) for (n, r), (_, q) in
-                               zip(alt.named_parameters(), ref.named_parameters()) if not n.endswith(KEY_BIAS))
+    worst["floor_param"] = max(_rel(r.detach(), q.detach()) for copy_ in (alt, swapped) for (n, r), (_, q) in
+                               zip(copy_.named_parameters(), ref.named_parameters()) if not n.endswith(KEY_BIAS))
     if stepped is not None:
         worst["train_step_param"] = max(_rel(p.detach(), q.detach()) for (n, p), (_, q) in
                                         zip(stepped.named_parameters(), ref.named_parameters())
