@@ -92,7 +92,8 @@ def measure(plan: dict, kind: str, world: int, steps: int, tmp: Path) -> float:
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800, cwd=ROOT)
     rows = [json.loads(ln) for ln in out.stdout.splitlines() if ln.startswith("{")]
     if out.returncode or len(rows) < steps:
-        raise RuntimeError(f"train.py failed ({out.returncode}): {out.stderr[-1500:]}")
+        said = [ln for ln in out.stderr.splitlines() if ln.startswith("[rank") or "Error" in ln]
+        raise RuntimeError(f"train.py failed ({out.returncode}): " + "\n".join(said[-30:] or [out.stderr[-1500:]]))
     return statistics.median(BATCH * SEQ / r["tokens_per_s"] for r in rows[2:])
 
 
