@@ -123,6 +123,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="write checkpoints in the background (the loop waits only for a CPU copy)")
     ap.add_argument("--allow-batch-change", action="store_true",
                     help="resume with another --global-batch than the checkpoint's (from its sample index)")
+    ap.add_argument("--timeout-s", type=float, default=None,
+                    help="seconds a collective may wait for a silent rank before every rank stops with the rank's "
+                         "name (overrides the plan's faults.init_timeout_s and faults.timeout_s)")
     ap.add_argument("--json", action="store_true",
                     help='print one JSON object per step on rank 0: {"step", "loss", "grad_norm", "tokens_per_s"}')
     return ap
@@ -171,7 +174,7 @@ def _report(args, topo, model, step, result, tokens_per_s) -> None:
 def main() -> None:
     args = _parser().parse_args()
     plan = meshplan.load_plan(args.plan)
-    with meshplan.init(plan) as topo:
+    with meshplan.init(plan, timeout_s=args.timeout_s) as topo:
         global_batch = args.global_batch if args.global_batch is not None else args.batch * topo.data_world_size
         if global_batch < 1 or global_batch % topo.data_world_size:
             sys.exit(f"train.py: error: the global batch ({global_batch}) must be a positive multiple of the "

@@ -111,7 +111,8 @@ def _apply_sections(model: nn.Module, p: Plan, topology: Topology | None, tp_mes
     if split is not None:
         from meshplan.pipeline import build_stages
         state = attach_state(model)
-        build_stages(model, state.pipeline, split, topology, state.sequence_parallel)
+        build_stages(model, state.pipeline, split, topology, state.sequence_parallel,
+                     tensor_parallel=state.tensor_parallel is not None)
     if data_parallel:
         from meshplan.data_parallel.fsdp import apply_data_parallel
         apply_data_parallel(model, section, topology)  # fully_shard each block, then the root (each stage)

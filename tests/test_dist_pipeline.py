@@ -32,7 +32,8 @@ def _check(results, case, n):
 
 @pytest.mark.parametrize("case", ["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble",
                                   "zbv_zero_bubble", "dualpipev", "split_points", "fewer_first", "tied",
-                                  "tied_zbv", "tied_i1f1b", "load_full", "load_full_tied", "hf_llama_1f1b"])
+                                  "tied_zbv", "tied_i1f1b", "load_full", "load_full_tied", "hf_llama_1f1b",
+                                  "tp_rules_at_tp1"])
 def test_pp2(world2, case):
     _check(world2, case, 2)
 

@@ -85,10 +85,11 @@ def kept_rules(model: nn.Module, rules: dict, removed: set[str]) -> dict:
 
 
 def build_stages(model: nn.Module, record: PipelineApplied, split: StageSplit, topology: Any,
-                 sequence_parallel: bool | str) -> list[nn.Module]:
-    """Make this rank's stage views (boundary conversions hooked) and their ``PipelineStage`` objects."""
+                 sequence_parallel: bool | str, tensor_parallel: bool) -> list[nn.Module]:
+    """Make this rank's stage views (boundary conversions hooked) and their ``PipelineStage`` objects.
+    ``tensor_parallel``: the model's styles were applied (at tp 1 too: its stream is then a one-rank DTensor)."""
     from torch.distributed.pipelining import PipelineStage
-    tp_mesh = topology["tp"] if topology.layout.tp > 1 else None
+    tp_mesh = topology["tp"] if tensor_parallel else None
     device = torch.device(topology.dense.device_type, torch.cuda.current_device()) \
         if topology.dense.device_type == "cuda" else torch.device("cpu")
     record.views = []

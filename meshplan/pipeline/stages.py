@@ -41,7 +41,7 @@ def boundary_hooks(view: nn.Module, tp_mesh: DeviceMesh | None, sequence_paralle
     becomes its ``logits`` on every stage (on earlier stages the hidden state, the head being a pass-through):
     torch's stages take and give tensors only. The last stage's output class is noted on ``loss``, which hands
     the user's loss function the same class holding those logits, as the model without a pipeline would."""
-    place = _stream_placement(sequence_parallel) if tp_mesh is not None and tp_mesh.size() > 1 else None
+    place = _stream_placement(sequence_parallel) if tp_mesh is not None else None
 
     def to_stream(_mod: nn.Module, args: tuple) -> tuple:
         x = args[0]

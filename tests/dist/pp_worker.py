@@ -162,6 +162,8 @@ CASES_2 = {
     "load_full_tied": lambda: load_full(P2, tied=True),
     "tied_i1f1b": lambda: compare({"pp": 2, "vpp": 2}, "interleaved_1f1b", n_layers=4, tied=True),
     "hf_llama_1f1b": lambda: compare(P2, "1f1b", hf=True),
+    # tp rules at tp 1 (a solver's plan keeps its rule sections): the stream is a one-rank DTensor at the boundary
+    "tp_rules_at_tp1": lambda: compare(P2, "1f1b", n_layers=2, tp=True, sp=True, lp=True),
 }
 CASES_4 = {
     "pp2_tp2_sp_lp": lambda: compare({"pp": 2, "tp": 2}, "1f1b", n_layers=2, tp=True, sp=True, lp=True),
