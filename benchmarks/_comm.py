@@ -21,7 +21,8 @@ __all__ = ["CommLog"]
 _OPS = {"all_reduce": ("all_reduce", 0, 1), "all_reduce_": ("all_reduce", 0, 1), "allreduce_": ("all_reduce", 0, 1),
         "all_reduce_coalesced": ("all_reduce", 0, 1), "all_gather_into_tensor": ("all_gather", 0, "d"),
         "_allgather_base_": ("all_gather", 0, 1), "reduce_scatter_tensor": ("reduce_scatter", 0, 1),
-        "_reduce_scatter_base_": ("reduce_scatter", 1, 1)}
+        "_reduce_scatter_base_": ("reduce_scatter", 1, 1), "all_to_all_single": ("all_to_all", 1, 1),
+        "alltoall_base_": ("all_to_all", 1, 1), "send": ("send", 0, 1), "recv_": ("recv", 0, 1)}
 
 
 def _group_size(args) -> int:
@@ -66,6 +67,7 @@ class CommLog(TorchDispatchMode):
         if spec is not None:
             kind, i, factor = spec
             d = _group_size(args)
+            d = 2 if kind in ("send", "recv") else d  # a point-to-point op joins two ranks
             self.records.append((kind, d, _nbytes(args[i]) * (d if factor == "d" else 1)))
         return out
 

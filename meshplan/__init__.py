@@ -8,7 +8,7 @@ __all__ = ["PlanError", "RankFailure", "Layout", "ResolvedLayout", "Plan", "load
            "Topology", "current_topology", "parallelize", "cross_entropy", "loss_parallel",
            "train_step", "clip_grad_norm_", "materialize", "load_state_dict", "load_full_state_dict",
            "load_safetensors", "plan", "check", "parallel_state", "shard_sequence", "memory", "save", "load",
-           "CheckpointManager", "DataState", "export_safetensors", "latest_checkpoint"]
+           "CheckpointManager", "DataState", "export_safetensors", "latest_checkpoint", "estimate", "solve"]
 __version__ = "0.1.0"
 
 
@@ -52,6 +52,9 @@ def __getattr__(name: str):
     if name == "check":
         from meshplan.checks.validate import check
         return check
+    if name in ("estimate", "solve"):  # torch-free: the layout solver and cost model
+        import meshplan.solver.api as solver
+        return getattr(solver, name)
     if name == "init":
         from meshplan.mesh.runtime import init
         return init

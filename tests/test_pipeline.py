@@ -377,7 +377,8 @@ def test_shipped_pipeline_plans(path, world):
 
 
 def test_check_pipeline_v_and_interleaved_ranks():
-    report = meshplan.check(meta_llama(n_layers=8), _plan(pp=2, vpp=2, schedule="zbv_zero_bubble"))
+    # tp 1: a split-backward schedule runs with pipeline parallelism alone (test_split_backward_refused_beside_tp)
+    report = meshplan.check(meta_llama(n_layers=8), _plan(tp=1, pp=2, vpp=2, schedule="zbv_zero_bubble"))
     assert report.ok, report.errors
     assert [r["pp_rank"] for r in report.pipeline["stages"]] == [0, 1, 1, 0]
     report = meshplan.check(meta_llama(n_layers=8), _plan(pp=2, vpp=2, schedule="interleaved_1f1b"))
@@ -386,7 +387,7 @@ def test_check_pipeline_v_and_interleaved_ranks():
 
 @pytest.mark.parametrize("plan, message", [
     (_plan(split_points=["layers.9"]), "pipeline.split_points[0]: 'layers.9' is not a block"),
-    (_plan(schedule="dualpipev", vpp=2, microbatches=2), "pipeline.microbatches: dualpipev needs at least one "
+    (_plan(tp=1, schedule="dualpipev", vpp=2, microbatches=2), "pipeline.microbatches: dualpipev needs at least one "
                                                          "microbatch per stage"),
     (_plan(pp=8, tp=1, microbatches=8), "pipeline: 4 blocks in 'layers' cannot fill 8 stages"),
     ({"layout": {"pp": 2}}, "<plan>: layout.pp(2) > 1 needs a pipeline section; found none"),
@@ -397,8 +398,14 @@ def test_check_pipeline_errors(plan, message):
     assert message in render_table(report)
 
 
+@pytest.mark.parametrize("schedule", ["interleaved_zero_bubble", "zbv_zero_bubble", "dualpipev"])
+def test_split_backward_refused_beside_tp(schedule):
+    report = meshplan.check(meta_llama(n_layers=8), _plan(pp=2, vpp=2, schedule=schedule, microbatches=4))
+    assert [e for e in report.errors if f"{schedule} splits each backward" in str(e) and "found tp(2)" in str(e)]
+
+
 def test_check_pipeline_collects_every_error():
-    report = meshplan.check(meta_llama(n_layers=2), _plan(schedule="dualpipev", vpp=2, microbatches=2))
+    report = meshplan.check(meta_llama(n_layers=2), _plan(tp=1, schedule="dualpipev", vpp=2, microbatches=2))
     assert [str(e).split(":")[0] for e in report.errors] == ["pipeline.microbatches", "pipeline"]
     assert "cannot fill 4 stages" in str(report.errors[1]) and report.pipeline == {}
 

@@ -6,7 +6,10 @@ output), and they are attributed to the block that created them; the peak is the
 the start of the forward to the end of the backward. Storages are counted once (views share them) and by their
 size in bytes, so the numbers are exact on the meta device (no memory is touched) and on CPU or CUDA. Parameters,
 buffers and their views (a transposed weight) are not counted, nor inputs made before the step; FSDP2's gathered
-parameters are (they are made in the step).
+parameters are (they are made in the step). FSDP2 frees a resharded block's gathered parameters by resizing their
+storage to 0, which a dispatch mode does not see: ``saved`` reads each storage's size when the forward has
+returned (so only the gathered parameters still held then count), while ``peak`` counts a gathered storage from
+its first all-gather on (an upper bound under FSDP2).
 
 The meta device runs the ops the model asks for, but kernels chosen by device are not: ``scaled_dot_product_attention``
 takes its math path there (it keeps the ``s × s`` attention probabilities) where CPU and CUDA run fused kernels
@@ -111,10 +114,11 @@ def memory(model: nn.Module, step: Callable[[], Any], blocks: str = "layers.*") 
         with tracker:
             loss = step()
             result = ActivationMemory()
-            for ref, nbytes, block in list(tracker.live.values()):
-                if ref() is not None:
-                    result.saved += nbytes
-                    result.per_block[block] = result.per_block.get(block, 0) + nbytes
+            for ref, _, block in list(tracker.live.values()):
+                st = ref()
+                if st is not None:  # its size now: FSDP2 frees a resharded parameter by resizing its storage to 0
+                    result.saved += st.nbytes()
+                    result.per_block[block] = result.per_block.get(block, 0) + st.nbytes()
             loss.backward()
             del loss
     finally:

@@ -1,7 +1,7 @@
 """The ``pipeline`` section in ``meshplan check``: the schedule against the layout, the split against the model.
 
 :func:`check_pipeline` runs what :func:`meshplan.parallelize` runs before it prunes a rank's model
-(:func:`~meshplan.pipeline.stages.check_schedule`, then :func:`~meshplan.pipeline.split.plan_split` on a
+(:func:`~meshplan.plan_file.stages.check_schedule`, then :func:`~meshplan.pipeline.split.plan_split` on a
 meta-device copy; for ``split: trace``, :func:`~meshplan.pipeline.traced.plan_traced`, which traces nothing),
 collects the errors into the report, and records one row per stage: the pp rank that runs it, its end modules
 and blocks, and its (global) parameter count. :func:`stage_lines` renders those rows for the text report::
@@ -26,6 +26,7 @@ from meshplan.errors import PlanError
 from meshplan.pipeline.probe import probe_split
 from meshplan.pipeline.split import StageSplit, local_stage_ids, plan_split, stage_view
 from meshplan.pipeline.stages import check_schedule
+from meshplan.plan_file.stages import other_degrees
 
 __all__ = ["check_pipeline", "stage_rows", "stage_lines"]
 
@@ -54,7 +55,7 @@ def check_pipeline(model: nn.Module, plan: Any, layout: Any, report: Any) -> Non
         _check_traced(model, plan, layout, where, report, summary)
         return
     try:
-        check_schedule(section, pp, vpp, where)
+        check_schedule(section, pp, vpp, where, other_degrees(layout))
     except PlanError as e:
         report.errors.append(e)
     pattern = plan.blocks.pattern if plan.blocks is not None else "layers.*"

@@ -18,7 +18,7 @@ from __future__ import annotations
 import sys
 from typing import Sequence
 
-from meshplan.cli import checkpoints, convert, plans, ranks
+from meshplan.cli import checkpoints, convert, plans, ranks, solve
 from meshplan.cli.args import Parser, error_line
 from meshplan.errors import PlanError
 
@@ -26,14 +26,15 @@ __all__ = ["main", "build_parser"]
 
 
 def build_parser() -> Parser:
-    """The ``meshplan`` parser: ``ranks``, ``schema``, ``checkpoints`` (torch-free), ``check``, ``convert`` and
-    ``export``."""
+    """The ``meshplan`` parser: ``ranks``, ``schema``, ``checkpoints`` (torch-free), ``check``, ``convert``,
+    ``export``, ``estimate``, ``solve`` and ``profile``."""
     parser = Parser(prog="meshplan", description="Validate and inspect meshplan plans and layouts (no GPU needed).")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     ranks.register(sub)
     plans.register(sub)
     convert.register(sub)
     checkpoints.register(sub)
+    solve.register(sub)
     return parser
 
 

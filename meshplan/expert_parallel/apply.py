@@ -17,8 +17,8 @@ from typing import Any
 import torch.nn as nn
 
 from meshplan.errors import PlanError
-from meshplan.mesh.ranks import divisors_text
-from meshplan.plan_file.expert_parallel import ExpertParallel, ExpertsRule, RouterRule
+from meshplan.mesh.ranks import not_dividing
+from meshplan.plan_file.expert_parallel import ExpertParallel, ExpertsRule, RouterRule, etp_problem
 from meshplan.plan_file.patterns import match_rules
 
 __all__ = ["MoeBlock", "EpApplied", "check_expert_parallel", "apply_expert_parallel", "moe_blocks", "expert_modules",
@@ -118,9 +118,9 @@ def _num_experts(module: nn.Module, path: str, ep: int, where: str) -> int:
         raise PlanError(f"{where}: the parameters of experts module {path} disagree on the expert count (dim 0): "
                         f"{shapes}; expected grouped weights [E, …] with one E")
     experts = sizes.pop()
-    if experts % ep:
-        raise PlanError(f"{where}: ep({ep}) does not divide the {experts} experts of {path}; valid ep: "
-                        f"{divisors_text(experts)}")
+    why = not_dividing("ep", ep, "the {n} experts of " + path, experts)
+    if why:
+        raise PlanError(f"{where}: {why}")
     return experts
 
 
@@ -145,10 +145,9 @@ def check_expert_parallel(model: nn.Module, section: ExpertParallel, layout: Any
             without exactly one router, a router outside every block, top-k above the expert count, an experts
             interface that cannot be read, a tensor-parallel rule inside an MoE block.
     """
-    if layout.etp not in (1, layout.tp):
-        raise PlanError(f"{where}: layout.etp({layout.etp}) must be 1 (whole experts on each ep rank, each tp rank "
-                        f"routing its own tokens) or tp({layout.tp}) (each expert's FFN split over the tp group); "
-                        f"valid etp: {', '.join(map(str, sorted({1, layout.tp})))}")
+    why = etp_problem(layout.etp, layout.tp)
+    if why:
+        raise PlanError(f"{where}: {why}")
     matched = match_rules(model, section.rules, f"{where}.rules")
     routers = [p for p, (_, r) in matched.items() if isinstance(r, RouterRule)]
     blocks, claimed = [], set()

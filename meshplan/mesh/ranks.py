@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from math import prod
 from typing import Callable, Iterable
 
-__all__ = ["AXES", "RankGrid", "parse_axes", "pipeline_end_groups", "divisors", "divisors_text"]
+__all__ = ["AXES", "RankGrid", "parse_axes", "pipeline_end_groups", "divisors", "divisors_text", "not_dividing"]
 
 #: Megatron's axis tokens, in their default (innermost-first) order.
 AXES: tuple[str, ...] = ("tp", "cp", "ep", "dp", "pp")
@@ -177,3 +177,23 @@ def divisors(n: int) -> list[int]:
 def divisors_text(n: int, where: Callable[[int], bool] | None = None) -> str:
     """``"1, 2, 4, 8"``: the divisors of ``n`` (those ``where`` accepts), or ``"none"``."""
     return ", ".join(str(d) for d in divisors(n) if where is None or where(d)) or "none"
+
+
+def not_dividing(axis: str, degree: int, what: str, n: int) -> str | None:
+    """The one wording of a degree that does not divide a size, or None when it divides.
+
+    ``meshplan.parallelize`` (tensor_parallel, expert_parallel) and the layout solver both say it this way, so a
+    layout ``meshplan solve`` rejects fails ``parallelize`` with the same words. ``what`` names the size; the
+    number follows it in parentheses unless ``what`` places it itself (``"the {n} experts of …"``).
+
+    Example::
+
+        >>> not_dividing("tp", 3, "num_key_value_heads", 8)
+        'tp(3) does not divide num_key_value_heads(8); valid tp: 1, 2, 4, 8'
+        >>> not_dividing("ep", 4, "the {n} experts", 6)
+        'ep(4) does not divide the 6 experts; valid ep: 1, 2, 3, 6'
+    """
+    if n % degree == 0:
+        return None
+    size = what.format(n=n) if "{n}" in what else f"{what}({n})"
+    return f"{axis}({degree}) does not divide {size}; valid {axis}: {divisors_text(n)}"

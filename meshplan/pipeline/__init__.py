@@ -16,6 +16,7 @@ import torch.nn as nn
 from meshplan.errors import PlanError
 from meshplan.pipeline.split import StageSplit, local_stage_ids, plan_split, prune, stage_view
 from meshplan.pipeline.stages import PipelineApplied, boundary_hooks, check_schedule
+from meshplan.plan_file.stages import other_degrees
 from meshplan.plan_file.pipeline import Pipeline
 
 __all__ = ["split_pipeline", "build_stages", "PipelineApplied", "kept_rules"]
@@ -40,11 +41,11 @@ def split_pipeline(model: nn.Module, section: Pipeline, block_pattern: str, topo
         ``(record, split)``: the record gets its views and stages from :func:`build_stages`.
 
     Raises:
-        PlanError: see :func:`~meshplan.pipeline.stages.check_schedule` and
+        PlanError: see :func:`~meshplan.plan_file.stages.check_schedule` and
             :func:`~meshplan.pipeline.split.plan_split`.
     """
     lay = topology.layout
-    check_schedule(section, lay.pp, lay.vpp, where)
+    check_schedule(section, lay.pp, lay.vpp, where, other_degrees(lay))
     split = plan_split(model, section, block_pattern, lay.pp * lay.vpp, where)
     from meshplan.pipeline.probe import probe_split
     probe_split(model, split, where, opaque=opaque)  # refuse a model a later stage would compute differently

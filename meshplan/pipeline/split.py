@@ -20,7 +20,8 @@ import torch.nn as nn
 from meshplan._torch import module_view
 from meshplan.errors import PlanError
 from meshplan.plan_file.patterns import match_pattern
-from meshplan.plan_file.pipeline import Pipeline, V_SCHEDULES
+from meshplan.plan_file.pipeline import Pipeline
+from meshplan.plan_file.stages import balanced, local_stage_ids  # noqa: F401  (re-exported)
 
 __all__ = ["StageSplit", "plan_split", "balanced", "prune", "stage_view", "local_stage_ids"]
 
@@ -46,38 +47,6 @@ class StageSplit:
     @property
     def num_stages(self) -> int:
         return len(self.keys)
-
-
-def balanced(n_blocks: int, n_stages: int, fewer_first: int = 0, fewer_last: int = 0) -> list[int]:
-    """Blocks per stage: as equal as possible, the first/last stage given ``fewer_*`` fewer.
-
-    As torchtitan's ``first_stage_less_layers``: the embedding (head) weighs ``fewer_first`` (``fewer_last``)
-    blocks and the ``n_blocks + fewer_first + fewer_last`` slots are spread evenly. The slots left over go to
-    the stages without an end module first, so a stage asked for fewer blocks has fewer than every other one.
-    A size below 1 is the caller's error to raise.
-
-    Example::
-
-        >>> balanced(10, 4)
-        [3, 3, 2, 2]
-        >>> balanced(8, 3, fewer_first=1, fewer_last=1)
-        [2, 4, 2]
-    """
-    slots = n_blocks + fewer_first + fewer_last
-    reduced = {0: fewer_first, n_stages - 1: fewer_last if n_stages > 1 else fewer_first + fewer_last}
-    order = sorted(range(n_stages), key=lambda s: (reduced.get(s, 0) > 0, s))  # extra slots: plain stages first
-    extra = set(order[:slots % n_stages])
-    sizes = [slots // n_stages + (s in extra) for s in range(n_stages)]
-    sizes[0] -= fewer_first
-    sizes[-1] -= fewer_last
-    return sizes
-
-
-def local_stage_ids(pp_rank: int, pp: int, vpp: int, schedule: str) -> list[int]:
-    """The stages this pp rank runs: ``r, r+pp, …`` (loop), or ``r, 2pp−1−r`` for the V-shaped schedules."""
-    if schedule in V_SCHEDULES:
-        return [pp_rank, 2 * pp - 1 - pp_rank]
-    return [pp_rank + k * pp for k in range(vpp)]
 
 
 def _container(model: nn.Module, blocks: list[str], where: str) -> str:

@@ -16,8 +16,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from meshplan.errors import PlanError
-from meshplan.plan_file.pipeline import MULTI_STAGE_SCHEDULES, V_SCHEDULES, Pipeline
+from meshplan.plan_file.pipeline import MULTI_STAGE_SCHEDULES, Pipeline
+from meshplan.plan_file.stages import check_schedule  # noqa: F401  (re-exported: torch-free rules)
 
 __all__ = ["PipelineApplied", "StepLoss", "schedule_class", "check_schedule", "boundary_hooks"]
 
@@ -28,46 +28,6 @@ def schedule_class(name: str) -> type:
     return {"gpipe": pl.ScheduleGPipe, "1f1b": pl.Schedule1F1B, "interleaved_1f1b": pl.ScheduleInterleaved1F1B,
             "looped_bfs": pl.ScheduleLoopedBFS, "interleaved_zero_bubble": pl.ScheduleInterleavedZeroBubble,
             "zbv_zero_bubble": pl.ScheduleZBVZeroBubble, "dualpipev": pl.ScheduleDualPipeV}[name]
-
-
-def check_schedule(section: Pipeline, pp: int, vpp: int, where: str = "pipeline") -> None:
-    """Schedule, ``vpp`` and microbatches fit together (the valid values in the message).
-
-    Rejects every combination torch 2.13's schedule classes reject when they are built (checked over a fake
-    process group for pp ≤ 4, vpp ≤ 3, m ≤ 12) and, for a pipeline that fills, a few more (m ≥ pp for all but
-    GPipe; rounds of pp microbatches for the loop schedules with vpp > 1, as Megatron).
-
-    Args:
-        section: the plan's ``pipeline`` section.
-        pp: pipeline ranks (``layout.pp``).
-        vpp: stages per rank (``layout.vpp``).
-        where: prefix of the error messages (plan file and key).
-
-    Raises:
-        PlanError: a one-stage schedule with vpp > 1, a V-shaped one without vpp = 2, too few microbatches
-            (``dualpipev``: fewer than its 2·pp stages, torch's ``ScheduleDualPipeV``), or a microbatch count
-            torch's interleaved schedules cannot cut into rounds.
-    """
-    s, m = section.schedule, section.microbatches
-    if s in V_SCHEDULES and vpp != 2:
-        raise PlanError(f"{where}.schedule: {s} runs two stages per rank in a V; found layout.vpp({vpp}), "
-                        f"expected vpp = 2")
-    if s not in MULTI_STAGE_SCHEDULES and vpp != 1:
-        raise PlanError(f"{where}.schedule: {s} runs one stage per rank; found layout.vpp({vpp}), expected vpp = 1 "
-                        f"or a multi-stage schedule ({', '.join(MULTI_STAGE_SCHEDULES)})")
-    if s == "dualpipev" and m < 2 * pp:
-        raise PlanError(f"{where}.microbatches: dualpipev needs at least one microbatch per stage (torch's "
-                        f"ScheduleDualPipeV), 2·pp({pp}) = {2 * pp} stages; found {m}, expected >= {2 * pp}")
-    if s != "gpipe" and m < pp:
-        raise PlanError(f"{where}.microbatches: {s} needs at least pp({pp}) microbatches to fill the pipeline; "
-                        f"found {m}, expected >= {pp} (or schedule: gpipe)")
-    if s in ("interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble") and vpp > 1 and m % pp:
-        raise PlanError(f"{where}.microbatches: {s} with vpp({vpp}) runs microbatches in rounds of pp({pp}); "
-                        f"found {m}, expected a multiple of {pp}")
-    if s in ("interleaved_1f1b", "interleaved_zero_bubble") and m % (m // pp):
-        valid = ", ".join(str(k) for k in range(pp, 4 * pp + 1) if k % (k // pp) == 0)
-        raise PlanError(f"{where}.microbatches: torch's {s} cuts the microbatches into m // pp({pp}) = {m // pp} "
-                        f"rounds of equal size; found {m}, not a multiple of {m // pp}; expected one of {valid}, …")
 
 
 def _stream_placement(sequence_parallel: bool | str) -> Any:

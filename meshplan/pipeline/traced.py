@@ -30,6 +30,7 @@ import torch.nn as nn
 from meshplan.errors import PlanError
 from meshplan.pipeline.split import local_stage_ids
 from meshplan.pipeline.stages import PipelineApplied, check_schedule
+from meshplan.plan_file.stages import other_degrees
 from meshplan.pipeline.trace import check_split_points, stage_state_dict, traced_stages
 from meshplan.plan_file.pipeline import SCHEDULES, V_SCHEDULES
 
@@ -86,7 +87,7 @@ def plan_traced(model: nn.Module, plan: Any, topology: Any, where: str = "pipeli
     section, lay = plan.pipeline, topology.layout
     _refuse_composition(plan, lay, where)
     _refuse_v_schedule(section.schedule, where)
-    check_schedule(section, lay.pp, lay.vpp, where)
+    check_schedule(section, lay.pp, lay.vpp, where, other_degrees(lay))
     num_stages = lay.pp * lay.vpp
     check_split_points(model, section.split_points or (), num_stages, f"{where}.split_points")
     ids = local_stage_ids(topology.pp_rank, lay.pp, lay.vpp, section.schedule)

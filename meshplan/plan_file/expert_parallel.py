@@ -30,7 +30,7 @@ from pydantic import BeforeValidator, Field, field_validator
 
 from meshplan.plan_file.strict import Strict
 
-__all__ = ["ExpertParallel", "ExpertsRule", "RouterRule", "EXPERT_STYLE_NAMES", "INTERFACES"]
+__all__ = ["ExpertParallel", "ExpertsRule", "RouterRule", "EXPERT_STYLE_NAMES", "INTERFACES", "etp_problem"]
 
 Interface = Literal["sorted", "topk"]
 #: the ways a grouped-experts module is called
@@ -96,3 +96,17 @@ class ExpertParallel(Strict):
     def patterns(self, kind: type) -> dict[str, Any]:
         """The rules of one style class (:class:`ExpertsRule` or :class:`RouterRule`)."""
         return {p: r for p, r in self.rules.items() if isinstance(r, kind)}
+
+
+def etp_problem(etp: int, tp: int) -> str | None:
+    """Why ``etp`` cannot fold with ``tp`` (meshplan folds experts as etp 1 or etp = tp), or None.
+
+    Example::
+
+        >>> etp_problem(2, 4)[:24]
+        'layout.etp(2) must be 1 '
+    """
+    if etp in (1, tp):
+        return None
+    return (f"layout.etp({etp}) must be 1 (whole experts on each ep rank, each tp rank routing its own tokens) or "
+            f"tp({tp}) (each expert's FFN split over the tp group); valid etp: {', '.join(map(str, sorted({1, tp})))}")

@@ -127,7 +127,9 @@ class Layout(Strict):
             world_size=world_size, tp=self.tp, cp=self.cp, ep=self.ep, etp=etp, pp=self.pp, vpp=self.vpp, dp=dp,
             dp_replicate=self.dp_replicate, dp_shard=dp_shard, edp=edp, order=order,
         )
-        if resolved.dense_grid.groups("pp") != resolved.expert_grid.groups("pp"):
+        dense, expert = resolved.dense_grid, resolved.expert_grid
+        # equal pp strides <=> equal pp groups (a group is the ranks agreeing on r mod stride and r // (stride·pp))
+        if self.pp > 1 and dense.strides[dense.order.index("pp")] != expert.strides[expert.order.index("pp")]:
             raise PlanError(
                 f"order {self.order!r}: dense and expert pipeline groups differ for tp({self.tp}) cp({self.cp}) "
                 f"dp({dp}) vs etp({etp}) ep({self.ep}) edp({edp}); put pp last in the order"

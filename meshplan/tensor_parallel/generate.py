@@ -24,7 +24,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from meshplan._torch import DropoutNd
 from meshplan.errors import PlanError
-from meshplan.mesh.ranks import divisors_text
+from meshplan.mesh.ranks import divisors_text, not_dividing
 from meshplan.plan_file.patterns import match_rules
 from meshplan.plan_file.tensor_parallel import TensorParallel
 from meshplan.tensor_parallel.layouts import Stream, StyleArgs, placement
@@ -41,8 +41,9 @@ def rules_where(source: str | None) -> str:
 
 
 def _check_divisible(where: str, path: str, what: str, n: int, tp: int) -> None:
-    if n % tp:
-        raise PlanError(f"{where}: module {path!r}: tp({tp}) does not divide {what}({n}); valid tp: {divisors_text(n)}")
+    why = not_dividing("tp", tp, what, n)
+    if why:
+        raise PlanError(f"{where}: module {path!r}: {why}")
 
 
 def _packed(spec: StyleSpec, mod: nn.Module, o: dict, tp: int, where: str, path: str) -> int:

@@ -14,7 +14,7 @@ from typing import Any
 import torch.nn as nn
 
 from meshplan.errors import PlanError
-from meshplan.mesh.ranks import divisors_text
+from meshplan.mesh.ranks import not_dividing
 
 __all__ = ["HEAD_ATTRS", "adjust_heads", "head_count_errors", "safe_attr", "sees_heads"]
 
@@ -46,9 +46,9 @@ def adjust_heads(model: nn.Module, local_heads: list[str], tp: int, where: str, 
     config = getattr(model, "config", None)
     for name in _CONFIG_DIVISIBLE:
         n = safe_attr(config, name)
-        if isinstance(n, int) and n % tp:
-            raise PlanError(f"{where}: tp({tp}) does not divide {name}({n}) of the model config; "
-                            f"valid tp: {divisors_text(n)}")
+        why = not_dividing("tp", tp, name, n) if isinstance(n, int) else None
+        if why:
+            raise PlanError(f"{where}: model config: {why}")
     copies: dict[int, Any] = {}  # one adjusted copy per original config object
     for parent in local_heads:
         mod = modules[parent] if parent else model
@@ -92,5 +92,5 @@ def sees_heads(mod: nn.Module) -> bool:
 
 def head_count_errors(mod: nn.Module, path: str, tp: int, where: str) -> list[str]:
     """Head counts of a module that sees local heads which tp does not divide (with the valid tp values)."""
-    return [f"{where}: module {path or '(root)'!r}: tp({tp}) does not divide {attr}({n}); valid tp: {divisors_text(n)}"
+    return [f"{where}: module {path or '(root)'!r}: {not_dividing('tp', tp, attr, n)}"
             for attr, n in _head_counts(mod).items() if n % tp]

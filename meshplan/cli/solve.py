@@ -1,0 +1,260 @@
+"""``meshplan estimate``, ``meshplan solve`` and ``meshplan profile``: added to the parser by :mod:`meshplan.cli.main`.
+
+The model comes from one of: ``--preset NAME`` (:mod:`meshplan.solver.presets`), ``--config CONFIG`` (its
+sizes: JSON text or a .json/.yaml/.toml file, in meshplan's keys, an example's ``ModelArgs`` keys or a
+transformers ``config.json``), or ``--model MODULE:FACTORY [--config JSON]`` (built on the meta device as
+``meshplan check`` builds it, its sizes read from its config). Only ``--model`` and ``--profile`` import torch.
+The cluster is ``--cluster NAME`` (a preset), ``--cluster FILE`` (``meshplan profile -o FILE``) or ``--profile``
+(measured now).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from meshplan.cli.args import int_arg
+from meshplan.errors import PlanError
+
+__all__ = ["register"]
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _shape(args: argparse.Namespace):
+    """``(shape, warning)`` from --preset, --model or --config."""
+    from meshplan.solver.presets import model_preset
+    from meshplan.solver.shape import shape_from_config
+    given = [f for f in ("preset", "model") if getattr(args, f)]
+    if len(given) > 1 or not (given or args.config):
+        raise PlanError(f"{args.command}: give the model as one of --preset NAME, --model MODULE:FACTORY or "
+                        f"--config CONFIG; got {', '.join('--' + g for g in given) or 'none'}")
+    if args.preset:
+        if args.config:
+            raise PlanError(f"{args.command}: --config goes with --model or alone, not with --preset")
+        return model_preset(args.preset), None
+    if args.model:
+        from meshplan.checks.model_factory import _config_arg, build_model
+        from meshplan.checks.model_shape import shape_of_model
+        return shape_of_model(build_model(args.model, _config_arg(args.config), args.path or []))
+    return shape_from_config(_read_config(args.config)), None
+
+
+def _read_config(text: str) -> dict:
+    from meshplan.plan_file.reading import read_plan_data
+    if text.lstrip().startswith("{"):
+        from meshplan.checks.model_factory import _config_arg
+        return _config_arg(text)
+    try:
+        return read_plan_data(text)
+    except PlanError as e:
+        raise PlanError(f"--config: {e}") from None
+
+
+def _cluster(args: argparse.Namespace):
+    from dataclasses import replace
+
+    from meshplan.solver.cluster import load_cluster_file
+    from meshplan.solver.presets import cluster_preset
+    if getattr(args, "profile", False):
+        from meshplan.profile.run import profile_cluster
+        cl = profile_cluster(nproc=args.nproc or min(args.gpus, 8), out=args.profile_out)
+    elif Path(args.cluster).suffix == ".json" or Path(args.cluster).is_file():
+        cl = load_cluster_file(args.cluster)
+    else:
+        cl = cluster_preset(args.cluster)
+    if args.gpus_per_node:
+        cl = replace(cl, gpus_per_node=args.gpus_per_node)
+    if args.memory_gib:
+        cl = replace(cl, memory=args.memory_gib * float(1 << 30))
+    return cl
+
+
+def _emit(args: argparse.Namespace, text: str, doc: dict) -> None:
+    if args.format == "json":
+        sys.stdout.write(json.dumps(doc, separators=(",", ":")) + "\n")
+    else:
+        sys.stdout.write(text + "\n")
+
+
+def _estimate(args: argparse.Namespace) -> int:
+    from meshplan.plan_file.document import load_plan
+    from meshplan.solver.plans import candidate_from_plan
+    from meshplan.solver.report import estimate_json, estimate_text
+    from meshplan.solver.rules import model_problem, run_problem
+    from meshplan.solver.step import evaluate
+    plan = load_plan(args.plan)
+    cand, train = candidate_from_plan(plan, args.world_size, args.seq, args.global_batch,
+                                      microbatches=args.microbatches, dtype=args.dtype)
+    shape, warning = _shape(args)
+    cluster = _cluster(args)
+    why = model_problem(shape, cand) or run_problem(shape, cand, train, cluster.device)
+    if why:
+        raise PlanError(f"{args.plan}: {why[1]}")
+    est = evaluate(shape, cand, train, cluster)
+    if warning:
+        print(f"meshplan: warning: {warning}", file=sys.stderr)
+    _emit(args, estimate_text(est, shape, cluster, args.plan), estimate_json(est))
+    return 0
+
+
+def _space(args: argparse.Namespace):
+    from meshplan.solver.search import Space
+    fixed = {k: getattr(args, k) for k in ("tp", "cp", "ep", "pp", "vpp", "dp_replicate") if getattr(args, k)}
+    kw = {}
+    for name in ("orders", "schedules", "ac"):
+        if getattr(args, name):
+            kw[name] = tuple(x.strip() for x in getattr(args, name).split(",") if x.strip())
+    for name in ("micro_batches", "vpps"):
+        if getattr(args, name):
+            try:
+                kw[name] = tuple(int(x) for x in getattr(args, name).split(","))
+            except ValueError:
+                raise PlanError(f"--{name.replace('_', '-')}: expected integers separated by commas, got "
+                                f"{getattr(args, name)!r}") from None
+    return Space(fixed=fixed, **kw)
+
+
+def _solve(args: argparse.Namespace) -> int:
+    from meshplan.solver.candidate import Training
+    from meshplan.solver.report import search_json, search_text
+    from meshplan.solver.search import search
+    shape, warning = _shape(args)
+    train = Training(seq=args.seq, global_batch=args.global_batch, dtype=args.dtype, master_dtype=args.master_dtype,
+                     reduce_dtype=args.master_dtype, sequence_parallel=not args.no_sequence_parallel,
+                     save_gathered_inputs=args.save_gathered_inputs)
+    cluster = _cluster(args)
+    res = search(shape, train, cluster, args.gpus, _space(args))
+    if warning:
+        print(f"meshplan: warning: {warning}", file=sys.stderr)
+    _emit(args, search_text(res, shape, cluster, args.gpus, args.top, args.show_rejected), search_json(res, args.top))
+    if args.write:
+        if not res.valid:
+            raise PlanError(f"--write {args.write!r}: no valid layout to write")
+        _write(args, res.valid[0], train)
+    return 0
+
+
+def _write(args: argparse.Namespace, best, train) -> None:
+    from meshplan.solver.plans import plan_from_candidate, plan_text
+    base = None
+    if args.plan:
+        from meshplan.plan_file.reading import read_plan_data
+        base = read_plan_data(args.plan)
+    elif args.model or args.config:
+        base = _known_rules(args)
+    data = plan_from_candidate(best.candidate, train, base, (base or {}).get("blocks", {}).get("pattern", "layers.*"))
+    header = (f"Written by `meshplan solve` for {args.gpus} devices: {best.candidate.label()}\n"
+              f"estimated {best.step_time:.4g} s per step, {best.tokens_per_s_device:,.1f} tokens/s per device, "
+              f"MFU {100 * best.mfu:.1f}%" + (f"; rules from {args.plan}" if args.plan else ""))
+    try:
+        Path(args.write).write_text(plan_text(data, header), encoding="utf-8")
+    except (OSError, ValueError) as e:
+        raise PlanError(f"--write {args.write!r}: cannot write: {getattr(e, 'strerror', None) or e}") from None
+    print(f"meshplan: wrote {args.write}", file=sys.stderr)
+
+
+def _known_rules(args: argparse.Namespace) -> dict | None:
+    """The rules transformers ships for the model type (``meshplan convert``), when the model is one."""
+    source = None
+    if args.config and not args.config.lstrip().startswith("{") and Path(args.config).suffix == ".json":
+        data = _read_config(args.config)
+        source = args.config if data.get("model_type") else None
+    if source is None:
+        return None
+    from meshplan.hf.convert import from_hf
+    plan = from_hf(source, tp=None)
+    plan.pop("_origin", None)
+    plan["blocks"] = {"pattern": "model.layers.*"}
+    return plan
+
+
+def _profile(args: argparse.Namespace) -> int:
+    from meshplan.profile.run import profile_cluster
+    cl = profile_cluster(nproc=args.nproc, out=args.output, backend=args.backend)
+    print(f"meshplan: profiled {cl.name}: {cl.source}; wrote {args.output}", file=sys.stderr)
+    return 0
+
+
+def _model_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default=None, help="a named model (llama3-8b, llama3-70b, llama3-405b, gpt-1.7b … "
+                                                  "gpt-462b: Megatron-LM's weak-scaling models)")
+    p.add_argument("--model", default=None, help="MODULE:FACTORY building the model (as for `meshplan check`)")
+    p.add_argument("--config", default=None, help="with --model: JSON passed to the factory; alone: the model's "
+                                                  "sizes (JSON text or a .json/.yaml/.toml file, transformers' "
+                                                  "config.json keys accepted)")
+    p.add_argument("--path", action="append", help="extra import directory for --model (repeatable)")
+
+
+def _cluster_flags(p: argparse.ArgumentParser, profile: bool) -> None:
+    p.add_argument("--cluster", default="h100-80g", help="a preset (h100-80g, h200-141g, a100-80g) or a cluster "
+                                                         "file from `meshplan profile` (default h100-80g)")
+    p.add_argument("--gpus-per-node", type=int_arg(1, 1 << 20), default=None, help="override the cluster's")
+    p.add_argument("--memory-gib", type=float, default=None, help="override the device memory (GiB)")
+    if profile:
+        p.add_argument("--profile", action="store_true", help="measure this machine (a short torchrun job on the "
+                                                             "current backend) and use it as the cluster")
+        p.add_argument("--nproc", type=int_arg(1, 1024), default=None, help="--profile: processes (default: "
+                                                                            "min(--gpus, 8))")
+        p.add_argument("--profile-out", default="meshplan-cluster.json", help="--profile: where the cluster file goes")
+
+
+def _run_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--seq", type=int_arg(1, 1 << 24), required=True, help="tokens per sequence")
+    p.add_argument("--global-batch", type=int_arg(1, 1 << 24), required=True,
+                   help="sequences per optimizer step over all data-parallel ranks")
+    p.add_argument("--format", choices=("table", "json"), default="table")
+
+
+def register(sub) -> None:
+    """Add ``estimate``, ``solve`` and ``profile`` to the ``meshplan`` subparsers."""
+    e = sub.add_parser("estimate", help="memory per rank, collectives per step and step time of a plan (no GPU)",
+                       description=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    e.add_argument("plan", help="plan file (.yaml/.json/.toml)")
+    _model_flags(e)
+    e.add_argument("--world-size", type=int_arg(1, 1 << 20, " (2**20)"), required=True, help="ranks")
+    _run_flags(e)
+    e.add_argument("--microbatches", type=int_arg(1, 1 << 16), default=1,
+                   help="gradient accumulation steps without a pipeline section (default 1)")
+    e.add_argument("--dtype", choices=_DTYPES, default="float32", help="the model's dtype (default float32); "
+                                                                       "data_parallel.param_dtype sets the compute one")
+    _cluster_flags(e, profile=False)
+    e.set_defaults(func=_estimate)
+    s = sub.add_parser("solve", help="search every layout for a model on a cluster and rank the valid ones",
+                       description=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    _model_flags(s)
+    s.add_argument("--gpus", type=int_arg(1, 1 << 20, " (2**20)"), required=True, help="devices")
+    _run_flags(s)
+    _cluster_flags(s, profile=True)
+    _solve_flags(s)
+    s.set_defaults(func=_solve)
+    p = sub.add_parser("profile", help="measure this machine's compute and collectives (a torchrun job) into a "
+                                       "cluster file for solve/estimate")
+    p.add_argument("-o", "--output", default="meshplan-cluster.json", help="the cluster file to write")
+    p.add_argument("--nproc", type=int_arg(1, 1024), default=2, help="processes (devices) to measure (default 2)")
+    p.add_argument("--backend", choices=("gloo", "nccl"), default=None, help="default: nccl with CUDA, else gloo")
+    p.set_defaults(func=_profile)
+
+
+def _solve_flags(s: argparse.ArgumentParser) -> None:
+    s.add_argument("--dtype", choices=_DTYPES, default="bfloat16", help="compute dtype (default bfloat16)")
+    s.add_argument("--master-dtype", choices=_DTYPES, default="float32",
+                   help="parameters, gradients and optimizer state, and gradient reduction (default float32)")
+    s.add_argument("--no-sequence-parallel", action="store_true", help="tensor parallelism without SP")
+    s.add_argument("--save-gathered-inputs", action="store_true", help="tensor_parallel.save_gathered_inputs: true")
+    for name, help_ in [("tp", "tensor parallel"), ("cp", "context parallel"), ("ep", "expert parallel"),
+                        ("pp", "pipeline parallel"), ("vpp", "virtual stages per pp rank"),
+                        ("dp-replicate", "data-parallel replicas")]:
+        s.add_argument(f"--{name}", type=int_arg(1, 1 << 20, " (2**20)"), default=None, help=f"pin {help_}")
+    s.add_argument("--orders", default=None, help="Megatron order strings to try, comma-separated")
+    s.add_argument("--schedules", default=None, help="pipeline schedules to try, comma-separated")
+    s.add_argument("--vpps", default=None, help="stages per rank to try with the loop schedules (default 2,4)")
+    s.add_argument("--micro-batches", default=None, help="micro-batch sizes to try (default 1,2,4,8)")
+    s.add_argument("--ac", default=None, help="activation checkpointing to try: none,selective,full")
+    s.add_argument("--top", type=int_arg(1, 1 << 20), default=10, help="valid layouts printed (default 10)")
+    s.add_argument("--show-rejected", type=int_arg(0, 1 << 20), default=2,
+                   help="rejected candidates printed per rule (default 2)")
+    s.add_argument("--write", default=None, help="write the best layout as a plan file")
+    s.add_argument("--plan", default=None, help="--write: the plan whose rule sections the written plan keeps")

@@ -1,0 +1,1 @@
+"""Measuring this machine for the cost model: ``meshplan profile`` (:mod:`.run` launches :mod:`.worker`)."""

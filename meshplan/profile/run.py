@@ -1,0 +1,86 @@
+"""``meshplan profile`` and ``meshplan solve --profile``: launch the measuring job (:mod:`meshplan.profile.worker`)
+under torchrun on this machine and turn its numbers into a :class:`~meshplan.solver.cluster.Cluster` file.
+
+The cluster is one node of ``nproc`` devices: its intra-node link is what the collectives measured, its
+inter-node link the same (nothing else is measurable from one machine); collective times come from the measured
+fits (:meth:`Cluster.comm_time`), compute from the measured matmul curve, memory-bound work from the measured
+bandwidth. On a CPU host the data-parallel overlap is 0: the cores that compute also communicate.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from meshplan.errors import PlanError
+from meshplan.solver.cluster import Cluster, Fit, Link
+
+__all__ = ["profile_cluster", "cluster_from_measurement"]
+
+
+def _host_memory() -> float:
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 16e9
+
+
+def cluster_from_measurement(m: dict) -> Cluster:
+    """A :class:`Cluster` from the worker's JSON."""
+    world = int(m["world"])
+    fits = {k: {int(n): Fit(**f) for n, f in v.items()} for k, v in m["collectives"].items() if v}
+    ag = fits.get("all_gather", {})
+    big = ag[max(ag)] if ag else Fit(1e-5, 1e9)
+    link = Link(bandwidth=big.bandwidth * (max(ag) - 1) / max(ag) if ag else 1e9,
+                latency=big.latency / max(max(ag) - 1, 1) if ag else 1e-5)
+    rates = tuple((float(n), float(r)) for n, r in m["matmul_rates"])
+    memory_rates = tuple((float(n), float(r)) for n, r in m.get("memory_rates", ()))
+    cpu = m["device"] == "cpu"
+    memory = float(m["memory"] or _host_memory() / world)
+    when = datetime.date.today().isoformat()
+    return Cluster(
+        name=f"profiled-{platform.node() or 'host'}-{m['backend']}-{world}", gpus_per_node=world, memory=memory,
+        flops={m["dtype"]: max(r for _, r in rates)}, hbm_bandwidth=float(m["hbm_bandwidth"]), intra=link,
+        inter=link, matmul_efficiency=1.0, attention_efficiency=0.5 if cpu else 0.35,
+        op_overhead=float(m["op_overhead"]), overlap=0.0 if cpu else 1.0, usable_memory=0.9,
+        oversubscription=max(1.0, world / (os.cpu_count() or world)) if cpu else 1.0, matmul_rates=rates,
+        memory_rates=memory_rates,
+        collectives=fits, device=m["device"],
+        source=(f"measured by `meshplan profile` on {platform.node()} ({m['backend']}, {world} processes, "
+                f"{os.cpu_count()} CPU cores, {m['threads']} threads each, {when})"))
+
+
+def profile_cluster(nproc: int, out: str | Path | None = None, backend: str | None = None,
+                    timeout: float = 900) -> Cluster:
+    """Measure this machine with ``nproc`` processes; write the cluster file to ``out`` (if given).
+
+    Raises:
+        PlanError: the job failed or timed out (its last error line in the message), or ``out`` cannot be written.
+    """
+    with tempfile.TemporaryDirectory(prefix="meshplan-profile-") as tmp:
+        result = Path(tmp) / "measured.json"
+        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        if backend:
+            env["MESHPLAN_PROFILE_BACKEND"] = backend
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               "-m", "meshplan.profile.worker", "--out", str(result)]
+        try:
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise PlanError(f"profile: the measuring job did not finish in {timeout:.0f} s") from None
+        if proc.returncode or not result.is_file():
+            last = [ln for ln in (proc.stderr or "").splitlines() if ln.strip()][-1:] or ["no output"]
+            raise PlanError(f"profile: the measuring job failed (exit {proc.returncode}): {last[0][:300]}")
+        cluster = cluster_from_measurement(json.loads(result.read_text(encoding="utf-8")))
+    if out is not None:
+        try:
+            Path(out).write_text(json.dumps(cluster.to_dict(), indent=1) + "\n", encoding="utf-8")
+        except OSError as e:
+            raise PlanError(f"profile: cannot write {str(out)!r}: {e.strerror or e}") from None
+    return cluster

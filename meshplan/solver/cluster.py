@@ -1,0 +1,204 @@
+"""The machine as the cost model sees it: compute rate, memory, and the links collectives run over. Torch-free.
+
+A :class:`Cluster` is either a preset (:func:`meshplan.solver.presets.cluster_preset`: published peak numbers)
+or a file written by ``meshplan profile`` (measured here: matmul rates by size, each collective's latency and
+bandwidth per group size). Collective time follows the ring algorithm over the slowest link the group crosses:
+
+* all-gather / reduce-scatter of a ``B``-byte buffer over ``n`` ranks: ``(n−1)·α + (n−1)/n · B / β``;
+* all-reduce: twice that; all-to-all: ``(n−1)/n · B / β`` for the bytes a rank holds; send: ``α + B / β``;
+
+with ``α, β`` the intra-node link's when the group lies inside a node and the inter-node link's (one NIC per
+device) when it crosses nodes; beyond 16 ranks the latency term grows as ``2·log2(n)`` steps (NCCL's trees).
+A profiled cluster replaces the formula by the measured fit ``α_n + B / β_n`` of that collective and group size.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from meshplan.errors import PlanError
+
+__all__ = ["Link", "Fit", "Cluster", "COLLECTIVES", "load_cluster_file"]
+
+#: the collective kinds the model times (and ``meshplan profile`` measures)
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send")
+
+
+@dataclass(frozen=True)
+class Link:
+    """One kind of link: what a device drives over it in one direction, and the latency of one step."""
+
+    bandwidth: float
+    latency: float
+
+
+@dataclass(frozen=True)
+class Fit:
+    """A measured collective: ``latency + bytes / bandwidth`` seconds (bytes as :func:`Cluster.comm_time`)."""
+
+    latency: float
+    bandwidth: float
+
+    def time(self, nbytes: float) -> float:
+        return self.latency + nbytes / self.bandwidth
+
+
+def _interpolate(points: list[tuple[float, float]], x: float, below) -> float:
+    """Piecewise log-linear in ``x`` over sorted ``(x, y)`` points; ``below(y0, x0)`` under the first, flat above."""
+    if x <= points[0][0]:
+        return below(points[0][1], points[0][0])
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x <= x1:
+            return y0 + math.log(x / x0) / math.log(x1 / x0) * (y1 - y0)
+    return points[-1][1]
+
+
+def _ring(kind: str, n: int) -> tuple[float, float]:
+    """``(latency steps, volume factor)`` of a ring collective over ``n`` ranks."""
+    steps = n - 1 if n <= 16 else 2 * math.log2(n)
+    return {"all_gather": (steps, (n - 1) / n), "reduce_scatter": (steps, (n - 1) / n),
+            "all_reduce": (2 * steps, 2 * (n - 1) / n), "all_to_all": (steps, (n - 1) / n),
+            "send": (1, 1.0)}[kind]
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Devices, their memory and compute, and the links between them.
+
+    Attributes:
+        name: preset name or where the profile ran. gpus_per_node: devices sharing the fast intra-node link.
+        memory: bytes per device. flops: peak dense FLOP/s by compute dtype (``bfloat16``, ``float32``).
+        hbm_bandwidth: device memory bandwidth (bytes/s): element-wise ops and the optimizer step.
+        intra / inter: the intra-node link (NVLink) and the inter-node one (one NIC per device).
+        matmul_efficiency: fraction of peak large matmuls reach. attention_efficiency: the same for attention.
+        op_overhead: seconds per operator launch (per op, forward and backward counted apart).
+        overlap: fraction of data-parallel and pipeline traffic hidden behind compute (1 on GPUs, whose
+            collectives run on their own engines; 0 on a CPU, where the same cores compute and communicate).
+        usable_memory: fraction of ``memory`` a layout may use (allocator, CUDA context, fragmentation).
+        host_bandwidth: bytes/s one device moves to and from host memory (PCIe) and the host's memory bandwidth
+            per device for an offloaded optimizer step (``data_parallel.cpu_offload``).
+        oversubscription: ranks per compute unit on a node (a CPU host running more ranks than it has cores; 1
+            on GPUs). A rank idle in a pipeline bubble gives its share to the busy ones, so a bubble costs only
+            what the busy ranks cannot use.
+        matmul_rates: measured ``(size, FLOP/s)`` points, size the cube root of m·n·k (``meshplan profile``).
+        memory_rates: measured ``(bytes per tensor, bytes/s)`` of element-wise work (caches make small tensors
+            faster than ``hbm_bandwidth``).
+        collectives: measured fits by kind and group size (``meshplan profile``).
+        device: ``cuda`` or ``cpu``. source: where the numbers come from.
+    """
+
+    name: str
+    gpus_per_node: int
+    memory: float
+    flops: Mapping[str, float]
+    hbm_bandwidth: float
+    intra: Link
+    inter: Link
+    matmul_efficiency: float = 0.7
+    attention_efficiency: float = 0.35
+    op_overhead: float = 0.0
+    overlap: float = 1.0
+    usable_memory: float = 0.9
+    host_bandwidth: float = 25e9
+    oversubscription: float = 1.0
+    matmul_rates: tuple[tuple[float, float], ...] = ()
+    memory_rates: tuple[tuple[float, float], ...] = ()
+    collectives: Mapping[str, Mapping[int, Fit]] = field(default_factory=dict)
+    device: str = "cuda"
+    source: str = ""
+
+    def peak(self, dtype: str) -> float:
+        """Peak dense FLOP/s of ``dtype`` (float16 as bfloat16)."""
+        key = "bfloat16" if dtype == "float16" else dtype
+        if key not in self.flops:
+            raise PlanError(f"cluster {self.name}: no peak FLOP/s for {dtype}; it has {', '.join(self.flops)}")
+        return self.flops[key]
+
+    def matmul_rate(self, size: float, dtype: str) -> float:
+        """FLOP/s of a matmul of ``size`` = (m·n·k)^(1/3): the measured curve, else peak × efficiency."""
+        if not self.matmul_rates:
+            return self.peak(dtype) * self.matmul_efficiency
+        # below the smallest measured size the rate falls with the size
+        return _interpolate(sorted(self.matmul_rates), size, below=lambda r, s0: r * size / s0)
+
+    def memory_rate(self, nbytes: float) -> float:
+        """Bytes/s element-wise work reaches on tensors of ``nbytes``: the measured curve, else ``hbm_bandwidth``."""
+        if not self.memory_rates:
+            return self.hbm_bandwidth
+        return _interpolate(sorted(self.memory_rates), nbytes, below=lambda r, s0: r)
+
+    def comm_time(self, kind: str, n: int, nodes: int, nbytes: float) -> float:
+        """Seconds one ``kind`` collective over ``n`` ranks on ``nodes`` nodes takes for ``nbytes`` (the full
+        buffer: all-gather output, reduce-scatter input, all-reduce buffer; all-to-all: what one rank holds;
+        send: the message)."""
+        if n <= 1 and kind != "send":
+            return 0.0
+        measured = self.collectives.get(kind)
+        if measured:
+            return self._measured(measured, kind, n, nbytes)
+        link = self.inter if nodes > 1 else self.intra
+        steps, volume = _ring(kind, n)
+        if kind == "all_to_all" and nodes > 1:  # the peers inside the node answer over the fast link
+            inside = n // nodes
+            return steps * link.latency + (n - inside) / n * nbytes / link.bandwidth
+        return steps * link.latency + volume * nbytes / link.bandwidth
+
+    def _measured(self, fits: Mapping[int, Fit], kind: str, n: int, nbytes: float) -> float:
+        if n in fits:
+            return fits[n].time(nbytes)
+        near = min(fits, key=lambda g: abs(math.log(g / n)))  # scale the nearest size by the ring's factors
+        s0, v0 = _ring(kind, near)
+        s1, v1 = _ring(kind, n)
+        return fits[near].latency * s1 / max(s0, 1e-9) + v1 / v0 * nbytes / fits[near].bandwidth
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["collectives"] = {k: {str(n): asdict(f) for n, f in v.items()} for k, v in self.collectives.items()}
+        d["matmul_rates"] = [list(p) for p in self.matmul_rates]
+        d["memory_rates"] = [list(p) for p in self.memory_rates]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], where: str = "cluster") -> "Cluster":
+        """The inverse of :meth:`to_dict` (a ``meshplan profile`` file).
+
+        Raises:
+            PlanError: a missing or malformed field, named.
+        """
+        try:
+            data = dict(d)
+            data["intra"], data["inter"] = Link(**d["intra"]), Link(**d["inter"])
+            data["flops"] = {str(k): float(v) for k, v in d["flops"].items()}
+            for key in ("matmul_rates", "memory_rates"):
+                data[key] = tuple((float(s), float(r)) for s, r in d.get(key, ()))
+            data["collectives"] = {k: {int(n): Fit(**f) for n, f in v.items()}
+                                   for k, v in d.get("collectives", {}).items()}
+            cluster = cls(**data)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise PlanError(f"{where}: not a cluster description ({type(e).__name__}: {e}); write one with "
+                            f"`meshplan profile -o cluster.json`") from None
+        if cluster.gpus_per_node < 1 or cluster.memory <= 0 or cluster.hbm_bandwidth <= 0:
+            raise PlanError(f"{where}: gpus_per_node, memory and hbm_bandwidth must be positive")
+        return cluster
+
+
+def load_cluster_file(path: str | Path) -> Cluster:
+    """Read a cluster JSON file (``meshplan profile -o``).
+
+    Raises:
+        PlanError: unreadable, not JSON, or not a cluster description.
+    """
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise PlanError(f"--cluster {str(p)!r}: cannot read: {e.strerror or e}") from None
+    except ValueError as e:
+        raise PlanError(f"--cluster {str(p)!r}: not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise PlanError(f"--cluster {str(p)!r}: expected a JSON object")
+    return Cluster.from_dict(data, f"--cluster {str(p)!r}")

@@ -1,0 +1,229 @@
+"""Every collective one rank issues in one training step, by mesh axis, with its bytes. Torch-free.
+
+Counted as meshplan runs them (``tests/test_solver_estimate.py`` checks each count against a fake-process-group
+step recorded op by op; ``docs/tensor-parallel.md`` states the tensor-parallel ones):
+
+* **tp**, per microbatch and block: sequence parallel: forward one all-gather per block input (2 in a dense
+  block, 1 in an MoE block whose experts are not tp-split) and one reduce-scatter per row-parallel output;
+  backward the reverse, plus the re-gather of each block input (``save_gathered_inputs: false``) unless the
+  block is checkpointed, whose recompute repeats the forward's collectives up to the last one it needs. Without
+  sequence parallelism all-reduces take their place. The embedding reduces its output, the head gathers its
+  input; ``loss_parallel`` adds three small all-reduces; replicated parameters' gradients are summed once per
+  step.
+* **cp** (all-gather K/V): one all-gather of K|V per attention forward (again in a recompute), one
+  reduce-scatter of dK|dV backward.
+* **ep**: per MoE block, forward the all-to-alls of the counts, the dispatch and the combine; backward two.
+* **pp**: a send or receive per stage boundary a rank's stages touch, per microbatch and direction.
+* **dp**: FSDP2 per unit (each block, an MoE block's experts over edp, and the root): all-gathers before forward
+  and, resharded, before backward; one reduce-scatter of its gradients (HSDP: then an all-reduce over the
+  replicas); parameters stay gathered between accumulated microbatches (``accumulate_unsharded``). Under a
+  pipeline schedule a resharded block gathers for every forward and once more for the first backward that
+  follows forwards (``m + 1``: backwards keep it gathered until the step's last). DDP: one all-reduce per step.
+* **step**: the global token count and the clipping norm, one all-reduce each over the world.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshplan.solver.candidate import DTYPE_BYTES, Candidate, Training
+from meshplan.solver.memory import _block_tensors, _end_tensors, block_kinds, shard_sizes
+from meshplan.solver.placement import Group, Placement
+from meshplan.solver.shape import ModelShape
+
+__all__ = ["Collective", "step_collectives"]
+
+
+@dataclass(frozen=True)
+class Collective:
+    """``count`` calls of one collective per step.
+
+    Attributes:
+        axis: ``tp``, ``cp``, ``ep``, ``pp``, ``dp`` or ``step``. kind: ``all_gather``, ``reduce_scatter``,
+        ``all_reduce``, ``all_to_all``, ``send`` or ``recv``. group: the ranks it spans. nbytes: per call, the
+        full buffer (as :meth:`meshplan.solver.cluster.Cluster.comm_time` takes it). count: calls per step.
+        what: what it moves. hidden: data-parallel or pipeline traffic that can overlap compute.
+    """
+
+    axis: str
+    kind: str
+    group: Group
+    nbytes: float
+    count: int
+    what: str
+    hidden: bool = False
+
+
+def _tp_block(c: Candidate, tr: Training, moe: bool, ckpt: bool, g: Group, nbytes: float) -> list[Collective]:
+    """One block's tensor-parallel collectives for one microbatch."""
+    n_in = 1 if moe and c.etp == 1 else 2
+    n_out, trailing = n_in, 0 if moe and c.etp == 1 else 1
+    if not (tr.sequence_parallel):
+        out = [Collective("tp", "all_reduce", g, nbytes, n_out, "row-parallel outputs (forward)"),
+               Collective("tp", "all_reduce", g, nbytes, n_in, "block input gradients (backward)")]
+        return out + ([Collective("tp", "all_reduce", g, nbytes, n_out - trailing, "recompute")] if ckpt else [])
+    out = [Collective("tp", "all_gather", g, nbytes, n_in, "block inputs (forward)"),
+           Collective("tp", "reduce_scatter", g, nbytes, n_out, "row-parallel outputs (forward)"),
+           Collective("tp", "reduce_scatter", g, nbytes, n_in, "block input gradients (backward)"),
+           Collective("tp", "all_gather", g, nbytes, n_out, "row-parallel output gradients (backward)")]
+    if ckpt:
+        out += [Collective("tp", "all_gather", g, nbytes, n_in, "recompute: block inputs"),
+                Collective("tp", "reduce_scatter", g, nbytes, n_out - trailing, "recompute: row-parallel outputs")]
+    elif not tr.save_gathered_inputs:
+        out.append(Collective("tp", "all_gather", g, nbytes, n_in, "re-gather of saved block inputs (backward)"))
+    return out
+
+
+def _tp(s: ModelShape, c: Candidate, tr: Training, place: Placement, pp_rank: int,
+        memo: dict) -> list[Collective]:
+    g, m = place.groups["tp"], c.microbatches
+    tokens = c.micro_batch * tr.seq / c.cp
+    stream = tokens * s.hidden * tr.act_bytes
+    out = []
+    kinds = block_kinds(s, c, place, pp_rank, memo)
+    for (moe, ckpt), n in kinds.items():
+        out += [Collective(x.axis, x.kind, x.group, x.nbytes, x.count * n, x.what)
+                for x in _tp_block(c, tr, moe, ckpt, g, stream)]
+    first, last = place.ends_of(pp_rank)
+    sp = tr.sequence_parallel
+    if first:
+        out += ([Collective("tp", "reduce_scatter", g, stream, 1, "embedding output (forward)"),
+                 Collective("tp", "all_gather", g, stream, 1, "embedding output gradient (backward)")] if sp else
+                [Collective("tp", "all_reduce", g, stream, 1, "embedding output (forward)")])
+    if last:
+        if sp:
+            out += [Collective("tp", "all_gather", g, stream, 1, "head input (forward)"),
+                    Collective("tp", "reduce_scatter", g, stream, 1, "head input gradient (backward)")]
+        out.append(Collective("tp", "all_reduce", g, tokens * 4, 3, "loss_parallel: max, sum, loss") if tr.loss_parallel
+                   else Collective("tp", "all_gather", g, tokens * s.vocab * tr.act_bytes, 1, "logits (forward)"))
+    out = [Collective(x.axis, x.kind, x.group, x.nbytes, x.count * m, x.what) for x in out if x.count]
+    norms = sum(r * p for r, p in _block_tensors(s, False, c)[0] if p == 1) * sum(kinds.values())
+    out.append(Collective("tp", "all_reduce", g, norms * DTYPE_BYTES[tr.reduce_dtype], 1,
+                          "replicated parameters' gradients (once per step)"))
+    return out
+
+
+def _cp(s: ModelShape, c: Candidate, tr: Training, place: Placement, pp_rank: int,
+        memo: dict) -> list[Collective]:
+    g = place.groups["cp"]
+    kvw = (s.q_width if s.gqa_repeat else s.kv_width) / c.tp
+    kv = 2 * kvw * c.micro_batch * tr.seq * tr.act_bytes  # K|V of the whole sequence, this rank's heads
+    kinds = block_kinds(s, c, place, pp_rank, memo)
+    blocks, recompute = sum(kinds.values()), sum(n for (_, ckpt), n in kinds.items() if ckpt)
+    if tr.cp_method == "ring":
+        hop = kv / c.cp
+        n = (c.cp - 1) * (2 * blocks + recompute) * c.microbatches
+        return [Collective("cp", "send", g, hop, n, "ring attention: K/V (and dK/dV) hops")]
+    return [Collective("cp", "all_gather", g, kv, (blocks + recompute) * c.microbatches, "K|V (forward)"),
+            Collective("cp", "reduce_scatter", g, kv, blocks * c.microbatches, "dK|dV (backward)")]
+
+
+def _ep(s: ModelShape, c: Candidate, tr: Training, place: Placement, pp_rank: int,
+        memo: dict) -> list[Collective]:
+    g = place.groups["ep"]
+    tokens = c.micro_batch * tr.seq / c.cp / (c.tp if c.etp == 1 else 1)
+    rows = tokens * s.top_k * s.hidden * tr.act_bytes
+    kinds = block_kinds(s, c, place, pp_rank, memo)
+    moe = sum(n for (is_moe, _), n in kinds.items() if is_moe)
+    ckpt, m = sum(n for (is_moe, ck), n in kinds.items() if is_moe and ck), c.microbatches
+    return [Collective("ep", "all_to_all", g, s.experts * 8, (moe + ckpt) * m, "tokens per expert (forward)"),
+            Collective("ep", "all_to_all", g, rows, (4 * moe + 2 * ckpt) * m, "token rows: dispatch and combine, "
+                                                                             "forward and backward")]
+
+
+def _pp(s: ModelShape, c: Candidate, tr: Training, place: Placement, pp_rank: int,
+        memo: dict) -> list[Collective]:
+    g = place.groups["pp"]
+    sh = c.tp if tr.sequence_parallel and c.tp > 1 else 1
+    act = c.micro_batch * tr.seq / c.cp * s.hidden / sh * tr.act_bytes
+    last = c.pp * c.vpp - 1
+    sends = recvs = 0
+    for st in place.stages_of(pp_rank):
+        sends += (st < last) + (st > 0)  # forward to the next, gradient to the previous
+        recvs += (st > 0) + (st < last)
+    out = [Collective("pp", "send", g, act, sends * c.microbatches, "activations and their gradients", True),
+           Collective("pp", "recv", g, act, recvs * c.microbatches, "activations and their gradients", True)]
+    if s.tied_embeddings and c.pp > 1 and any(place.ends_of(pp_rank)):
+        out.append(Collective("pp", "all_reduce", place.groups["embd"], s.vocab * s.hidden / c.tp * 4, 1,
+                              "tied embedding gradient (first and last stage)"))
+    return out
+
+
+def step_collectives(s: ModelShape, c: Candidate, tr: Training, place: Placement, pp_rank: int = 0,
+                     memo: dict | None = None) -> list[Collective]:
+    """The collectives of pipeline rank ``pp_rank`` in one step (its tp/cp/dp peers issue the same); ``memo``
+    shares per-block sizes between the ranks of one candidate."""
+    out: list[Collective] = []
+    memo = {} if memo is None else memo
+    if c.tp > 1:
+        out += _tp(s, c, tr, place, pp_rank, memo)
+    if c.cp > 1:
+        out += _cp(s, c, tr, place, pp_rank, memo)
+    if c.ep > 1:
+        out += _ep(s, c, tr, place, pp_rank, memo)
+    if c.pp > 1:
+        out += _pp(s, c, tr, place, pp_rank, memo)
+    out += _dp(s, c, tr, place, pp_rank, memo)
+    world = place.groups["world"]
+    if world.size > 1:
+        out += [Collective("step", "all_reduce", world, 8, 1, "global token count"),
+                Collective("step", "all_reduce", world, 8 * (1 + (1 if tr.clip else 0)), 1, "gradient norm and "
+                                                                                             "loss sum")]
+    return [x for x in out if x.count > 0]
+
+
+def _units(s: ModelShape, c: Candidate, place: Placement, pp_rank: int, memo: dict) -> list[tuple[str, int, int, int]]:
+    """FSDP units of a pipeline rank: ``(kind, unsharded elements (padded), shard size, units of the kind)``."""
+    d_dense, d_expert = shard_sizes(c, place)
+    pad = lambda tensors, d: sum(-(-r // d) * d * p for r, p in tensors)  # noqa: E731
+    units = []
+    for moe, n in _moe_counts(block_kinds(s, c, place, pp_rank, memo)).items():
+        key = ("unit", moe, d_dense, d_expert)
+        if key not in memo:
+            dense, expert = _block_tensors(s, moe, c)
+            memo[key] = (pad(dense, d_dense), pad(expert, d_expert))
+        units.append(("block", memo[key][0], d_dense, n))
+        if memo[key][1]:
+            units.append(("experts", memo[key][1], d_expert, n))
+    ends = _end_tensors(s, c, place, pp_rank)
+    if ends:
+        units.append(("root", pad(ends, d_dense), d_dense, 1))
+    return units
+
+
+def _moe_counts(kinds: dict) -> dict[bool, int]:
+    out: dict[bool, int] = {}
+    for (moe, _), n in kinds.items():
+        out[moe] = out.get(moe, 0) + n
+    return out
+
+
+def _dp(s: ModelShape, c: Candidate, tr: Training, place: Placement, pp_rank: int, memo: dict) -> list[Collective]:
+    mode, m = c.mode, c.microbatches
+    red, gat = DTYPE_BYTES[tr.reduce_dtype], tr.act_bytes
+    units = _units(s, c, place, pp_rank, memo)
+    if mode == "ddp":
+        grads = sum(n * k for _, n, _, k in units)
+        syncs = 1 if c.accumulate_unsharded or c.pp > 1 else m
+        return [Collective("dp", "all_reduce", place.groups["dp"], grads * red, syncs, "gradients (DDP)", True)]
+    out = []
+    accumulate = m > 1 and c.pp == 1
+    for kind, n, d, k in units:
+        if d == 1:
+            continue
+        g = place.groups["edp" if kind == "experts" else "dp_shard"]
+        reshard = tr.reshard_after_forward and kind != "root"
+        if accumulate and c.accumulate_unsharded:
+            gathers, syncs = 1, 1
+        elif accumulate:
+            gathers, syncs = m * (1 + reshard), m
+        elif c.pp > 1:  # forwards gather, the first backward after them too; kept until the step's last backward
+            gathers, syncs = (m + 1 if reshard else 1), 1
+        else:
+            gathers, syncs = 1 + reshard, 1
+        out += [Collective("dp", "all_gather", g, n * gat, gathers * k, f"{kind} parameters", True),
+                Collective("dp", "reduce_scatter", g, n * red, syncs * k, f"{kind} gradients", True)]
+        if mode == "hsdp" and kind != "experts":
+            out.append(Collective("dp", "all_reduce", place.groups["dp_replicate"], n / d * red, syncs * k,
+                                  f"{kind} gradients over replicas (HSDP)", True))
+    return out

@@ -1,0 +1,92 @@
+"""FLOPs and compute time. Torch-free.
+
+Two counts:
+
+* **model FLOPs** per token, the convention MFU is reported in (Megatron-LM's and torchtitan's): ``6·N`` for the
+  ``N`` matmul parameters a token meets (the output projection included, the embedding not), plus
+  ``12·layers·seq·q_width`` for attention scores and values, without halving for the causal mask;
+* **executed FLOPs** per microbatch on one rank, what the time is computed from: the rank's share of each matmul
+  (forward ×3 with the backward), attention over the causal half, a checkpointed block's forward once more.
+
+Time = matmuls at the cluster's matmul rate (measured by size with ``meshplan profile``, else peak × efficiency)
++ attention at its efficiency + element-wise traffic at memory bandwidth + the operator launches. The
+element-wise traffic counts the tensors the block's element-wise operators read and write, forward and
+backward (:data:`TOUCHES`, per token in units of the tensor's width): an eager block touches the residual
+stream ~90 times (two RMSNorms computed in float32, the residual adds), its local q/k/v ~60 times (RoPE, the
+GQA repeat, the layout changes around attention) and the FFN's hidden ~15 times (SwiGLU); fused kernels a third
+of that.
+"""
+
+from __future__ import annotations
+
+from meshplan.solver.candidate import Candidate, Training
+from meshplan.solver.cluster import Cluster
+from meshplan.solver.shape import ModelShape
+
+__all__ = ["model_flops_per_token", "block_time", "end_time", "OPS_PER_BLOCK", "TOUCHES"]
+
+#: operators one block launches, forward and backward (eager PyTorch, the example Llama's block: ~45 forward)
+OPS_PER_BLOCK = 135
+#: element-wise reads and writes per token and block, forward and backward: (stream, heads, FFN) widths, eager
+TOUCHES = (90, 60, 15)
+
+
+def model_flops_per_token(s: ModelShape, seq: int) -> float:
+    """Model FLOPs per token (forward and backward), as MFU is reported."""
+    active = s.active_parameters() - s.embedding_params() - s.layers * 2 * s.norm_params() - s.norm_params()
+    if s.tied_embeddings:
+        active += s.embedding_params()
+    return 6 * active + 12 * s.layers * seq * s.q_width
+
+
+def _matmuls(s: ModelShape, c: Candidate, moe: bool, tokens: float) -> list[tuple[float, float, float]]:
+    """``(m, n, k)`` of one block's matmuls on one rank (forward)."""
+    t, h = c.tp, s.hidden
+    out = [(tokens, s.q_width / t, h), (tokens, 2 * s.kv_width / t, h), (tokens, h, s.q_width / t)]
+    if not moe:
+        return out + [(tokens, (s.mlp_matrices - 1) * s.ffn / t, h), (tokens, h, s.ffn / t)]
+    routed = (tokens if c.etp > 1 else tokens / t) * s.top_k  # rows an ep rank computes: its share of every rank's
+    per_expert = routed / max(s.experts // c.ep, 1)
+    fe = s.expert_width / c.etp
+    experts = [(per_expert, (s.mlp_matrices - 1) * fe, h), (per_expert, h, fe)] * max(s.experts // c.ep, 1)
+    shared = [(tokens / t, s.mlp_matrices * s.shared_ffn, h)] if s.shared_ffn else []
+    return out + [(tokens / (t if c.etp == 1 else 1), s.experts, h)] + experts + shared
+
+
+def block_time(s: ModelShape, c: Candidate, tr: Training, cl: Cluster, moe: bool,
+               checkpointed: bool) -> tuple[float, float]:
+    """``(seconds, executed FLOPs)`` of one block's forward and backward for one microbatch on one rank."""
+    tokens = c.micro_batch * tr.seq / c.cp
+    mm_time = mm_flops = 0.0
+    for m, n, k in _matmuls(s, c, moe, tokens):
+        f = 2 * m * n * k
+        if f:
+            mm_flops += f
+            mm_time += f / cl.matmul_rate((m * n * k) ** (1 / 3), tr.matmul_dtype or tr.dtype)
+    attn = 2 * tokens * tr.seq * s.q_width / c.tp  # QK^T and AV over the causal half, this rank's heads
+    attn_time = attn / (cl.peak(tr.dtype) * cl.attention_efficiency)
+    passes = 3 + (1 if checkpointed else 0)  # forward + backward (2×), a recompute adds a forward
+    attn_passes = passes + (1 if c.ac == "selective" and c.ac_ops else 0)  # op level: attention recomputed
+    sh = c.tp if tr.sequence_parallel and c.tp > 1 else 1
+    ffn = (s.expert_width * s.top_k / c.etp * (1 / c.tp if c.etp == 1 else 1)) if moe else s.ffn / c.tp
+    stream, heads, hidden = TOUCHES
+    touched = stream * s.hidden / sh + heads * s.q_width / c.tp + hidden * ffn
+    rate = cl.memory_rate(tokens * s.hidden / sh * tr.act_bytes)  # by the size of the tensors touched
+    elementwise = tokens * touched * tr.act_bytes / rate * (passes / 3) / (1 if s.kernels == "eager" else 3)
+    seconds = mm_time * passes + attn_time * attn_passes + elementwise + OPS_PER_BLOCK * (passes / 3) * cl.op_overhead
+    return seconds, mm_flops * passes + attn * attn_passes
+
+
+def end_time(s: ModelShape, c: Candidate, tr: Training, cl: Cluster, first: bool, last: bool) -> float:
+    """The embedding and the head (output projection and loss) for one microbatch on one rank."""
+    tokens = c.micro_batch * tr.seq / c.cp
+    out = 0.0
+    if last:
+        m, n, k = tokens, s.vocab / c.tp, s.hidden
+        out += 3 * 2 * m * n * k / cl.matmul_rate((m * n * k) ** (1 / 3), tr.dtype)
+        logits = tokens * s.vocab / c.tp * 4
+        out += 4 * logits / cl.memory_rate(logits)  # softmax and its gradient in float32
+    if first:
+        rows = tokens * s.hidden * tr.act_bytes
+        out += 3 * rows / cl.memory_rate(rows)
+    return out + 20 * (first + last) * cl.op_overhead

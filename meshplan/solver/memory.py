@@ -1,0 +1,266 @@
+"""Per-rank memory of a candidate: parameters, gradients, optimizer state and activations. Torch-free.
+
+Parameters are listed tensor by tensor as meshplan shards them (colwise/rowwise over tp, the vocabulary over tp,
+experts over ep and their FFN over etp, norms and routers whole), then FSDP2 cuts dim 0 of each local tensor into
+``d`` padded chunks (``ceil(rows / d)`` rows on the rank holding the most): that is the exact local size
+``meshplan.parallelize`` gives, so the bytes per rank are exact, not an average.
+
+Activations are the tensors autograd keeps per microbatch, per token (``h`` hidden, ``f`` FFN, ``t`` tp, ``sh``
+= t under sequence parallelism else 1, ``β`` the compute dtype's bytes): a dense block keeps
+``(2·norm_saved + 2)·h/sh`` on the residual stream (each norm's kept tensors, the residual and the block output),
+``q + k + v + o`` on its local heads (K and V at every query head when GQA repeats them), the attention's
+log-sum-exp and the norms' ``rstd`` in float32, and ``4f/t`` in a SwiGLU MLP (``2f/t`` for GELU). That is
+``10h + 4f`` at ``norm_saved = 2`` and ``t = 1``, what ``meshplan.memory`` measures on the example Llama.
+Variants: without sequence parallelism the stream is whole; ``save_gathered_inputs`` keeps ``2h(1−1/t)`` more;
+all-gather-KV context parallelism keeps K and V of the whole sequence and the chunked output; an MoE block keeps
+``top_k·(3h + 4·f_e/etp)`` per routed token plus the dispatch buffers; full checkpointing keeps the block input
+only; op-level checkpointing the matmul outputs. The pipeline schedule multiplies by the microbatches in flight
+(``docs/pipeline.md``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshplan.solver.candidate import Candidate, Training
+from meshplan.solver.placement import Placement
+from meshplan.solver.shape import ModelShape
+
+__all__ = ["Memory", "rank_memory", "block_activations", "in_flight", "rank_tensors", "block_kinds"]
+
+GiB = float(1 << 30)
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes on one rank (the device's; ``host`` is what CPU offload moved to the host).
+
+    Attributes:
+        params / grads / optimizer: as stored (master dtype), after tp/ep/FSDP sharding.
+        activations: kept for backward, for the microbatches in flight.
+        gathered: FSDP's unsharded parameters alive (the root, and the blocks kept gathered).
+        transient: the largest short-lived buffers (a block's unsharded gradient, the loss's logits gradient).
+        numel: local parameter elements. tensors: local parameter tensors.
+    """
+
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    gathered: float
+    transient: float
+    host: float = 0.0
+    numel: int = 0
+    tensors: int = 0
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations + self.gathered + self.transient
+
+    def describe(self) -> str:
+        parts = [("params", self.params), ("grads", self.grads), ("optimizer", self.optimizer),
+                 ("activations", self.activations), ("gathered", self.gathered), ("transient", self.transient)]
+        text = ", ".join(f"{k} {v / GiB:.2f}" for k, v in parts)
+        return text + (f"; {self.host / GiB:.2f} GiB on the host (cpu_offload)" if self.host else "")
+
+
+def _block_tensors(s: ModelShape, moe: bool, c: Candidate) -> tuple[list, list]:
+    """``(dense, expert)`` local tensors of one block after tp/ep: ``(rows, elements per row)`` each."""
+    t, h, q, kv = c.tp, s.hidden, s.q_width, s.kv_width
+    dense = [(q // t, h), (kv // t, h), (kv // t, h), (h, q // t)] + [(h, 1)] * (2 if s.norm == "rmsnorm" else 4)
+    if s.bias or s.qkv_bias:
+        dense += [(q // t, 1), (kv // t, 1), (kv // t, 1)] + ([(h, 1)] if s.bias else [])
+    expert: list = []
+    if not moe:
+        f = s.ffn // t
+        dense += [(f, h)] * (s.mlp_matrices - 1) + [(h, f)] + ([(f, 1)] * (s.mlp_matrices - 1) + [(h, 1)] if s.bias else [])
+        return dense, expert
+    e, fe = s.experts // c.ep, s.expert_width // c.etp
+    expert = [(e, fe * h)] * (s.mlp_matrices - 1) + [(e, h * fe)]
+    dense.append((s.experts, h))  # the router, whole on every tp rank
+    if s.shared_ffn:
+        dense += [(s.shared_ffn, h)] * (s.mlp_matrices - 1) + [(h, s.shared_ffn)]
+    return dense, expert
+
+
+def _end_tensors(s: ModelShape, c: Candidate, place: Placement, pp_rank: int) -> list:
+    """The embedding (first stage), the final norm and the head (last stage; a tied head's copy when pipelined)."""
+    first, last = place.ends_of(pp_rank)
+    out = [(s.vocab // c.tp, s.hidden)] if first else []
+    if last:
+        out += [(s.hidden, 1)] * (1 if s.norm == "rmsnorm" else 2)
+        if not s.tied_embeddings or (c.pp > 1 and not first):
+            out.append((s.vocab // c.tp, s.hidden))
+    return out
+
+
+def _is_moe(s: ModelShape, block: int) -> bool:
+    return s.experts > 0 and block >= s.dense_layers
+
+
+def rank_tensors(s: ModelShape, c: Candidate, place: Placement, pp_rank: int) -> tuple[list, list]:
+    """Every local parameter tensor of pipeline rank ``pp_rank`` after tp/ep: ``(dense, expert)`` lists of
+    ``(rows, elements per row)``."""
+    dense, expert = [], []
+    for b in place.blocks_of(pp_rank):
+        d, e = _block_tensors(s, _is_moe(s, b), c)
+        dense += d
+        expert += e
+    return dense + _end_tensors(s, c, place, pp_rank), expert
+
+
+def _numel(tensors: list, d: int) -> int:
+    return sum(-(-rows // d) * per for rows, per in tensors)
+
+
+def shard_sizes(c: Candidate, place: Placement) -> tuple[int, int]:
+    """``(d dense, d expert)``: how many ranks FSDP2 shards a dense and an expert tensor over (1: whole)."""
+    mode = c.mode
+    dense = place.groups["dp_shard"].size if mode in ("fsdp", "hsdp") else 1
+    edp = place.layout.edp
+    return dense, (edp if edp > 1 and mode != "ddp" else 1)
+
+
+def in_flight(c: Candidate, pp_rank: int) -> float:
+    """Microbatches' worth of a pipeline rank's blocks kept at once (``docs/pipeline.md``'s table)."""
+    p, v, m, s = c.pp, c.vpp, c.microbatches, c.schedule
+    if p == 1:
+        return 1.0
+    if s in ("gpipe", "looped_bfs"):
+        return float(m)
+    if s == "1f1b":
+        return float(min(m, p - pp_rank))
+    if s == "interleaved_1f1b":
+        return min(float(m), p + (p - 1) / v)
+    if s == "dualpipev":
+        return min(float(m), p + 0.5)
+    return float(min(m, p))  # the zero-bubble schedules
+
+
+def block_activations(s: ModelShape, c: Candidate, tr: Training, moe: bool, checkpointed: bool) -> float:
+    """Bytes one block (an MoE one or not, checkpointed or not) keeps for backward per microbatch on one rank."""
+    t, h, b = c.tp, s.hidden, tr.act_bytes
+    sh = t if tr.sequence_parallel and t > 1 else 1
+    tokens = c.micro_batch * tr.seq / c.cp
+    if checkpointed:
+        return tokens * h / sh * b
+    if c.ac == "selective" and c.ac_ops:  # op level: the matmul outputs (rowwise ones before their reduction)
+        mm = (s.q_width + 2 * s.kv_width) / t + 2 * h + (s.mlp_matrices - 1) * s.ffn / t
+        return tokens * (mm + h / sh) * b
+    kvw = s.q_width if s.gqa_repeat else s.kv_width
+    per = (2 * s.norm_saved + 2) * h / sh * b + 2 * 4 / sh + (2 * s.q_width + 2 * kvw) / t * b + s.heads / t * 4
+    if tr.save_gathered_inputs and sh > 1:
+        per += (1 if moe and c.etp == 1 else 2) * h * (1 - 1 / t) * b
+    if c.cp > 1 and tr.cp_method == "allgather_kv":
+        per += (2 * kvw * (c.cp - 1) + s.q_width) / t * b
+    if not moe:
+        return tokens * (per + (4 if s.mlp == "swiglu" else 2) * s.ffn / t * b)
+    return tokens * per + _moe_activations(s, c, tokens, b)
+
+
+def _moe_activations(s: ModelShape, c: Candidate, tokens: float, b: int) -> float:
+    """The MoE FFN: per routed token copy its sorted row, the expert's intermediates and output, the weighted
+    row (one more received row across ep); per token the combined output and the router's scores; a shared
+    expert."""
+    h, k, width = s.hidden, s.top_k, (4 if s.mlp == "swiglu" else 2)
+    routed = tokens if c.etp > 1 else tokens / c.tp  # etp 1: each tp rank routes its own share
+    per = k * (3 * h + width * s.expert_width / c.etp) * b + (k * h * b if c.ep > 1 else 0) + h * b
+    per += 3 * s.experts * 4 + 3 * k * 8 + (width * s.shared_ffn + h) * b * (1 if s.shared_ffn else 0)
+    return routed * per
+
+
+def _end_activations(s: ModelShape, c: Candidate, tr: Training, first: bool, last: bool) -> float:
+    """Outside the blocks: token ids and the embedding output (first stage); the final norm, the head's input
+    and logits and the loss's saved tensors (last stage)."""
+    t, h, b = c.tp, s.hidden, tr.act_bytes
+    sh = t if tr.sequence_parallel and t > 1 else 1
+    tokens = c.micro_batch * tr.seq / c.cp
+    out = 0.0
+    if first:
+        out += tokens * ((9 if t > 1 else 8) + (16 if c.cp > 1 else 0) + h / sh * b)
+    if last:
+        gathered = sh > 1
+        norm = (s.norm_saved - (1 if gathered else 0)) * h / sh * b + 4 / sh + (h * b if gathered else 0)
+        loss = 22 if t > 1 and tr.loss_parallel else 8
+        logits = s.vocab / t if tr.loss_parallel else s.vocab  # without loss_parallel the logits are gathered
+        out += tokens * (norm + logits * b + loss)
+    return out
+
+
+def block_kinds(s: ModelShape, c: Candidate, place: Placement, pp_rank: int,
+                memo: dict | None = None) -> dict[tuple[bool, bool], int]:
+    """How many blocks of each kind ``(MoE, checkpointed)`` pipeline rank ``pp_rank`` holds (memoised in ``memo``)."""
+    if memo is not None:
+        key = ("kinds", pp_rank)
+        if key not in memo:
+            memo[key] = block_kinds(s, c, place, pp_rank)
+        return memo[key]
+    out: dict[tuple[bool, bool], int] = {}
+    every = c.ac_every if c.ac == "selective" and not c.ac_ops else 0
+    for lo, hi in place.ranges_of(pp_rank):
+        for moe, (a, b) in ((False, (lo, min(hi, s.dense_layers) if s.experts else hi)),
+                            (True, (max(lo, s.dense_layers), hi) if s.experts else (0, 0))):
+            if b <= a:
+                continue
+            ckpt = (b // every - a // every) if every else (b - a if c.ac == "full" else 0)  # blocks k, 2k, … from 1
+            for key, n in (((moe, True), ckpt), ((moe, False), b - a - ckpt)):
+                if n:
+                    out[key] = out.get(key, 0) + n
+    return out
+
+
+def _per_block(s: ModelShape, c: Candidate, moe: bool, d_dense: int, d_expert: int, memo: dict) -> tuple:
+    """``(local elements, tensors, unsharded elements)`` of one block (memoised in ``memo``)."""
+    key = ("block", moe, d_dense, d_expert)
+    if key not in memo:
+        dense, expert = _block_tensors(s, moe, c)
+        memo[key] = (_numel(dense, d_dense) + _numel(expert, d_expert), len(dense) + len(expert),
+                     sum(r * p for r, p in dense + expert))
+    return memo[key]
+
+
+def rank_memory(s: ModelShape, c: Candidate, tr: Training, place: Placement, pp_rank: int,
+                memo: dict | None = None) -> Memory:
+    """The memory of pipeline rank ``pp_rank`` (every data/tp/cp rank of a stage holds the same); ``memo`` shares
+    per-block results between the ranks of one candidate."""
+    memo = {} if memo is None else memo
+    d_dense, d_expert = shard_sizes(c, place)
+    ends = _end_tensors(s, c, place, pp_rank)
+    numel, tensors, acts = _numel(ends, d_dense), len(ends), 0.0
+    kinds = block_kinds(s, c, place, pp_rank, memo)
+    for (moe, ckpt), n in kinds.items():
+        b_numel, b_tensors, _ = _per_block(s, c, moe, d_dense, d_expert, memo)
+        numel, tensors = numel + n * b_numel, tensors + n * b_tensors
+        key = ("act", moe, ckpt)
+        if key not in memo:
+            memo[key] = block_activations(s, c, tr, moe, ckpt)
+        acts += n * memo[key]
+    mb = tr.master_bytes
+    params = grads = numel * mb
+    optimizer = tr.optimizer_states * numel * mb + 4 * tensors
+    first, last = place.ends_of(pp_rank)
+    acts = (acts + _end_activations(s, c, tr, first, last)) * in_flight(c, pp_rank)
+    gathered, transient = _fsdp_buffers(s, c, tr, kinds, ends, d_dense > 1 or d_expert > 1, memo)
+    if last:
+        transient += c.micro_batch * tr.seq / c.cp * s.vocab / c.tp * 4  # the loss's float32 logits gradient
+    host = 0.0
+    if tr.cpu_offload:
+        host, params, grads, optimizer = params + grads + optimizer, 0.0, 0.0, 0.0
+    return Memory(params, grads, optimizer, acts, gathered, transient, host, numel, tensors)
+
+
+def _fsdp_buffers(s: ModelShape, c: Candidate, tr: Training, kinds: dict, ends: list, sharded: bool,
+                  memo: dict) -> tuple[float, float]:
+    """``(gathered, transient)``: FSDP2's unsharded parameters alive at the end of the forward (the root's, which
+    it does not reshard; every block's too while microbatches accumulate unsharded or without resharding), and a
+    block's gathered parameters and unsharded gradient during its backward."""
+    if not sharded or not kinds:
+        return 0.0, 0.0
+    sizes = {moe: _per_block(s, c, moe, 1, 1, memo)[2] for moe, _ in kinds}
+    root = sum(r * p for r, p in ends)
+    keep_all = (c.microbatches > 1 and c.accumulate_unsharded and c.pp == 1) or not tr.reshard_after_forward
+    b = tr.act_bytes
+    if keep_all:
+        every = sum(n * sizes[moe] for (moe, _), n in kinds.items())
+        return (root + every) * b, every * b
+    return root * b, 2 * max(sizes.values()) * b  # during a block's backward: its gathered parameters and gradient

@@ -1,0 +1,120 @@
+"""Where a candidate puts things: its resolved layout, the groups each axis communicates in (size and the nodes
+they span, from Megatron's rank grids and ``gpus_per_node``) and the blocks each pipeline rank holds. Torch-free.
+
+The groups come from :class:`meshplan.plan_file.layout.ResolvedLayout` (the rank engine ``meshplan ranks`` and
+the DeviceMesh use), so "tp inside a node" is what the order string and ``--gpus-per-node`` make it. Every group
+of an axis is a translate of the one holding rank 0, which is the one measured here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshplan.plan_file.layout import Layout, ResolvedLayout
+from meshplan.plan_file.pipeline import V_SCHEDULES
+from meshplan.plan_file.stages import balanced, local_stage_ids
+from meshplan.solver.candidate import Candidate
+
+__all__ = ["Group", "Placement", "resolve"]
+
+
+@dataclass(frozen=True)
+class Group:
+    """One communication group: ``size`` ranks on ``nodes`` nodes."""
+
+    size: int
+    nodes: int
+
+
+def resolve(cand: Candidate) -> ResolvedLayout:
+    """The candidate's layout resolved with :meth:`Layout.resolve` (Megatron's rules, the plan's wording). The
+    degrees are not re-validated field by field (the search builds them in bounds; a plan's were validated when
+    it was read).
+
+    Raises:
+        PlanError: the layout breaks one of the rules (the message of ``meshplan check``).
+    """
+    lay = Layout.model_construct(tp=cand.tp, cp=cand.cp, ep=cand.ep, etp=cand.etp, pp=cand.pp, vpp=cand.vpp,
+                                 dp_replicate=cand.dp_replicate, dp_shard=cand.dp_shard, order=cand.order)
+    return lay.resolve(cand.world)
+
+
+class Placement:
+    """A candidate's groups and pipeline blocks.
+
+    Args:
+        cand: the candidate. layers: the model's blocks. gpus_per_node: ranks per node.
+
+    Raises:
+        PlanError: the layout does not resolve (see :func:`resolve`).
+    """
+
+    def __init__(self, cand: Candidate, layers: int, gpus_per_node: int, base: "Placement | None" = None):
+        self.cand, self.layers = cand, layers
+        self.gpus_per_node = gpus_per_node
+        self.memo: dict = {}  # what evaluations of this placement's candidates share (meshplan.solver.step)
+        if base is not None:  # the same degrees and order: the same groups, other stages
+            self.layout, self.groups = base.layout, base.groups
+        else:
+            self.layout = resolve(cand)
+            self.groups = self._groups(cand)
+        n_stages = cand.pp * cand.vpp
+        sizes = balanced(layers, n_stages) if layers >= n_stages else [0] * n_stages
+        starts = [sum(sizes[:s]) for s in range(n_stages)]
+        self.stage_blocks = [list(range(starts[s], starts[s] + sizes[s])) for s in range(n_stages)]
+        self.v_shape = cand.schedule in V_SCHEDULES
+        self._stages = [self._stage_ids(r) for r in range(cand.pp)]
+        self._blocks = [[b for st in self._stages[r] for b in self.stage_blocks[st]] for r in range(cand.pp)]
+        self._ranges = [[(starts[st], starts[st] + sizes[st]) for st in self._stages[r]] for r in range(cand.pp)]
+        last = len(self.stage_blocks) - 1
+        self._ends = [(0 in self._stages[r], last in self._stages[r]) for r in range(cand.pp)]
+
+    def with_stages(self, cand: Candidate) -> "Placement":
+        """The placement of ``cand``, which differs from this one's candidate in schedule, vpp, microbatching or
+        checkpointing only."""
+        return Placement(cand, self.layers, self.gpus_per_node, base=self)
+
+    def _groups(self, cand: Candidate) -> dict[str, Group]:
+        mode = cand.mode
+        shard_axes = ("dp_shard", "cp") if cand.dp_replicate == 1 or mode != "fsdp" else ("dp_shard", "dp_replicate", "cp")
+        mesh, dense, expert = self.layout.mesh_grid, self.layout.dense_grid, self.layout.expert_grid
+        return {
+            "tp": self._group(dense.group_of(0, "tp")), "cp": self._group(dense.group_of(0, "cp")),
+            "pp": self._group(dense.group_of(0, "pp")[:2]),  # a pipeline hop: rank 0 and its next stage
+            "dp_shard": self._group(mesh.group_of(0, shard_axes)),
+            "dp_replicate": self._group(mesh.group_of(0, "dp_replicate")),
+            "dp": self._group(mesh.group_of(0, ("dp_shard", "dp_replicate", "cp"))),
+            "ep": self._group(expert.group_of(0, "ep")), "etp": self._group(expert.group_of(0, "etp")),
+            "edp": self._group(expert.group_of(0, "edp")),
+            "embd": self._group(self._ends_group(dense.group_of(0, "pp"))),
+            "world": Group(cand.world, max(1, -(-cand.world // self.gpus_per_node))),
+        }
+
+    @staticmethod
+    def _ends_group(pp_group: list[int]) -> list[int]:
+        """Megatron's embedding group of rank 0: the first and the last stage (:func:`pipeline_end_groups`)."""
+        return [pp_group[0], pp_group[-1]] if len(pp_group) > 1 else pp_group
+
+    def _group(self, ranks: list[int]) -> Group:
+        return Group(len(ranks), len({r // self.gpus_per_node for r in ranks}))
+
+    def _stage_ids(self, pp_rank: int) -> list[int]:
+        if self.cand.pp == 1:
+            return [0]
+        return local_stage_ids(pp_rank, self.cand.pp, self.cand.vpp, self.cand.schedule or "1f1b")
+
+    def stages_of(self, pp_rank: int) -> list[int]:
+        """The stages pipeline rank ``pp_rank`` runs."""
+        return self._stages[pp_rank]
+
+    def blocks_of(self, pp_rank: int) -> list[int]:
+        """The block indices pipeline rank ``pp_rank`` holds."""
+        return self._blocks[pp_rank]
+
+    def ranges_of(self, pp_rank: int) -> list[tuple[int, int]]:
+        """The ``[start, end)`` block ranges of pipeline rank ``pp_rank``'s stages."""
+        return self._ranges[pp_rank]
+
+    def ends_of(self, pp_rank: int) -> tuple[bool, bool]:
+        """``(holds the first stage, holds the last stage)``: the embedding, and the head and loss."""
+        return self._ends[pp_rank]

@@ -1,0 +1,113 @@
+"""Between plans and candidates: a plan file read as a :class:`Candidate` and its :class:`Training` settings (for
+``meshplan estimate``), and a chosen candidate written back as a plan (``meshplan solve --write``). Torch-free.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+
+from meshplan.errors import PlanError
+from meshplan.plan_file.document import Plan
+from meshplan.plan_file.layout import Layout
+from meshplan.solver.candidate import Candidate, Training
+
+__all__ = ["candidate_from_plan", "plan_from_candidate", "plan_text"]
+
+
+def _sections(plan: Plan, lay, where: str) -> None:
+    """A degree above 1 needs its section, as ``meshplan.parallelize`` says."""
+    for degree, name, section in ((lay.tp, "tp", plan.tensor_parallel), (lay.cp, "cp", plan.context_parallel),
+                                  (lay.ep, "ep", plan.expert_parallel), (lay.pp, "pp", plan.pipeline)):
+        if degree > 1 and section is None:
+            key = {"tp": "tensor_parallel", "cp": "context_parallel", "ep": "expert_parallel", "pp": "pipeline"}[name]
+            raise PlanError(f"{where}: layout.{name}({degree}) > 1 but the plan has no {key} section")
+
+
+def candidate_from_plan(plan: Plan, world: int, seq: int, global_batch: int, *, microbatches: int = 1,
+                        dtype: str = "float32") -> tuple[Candidate, Training]:
+    """The candidate and training settings a plan runs with on ``world`` ranks.
+
+    Args:
+        plan: the plan. world: ranks. seq / global_batch: the run. microbatches: gradient accumulation steps
+            (a ``pipeline`` section's own count wins). dtype: the model's dtype (parameters and, without
+            ``data_parallel.param_dtype``, compute).
+
+    Raises:
+        PlanError: the layout does not resolve, a degree lacks its section, or the batch does not split.
+    """
+    where = plan.source or "<plan>"
+    lay = (plan.layout or Layout()).resolve(world)
+    _sections(plan, lay, where)
+    tp_sec, dp_sec, ac = plan.tensor_parallel, plan.data_parallel, (plan.blocks.activation_checkpointing
+                                                                    if plan.blocks else None)
+    m = plan.pipeline.microbatches if plan.pipeline is not None else microbatches
+    data = lay.dp_replicate * lay.dp_shard
+    if global_batch % (data * m):
+        raise PlanError(f"{where}: the global batch ({global_batch}) must split over dp({data}) × microbatches({m}); "
+                        f"expected a multiple of {data * m}")
+    cand = Candidate(tp=lay.tp, cp=lay.cp, ep=lay.ep, etp=lay.etp, pp=lay.pp, vpp=lay.vpp,
+                     dp_replicate=lay.dp_replicate, dp_shard=lay.dp_shard, order=lay.order_str,
+                     schedule=plan.pipeline.schedule if plan.pipeline and lay.pp > 1 else None,
+                     micro_batch=global_batch // (data * m), microbatches=m,
+                     ac=ac.mode if ac else "none", ac_every=ac.every if ac else 1, ac_ops=bool(ac and ac.ops),
+                     dp_mode=dp_sec.mode if dp_sec else None,
+                     accumulate_unsharded=dp_sec.accumulate_unsharded if dp_sec else True)
+    compute = (dp_sec.param_dtype if dp_sec else None) or dtype
+    reshard = dp_sec.reshard_after_forward if dp_sec else None
+    train = Training(
+        seq=seq, global_batch=global_batch, dtype=compute, master_dtype=dtype,
+        reduce_dtype=(dp_sec.reduce_dtype if dp_sec else None) or compute,
+        sequence_parallel=bool(tp_sec is not None and tp_sec.sequence_parallel is True and lay.tp > 1),
+        loss_parallel=bool(tp_sec is not None and tp_sec.loss_parallel),
+        save_gathered_inputs=bool(tp_sec is not None and tp_sec.save_gathered_inputs),
+        reshard_after_forward=reshard is not False,
+        cpu_offload=bool(dp_sec and dp_sec.cpu_offload),
+        cp_method=plan.context_parallel.method if plan.context_parallel else "allgather_kv")
+    return cand, train
+
+
+def plan_from_candidate(cand: Candidate, train: Training, base: dict[str, Any] | None = None,
+                        blocks_pattern: str = "layers.*") -> dict[str, Any]:
+    """The plan (plain data) that runs ``cand``: its layout, blocks, pipeline and data-parallel settings, and the
+    rule sections of ``base`` (a plan's data: ``tensor_parallel``, ``context_parallel``, ``expert_parallel``).
+
+    Raises:
+        PlanError: the candidate needs a rule section ``base`` lacks, or the result does not validate.
+    """
+    base = dict(base or {})
+    out: dict[str, Any] = {"version": 1, "layout": cand.layout_dict()}
+    for degree, key in ((cand.tp, "tensor_parallel"), (cand.cp, "context_parallel"), (cand.ep, "expert_parallel")):
+        if key in base:
+            out[key] = base[key]
+        elif degree > 1:
+            raise PlanError(f"the chosen layout needs a {key} section; pass --plan with one (e.g. plans/llama.yaml "
+                            f"for tensor_parallel, plans/llama_cp.yaml for context_parallel)")
+    if "tensor_parallel" in out:
+        out["tensor_parallel"] = {**out["tensor_parallel"], "sequence_parallel": train.sequence_parallel,
+                                  "loss_parallel": train.loss_parallel}
+    ac: dict[str, Any] = {"mode": cand.ac}
+    if cand.ac == "selective":
+        ac = {"mode": "selective", **({"ops": ["aten.mm.default"]} if cand.ac_ops else {"every": cand.ac_every})}
+    blocks = dict(base.get("blocks") or {"pattern": blocks_pattern})
+    out["blocks"] = {**blocks, "activation_checkpointing": ac}
+    if cand.pp > 1:
+        out["pipeline"] = {**(base.get("pipeline") or {}), "schedule": cand.schedule, "microbatches": cand.microbatches}
+    dp = dict(base.get("data_parallel") or {})
+    if train.dtype != train.master_dtype:
+        dp.update(param_dtype=train.dtype, reduce_dtype=train.reduce_dtype)
+    if cand.dp_mode is not None:
+        dp["mode"] = cand.dp_mode
+    if not cand.accumulate_unsharded:
+        dp["accumulate_unsharded"] = False
+    if dp:
+        out["data_parallel"] = dp
+    Plan.from_data(out, source="the written plan")  # raises PlanError with the key path if it does not validate
+    return out
+
+
+def plan_text(plan: dict[str, Any], header: str) -> str:
+    """YAML text of a plan, with a comment header."""
+    lines = [f"# {line}" for line in header.splitlines()]
+    return "\n".join(lines) + "\n" + yaml.safe_dump(plan, sort_keys=False, width=110)

@@ -1,0 +1,169 @@
+"""One candidate's step: time, throughput, MFU and memory per rank. Torch-free.
+
+Step time = the pipeline (each microbatch's compute and exposed tp/cp/ep communication on the slowest rank,
+times the microbatches, stretched by the schedule's idle fraction) + the exposed pipeline sends + the exposed
+data-parallel traffic (what does not hide behind compute, per the cluster's ``overlap``) + the optimizer step +
+the step's small all-reduces (with CPU offload the optimizer step and the parameter and gradient copies run at
+the host's bandwidth). On a host running more ranks than cores (``Cluster.oversubscription`` o > 1) the
+bubble costs only what the busy ranks cannot take over: the pipeline stretches by ``1 / min(1, (1−f)·o)``. Idle
+fractions (``docs/pipeline.md``, measured there by replaying each torch
+schedule): ``(p−1)/(m+p−1)`` for GPipe and 1F1B, ``(p−1)/(v·m+p−1)`` interleaved, ``(p−1)/(3v·m+p−1)`` for the
+zero-bubble and V schedules (a split backward fills the bubble).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from meshplan.solver.candidate import Candidate, Training
+from meshplan.solver.cluster import Cluster
+from meshplan.solver.collectives import Collective, step_collectives
+from meshplan.solver.compute import block_time, end_time, model_flops_per_token
+from meshplan.solver.memory import Memory, block_kinds, rank_memory
+from meshplan.solver.placement import Placement
+from meshplan.solver.shape import ModelShape
+
+__all__ = ["Estimate", "evaluate", "idle_fraction", "peak_memory"]
+
+
+def idle_fraction(schedule: str | None, p: int, v: int, m: int) -> float:
+    """The fraction of a step a pipeline rank idles (0 without pipelining)."""
+    if p == 1 or schedule is None:
+        return 0.0
+    if schedule in ("gpipe", "1f1b"):
+        return (p - 1) / (m + p - 1)
+    if schedule in ("interleaved_1f1b", "looped_bfs"):
+        return (p - 1) / (v * m + p - 1)
+    if schedule == "zbv_zero_bubble" and m < 2 * p - 1:
+        return (p - 1) / (v * m + p - 1)  # laid out for 2p-1 microbatches: fewer run with an interleaved bubble
+    return (p - 1) / (3 * v * m + p - 1)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """What one candidate costs.
+
+    Attributes:
+        candidate: the layout. step_time: seconds per optimizer step. tokens_per_s: over the whole job.
+        tokens_per_s_device: per device. mfu: model FLOPs utilisation (of the compute dtype's peak).
+        tflops_device: model TFLOP/s per device. memory: the most loaded rank's. memory_rank: its pipeline rank.
+        parts: seconds by part (``compute``, ``bubble``, ``tp``, ``cp``, ``ep``, ``pp``, ``dp``, ``optimizer``, ``step``).
+        collectives: pipeline rank 0's collectives per step.
+    """
+
+    candidate: Candidate
+    step_time: float
+    tokens_per_s: float
+    tokens_per_s_device: float
+    mfu: float
+    tflops_device: float
+    memory: Memory
+    memory_rank: int
+    parts: dict = field(default_factory=dict)
+    collectives: list = field(default_factory=list)
+
+
+def _comm(colls: list[Collective], cl: Cluster, axes: tuple[str, ...], times: dict) -> dict[str, float]:
+    """Seconds of the collectives on ``axes``, by axis (``times`` memoises :meth:`Cluster.comm_time`)."""
+    out = {a: 0.0 for a in axes}
+    for x in colls:
+        if x.axis in out:
+            key = ("send" if x.kind == "recv" else x.kind, x.group.size, x.group.nodes, x.nbytes)
+            if key not in times:
+                times[key] = cl.comm_time(*key)
+            out[x.axis] += x.count * times[key]
+    return out
+
+
+def _rank_microbatch(s: ModelShape, c: Candidate, tr: Training, cl: Cluster, place: Placement, r: int,
+                     memo: dict, times: dict) -> tuple[float, float, dict]:
+    """``(compute seconds, executed FLOPs, {axis: comm seconds, "colls": collectives})`` of pipeline rank ``r`` per
+    microbatch."""
+    secs = flops = 0.0
+    for (moe, ckpt), n in block_kinds(s, c, place, r, memo).items():
+        key = ("time", moe, ckpt)
+        if key not in memo:
+            memo[key] = block_time(s, c, tr, cl, moe, ckpt)
+        secs += n * memo[key][0]
+        flops += n * memo[key][1]
+    secs += end_time(s, c, tr, cl, *place.ends_of(r))
+    colls = step_collectives(s, c, tr, place, r, memo)
+    comm = {a: v / c.microbatches for a, v in _comm(colls, cl, ("tp", "cp", "ep"), times).items()}
+    return secs, flops, {**comm, "colls": colls}
+
+
+def _ranks(s: ModelShape, c: Candidate, place: Placement, memo: dict) -> list[int]:
+    """One pipeline rank per distinct ``(blocks by kind, ends)``: the lowest, which holds the most microbatches
+    (kept on the placement per checkpointing choice: the same for every microbatching)."""
+    key = ("ranks", c.ac, c.ac_every, c.ac_ops)
+    if key in place.memo:
+        ranks, kinds = place.memo[key]
+        memo.update(kinds)
+        return ranks
+    seen: dict = {}
+    for r in range(c.pp):
+        sig = (tuple(sorted(block_kinds(s, c, place, r, memo).items())), place.ends_of(r))
+        seen.setdefault(sig, r)
+    ranks = sorted(seen.values())
+    place.memo[key] = (ranks, {("kinds", r): memo[("kinds", r)] for r in ranks})
+    return ranks
+
+
+def _exposed_pp(colls: list[Collective], cl: Cluster, c: Candidate) -> float:
+    """Pipeline sends not hidden: all of them without overlap; with it, the fill and drain hops."""
+    hops = [x for x in colls if x.axis == "pp" and x.kind in ("send", "recv")]
+    if not hops:
+        return 0.0
+    hop = cl.comm_time("send", 2, hops[0].group.nodes, hops[0].nbytes)
+    return (1 - cl.overlap) * hop * sum(x.count for x in hops) + cl.overlap * 2 * (c.pp - 1) * hop
+
+
+def peak_memory(s: ModelShape, c: Candidate, tr: Training, place: Placement,
+                memo: dict | None = None) -> tuple[Memory, int]:
+    """``(memory, pipeline rank)`` of the most loaded rank (cheaper than :func:`evaluate`: the search rejects
+    candidates that do not fit before timing them)."""
+    memo = {} if memo is None else memo
+    mems = {r: rank_memory(s, c, tr, place, r, memo) for r in _ranks(s, c, place, memo)}
+    worst = max(mems, key=lambda r: mems[r].total)
+    return mems[worst], worst
+
+
+def evaluate(s: ModelShape, c: Candidate, tr: Training, cl: Cluster, place: Placement | None = None,
+             times: dict | None = None, memo: dict | None = None) -> Estimate:
+    """Time and memory of candidate ``c`` (assumed valid: see :mod:`meshplan.solver.rules`).
+
+    Args:
+        place: the candidate's :class:`Placement` (default: built here). times: a dict memoising collective
+            times across candidates (:func:`meshplan.solver.search.search` passes one per search).
+    """
+    place = place or Placement(c, s.layers, cl.gpus_per_node)
+    memo = {} if memo is None else memo
+    times = {} if times is None else times
+    per_rank = {r: _rank_microbatch(s, c, tr, cl, place, r, memo, times) for r in _ranks(s, c, place, memo)}
+    t_mb = {r: v[0] + v[2]["tp"] + v[2]["cp"] + v[2]["ep"] for r, v in per_rank.items()}
+    slow = max(t_mb, key=t_mb.get)
+    m = c.microbatches
+    busy = m * t_mb[slow]
+    busy_share = 1 - idle_fraction(c.schedule, c.pp, c.vpp, m)
+    pipeline = busy / min(1.0, busy_share * cl.oversubscription)  # idle ranks' cores go to the busy ones
+    colls = per_rank[slow][2]["colls"]
+    comm = _comm(colls, cl, ("pp", "dp", "step"), times)
+    compute = m * per_rank[slow][0]
+    pp_exposed = _exposed_pp(colls, cl, c)
+    dp_calls = sum(x.count for x in colls if x.axis == "dp")
+    ends = 2 * comm["dp"] / dp_calls if dp_calls else 0.0  # the first gather and the last reduction stay exposed
+    dp_exposed = (1 - cl.overlap) * comm["dp"] + cl.overlap * max(ends, comm["dp"] - compute)
+    mem, worst = peak_memory(s, c, tr, place, memo)
+    per_tensor = mem.numel * tr.master_bytes / max(mem.tensors, 1)  # AdamW's foreach ops, tensor by tensor
+    optimizer = mem.numel * tr.master_bytes * (3 * tr.optimizer_states + 4) / cl.memory_rate(per_tensor)
+    if tr.cpu_offload:  # the step on the host; parameters in and gradients out over PCIe, once each per step
+        optimizer = mem.numel * tr.master_bytes * (3 * tr.optimizer_states + 6) / cl.host_bandwidth
+    step = pipeline + pp_exposed + dp_exposed + optimizer + comm["step"]
+    tokens = tr.tokens / step
+    model = model_flops_per_token(s, tr.seq) * tokens / c.world
+    parts = {"compute": compute, "bubble": pipeline - busy, "tp": m * per_rank[slow][2]["tp"],
+             "cp": m * per_rank[slow][2]["cp"], "ep": m * per_rank[slow][2]["ep"], "pp": pp_exposed,
+             "dp": dp_exposed, "optimizer": optimizer, "step": comm["step"]}
+    colls0 = per_rank[0][2]["colls"] if 0 in per_rank else step_collectives(s, c, tr, place, 0, memo)
+    return Estimate(c, step, tokens, tokens / c.world, model / cl.peak(tr.dtype), model / 1e12, mem, worst,
+                    parts, colls0)
