@@ -100,22 +100,21 @@ def compare(layout, schedule="1f1b", microbatches=4, n_layers=4, tp=False, sp=Tr
         x, y = global_batch(s, vocab)
         batch = (x[r * rows:(r + 1) * rows], y[r * rows:(r + 1) * rows])
         results.append(meshplan.train_step(model, batch, loss_fn, opt, max_grad_norm=MAX_NORM))
+    keys = sorted(model.state_dict())
+    everyone = [None] * WORLD
+    dist.all_gather_object(everyone, keys)  # collectives first, asserts after: a rank that fails one must not
+    union = sorted({k for ks in everyone for k in ks})  # leave the others waiting in a gather
     ref_params = dict(ref.named_parameters(remove_duplicate=False))
-    worst, names = 0.0, []
+    rels = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         full = p.full_tensor() if isinstance(p, DTensor) else p
         want = ref_params[name.replace("_checkpoint_wrapped_module.", "")]
-        rel = float((full.detach() - want.detach()).norm() / want.detach().norm())
-        worst = max(worst, rel)
-        names.append(name)
-        assert rel <= 1e-5, (name, rel)
+        rels[name] = float((full.detach() - want.detach()).norm() / want.detach().norm())
+    names, worst = list(rels), max(rels.values())
+    assert worst <= 1e-5, max(rels.items(), key=lambda kv: kv[1])
     for res, loss, norm in zip(results, ref_losses, ref_norms):
         assert abs(res.loss - loss) <= 1e-5 * abs(loss), (res.loss, loss)
         assert abs(res.grad_norm - norm) <= 1e-5 * norm, (res.grad_norm, norm)
-    keys = sorted(model.state_dict())
-    everyone = [None] * WORLD
-    dist.all_gather_object(everyone, keys)
-    union = sorted({k for ks in everyone for k in ks})
     assert union == sorted(ref.state_dict()), (set(ref.state_dict()) ^ set(union))
     return {"worst": worst, "loss": [r.loss for r in results], "params": len(names)}
 
