@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -10,6 +9,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshplan.errors import PlanError
+from meshplan.faults.watch import translating
 from meshplan.mesh.topology import Topology, build_mesh, current_topology
 from meshplan.plan_file.data_parallel import DataParallel
 from meshplan.plan_file.document import Plan, as_plan
@@ -72,7 +72,7 @@ def parallelize(model: nn.Module, plan: Plan | Mapping[str, Any] | str | Path | 
     # a rank with another plan, model or torch fails, not hangs
     check_same_plan(p, mesh if isinstance(mesh, Topology) else tp_mesh, model)
     watch = getattr(mesh, "faults", None)
-    with watch.translating() if watch is not None else contextlib.nullcontext():
+    with translating(watch):
         return _apply_sections(model, p, mesh if isinstance(mesh, Topology) else None, tp_mesh)
 
 

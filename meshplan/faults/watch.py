@@ -23,7 +23,7 @@ from meshplan.errors import RankFailure
 from meshplan.faults.terminate import TermGuard, Terminated
 from meshplan.plan_file.faults import Faults
 
-__all__ = ["FaultWatch", "is_collective_failure", "collective_cause"]
+__all__ = ["FaultWatch", "translating", "is_collective_failure", "collective_cause"]
 
 _LOG = logging.getLogger("meshplan.faults")
 _COLLECTIVE_ERROR = re.compile(
@@ -218,3 +218,8 @@ class FaultWatch:
         if self.heartbeat is not None:
             self.heartbeat.stop()
             self.heartbeat = None
+
+
+def translating(watch: "FaultWatch | None") -> contextlib.AbstractContextManager:
+    """``watch.translating()``, or nothing to translate without a watch (a topology made without ``init``)."""
+    return watch.translating() if watch is not None else contextlib.nullcontext()

@@ -9,9 +9,7 @@ the others never issue, or die in gloo naming nothing. :func:`init` and :func:`c
 
 from __future__ import annotations
 
-import contextlib
 import datetime
-import json
 import os
 from pathlib import Path
 from typing import Any, Mapping
@@ -22,7 +20,8 @@ import torch.distributed as dist
 from pydantic import ValidationError
 
 from meshplan.errors import PlanError
-from meshplan.faults.agree import _canonical, agree, model_signature, plan_fingerprint, software
+from meshplan.faults.agree import agree, model_signature, plan_fingerprint, software
+from meshplan.faults.watch import translating
 from meshplan.plan_file.faults import STALE_BEATS, Faults
 from meshplan.plan_file.layout import Layout
 from meshplan.plan_file.reading import pydantic_message
@@ -84,17 +83,12 @@ def check_same_plan(plan: Any, mesh: Topology | Any, model: Any = None) -> None:
     group = None if isinstance(mesh, Topology) else mesh.get_group()
     if dist.get_world_size(group) <= 1 or dist.get_backend(group) == "fake":
         return
-    claims = {"software": software(), "plan": json.loads(_canonical(plan)) if plan is not None else None}
+    claims = {"software": software(), "plan": plan.model_dump(mode="json") if plan is not None else None}
     if model is not None:
         claims["model"] = model_signature(model)
     watch = getattr(mesh, "faults", None)
-    with watch.translating() if watch is not None else contextlib.nullcontext():
+    with translating(watch):
         agree(claims, group, "meshplan.parallelize", getattr(mesh, "plan_fingerprint", None))
-
-
-def _check_same_layout(fingerprint: str) -> None:
-    """Every rank resolved the layout with this fingerprint (one exchange), else PlanError on every rank."""
-    agree({"layout": fingerprint})
 
 
 def _fault_settings(plan: Any, timeout_s: float | None) -> tuple[Faults, str]:
@@ -177,9 +171,9 @@ def init(layout_or_plan: Any = None, *, backend: str | None = None, timeout_s: f
     resolved = layout.resolve(dist.get_world_size())
     watch = _start_watch(settings, origin)
     claims = {"software": software(), "layout": resolved.fingerprint(),
-              "plan": json.loads(_canonical(plan)) if plan is not None else None}
+              "plan": plan.model_dump(mode="json") if plan is not None else None}
     try:
-        with watch.translating() if watch is not None else contextlib.nullcontext():
+        with translating(watch):
             agree(claims)  # before any collective of the model: a mismatch fails, never hangs
         made = dict(timeout_s=settings.init_timeout_s, p2p_timeout_s=settings.timeout_s) if watch is not None else {}
         topo = build_mesh(resolved, device_type, **made, _owns_process_group=owns)

@@ -8,7 +8,6 @@ one process.
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import weakref
 from typing import Any, Mapping
@@ -18,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from meshplan._torch import flatten_mesh
 from meshplan.errors import PlanError
+from meshplan.faults.watch import translating
 from meshplan.plan_file.layout import Layout, ResolvedLayout
 
 __all__ = ["Topology", "build_mesh", "current_topology", "MESH_KEYS"]
@@ -170,7 +170,7 @@ class Topology:
         try:
             if owns and dist.is_initialized():
                 from meshplan.faults.shutdown import shutdown
-                with watch.translating() if watch is not None and exc is None else contextlib.nullcontext():
+                with translating(watch if exc is None else None):
                     shutdown(self.process_groups(), clean=exc is None)
         finally:
             if watch is not None:

@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
+from meshplan.faults.watch import translating
 from meshplan.errors import PlanError
 from meshplan.mesh.ranks import divisors_text
 from meshplan.state import DATA_AXES, ParallelState, parallel_state
@@ -151,7 +152,7 @@ def train_step(model: nn.Module, batch: tuple[Any, torch.Tensor] | dict, loss_fn
         >>> res = train_step(model, (tokens, labels), loss_fn, opt, microbatches=2, max_grad_norm=1.0)
     """
     watch = _fault_watch(model, topology)
-    with watch.translating() if watch is not None else contextlib.nullcontext():
+    with translating(watch):
         result = _step(model, batch, loss_fn, optimizer, topology, microbatches, max_grad_norm, ignore_index,
                        sequence_parallel)
     if watch is not None:
