@@ -10,6 +10,7 @@ the others never issue, or die in gloo naming nothing. :func:`init` and :func:`c
 from __future__ import annotations
 
 import datetime
+import json
 import os
 from pathlib import Path
 from typing import Any, Mapping
@@ -20,7 +21,7 @@ import torch.distributed as dist
 from pydantic import ValidationError
 
 from meshplan.errors import PlanError
-from meshplan.faults.agree import agree, model_signature, plan_fingerprint, software
+from meshplan.faults.agree import _canonical, agree, model_signature, plan_fingerprint, software
 from meshplan.faults.watch import translating
 from meshplan.plan_file.faults import STALE_BEATS, Faults
 from meshplan.plan_file.layout import Layout
@@ -83,12 +84,17 @@ def check_same_plan(plan: Any, mesh: Topology | Any, model: Any = None) -> None:
     group = None if isinstance(mesh, Topology) else mesh.get_group()
     if dist.get_world_size(group) <= 1 or dist.get_backend(group) == "fake":
         return
-    claims = {"software": software(), "plan": plan.model_dump(mode="json") if plan is not None else None}
+    claims = {"software": software(), "plan": json.loads(_canonical(plan)) if plan is not None else None}
     if model is not None:
         claims["model"] = model_signature(model)
     watch = getattr(mesh, "faults", None)
     with translating(watch):
         agree(claims, group, "meshplan.parallelize", getattr(mesh, "plan_fingerprint", None))
+
+
+def _check_same_layout(fingerprint: str) -> None:
+    """Every rank resolved the layout with this fingerprint (one exchange), else PlanError on every rank."""
+    agree({"layout": fingerprint})
 
 
 def _fault_settings(plan: Any, timeout_s: float | None) -> tuple[Faults, str]:
@@ -171,7 +177,7 @@ def init(layout_or_plan: Any = None, *, backend: str | None = None, timeout_s: f
     resolved = layout.resolve(dist.get_world_size())
     watch = _start_watch(settings, origin)
     claims = {"software": software(), "layout": resolved.fingerprint(),
-              "plan": plan.model_dump(mode="json") if plan is not None else None}
+              "plan": json.loads(_canonical(plan)) if plan is not None else None}
     try:
         with translating(watch):
             agree(claims)  # before any collective of the model: a mismatch fails, never hangs
