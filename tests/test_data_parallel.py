@@ -378,6 +378,15 @@ def test_norm_weights_never_double_count_replicate(fake_pg):
             assert float(_grad_norm_parts([p], 8)) == pytest.approx(local * weight)
 
 
+def test_float64_grads_can_be_clipped():
+    """A float64 gradient's norm is computed in float64 (clipping float64 gradients raised: the norm was asked
+    for in float32, and vector_norm refuses to narrow)."""
+    g = torch.tensor([1.0, 1e-9, 1.0 / 3.0], dtype=torch.float64)
+    p = nn.Parameter(torch.zeros(3, dtype=torch.float64))
+    p.grad = g.clone()
+    assert float(_grad_norm_parts([p], 1)) == float(g.square().sum())
+
+
 # ---------------------------------------------------------------- tp reductions of replicated grads (grads.py)
 _TP_RULES = {"layers.*.attention_norm": "norm", "layers.*.ffn_norm": "norm", "norm": "norm",
              "tok_embeddings": "embedding", "output": "lm_head", "layers.*.attention.wo": "rowwise",

@@ -157,7 +157,8 @@ def install_hf_loss(model: Any, section: Any) -> bool:
         if shift_labels is None:
             shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
         reduction = "sum" if num_items_in_batch is not None else "mean"
-        loss = cross_entropy(logits.float(), shift_labels.to(logits.device), ignore_index=ignore_index,
+        # transformers upcasts to float32; float64 logits stay float64 (cross_entropy computes in >= float32)
+        loss = cross_entropy(logits, shift_labels.to(logits.device), ignore_index=ignore_index,
                              reduction=reduction)
         return loss / num_items_in_batch if reduction == "sum" else loss
 
