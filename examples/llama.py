@@ -70,7 +70,7 @@ def precompute_freqs_cis(head_dim: int, end: int, theta: float) -> torch.Tensor:
 
 def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
     """Rotate adjacent pairs of ``x`` (``(b, s, heads, head_dim)``) by the RoPE angles."""
-    xf = x.float().unflatten(-1, (-1, 2))  # (b, s, h, hd/2, 2)
+    xf = x.to(torch.promote_types(x.dtype, torch.float32)).unflatten(-1, (-1, 2))  # (b, s, h, hd/2, 2)
     x0, x1 = xf[..., 0], xf[..., 1]
     cos, sin = freqs_cis[None, :, None, :, 0], freqs_cis[None, :, None, :, 1]
     out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
@@ -94,7 +94,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))  # at least float32: a float64 model stays float64
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return xf.type_as(x) * self.weight
 

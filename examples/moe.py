@@ -145,7 +145,8 @@ class TopKRouter(nn.Module):
         self.gate = nn.Linear(dim, n_experts, bias=False)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        logits = self.gate(x).float()
+        logits = self.gate(x)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # float64 stays float64
         scores = logits.softmax(-1) if self.score_func == "softmax" else logits.sigmoid()
         topk_scores, topk_idx = scores.topk(self.top_k, dim=-1)
         if self.norm_topk:

@@ -1,33 +1,33 @@
-"""float64 parity helpers: a model built in float64 that computes in float64 end to end.
+"""float64 parity helpers: models built in float64 that compute in float64 end to end.
 
 Parity tests compare a parallel run with one device in float64 (gloo reduces float64), so that a reordered sum
 differs by ~1e-16 instead of ~1e-7 and AdamW, which divides each gradient element by its own running size, has
 no fp32 noise to amplify into lr-sized moves. Model code keeps float32 islands that would cast float64 down:
 transformers' norms (``hidden_states.to(torch.float32)``, Gemma's ``x.float()`` and ``weight.float()``) and
-causal-LM loss (``logits.float()``), torch's test ``Transformer`` (``self.output(h).float()``).
-:func:`float64_model` converts a model to float64 and, during its forward, keeps float64 tensors that code
-OUTSIDE meshplan casts to float32 in float64 (the same math without the downcast). meshplan's own casts are left
-alone, so a meshplan downcast still shows up as a parity error.
+causal-LM loss (``logits.float()``), torch's test ``Transformer`` (``self.output(h).float()``), the examples'
+RoPE and RMSNorm (``x.float()``). Inside :func:`keep_float64`, a float64 tensor that MODEL code casts to float32
+stays float64 (the same math without the downcast); casts made by meshplan or torch are left alone, so a
+meshplan downcast still shows up as a parity error.
 
 Example::
 
-    ref = float64_model(factory())
-    model = copy.deepcopy(ref)          # the copy's forward keeps float64 too
-    meshplan.parallelize(model, plan)
+    with keep_float64():                # a worker's whole run
+        ref = float64_model(factory())
+        model = meshplan.parallelize(copy.deepcopy(ref), plan)
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
-import types
 
 import torch
 from torch.overrides import TorchFunctionMode
 
 import meshplan
 
-__all__ = ["RTOL", "float64_model"]
+__all__ = ["RTOL", "float64_model", "keep_float64"]
 
 #: The one relative tolerance of float64 parity (loss, gradient, parameter after AdamW steps; ``||got - want|| /
 #: ||want||``). Reordered float64 sums differ by ~1e-16; AdamW amplifies that on elements whose gradient cancels
@@ -36,7 +36,23 @@ __all__ = ["RTOL", "float64_model"]
 #: 1e-4..1e-3 that fp32 noise, or any real sharding bug, produces.
 RTOL = 1e-9
 
-_MESHPLAN = os.path.dirname(os.path.abspath(meshplan.__file__)) + os.sep
+#: code whose casts are kept: meshplan's (a downcast there is a bug the tests must see) and torch's (FSDP's
+#: mixed precision, DTensor internals), except torch's test models (``torch.testing``: model code)
+_LIBRARIES = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in (meshplan, torch))
+_TORCH_TEST_MODELS = os.path.join(_LIBRARIES[1], "testing") + os.sep
+
+
+def _caller() -> str:
+    """The file of the code that made the cast: the first frame outside any TorchFunctionMode's methods (another
+    mode, e.g. meshplan's dropout mode, re-issues the op from its own ``__torch_function__``)."""
+    frame = sys._getframe(2)
+    while frame is not None and isinstance(frame.f_locals.get("self"), TorchFunctionMode):
+        frame = frame.f_back
+    return frame.f_code.co_filename if frame is not None else ""
+
+
+def _library_code(filename: str) -> bool:
+    return filename.startswith(_LIBRARIES) and not filename.startswith(_TORCH_TEST_MODELS)
 
 
 def _downcast(func, args, kwargs) -> bool:
@@ -52,29 +68,35 @@ def _downcast(func, args, kwargs) -> bool:
 
 
 class _KeepFloat64(TorchFunctionMode):
-    """A float64 tensor cast to float32 by code outside meshplan is returned as it is; nothing else changes."""
+    """A float64 tensor cast to float32 by model code is returned as it is; nothing else changes."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if _downcast(func, args, kwargs) and not sys._getframe(1).f_code.co_filename.startswith(_MESHPLAN):
+        if _downcast(func, args, kwargs) and not _library_code(_caller()):
             return args[0]
         return func(*args, **kwargs)
 
 
-def _forward(self, *args, **kwargs):
+@contextlib.contextmanager
+def keep_float64():
+    """Within: float64 tensors that model code (transformers, the examples, tests) casts to float32 stay float64.
+
+    Example::
+
+        with keep_float64():
+            loss = float64_model(model)(input_ids=ids, labels=ids).loss    # float64
+    """
     with _KeepFloat64():
-        return type(self).forward(self, *args, **kwargs)
+        yield
 
 
 def float64_model(model: torch.nn.Module) -> torch.nn.Module:
-    """``model`` in float64, its forward (its own loss included) keeping float64 where model code casts down.
+    """``model`` converted to float64 in place (run it inside :func:`keep_float64`).
 
     Args:
         model: a freshly built model (not yet parallelized).
 
     Returns:
-        ``model`` itself, converted in place; ``copy.deepcopy`` copies keep the float64 forward.
+        ``model`` itself.
     """
-    model.to(torch.float64)
-    model.forward = types.MethodType(_forward, model)
-    return model
+    return model.to(torch.float64)

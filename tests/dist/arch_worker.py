@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 import meshplan
-from _float64 import float64_model
+from _float64 import float64_model, keep_float64
 from _launch import run_cases
 from examples.architectures import FACTORIES
 
@@ -102,5 +102,5 @@ def case_parity():
 
 
 if __name__ == "__main__":
-    with meshplan.init({"tp": WORLD}):
+    with meshplan.init({"tp": WORLD}), keep_float64():
         run_cases({"parity": case_parity})

@@ -1,5 +1,9 @@
-"""Real gloo processes: TP parity over 3 AdamW steps vs one device (dropout 0, and dropout 0.1 with
-dropout_rng single_device, also under activation checkpointing), and per-shard dropout streams."""
+"""Real gloo processes: TP parity over 3 AdamW steps vs one device in float64 (dropout 0, and dropout 0.1 with
+dropout_rng single_device, also under activation checkpointing), and per-shard dropout streams.
+
+Parity runs build the model in float64 (``tests/_float64.py``: the example Llama's float32 RoPE and norm kept in
+float64) and return the worst relative parameter error after 3 steps; ``tests/test_dist_tp.py`` holds it to the
+one fixed tolerance ``_float64.RTOL``."""
 
 import copy
 import os
@@ -14,6 +18,7 @@ from torch.distributed.tensor import DTensor
 
 import llama
 import meshplan
+from _float64 import float64_model, keep_float64
 from _launch import run_cases
 from meshplan.tensor_parallel.dropout.per_shard import TpRng
 
@@ -30,7 +35,7 @@ def _parity(tp, sp, lp, steps=3, batch=4, seq=16, dropout=0.0, ckpt=False):
     mesh = init_device_mesh("cpu", (WORLD // tp, tp), mesh_dim_names=("dp", "tp"))["tp"]
     args = llama.tiny_args(n_kv_heads=4, dropout=dropout)
     torch.manual_seed(0)
-    ref = llama.build(args)
+    ref = float64_model(llama.build(args))
     model = copy.deepcopy(ref)
     plan = copy.deepcopy(PLAN)
     plan["tensor_parallel"].update(sequence_parallel=sp, loss_parallel=lp)
@@ -73,9 +78,7 @@ def _parity(tp, sp, lp, steps=3, batch=4, seq=16, dropout=0.0, ckpt=False):
     for name, p in model.named_parameters():
         full = p.full_tensor() if isinstance(p, DTensor) else p
         errs[name] = _rel(full.detach(), refp[name.replace("._checkpoint_wrapped_module", "")].detach())
-    worst = max(errs, key=errs.get)
-    assert errs[worst] <= 1e-5, (tp, sp, lp, dropout, ckpt, worst, errs[worst])
-    return errs[worst]
+    return max(errs.values())
 
 
 def case_parity():
@@ -167,5 +170,6 @@ def case_dropout_training():
 
 if __name__ == "__main__":
     dist.init_process_group("gloo")
-    run_cases({"parity": case_parity, "dropout_parity": case_dropout_parity, "dropout_streams": case_dropout_streams,
-               "dropout_training": case_dropout_training})
+    with keep_float64():
+        run_cases({"parity": case_parity, "dropout_parity": case_dropout_parity,
+                   "dropout_streams": case_dropout_streams, "dropout_training": case_dropout_training})
