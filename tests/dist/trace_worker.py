@@ -3,6 +3,9 @@
 into 4 stages (vpp=2) for ``ScheduleInterleaved1F1B`` (4 microbatches), beside one device running the whole
 batch.
 
+Everything runs in float64 (model, batches, the one-device reference; ``tests/_float64.py``), so the test holds
+every quantity to the one fixed tolerance ``_float64.RTOL`` (1e-9).
+
 Each case: 3 optimizer steps (SGD with momentum, AdamW); after each step, the loss (last stage: the mean of
 the microbatch losses, each a mean over its equal share of the batch) against the one-device loss, and every
 parameter this rank's stage holds (under its original name, via ``stage_state_dict``) against the reference;
@@ -13,7 +16,7 @@ The ``plan_*`` cases go through the normal API: ``meshplan.parallelize(build(...
 (``pipeline: {split: trace, split_points: [layer3]}``; the schedule and the layout varied from the file's) and
 ``meshplan.train_step`` with ``meshplan.cross_entropy`` and ``max_grad_norm``, 3 AdamW steps, beside one device
 accumulating the same microbatches (see ``tests/dist/pp_worker.py::reference``): every step's loss and pre-clip
-norm, and every parameter the rank holds, within 1e-5 relative; the state-dict keys of the ranks are disjoint and
+norm, and every parameter the rank holds, within ``RTOL`` relative; the state-dict keys of the ranks are disjoint and
 together the full model's; the optimizer keeps only this rank's parameters.
 """
 
@@ -28,6 +31,7 @@ import torch.nn.functional as F
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 import meshplan
+from _float64 import float64_model, keep_float64
 from _launch import run_cases
 from meshplan.pipeline.trace import stage_state_dict, traced_stages
 from resnet import build, tiny_args
@@ -53,7 +57,8 @@ def _first(pair):
 
 def _batch(step):
     g = torch.Generator().manual_seed(100 + step)
-    return torch.randn(BATCH, 3, 32, 32, generator=g), torch.randint(0, 4, (BATCH,), generator=g)
+    return (torch.randn(BATCH, 3, 32, 32, generator=g, dtype=torch.float64),
+            torch.randint(0, 4, (BATCH,), generator=g))
 
 
 def _state(traced, model):
@@ -62,7 +67,7 @@ def _state(traced, model):
 
 
 def _parity(schedule, optimizer):
-    ref = build(tiny_args(), seed=0)
+    ref = float64_model(build(tiny_args(), seed=0))
     model = copy.deepcopy(ref)
     example = _batch(0)[0][: BATCH // MICROBATCHES]
     cls, split, stage_ids = SCHEDULES[schedule]
@@ -115,7 +120,7 @@ MAX_NORM, LR = 0.5, 1e-2
 def reference(microbatches):
     """One device, the same microbatches accumulated (each summed loss divided by the batch size), clipped to
     ``MAX_NORM``, AdamW: the schedule's sums in the order it makes them."""
-    ref = build(tiny_args(), seed=0)
+    ref = float64_model(build(tiny_args(), seed=0))
     opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.1)
     losses, norms = [], []
     for step in range(STEPS):
@@ -145,7 +150,8 @@ def _plan(schedule, layout, split_points):
 def plan_parity(schedule, layout=None, split_points=None):
     ref, ref_losses, ref_norms = reference(MICROBATCHES)
     topo = meshplan.build_mesh({"pp": WORLD, **(layout or {})})
-    model = meshplan.parallelize(build(tiny_args(), seed=0), _plan(schedule, layout, split_points), topo)
+    model = meshplan.parallelize(float64_model(build(tiny_args(), seed=0)), _plan(schedule, layout, split_points),
+                                 topo)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
     results = [meshplan.train_step(model, _batch(s), meshplan.cross_entropy, opt, max_grad_norm=MAX_NORM)
                for s in range(STEPS)]
@@ -180,4 +186,5 @@ CASES.update(PLAN_CASES)
 
 if __name__ == "__main__":
     dist.init_process_group("gloo")
-    run_cases(CASES)
+    with keep_float64():
+        run_cases(CASES)
