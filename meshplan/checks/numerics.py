@@ -126,10 +126,15 @@ def _loss(model: nn.Module, batch: Mapping[str, Any], vocab: int | None) -> torc
     if labels is not None and vocab and out.shape[-1] == vocab:
         if isinstance(out, DTensor):
             return cross_entropy(out, labels)
-        return F.cross_entropy(out.flatten(0, -2).float(), labels.flatten())
+        return F.cross_entropy(_at_least_float32(out.flatten(0, -2)), labels.flatten())
     if isinstance(out, DTensor):
         out = out.full_tensor()
-    return out.float().square().mean()
+    return _at_least_float32(out).square().mean()
+
+
+def _at_least_float32(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in float32 if it is in a half precision, else as it is (a float64 model's loss stays float64)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
 def _takes_labels(model: nn.Module) -> bool:
