@@ -65,7 +65,7 @@ class _VocabParallelCE(torch.autograd.Function):
         local = logits.to_local()
         x, vocab, out_shape = local.reshape(-1, local.shape[-1]), logits.shape[-1], target.shape
         target = target.reshape(-1)
-        xf = x.float()
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))  # fp32 at least; float64 stays float64
         valid = target != ignore_index
         local_t = target - vocab_start
         own = valid & (local_t >= 0) & (local_t < xf.shape[-1])
@@ -88,8 +88,8 @@ class _VocabParallelCE(torch.autograd.Function):
         else:
             stats = torch.stack([row.sum().double(), own.sum().double()])
             stats = _all_reduce(stats, "sum", all_groups)                       # all-reduce 3
-            denom = stats[1].float() if reduction == "mean" else None
-            loss = (stats[0] / stats[1] if reduction == "mean" else stats[0]).float()
+            denom = stats[1].to(xf.dtype) if reduction == "mean" else None
+            loss = (stats[0] / stats[1] if reduction == "mean" else stats[0]).to(xf.dtype)
         ctx.save_for_backward(x, row_max + lse, local_t, own, valid, denom)
         ctx.conf = (reduction, smoothing, vocab, logits.device_mesh, logits.placements, logits.shape, logits.stride())
         ctx.local_shape = local.shape
@@ -99,12 +99,13 @@ class _VocabParallelCE(torch.autograd.Function):
     def backward(ctx, grad):
         x, lse, local_t, own, valid, denom = ctx.saved_tensors
         reduction, smoothing, vocab, mesh, placements, shape, stride = ctx.conf
-        g = torch.exp(x.float() - lse.unsqueeze(-1))                             # softmax, local shard
+        cd = lse.dtype  # the forward's compute dtype (fp32, or float64 for float64 logits)
+        g = torch.exp(x.to(cd) - lse.unsqueeze(-1))                             # softmax, local shard
         if smoothing > 0:
             g = g - smoothing / vocab
-        hit = torch.where(own, -(1.0 - smoothing), 0.0).unsqueeze(-1)
+        hit = torch.where(own, -(1.0 - smoothing), 0.0).to(cd).unsqueeze(-1)
         g = g.scatter_add(-1, torch.where(own, local_t, 0).unsqueeze(-1), hit)  # - one_hot
-        scale = grad.float().reshape(-1) / denom if reduction == "mean" else grad.float().reshape(-1)
+        scale = grad.to(cd).reshape(-1) / denom if reduction == "mean" else grad.to(cd).reshape(-1)
         g = (g * torch.where(valid, scale, 0.0).unsqueeze(-1)).to(x.dtype).reshape(ctx.local_shape)
         # explicit global shape/stride: inferring them from an uneven local shard breaks LocalTensorMode
         g = DTensor.from_local(g, mesh, placements, run_check=False, shape=shape, stride=stride)
