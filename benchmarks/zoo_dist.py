@@ -89,7 +89,8 @@ def run_item(item: dict, topologies: dict) -> dict:
     ref_loss, ref = _reference(copy.deepcopy(model))
     key = json.dumps(item["plan"]["layout"], sort_keys=True)
     if key not in topologies:
-        topologies[key] = meshplan.build_mesh(item["plan"]["layout"], timeout_s=float(os.environ["ZOO_TIMEOUT"]))
+        timeout = float(os.environ.get("ZOO_TIMEOUT", 300))
+        topologies[key] = meshplan.build_mesh(item["plan"]["layout"], timeout_s=timeout)
     topo = topologies[key]
     pmodel = meshplan.parallelize(model, item["plan"], topo)
     x, y = batch(pmodel)
