@@ -179,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default="/tmp/meshplan-zoo.json", help="raw results (out of git)")
     ap.add_argument("--doc", default=os.path.join(ROOT, "docs", "transformers-zoo.md"))
     ap.add_argument("--no-doc", action="store_true")
+    ap.add_argument("--merge", action="store_true", help="with --only: replace those rows in --json, rewrite --doc")
     ap.add_argument("--render", action="store_true", help="only rewrite --doc from the --json of an earlier sweep")
     args = ap.parse_args(argv)
     if args.render:
@@ -194,11 +195,16 @@ def main(argv: list[str] | None = None) -> int:
         ran, run_seconds = run_all(rows, args.timeout)
         seconds.update(run_seconds)
         verdicts(rows, ran)
+        if args.merge:  # the rows of --only replace theirs in the earlier sweep's --json
+            with open(args.json) as f:
+                data = json.load(f)
+            rows = sorted({r["type"]: r for r in data["rows"] + rows}.values(), key=lambda r: r["type"])
+            seconds = {**data["seconds"], **{f"rerun {k}": v for k, v in seconds.items()}}
         with open(args.json, "w") as f:
             json.dump({"seconds": seconds, "jobs": args.jobs, "rows": rows}, f, indent=1, default=str)
     from zoo_report import counts_line, markdown
     print(f"\n{len(rows)} models in {sum(seconds.values()) / 60:.1f} min; " + counts_line(rows))
-    if not args.no_doc and not args.only:
+    if not args.no_doc and (args.merge or not args.only):
         with open(args.doc, "w") as f:
             f.write(markdown(rows, seconds, {"jobs": args.jobs}))
         print(f"wrote {args.doc}" + ("" if args.render else f", {args.json}"))

@@ -33,7 +33,7 @@ TOL, FLOOR = 1e-9, 1e-6
 
 
 class KeepFloat64(torch.overrides.TorchFunctionMode):
-    """Turns the model code's casts of float64 tensors to fp32 (``.float()``, ``.to(torch.float32)``: the
+    """Turns the model code's casts of float64 tensors to fp32 (``.float()``, ``.to``/``.type(torch.float32)``: the
     RMSNorms, rotary tables and routers of most transformers models) into no-ops, on both sides: the whole step is
     float64, so parity is exact to reduction order (about 1e-16) and one tolerance fits every model."""
 
@@ -43,12 +43,13 @@ class KeepFloat64(torch.overrides.TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in (torch.Tensor.float, torch.Tensor.to) and args and isinstance(args[0], torch.Tensor) \
+        if func in (torch.Tensor.float, torch.Tensor.to, torch.Tensor.type) and args \
+                and isinstance(args[0], torch.Tensor) \
                 and args[0].dtype == torch.float64:
             if func is torch.Tensor.float:
                 self.kept += 1
                 return args[0]
-            if torch.float32 in args[1:] or kwargs.get("dtype") is torch.float32:
+            if any(a is torch.float32 for a in args[1:]) or kwargs.get("dtype") is torch.float32:
                 self.kept += 1
                 args = tuple(torch.float64 if a is torch.float32 else a for a in args)
                 kwargs = {k: torch.float64 if v is torch.float32 else v for k, v in kwargs.items()}
