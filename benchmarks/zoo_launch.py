@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -89,8 +90,9 @@ def _rss_gib(pgid: int) -> float:
 
 def _tail(out: str, n: int = 300) -> str:
     with open(os.path.join(out, "launch.log"), errors="replace") as f:
-        text = f.read()[-4000:]
-    lines = [ln for ln in text.splitlines() if "Error" in ln or "error" in ln] or text.splitlines()
+        text = f.read()[-20000:]
+    lines = [ln for ln in text.splitlines() if re.match(r"\[rank\d+\]: \w+(Error|Exception)", ln)] or \
+        [ln for ln in text.splitlines() if "Error" in ln or "error" in ln] or text.splitlines()
     return " ".join(" ".join(lines[-3:]).split())[-n:]
 
 
