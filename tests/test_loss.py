@@ -263,3 +263,28 @@ def test_loss_parallel_wrapper_runs_torch_path():
             loss.backward()  # torch's way: backward must be inside
         assert_close_rel(loss, ref)
         assert_close_rel(logits.grad, ref_grad)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_float64_logits_stay_float64(reduction):
+    """float64 logits are computed in float64 (they were narrowed to fp32: 1e-8 off the one-device loss, which
+    the zoo's float64 parity at 1e-9 caught), and their gradient is float64 to 1e-12."""
+    x, t = _data((3, 6, 16))
+    x = x.double()
+    ref, ref_grad = _reference(x, t, reduction)
+    with local_ranks(2):
+        mesh = make_mesh((2,), ("tp",))
+        logits = distribute(x, mesh, [Shard(2)], requires_grad=True)
+        loss = cross_entropy(logits, t, reduction=reduction)
+        loss.backward()
+        assert loss.dtype == torch.float64 and logits.grad.dtype == torch.float64
+        assert_close_rel(loss, ref, tol=1e-12)
+        assert_close_rel(logits.grad, ref_grad, tol=1e-12)
+
+
+def test_clip_norm_of_float64_grads():
+    """clip_grad_norm_ on float64 gradients (it asked vector_norm to narrow them to fp32, which raises)."""
+    from meshplan.training.clip import clip_grad_norm_
+    p = torch.nn.Parameter(torch.ones(4, dtype=torch.float64))
+    p.grad = torch.full((4,), 1.0 + 1e-12, dtype=torch.float64)
+    assert clip_grad_norm_([p], 10.0, distributed=False) == pytest.approx(2 * (1.0 + 1e-12), rel=1e-15)

@@ -72,7 +72,7 @@ def test_tiny_config_keeps_layer_kinds():
 
 @pytest.mark.parametrize("model_type", list(ZOO))
 def test_zoo_equal_or_refused(model_type):
-    from zoo import classify
+    from zoo_tp import classify
     row = classify(model_type, hf=False)
     assert row["class"] in ("equal", "refused"), f"{model_type} ({ZOO[model_type]}): {row['class']}: {row['reason']}"
     if row["class"] == "refused":
