@@ -59,6 +59,8 @@ HF_ALIASES: dict[str, dict[str, Any]] = {
     "isolated": {"style": "replicate"},
     # a replicated module fed by local head shards (Qwen3/Gemma3 q_norm, k_norm): grads summed over tp
     "replicated_with_grad_allreduce": {"style": "head_norm"},
+    # DeepSeek MLA's latent kv_a_proj_with_mqa (from_hf adds its latent siblings and latent_colwise up-projections)
+    "mla_kv_a_proj": {"style": "latent"},
     # all-reduce a module's partial output
     "gather": {"style": "prepare_output", "output_layouts": "partial", "desired_output_layouts": _REP},
     "all_reduce": {"style": "prepare_output", "output_layouts": "partial", "desired_output_layouts": _REP},
@@ -74,7 +76,6 @@ HF_UNSUPPORTED: dict[str, str] = {
     "megamoe_experts": _MOE, "moe_identity_expert": _MOE, "ep_dispatch_experts": _MOE,
     "moe_tp_gate_up_colwise": _MOE, "moe_tp_down_rowwise": _MOE,
     "local_params": _PARAM,
-    "mla_kv_a_proj": "DeepSeek MLA's split kv_a projection needs a model-specific style",
     "activation_seq_dim_2": "meshplan's sequence-parallel stream shards dim 1",
     "keep_full_weight": "it is an FSDP plan string, not a tensor-parallel style",
     "free_full_weight": "it is an FSDP plan string, not a tensor-parallel style",
