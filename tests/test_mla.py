@@ -9,7 +9,6 @@ import pytest
 import torch
 
 import meshplan
-from meshplan import PlanError
 from meshplan.checks.numerics import check_numerics
 from meshplan.hf.convert import from_hf, to_hf
 from meshplan.hf.styles import resolve_alias
@@ -47,8 +46,9 @@ def test_mla_kv_a_proj_is_the_latent_style():
         dict.fromkeys(("q_a_proj", "q_a_layernorm", "kv_a_proj_with_mqa", "kv_a_layernorm"), "latent")
     assert rules[ATTN + "q_b_proj"] == rules[ATTN + "kv_b_proj"] == "latent_colwise"
     assert rules[ATTN + "o_proj"] == "rowwise" and ATTN + "q_proj" not in rules  # q_lora_rank set: no q_proj
-    with pytest.raises(PlanError, match="meshplan style 'latent' has no transformers tp_plan equivalent"):
-        to_hf(_plan("minicpm3"))
+    back = to_hf(_plan("minicpm3"))  # transformers' own plan again: the other latent modules need no rule there
+    assert back[ATTN + "kv_a_proj_with_mqa"] == "mla_kv_a_proj" and back[ATTN + "kv_b_proj"] == "colwise"
+    assert ATTN + "q_a_proj" not in back and ATTN + "kv_a_layernorm" not in back
 
 
 def test_lite_variant_q_proj_is_latent_colwise(tmp_path):
@@ -103,3 +103,37 @@ def test_axk2_gated_norm_and_gate_projection_match_one_device():
     assert plan["tensor_parallel"]["rules"][ATTN + "q_gate_proj"] == "latent_colwise"
     report = check_numerics(_model("axk2", 2), plan, tp=2)
     assert report.ok and report.loss_error <= 1e-5 and max(report.errors.values()) <= 1e-5, report.summary()
+
+
+def _counts(cm):
+    return {str(k).split(".")[-1]: v for k, v in cm.get_comm_counts().items()}
+
+
+@pytest.mark.parametrize("sp", [True, False])
+def test_exact_collectives_as_any_attention_block(tmp_path, sp):
+    """A dense DeepSeek-V2-Lite shape (2 layers, SP on/off, logits gathered): the collectives of Llama's
+    tests/test_tp.py, the latent adding none; its partial gradients join the one coalesced all-reduce."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from _local import local_ranks
+    over = {"q_lora_rank": None, "first_k_dense_replace": 2, "num_hidden_layers": 2}
+    plan = _plan("deepseek_v2", tmp_path, tp=2, **over)
+    plan.pop("expert_parallel", None)
+    plan["layout"] = None
+    plan["tensor_parallel"].update(sequence_parallel=sp, loss_parallel=False)
+    model = _model("deepseek_v2", 2, **over)
+    tokens = torch.randint(0, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+    with local_ranks(2):
+        meshplan.parallelize(model, plan, meshplan.build_mesh({"tp": 2}))
+        with CommDebugMode() as fwd:
+            loss = model(input_ids=tokens, labels=tokens).loss
+        with CommDebugMode() as bwd:
+            loss.backward()
+    n = 2
+    if sp:
+        assert _counts(fwd) == {"all_gather_into_tensor": 2 * n + 2, "reduce_scatter_tensor": 2 * n + 1}
+        assert _counts(bwd) == {"all_gather_into_tensor": 2 * n + 1, "reduce_scatter_tensor": 2 * n + 1,
+                                "all_reduce": 1}
+    else:
+        assert _counts(fwd) == {"all_reduce": 2 * n + 1, "all_gather_into_tensor": 1}
+        assert _counts(bwd) == {"all_reduce": 2 * n + 1 + 1}

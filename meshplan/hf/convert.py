@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from meshplan.errors import PlanError
-from meshplan.hf.styles import resolve_alias, to_hf_style
+from meshplan.hf.styles import hf_rule_free, resolve_alias, to_hf_style
 
 __all__ = ["from_hf", "to_hf", "plan_yaml", "BUILTIN"]
 
@@ -225,8 +225,10 @@ def to_hf(plan) -> dict[str, str]:
         return {}
     out = {}
     for pattern, rule in p.tensor_parallel.rules.items():
+        if hf_rule_free(rule, pattern):
+            continue  # transformers runs it with no rule (MLA's latent but kv_a_proj_with_mqa)
         try:
-            out[pattern] = to_hf_style(rule)
+            out[pattern] = to_hf_style(rule, pattern)
         except ValueError as e:
             raise PlanError(f"{p.source or '<plan>'}: tensor_parallel.rules.{pattern!r}: {e}") from None
     return out

@@ -19,7 +19,8 @@ from typing import Any
 
 from meshplan.plan_file.tensor_parallel import STYLE_NAMES
 
-__all__ = ["resolve_alias", "HF_ALIASES", "HF_UNSUPPORTED", "to_hf_style", "install_hf_loss", "labels_shifted"]
+__all__ = ["resolve_alias", "HF_ALIASES", "HF_UNSUPPORTED", "to_hf_style", "hf_rule_free", "install_hf_loss",
+           "labels_shifted"]
 
 _REP = "replicate"
 
@@ -101,11 +102,13 @@ def resolve_alias(name: str) -> dict[str, Any]:
     return {"style": key}
 
 
-def to_hf_style(rule: Any) -> str:
+def to_hf_style(rule: Any, pattern: str | None = None) -> str:
     """The transformers tp_plan string closest to a meshplan rule (``style`` plus overrides).
 
     Args:
         rule: a validated rule (``meshplan.plan_file.tensor_parallel`` model) or a mapping with a ``style`` key.
+        pattern: the rule's module-path pattern. MLA's latent is ``mla_kv_a_proj`` on ``kv_a_proj_with_mqa`` only;
+            transformers runs the other latent modules with no rule.
 
     Raises:
         ValueError: the rule has no transformers equivalent (e.g. ``embedding_tables``).
@@ -119,7 +122,19 @@ def to_hf_style(rule: Any) -> str:
     name = spec.hf_style(data) if spec is not None else None
     if name is None:
         raise ValueError(f"meshplan style {style!r} has no transformers tp_plan equivalent")
+    if hf_rule_free(rule, pattern):
+        raise ValueError(f"transformers runs MLA's latent modules other than kv_a_proj_with_mqa ({name}) with no "
+                         f"rule (its colwise up-projections all-reduce their input gradients)")
     return name
+
+
+def hf_rule_free(rule: Any, pattern: str | None) -> bool:
+    """Does transformers run the module of this rule with no tp_plan entry? MLA's latent modules but
+    ``kv_a_proj_with_mqa`` (``q_a_proj``, the norms): :func:`to_hf_style` has no string for them."""
+    from meshplan.tensor_parallel.style_table import STYLES
+    style = rule.get("style") if isinstance(rule, dict) else rule.style
+    spec = STYLES.get(style)
+    return spec is not None and spec.latent and (pattern or "").rpartition(".")[2] != "kv_a_proj_with_mqa"
 
 
 def install_hf_loss(model: Any, section: Any) -> bool:

@@ -284,7 +284,7 @@ STYLES: Mapping[str, StyleSpec] = MappingProxyType({s.name: s for s in (
               defaults=_frozen(input_layouts="replicate", use_local_output=True),
               covers_submodules=True, replicated=True, hf_name="replicate"),
     StyleSpec("head_norm", build=lambda a: None, on_local_heads=True, hf_name="replicated_with_grad_allreduce"),
-    StyleSpec("latent", build=lambda a: LatentParallel(), on_local_heads=True, latent=True),
+    StyleSpec("latent", build=lambda a: LatentParallel(), on_local_heads=True, latent=True, hf_name="mla_kv_a_proj"),
     StyleSpec("latent_colwise", build=_torch_style(LatentColwiseParallel), needs=(nn.Linear,), expects="nn.Linear",
               defaults=_frozen(output_layouts="shard(-1)", use_local_output=True), sharded_dim=_out_dim,
               costs=lambda lay, o: (redist("shard(-1)", lay["output_layouts"]), []), fits=lambda m, k: isinstance(
