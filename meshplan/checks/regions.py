@@ -87,7 +87,7 @@ def region_errors(model: nn.Module, modules: dict[str, nn.Module], matched: dict
     for path, (pattern, rule) in matched.items():
         spec = STYLES[rule.style]
         if spec.on_local_heads and path.rpartition(".")[0] not in regions:
-            errors.append(f"{where}.{pattern!r}: module {path!r} (head_norm) is not inside a module whose colwise "
+            errors.append(f"{where}.{pattern!r}: module {path!r} ({spec.name}) is not inside a module whose colwise "
                           f"children output local shards, so its input is replicated and summing its gradients over "
                           f"tp would multiply them by tp; found no colwise sibling with local outputs, expected one "
                           f"(or use 'replicate')")
@@ -95,6 +95,7 @@ def region_errors(model: nn.Module, modules: dict[str, nn.Module], matched: dict
             errors.append(f"{where}.{pattern!r}: module {path!r} is {type(modules[path]).__name__}; style norm expects a "
                           f"norm or dropout on the residual stream; found {type(modules[path]).__name__}, expected "
                           f"colwise, rowwise, embedding or lm_head")
+    errors += _latent_errors(model, modules, matched, where)
     if sequence_parallel is True:  # batch mode: unruled modules see this rank's samples, summed over tp
         errors += _unruled_on_stream(modules, matched, regions | set(token_regions), where) + _stream_embeddings(
             modules, matched, regions, where)
@@ -129,6 +130,27 @@ def _region_children(model: nn.Module, modules: dict[str, nn.Module], matched: d
             errors.append(f"{where}: module {path!r} ({kind}) runs on this rank's shards (the local outputs of "
                           f"{near}) but no rule covers it; its parameters' gradients would cover only this rank's "
                           f"part; found no rule, expected {want}")
+    return errors
+
+
+def _latent_errors(model: nn.Module, modules: dict[str, nn.Module], matched: dict[str, tuple[str, Any]],
+                   where: str) -> list[str]:
+    """In a block with MLA latent modules every colwise child is ``latent_colwise``
+    (:func:`meshplan.hf.mla.latent_misfits`)."""
+    from meshplan.hf.mla import latent_misfits
+    blocks: dict[str, dict[str, Any]] = {}
+    for path, (_, rule) in matched.items():
+        blocks.setdefault(path.rpartition(".")[0], {})[path.rpartition(".")[2]] = rule
+    errors = []
+    for parent, rules in blocks.items():
+        for name in latent_misfits(rules):
+            path = f"{parent}.{name}" if parent else name
+            pattern, rule = matched[path]
+            errors.append(f"{where}.{pattern!r}: module {path!r} ({rule.style}) sits beside MLA latent modules, "
+                          f"whose output it may take: a latent's gradient stays partial for the one reduction at "
+                          f"the block input, {rule.style} would all-reduce it and the latent parameters' gradients "
+                          f"would then be summed tp times; found {rule.style}, expected latent_colwise (it takes "
+                          f"the block input like colwise)")
     return errors
 
 

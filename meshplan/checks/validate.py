@@ -119,7 +119,7 @@ class _Checker:
         fanout = set()
         for parent, kids in by_parent.items():
             cols = [k for k in kids if STYLES[k[2].style].column_parallel]
-            default_in = [k for k in cols if k[2].input_layouts is None]
+            default_in = [k for k in cols if getattr(k[2], "input_layouts", None) is None]
             if default_in:
                 fanout.add(parent)
             for path, pattern, rule in kids:
@@ -135,7 +135,7 @@ class _Checker:
 
     def rowwise_input(self, parent: str, path: str, pattern: str, cols: list[tuple[str, str, Any]]) -> None:
         """A rowwise taking ``shard(-1)`` needs colwise siblings that output it."""
-        bad = [c for c in cols if c[2].output_layouts not in (None, "shard(-1)")]
+        bad = [c for c in cols if getattr(c[2], "output_layouts", None) not in (None, "shard(-1)")]
         if not cols:
             self.err(f"{self.loc(pattern)}: module {path!r} (rowwise) expects its input sharded on the "
                      f"last dim by a colwise sibling, but {parent or '(root)'!r} has no colwise child; found "

@@ -35,13 +35,16 @@ _SIZES = {"tp_size": "tp", "pp_size": "pp", "fsdp_size": "dp_shard", "dp_replica
 
 
 def _tp_plan(plan: Any, notes: Notes) -> dict[str, str]:
-    from meshplan.hf.styles import to_hf_style
+    from meshplan.hf.styles import hf_rule_free, to_hf_style
     section, out = plan.tensor_parallel, {}
     if section is None:
         return out
     for pattern, rule in section.rules.items():
+        if hf_rule_free(rule, pattern):
+            notes.drop(f"rule {pattern!r} ({rule.style})", "transformers runs it with no rule (MLA's latent)")
+            continue
         try:
-            out[pattern] = to_hf_style(rule)
+            out[pattern] = to_hf_style(rule, pattern)
         except ValueError as e:
             notes.drop(f"rule {pattern!r} ({rule.style})", str(e))
     if section.loss_parallel and any(v == "colwise_gather_output" for v in out.values()):

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from meshplan.errors import PlanError
-from meshplan.hf.styles import resolve_alias, to_hf_style
+from meshplan.hf.styles import hf_rule_free, resolve_alias, to_hf_style
 
 __all__ = ["from_hf", "to_hf", "plan_yaml", "BUILTIN"]
 
@@ -123,6 +123,13 @@ def _structure(model, hf_rules: dict[str, str]) -> tuple[dict[str, str], list[st
     return out, [wildcard(p) for p in names.values()]
 
 
+def _present(model, rules: dict[str, Any]) -> dict[str, Any]:
+    """The rules that match a module of this config's model: transformers' plans list alternatives (MLA's
+    ``q_proj`` or ``q_b_proj``, by ``q_lora_rank``), and a rule that matches nothing is a plan error."""
+    from meshplan.plan_file.patterns import match_rules
+    return {k: v for k, v in rules.items() if match_rules(model, {k: k}, k, errors=[])}
+
+
 def from_hf(source: str | Path, *, sequence_parallel: bool = True, loss_parallel: bool = True,
             tp: int | None = 2, ep: int | None = None) -> dict:
     """A meshplan plan (plain data) from transformers' own tp_plan of a model.
@@ -182,6 +189,9 @@ def from_hf(source: str | Path, *, sequence_parallel: bool = True, loss_parallel
             if STYLES[style].stream_module and not sequence_parallel:
                 continue
             rules[path] = style  # lm_head: colwise_gather_output becomes meshplan's lm_head
+        from meshplan.hf.mla import latent_rules
+        rules = latent_rules(model, rules)  # MLA: the latent path beside transformers' mla_kv_a_proj
+        rules = _present(model, rules)
         rank = {p: i for i, p in enumerate(order)}
         rules = dict(sorted(rules.items(), key=lambda kv: rank.get(kv[0], len(rank))))
         origin = f"transformers {_version()} {type(config).__name__}.base_model_tp_plan + {cls.__name__}._tp_plan"
@@ -215,8 +225,10 @@ def to_hf(plan) -> dict[str, str]:
         return {}
     out = {}
     for pattern, rule in p.tensor_parallel.rules.items():
+        if hf_rule_free(rule, pattern):
+            continue  # transformers runs it with no rule (MLA's latent but kv_a_proj_with_mqa)
         try:
-            out[pattern] = to_hf_style(rule)
+            out[pattern] = to_hf_style(rule, pattern)
         except ValueError as e:
             raise PlanError(f"{p.source or '<plan>'}: tensor_parallel.rules.{pattern!r}: {e}") from None
     return out

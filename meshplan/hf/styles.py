@@ -19,7 +19,8 @@ from typing import Any
 
 from meshplan.plan_file.tensor_parallel import STYLE_NAMES
 
-__all__ = ["resolve_alias", "HF_ALIASES", "HF_UNSUPPORTED", "to_hf_style", "install_hf_loss", "labels_shifted"]
+__all__ = ["resolve_alias", "HF_ALIASES", "HF_UNSUPPORTED", "to_hf_style", "hf_rule_free", "install_hf_loss",
+           "labels_shifted"]
 
 _REP = "replicate"
 
@@ -59,6 +60,8 @@ HF_ALIASES: dict[str, dict[str, Any]] = {
     "isolated": {"style": "replicate"},
     # a replicated module fed by local head shards (Qwen3/Gemma3 q_norm, k_norm): grads summed over tp
     "replicated_with_grad_allreduce": {"style": "head_norm"},
+    # DeepSeek MLA's latent kv_a_proj_with_mqa (from_hf adds its latent siblings and latent_colwise up-projections)
+    "mla_kv_a_proj": {"style": "latent"},
     # all-reduce a module's partial output
     "gather": {"style": "prepare_output", "output_layouts": "partial", "desired_output_layouts": _REP},
     "all_reduce": {"style": "prepare_output", "output_layouts": "partial", "desired_output_layouts": _REP},
@@ -74,7 +77,6 @@ HF_UNSUPPORTED: dict[str, str] = {
     "megamoe_experts": _MOE, "moe_identity_expert": _MOE, "ep_dispatch_experts": _MOE,
     "moe_tp_gate_up_colwise": _MOE, "moe_tp_down_rowwise": _MOE,
     "local_params": _PARAM,
-    "mla_kv_a_proj": "DeepSeek MLA's split kv_a projection needs a model-specific style",
     "activation_seq_dim_2": "meshplan's sequence-parallel stream shards dim 1",
     "keep_full_weight": "it is an FSDP plan string, not a tensor-parallel style",
     "free_full_weight": "it is an FSDP plan string, not a tensor-parallel style",
@@ -100,11 +102,13 @@ def resolve_alias(name: str) -> dict[str, Any]:
     return {"style": key}
 
 
-def to_hf_style(rule: Any) -> str:
+def to_hf_style(rule: Any, pattern: str | None = None) -> str:
     """The transformers tp_plan string closest to a meshplan rule (``style`` plus overrides).
 
     Args:
         rule: a validated rule (``meshplan.plan_file.tensor_parallel`` model) or a mapping with a ``style`` key.
+        pattern: the rule's module-path pattern. MLA's latent is ``mla_kv_a_proj`` on ``kv_a_proj_with_mqa`` only;
+            transformers runs the other latent modules with no rule.
 
     Raises:
         ValueError: the rule has no transformers equivalent (e.g. ``embedding_tables``).
@@ -118,7 +122,19 @@ def to_hf_style(rule: Any) -> str:
     name = spec.hf_style(data) if spec is not None else None
     if name is None:
         raise ValueError(f"meshplan style {style!r} has no transformers tp_plan equivalent")
+    if hf_rule_free(rule, pattern):
+        raise ValueError(f"transformers runs MLA's latent modules other than kv_a_proj_with_mqa ({name}) with no "
+                         f"rule (its colwise up-projections all-reduce their input gradients)")
     return name
+
+
+def hf_rule_free(rule: Any, pattern: str | None) -> bool:
+    """Does transformers run the module of this rule with no tp_plan entry? MLA's latent modules but
+    ``kv_a_proj_with_mqa`` (``q_a_proj``, the norms): :func:`to_hf_style` has no string for them."""
+    from meshplan.tensor_parallel.style_table import STYLES
+    style = rule.get("style") if isinstance(rule, dict) else rule.style
+    spec = STYLES.get(style)
+    return spec is not None and spec.latent and (pattern or "").rpartition(".")[2] != "kv_a_proj_with_mqa"
 
 
 def install_hf_loss(model: Any, section: Any) -> bool:

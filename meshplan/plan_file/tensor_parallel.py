@@ -121,6 +121,23 @@ class HeadNorm(_Rule):
                     "in the one coalesced post-backward reduction (transformers' replicated_with_grad_allreduce).")
 
 
+class Latent(_Rule):
+    """A module of MLA's latent path (``q_a_proj``, ``kv_a_proj_with_mqa``, ``q_a_layernorm``, ``kv_a_layernorm``)."""
+    style: Literal["latent"] = Field(
+        description="DeepSeek MLA's low-rank latent: the module runs whole on every tp rank on the block input "
+                    "(or another latent module's output); its output feeds per-head projections (latent_colwise) "
+                    "and this rank's heads, so its gradient, each rank's heads' part, stays partial: it reaches "
+                    "the block input's one reduction, and the parameters' gradients are summed over tp in the "
+                    "coalesced post-backward reduction (transformers' mla_kv_a_proj).")
+
+
+class LatentColwise(_Rule):
+    """A per-head up-projection of MLA's latent (``q_b_proj``, ``kv_b_proj``): colwise on a latent input."""
+    style: Literal["latent_colwise"] = Field(
+        description="Shard the weight's output features (heads) over tp; the input is a latent (a 'latent' "
+                    "module's output): replicated, taken with no collective, its gradient left partial.")
+
+
 class PrepareInput(_Rule):
     """torch ``PrepareModuleInput``."""
     style: Literal["prepare_input"] = Field(description="Redistribute the module's inputs.")
@@ -141,7 +158,7 @@ class PrepareOutput(_Rule):
 
 Rule = Annotated[
     Union[Colwise, Rowwise, Norm, Embedding, EmbeddingColwise, EmbeddingTables, LmHead, ReplicateRule, HeadNorm,
-          PrepareInput, PrepareOutput],
+          Latent, LatentColwise, PrepareInput, PrepareOutput],
     Field(discriminator="style"),
 ]
 #: the style names, in the order of :data:`Rule` (read from each rule class's ``style`` Literal): the one list

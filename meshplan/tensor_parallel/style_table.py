@@ -18,12 +18,14 @@ from types import MappingProxyType
 from typing import Any, Callable, Mapping
 
 import torch.nn as nn
-from torch.distributed.tensor.parallel import ParallelStyle, PrepareModuleInput, PrepareModuleOutput, SequenceParallel
+from torch.distributed.tensor.parallel import ParallelStyle, PrepareModuleInput, PrepareModuleOutput
 
 from meshplan.tensor_parallel.layouts import Stream, StyleArgs, backward_collectives as back, conversions_collectives
+from meshplan.tensor_parallel.latent import LatentColwiseParallel, LatentParallel
 from meshplan.tensor_parallel.layouts import placement, redistribute_collectives as redist
 from meshplan.tensor_parallel.packed import PackedColwiseParallel, PackedRowwiseParallel, features, packed_placement
-from meshplan.tensor_parallel.styles import ColwiseParallel, ReplicateParallel, RowwiseParallel, TableWiseEmbedding
+from meshplan.tensor_parallel.styles import ColwiseParallel, ReplicateParallel, RowwiseParallel, SequenceParallel
+from meshplan.tensor_parallel.styles import TableWiseEmbedding
 from meshplan.tensor_parallel.vocab_embedding import VocabParallelEmbedding
 
 __all__ = ["StyleSpec", "StyleArgs", "STYLES", "gives_local_shards"]
@@ -50,10 +52,8 @@ class StyleSpec:
         build: a fresh torch ``ParallelStyle`` for one module (``None``: the module is left as is).
         defaults: the style's layouts (torch's keyword arguments) when the rule sets none: text, or a function
             of the :class:`~meshplan.tensor_parallel.layouts.Stream`.
-        costs: ``(forward, backward)`` collectives of one module, from its layouts and overrides (not counting
-            its parent's input conversion).
-        needs: module types plan generation accepts for the plain torch style (empty: any; the packed style
-            takes ``Conv1D`` too).
+        costs: ``(forward, backward)`` collectives of one module, from its layouts and overrides (not its parent's).
+        needs: module types plan generation accepts for the plain torch style (empty: any; packed: ``Conv1D`` too).
         fits: ``fits(module, packed)``: does validation accept the module? (``None``: any.) Finer than
             ``needs``: ``Conv1D``, a packed ``nn.Embedding``, embedding tables.
         expects: what validation expected, for its message; ``misfit``: what it found lacking.
@@ -75,6 +75,8 @@ class StyleSpec:
             backward); its input must be replicated, not local heads.
         on_local_heads: runs unchanged on this rank's heads (a colwise sibling's local output); its gradients
             are summed over tp.
+        latent: MLA's latent (:mod:`~meshplan.tensor_parallel.latent`): takes its parent's converted input like a
+            colwise child, runs whole, gradient partial; ``latent_input``: a colwise whose input is a latent.
         reduces_output: with ``output_layouts: partial`` it reduces its module's partial output (transformers'
             ``gather``), which rowwise rules below it must leave partial.
         hf_name: transformers' tp_plan string; ``hf_packed`` with ``packed: 2``; ``hf_variant``
@@ -111,6 +113,8 @@ class StyleSpec:
     replicated: bool = False
     on_local_heads: bool = False
     reduces_output: bool = False
+    latent: bool = False
+    latent_input: bool = False
     hf_name: str | None = None
     hf_packed: str | None = None
     hf_variant: tuple[str, str, str] | None = None
@@ -138,7 +142,7 @@ class StyleSpec:
 
     def parent_converts_input(self, overrides: Mapping[str, Any]) -> bool:
         """Does the parent convert this module's input (once per block: the colwise fan-out)?"""
-        return self.column_parallel and "input_layouts" not in overrides
+        return (self.column_parallel and "input_layouts" not in overrides) or self.latent
 
     def needs_colwise_input(self, overrides: Mapping[str, Any]) -> bool:
         """Does this module take a colwise sibling's ``shard(-1)`` output (a rowwise with that input)?"""
@@ -280,6 +284,11 @@ STYLES: Mapping[str, StyleSpec] = MappingProxyType({s.name: s for s in (
               defaults=_frozen(input_layouts="replicate", use_local_output=True),
               covers_submodules=True, replicated=True, hf_name="replicate"),
     StyleSpec("head_norm", build=lambda a: None, on_local_heads=True, hf_name="replicated_with_grad_allreduce"),
+    StyleSpec("latent", build=lambda a: LatentParallel(), on_local_heads=True, latent=True, hf_name="mla_kv_a_proj"),
+    StyleSpec("latent_colwise", build=_torch_style(LatentColwiseParallel), needs=(nn.Linear,), expects="nn.Linear",
+              defaults=_frozen(output_layouts="shard(-1)", use_local_output=True), sharded_dim=_out_dim,
+              costs=lambda lay, o: (redist("shard(-1)", lay["output_layouts"]), []), fits=lambda m, k: isinstance(
+                  m, nn.Linear), shards_params=True, column_parallel=True, latent_input=True, hf_name="colwise"),
     StyleSpec("prepare_input", build=_torch_style(PrepareModuleInput),
               costs=_prepare_costs("input_layouts", "desired_input_layouts"),
               defaults=_frozen(input_layouts=None, desired_input_layouts=None, input_kwarg_layouts=None,

@@ -14,12 +14,13 @@ from torch.distributed.tensor import DeviceMesh, DTensor, Replicate, Shard, dist
 from torch.distributed.tensor.parallel import ColwiseParallel as _TorchColwise
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.parallel import RowwiseParallel as _TorchRowwise
+from torch.distributed.tensor.parallel import SequenceParallel as _TorchSequenceParallel
 
 from meshplan._torch import local_tensor
 from meshplan.errors import PlanError
 
 __all__ = ["PrepareHiddenInput", "ReplicateParallel", "TableWiseEmbedding", "ColwiseParallel",
-           "RowwiseParallel", "owned_local", "hidden_arg_name"]
+           "RowwiseParallel", "SequenceParallel", "owned_local", "hidden_arg_name"]
 
 
 def hidden_arg_name(module: nn.Module) -> str | None:
@@ -91,6 +92,18 @@ class RowwiseParallel(_TorchRowwise):
     """torch's ``RowwiseParallel`` whose local outputs may be modified in place (see :func:`owned_local`)."""
 
     _prepare_output_fn = staticmethod(_owned_output)
+
+
+class SequenceParallel(_TorchSequenceParallel):
+    """torch's ``SequenceParallel`` for norms whose parameters sit in submodules too (AXK2's gated RMSNorm holds a
+    gate MLP): torch replicates each module's parameters recursively, and fails on the dotted names."""
+
+    def _replicate_module_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        for p_name, param in module.named_parameters(recurse=False):  # distribute_module visits each submodule
+            if isinstance(param, DTensor):
+                continue  # a norm inside a norm (AXK2's gated norm holds an RMSNorm with a rule of its own)
+            module.register_parameter(p_name, nn.Parameter(
+                DTensor.from_local(param, device_mesh, [Replicate()], run_check=False)))
 
 
 class PrepareHiddenInput(ParallelStyle):

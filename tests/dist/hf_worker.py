@@ -4,10 +4,12 @@ One launch for every model: 3 AdamW steps vs one device in float64 (transformers
 ``model(input_ids, labels=...)``; ``tests/_float64.py`` keeps transformers' float32 norms and loss in float64, so
 reordered sums differ by ~1e-16 and AdamW has no fp32 noise to amplify), meta-device init vs one-device init, and
 loading a full state dict from rank 0 and from a safetensors file; transformers' Llama over
-SP off / on / batch x loss_parallel on / off (float64 too). ``hf_worker.py CASE...`` runs only those cases.
+SP off / on / batch x loss_parallel on / off (float64 too); DeepSeek MLA (minicpm3, a dense DeepSeek-V2-Lite
+shape) in float64 with the plans ``from_hf`` converts. ``hf_worker.py CASE...`` runs only those cases.
 """
 
 import copy
+import json
 import os
 import sys
 import tempfile
@@ -39,8 +41,8 @@ def _step_batch(step, batch, seq):
     return tokens, labels
 
 
-def _parity(name, steps=3, batch=2, seq=16):
-    factory, plan = FACTORIES[name]
+def _parity(name, steps=3, batch=2, seq=16, factory=None, plan=None):
+    factory, plan = (factory, plan) if factory is not None else FACTORIES[name]
     torch.manual_seed(0)
     ref = float64_model(factory())
     model = copy.deepcopy(ref)
@@ -74,6 +76,32 @@ def _parity(name, steps=3, batch=2, seq=16):
 
 def case_parity():
     return {name: _parity(name) for name in FACTORIES}
+
+
+def _mla(model_type, **overrides):
+    """A tiny float64 transformers MLA model of ``model_type`` and the plan from_hf converts for it."""
+    from meshplan.hf.convert import from_hf
+    from meshplan.hf.tiny_config import tiny_config
+    from meshplan.hf.tiny_models import model_class
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "config.json")
+        with open(path, "w") as f:
+            json.dump({"model_type": model_type, **overrides}, f)
+        plan = from_hf(path, tp=WORLD)
+    plan.pop("_origin")
+    plan.pop("expert_parallel", None)  # the small copy from_hf reads keeps an MoE layer; these models have none
+    plan["layout"] = {"tp": WORLD}
+    config = tiny_config(model_type, tp=WORLD, **overrides)
+    config._attn_implementation = "eager"
+    return (lambda: model_class(model_type)(config).double()), plan
+
+
+def case_mla():
+    """3 AdamW steps in float64: minicpm3 (q_a_proj → q_b_proj), DeepSeek-V2-Lite's shape (q_proj beside the
+    latent), dense layers."""
+    lite = {"q_lora_rank": None, "first_k_dense_replace": 2, "num_hidden_layers": 2}
+    models = {"minicpm3": _mla("minicpm3"), "deepseek_v2_lite": _mla("deepseek_v2", **lite)}
+    return {name: _parity(name, factory=factory, plan=plan) for name, (factory, plan) in models.items()}
 
 
 def _matrix_run(sp, lp, steps=3, batch=4, seq=16):
@@ -188,7 +216,8 @@ def case_load():
 
 
 if __name__ == "__main__":
-    cases = {"parity": case_parity, "meta_init": case_meta_init, "load": case_load, "llama_matrix": case_llama_matrix}
+    cases = {"parity": case_parity, "meta_init": case_meta_init, "load": case_load, "llama_matrix": case_llama_matrix,
+             "mla": case_mla}
     wanted = sys.argv[1:] or list(cases)
     with meshplan.init({"tp": WORLD}), keep_float64():
         run_cases({k: cases[k] for k in wanted})
