@@ -39,6 +39,7 @@ def _model(arch: str, layers: int = 4):
 
 def _probe(arch: str, container: str = "model.layers", stages: int = 2):
     model = _model(arch)
+    container = "transformer.h" if arch == "falcon" else container
     split = plan_split(model, SECTION, container + ".*", stages)
     probe_split(model, split)
     return model, split
@@ -57,11 +58,12 @@ def test_llama_style_models_pass(arch):
     assert _probe(arch)[1].last == ("model.norm", "lm_head")
 
 
-@pytest.mark.parametrize("arch", ["cohere", "granite", "gemma2", "gemma3_text", "cohere2", "olmo"])
+@pytest.mark.parametrize("arch", ["cohere", "granite", "gemma2", "gemma3_text", "cohere2", "olmo", "falcon"])
 @pytest.mark.parametrize("stages", [2, 4])
 def test_code_outside_the_blocks_runs_on_the_end_stages(arch, stages):
-    """Logit scales, soft-capping, embedding multipliers, per-layer masks and OLMo's parameter-less final norm:
-    the chained stages equal the model exactly, forward and backward (float64, train mode)."""
+    """Logit scales, soft-capping, embedding multipliers, per-layer masks, OLMo's parameter-less final norm,
+    Falcon's blocks returning tuples: the chained stages equal the model exactly, forward and backward (float64,
+    train mode)."""
     model, split = _probe(arch, stages=stages)
     x = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
     model.train()

@@ -43,21 +43,22 @@ class Boundary:
 
 
 class Skipped(nn.Module):
-    """The slot of another stage's block: returns its hidden-state input unchanged; the first one after the
-    stage's own blocks notes it as the tensor the stage sends."""
+    """The slot of another stage's block: returns its hidden-state input unchanged (as a 1-tuple where the
+    stage's blocks return tuples); the first one after the stage's own blocks (``sends``) notes it as the tensor
+    the stage sends."""
 
-    def __init__(self, boundary: Boundary | None = None) -> None:
+    def __init__(self, boundary: Boundary, sends: bool = False) -> None:
         super().__init__()
-        self.boundary = boundary
+        self.boundary, self.sends = boundary, sends
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         hidden = hidden_of(args, kwargs)
-        if self.boundary is not None and self.boundary.taking:
+        if self.sends and self.boundary.taking:
             self.boundary.sent, self.boundary.taking = hidden, False
-        return (hidden,) if self.boundary is not None and self.boundary.tuples else hidden
+        return (hidden,) if self.boundary.tuples else hidden
 
     def extra_repr(self) -> str:
-        return "sends its input" if self.boundary is not None else ""
+        return "sends its input" if self.sends else ""
 
 
 def install_ends(view: nn.Module, blocks: tuple[nn.Module, nn.Module], boundary: Boundary, first: bool,

@@ -63,8 +63,13 @@ def probe_split(model: nn.Module, split: StageSplit, where: str = "pipeline", se
         PlanError: naming the model and what differs (a block that ran other than once or out of order, the
             output's shape or values, with the numbers), or that the stage views fail where the model runs.
     """
-    with torch.random.fork_rng(devices=[]):  # the copy's initialisation leaves the caller's random stream alone
-        copy, ids, real = _probe_copy(model, where, seq, opaque)
+    # the caller's random stream and default device (a model built under torch.device("meta")) left alone
+    with torch.random.fork_rng(devices=[]), torch.device("cpu"):
+        _probe(model, split, where, seq, opaque)
+
+
+def _probe(model: nn.Module, split: StageSplit, where: str, seq: int, opaque: tuple[str, ...]) -> None:
+    copy, ids, real = _probe_copy(model, where, seq, opaque)
     order, handles = _record(copy, split)
     try:
         with torch.no_grad():

@@ -4,10 +4,12 @@ The blocks (the ``blocks`` section's pattern, e.g. ``layers.*``) are children of
 ``ModuleList``/``ModuleDict``/``Sequential``). Stage ``s`` of ``pp·vpp`` runs a contiguous run of them; the
 first stage also runs the modules with parameters registered before the container (the embedding), the last
 those registered after it (final norm, head). A stage is a *view* of the model: a shallow copy whose container
-holds only its blocks (under their original keys, so ``layers.5.attention.wq.weight`` keeps its name) and whose
-modules of other stages are pass-throughs (``nn.Identity``: a later stage feeds its hidden state where the
-model feeds token ids). The model itself is pruned to the union of this rank's stages, so its ``state_dict``
-is this rank's part of the full one and the keys of all ranks together are the full model's.
+holds its blocks under their original keys (so ``layers.5.attention.wq.weight`` keeps its name) and
+pass-throughs in the other stages' block slots, and whose end modules of other stages are pass-throughs
+(``nn.Identity``); what it receives and sends is taken at its blocks (:mod:`meshplan.pipeline.ends`), so the
+model's code before and after the blocks runs on the first and last stage only. The model itself is pruned to
+the union of this rank's stages, so its ``state_dict`` is this rank's part of the full one and the keys of all
+ranks together are the full model's.
 """
 
 from __future__ import annotations
@@ -178,7 +180,7 @@ def _slots(container: nn.Module, split: StageSplit, stage: int, boundary: Bounda
     after = [k for s in range(stage + 1, split.num_stages) for k in split.keys[s]]
     for k in (k for keys in split.keys for k in keys):
         holder.add_module(k, container.get_submodule(k) if k in mine else
-                          Skipped(boundary if after and k == after[0] else None))
+                          Skipped(boundary, sends=bool(after) and k == after[0]))
     return holder
 
 
