@@ -182,3 +182,18 @@ def test_the_probe_leaves_the_random_stream_alone():
     torch.manual_seed(5)
     probe_split(model, split)
     assert torch.equal(torch.rand(3), want)
+
+
+def test_a_model_with_use_cache_passes_and_traces():
+    """transformers' configs default to ``use_cache=True``: the forward then returns a ``DynamicCache``, which
+    torch.export cannot put in a graph's output; ``split: trace`` traces with the cache off (restored after)."""
+    from meshplan.pipeline.trace import traced_stages
+    model = _model("granite")
+    model.config.use_cache = True
+    split = plan_split(model, SECTION, "model.layers.*", 2)
+    probe_split(model, split)
+    x = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    traced = traced_stages(model, (x,), ["model.layers.2"], 2, [0, 1])
+    h = traced.modules[0](x)
+    out = traced.modules[1](*h) if isinstance(h, tuple) else traced.modules[1](h)
+    assert torch.equal(out, model(x).logits) and model.config.use_cache is True

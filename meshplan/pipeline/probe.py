@@ -199,6 +199,7 @@ def _tiny_copy(model: nn.Module, where: str) -> nn.Module:
     try:
         small = with_layers(tiny_config(model.config), model.config.num_hidden_layers, like=model.config)
         small._attn_implementation = "eager"
+        small.use_cache = getattr(model.config, "use_cache", False)  # as the model runs (a cache in its output)
         torch.manual_seed(0)
         with torch.device("cpu"):
             return type(model)(small).float()

@@ -140,7 +140,7 @@ def tiny_hf(arch, n_layers):
             warnings.simplefilter("ignore")
             model, why = tiny_model(arch, layers=n_layers, **OUTSIDE.get(arch, {}))
         assert model is not None, why
-        return model.double()
+        return model.double().train()  # dropouts are 0 in tiny configs
     model = make()
     container = next(n for n, m in model.named_modules()
                      if isinstance(m, torch.nn.ModuleList) and len(m) == n_layers)
@@ -201,6 +201,8 @@ SWEEP = ["cohere", "cohere2", "granite", "gemma2", "gemma3_text", "olmo2", "star
          "phi", "qwen2", "falcon", "gpt_neox", "exaone4", "olmo", "gemma", "glm4", "helium", "smollm3", "gpt2"]
 if os.environ.get("MESHPLAN_PP_ZOO"):
     CASES_2 = {f"sweep_{arch}": functools.partial(compare, P2, "1f1b", tiny=arch) for arch in SWEEP}
+    CASES_2["trace_granite"] = functools.partial(compare, P2, "1f1b", tiny="granite", split="trace",
+                                                 split_points=["model.layers.2"], blocks=None)
 CASES_4 = {
     "pp2_tp2_sp_lp": lambda: compare({"pp": 2, "tp": 2}, "1f1b", n_layers=2, tp=True, sp=True, lp=True),
     "pp2_tp2_nosp": lambda: compare({"pp": 2, "tp": 2}, "gpipe", n_layers=2, tp=True, sp=False),
