@@ -197,3 +197,18 @@ def test_a_model_with_use_cache_passes_and_traces():
     h = traced.modules[0](x)
     out = traced.modules[1](*h) if isinstance(h, tuple) else traced.modules[1](h)
     assert torch.equal(out, model(x).logits) and model.config.use_cache is True
+
+
+def test_meshplan_check_refuses_what_parallelize_refuses_and_its_suggestion_checks_ok():
+    """``meshplan check`` runs the same probe; following its suggestion (``split: trace`` with the split points
+    it names) gives a plan check accepts."""
+    import meshplan
+    plan = {"layout": {"pp": 2}, "blocks": {"pattern": "layers.*"},
+            "pipeline": {"schedule": "1f1b", "microbatches": 2}}
+    report = meshplan.check(ValueMasked(), plan)
+    assert not report.ok and "compute another output than the model" in str(report.errors[0])
+    assert "use pipeline.split: trace with split_points ['layers.2']" in str(report.errors[0])
+    traced = {"layout": {"pp": 2}, "pipeline": {"schedule": "1f1b", "microbatches": 2, "split": "trace",
+                                                "split_points": ["layers.2"]}}
+    report = meshplan.check(ValueMasked(), traced)
+    assert report.ok, report.errors
