@@ -40,7 +40,7 @@ def test_pp2(world2, case):
 
 
 @pytest.mark.parametrize("case", ["zoo_cohere", "zoo_granite", "zoo_gemma2", "zoo_gemma3_text", "zoo_cohere2",
-                                  "zoo_olmo2"])
+                                  "zoo_olmo2", "zoo_trace_granite"])
 def test_pp2_transformers_code_outside_the_blocks(world2, case):
     """Logit scales (Cohere, Granite), soft-capping (Gemma2), embedding multipliers (Granite, Gemma3's
     normalizer), per-layer sliding/full masks (Gemma2/3, Cohere2), OLMo2's norms: pp 2 1F1B, 3 AdamW steps in
