@@ -1,6 +1,7 @@
 """Real torchrun/gloo launches (world 2, 4, 8): pipeline parallelism with every schedule, ± TP, ± FSDP, vs one
 device in float64 (see ``tests/dist/pp_worker.py``): parameters, losses and norms within ``RTOL`` (1e-9, fixed:
-``tests/_float64.py``), stage keys = the full model's."""
+``tests/_float64.py``), stage keys = the full model's; tiny transformers decoders with code outside their blocks
+(float64) at pp 2."""
 
 import pytest
 
@@ -37,6 +38,15 @@ def _check(results, case, n):
                                   "tied_zbv", "tied_i1f1b", "load_full", "load_full_tied", "hf_llama_1f1b",
                                   "tp_rules_at_tp1"])
 def test_pp2(world2, case):
+    _check(world2, case, 2)
+
+
+@pytest.mark.parametrize("case", ["zoo_cohere", "zoo_granite", "zoo_gemma2", "zoo_gemma3_text", "zoo_cohere2",
+                                  "zoo_olmo2", "zoo_trace_granite"])
+def test_pp2_transformers_code_outside_the_blocks(world2, case):
+    """Logit scales (Cohere, Granite), soft-capping (Gemma2), embedding multipliers (Granite, Gemma3's
+    normalizer), per-layer sliding/full masks (Gemma2/3, Cohere2), OLMo2's norms: pp 2 1F1B, 3 AdamW steps in
+    float64 vs one device (issue 24: Cohere's stage 0 sent ``h * logit_scale``, 19 gradients ~0.8 off)."""
     _check(world2, case, 2)
 
 

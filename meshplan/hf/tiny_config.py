@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["tiny_config", "OVERRIDES", "HEAD_DIM"]
+__all__ = ["tiny_config", "with_layers", "OVERRIDES", "HEAD_DIM"]
 
 HEAD_DIM = 16
 
@@ -271,3 +271,26 @@ def _reads_mrope(config_class) -> bool:
         return False
     with open(spec.origin, encoding="utf-8") as f:
         return '"mrope_section"' in f.read()
+
+
+def with_layers(config: Any, n: int, like: Any = None):
+    """``config`` with ``n`` layers: its per-layer lists (``layer_types``, any list as long as its layer count)
+    taken from ``like`` (a config with ``n`` layers: the model a tiny copy stands for) where it has them, else
+    repeated cyclically (``[sliding, full]`` → ``[sliding, full, sliding, full]``).
+
+    Example::
+
+        >>> with_layers(tiny_config("gemma2"), 4).layer_types
+        ['sliding_attention', 'full_attention', 'sliding_attention', 'full_attention']
+    """
+    data, old = config.to_dict(), config.num_hidden_layers
+    source = like.to_dict() if like is not None else {}
+    for key, value in list(data.items()):
+        if isinstance(value, list) and len(value) == old and old > 0:
+            theirs = source.get(key)
+            data[key] = theirs if isinstance(theirs, list) and len(theirs) == n else \
+                [value[i % old] for i in range(n)]
+    data["num_hidden_layers"] = n
+    for key in ("transformers_version", "architectures", "_name_or_path", "model_type"):
+        data.pop(key, None)
+    return type(config).from_dict(data)

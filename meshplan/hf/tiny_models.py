@@ -6,7 +6,7 @@ by tp); :func:`model_class` picks the class to build.
 
 from __future__ import annotations
 
-from meshplan.hf.tiny_config import tiny_config
+from meshplan.hf.tiny_config import tiny_config, with_layers
 
 __all__ = ["model_class", "tiny_model"]
 
@@ -36,13 +36,16 @@ def model_class(model_type: str):
     return found[0] if found else None
 
 
-def tiny_model(model_type: str, tp: int = 2, seed: int = 0):
+def tiny_model(model_type: str, tp: int = 2, seed: int = 0, layers: int | None = None, **overrides):
     """A tiny random model of ``model_type`` on the CPU in fp32, and why not when it cannot be built.
 
     Args:
         model_type: a key of transformers' ``CONFIG_MAPPING``.
         tp: passed to :func:`tiny_config`.
         seed: ``torch.manual_seed`` before construction.
+        layers: the number of layers (default: the tiny config's, one per kind); per-layer lists such as
+            ``layer_types`` repeat (:func:`~meshplan.hf.tiny_config.with_layers`).
+        **overrides: config values (``logits_scaling=8.0``), passed to :func:`tiny_config`.
 
     Returns:
         ``(model, None)``, or ``(None, reason)`` with the specific reason (no model class, the config or the
@@ -53,7 +56,8 @@ def tiny_model(model_type: str, tp: int = 2, seed: int = 0):
     if cls is None:
         return None, f"no model class in transformers takes {model_type!r} configs"
     try:
-        config = tiny_config(model_type, tp=tp)
+        config = tiny_config(model_type, tp=tp, **overrides)
+        config = with_layers(config, layers) if layers else config
     except Exception as e:  # noqa: BLE001 - the reason is the result
         return None, f"tiny config refused: {type(e).__name__}: {_short(e)}"
     if cls.config_class is not type(config) and getattr(config, "text_config", None) is not None \

@@ -1,167 +1,209 @@
-"""Is the eager split safe for this model? One forward of a meta-device copy, watched at the blocks.
+"""Is the eager split right for this model? The chained stage views' output against the whole model's.
 
-A stage view runs the model's own forward with pass-throughs where other stages' modules were, so a later stage
-is right only if the model's code around the blocks does nothing a stage would redo or lose. The probe refuses,
-with the module and the reason, a model where:
+A stage view runs the model's own forward (:mod:`meshplan.pipeline.ends`: other stages' blocks pass through,
+a later stage feeds what it receives to its first block, an earlier one sends what the model hands the next
+stage's first block). Whatever the model computes outside the blocks then runs on the first or last stage as in
+the model, but a forward can still depend on its *input* in a way a later stage, fed a hidden state, does not
+reproduce (masks or per-layer inputs computed from the token ids' values, blocks called twice or out of order).
+The probe runs the same stage views (:func:`~meshplan.pipeline.split.stage_view`, the code ``parallelize``
+builds the stages with) one after another on a small real copy of the model and compares their output with the
+whole copy's, at one fixed tolerance; it refuses a split whose output differs, or that fails.
 
-* a first-stage module is not fed the model's input (GPT-2's position embedding takes position ids: a later
-  stage would add its hidden state to itself);
-* the first block does not get the first-stage modules' output unchanged (Gemma multiplies the embedding by
-  √hidden: a later stage would scale its hidden state again);
-* a block does not get the previous block's output, or blocks get different extra inputs (per-layer masks
-  chosen by the layer's index, as transformers' ``layer_types`` models do: a later stage restarts the index).
-
-Nothing is allocated: the copy and the token ids live on the meta device.
+The copy: a tiny instance of the architecture for transformers models (same number of layers, so the same module
+paths; ``meshplan.hf.tiny_config``), a copy of the model itself when it has at most :data:`REAL_LIMIT` elements
+(parameters on the meta device get fixed pseudo-random values), else a meta-device copy, where only the shapes
+and the block calls can be checked (the output values cannot).
 """
 
 from __future__ import annotations
 
+import copy as copying
 from typing import Any
 
 import torch
 import torch.nn as nn
 
 from meshplan.errors import PlanError
-from meshplan.expert_parallel.apply import stand_in
-from meshplan.pipeline.split import StageSplit
+from meshplan.pipeline.split import StageSplit, stage_view
 
-__all__ = ["probe_split"]
+__all__ = ["probe_split", "REAL_LIMIT", "TOLERANCE"]
 
-
-def _first(x: Any) -> Any:
-    return x[0] if isinstance(x, (tuple, list)) and x else getattr(x, "last_hidden_state", x)
-
-
-def _extras(args: tuple, kwargs: dict) -> list:
-    """The non-hidden inputs of a block, tensors by identity."""
-    return [id(v) if isinstance(v, torch.Tensor) else v for v in (*args[1:], *kwargs.values())
-            if isinstance(v, (torch.Tensor, int, float, str, bool, type(None), tuple))]
+#: the largest model (parameters and buffers, in elements) the probe copies for real when it has no tiny copy
+REAL_LIMIT = 1 << 24
+#: max |chained − whole| / max |whole| the chained stages may differ by (the same ops run: it is 0 in practice)
+TOLERANCE = 1e-6
 
 
-def _record(meta: nn.Module, split: StageSplit) -> tuple[dict, list]:
-    calls: dict[str, list] = {}
-    handles = []
+def _output(out: Any) -> Any:
+    """What a stage gives: a transformers output's logits, else the first element or the tensor."""
+    if not isinstance(out, torch.Tensor) and hasattr(out, "logits"):
+        return out.logits
+    if isinstance(out, (tuple, list)) and out:
+        return out[0]
+    return getattr(out, "last_hidden_state", out)
 
-    def hook(path: str):
-        def fn(_m: nn.Module, args: tuple, kwargs: dict, out: Any) -> None:
-            calls.setdefault(path, []).append((args, kwargs, out))
-        return fn
 
+def _record(copy: nn.Module, split: StageSplit) -> tuple[list[str], list]:
+    order: list[str] = []
     blocks = [f"{split.container}.{k}" if split.container else k for keys in split.keys for k in keys]
-    for path in dict.fromkeys([*split.first, *blocks, *_around(meta, split.container)]):
-        handles.append(meta.get_submodule(path).register_forward_hook(hook(path), with_kwargs=True))
-    return calls, handles
+    handles = [copy.get_submodule(p).register_forward_pre_hook(lambda _m, _a, p=p: order.append(p))
+               for p in blocks]
+    return order, handles
 
 
-def _around(model: nn.Module, container: str) -> list[str]:
-    """The modules beside the blocks' container and beside each of its ancestors."""
-    out, node, prefix = [], model, ""
-    for name in container.split(".") if container else []:
-        out += [prefix + n for n, _ in node.named_children() if n != name]
-        node, prefix = getattr(node, name), prefix + name + "."
-    return out
-
-
-def probe_split(model: nn.Module, split: StageSplit, where: str = "pipeline", seq: int = 8,
+def probe_split(model: nn.Module, split: StageSplit, where: str = "pipeline", seq: int = 24,
                 opaque: tuple[str, ...] = ()) -> None:
-    """Run a meta copy of ``model`` on meta token ids and check the split is safe (see the module doc).
+    """Run the stage views of ``split`` one after another on a copy of ``model`` and compare with the whole copy.
 
-    ``opaque`` modules (MoE blocks, whose routing is data-dependent and has no meta kernels) run in the copy as
-    stand-ins returning a new tensor shaped like their first input: a residual branch's contract.
+    ``seq`` tokens (more than the tiny copies' 8-token sliding windows, so a sliding mask differs from a full
+    one), batch 2. ``opaque`` modules (MoE blocks: data-dependent routing has no meta kernels) run as
+    shape-preserving stand-ins in a meta-device copy.
 
     Raises:
-        PlanError: naming the module and why a later stage would compute something else, or that the model
-            cannot run on the meta device (then the split cannot be verified).
+        PlanError: naming the model and what differs (a block that ran other than once or out of order, the
+            output's shape or values, with the numbers), or that the stage views fail where the model runs.
     """
-    from meshplan.checks.dry_run import meta_copy
-    try:
-        copy, ids = meta_copy(model), torch.zeros(1, seq, dtype=torch.long, device="meta")
-        for path in opaque:
-            stand_in(copy.get_submodule(path))  # the throwaway copy only
-        calls = _run(copy, split, ids)
-    except Exception as meta_error:  # transformers' masks call .item(): a tiny real copy of the architecture
-        copy = _tiny_copy(model, meta_error, where)
-        ids = torch.zeros(1, seq, dtype=torch.long)
-        try:
-            calls = _run(copy, split, ids)
-        except Exception as e:
-            raise PlanError(f"{where}: cannot verify the stage split of {type(model).__name__}: its forward failed "
-                            f"on the meta device ({type(meta_error).__name__}: {str(meta_error)[:120]}) and on a "
-                            f"tiny copy ({type(e).__name__}: {str(e)[:120]}); the eager split needs one of them "
-                            f"to run") from None
-    _check_first(calls, split, ids, where)
-    _check_blocks(calls, split, where)
-    _check_after(calls, split, where)
+    # the caller's random stream and default device (a model built under torch.device("meta")) left alone
+    with torch.random.fork_rng(devices=[]), torch.device("cpu"):
+        _probe(model, split, where, seq, opaque)
 
 
-def _check_after(calls: dict, split: StageSplit, where: str) -> None:
-    """A module that runs after the last block must be a last-stage module (a middle stage would apply it)."""
-    order = list(calls)  # insertion order = the order of first calls
-    last_block = f"{split.container}.{split.keys[-1][-1]}" if split.container else split.keys[-1][-1]
-    after = order[order.index(last_block) + 1:]
-    inside = tuple(p + "." for p in split.last)
-    stray = [p for p in after if p not in split.last and not p.startswith(inside)
-             and not any(p.startswith(b + ".") for b in order[:order.index(last_block) + 1])]
-    if stray:
-        raise PlanError(f"{where}: {stray[0]!r} runs after the last block but is not a last-stage module (it has no "
-                        f"parameters), so a middle stage would apply it to the hidden state it sends; found "
-                        f"last_stage_modules {list(split.last)}, expected {[*split.last, *stray]}: set "
-                        f"pipeline.last_stage_modules")
-
-
-def _run(copy: nn.Module, split: StageSplit, ids: torch.Tensor) -> dict:
-    calls, handles = _record(copy, split)
+def _probe(model: nn.Module, split: StageSplit, where: str, seq: int, opaque: tuple[str, ...]) -> None:
+    copy, ids, real = _probe_copy(model, where, seq, opaque)
+    order, handles = _record(copy, split)
     try:
         with torch.no_grad():
-            copy(ids)
+            whole = _output(copy(ids))
+    except Exception as e:
+        raise PlanError(f"{where}: cannot verify the stage split of {type(model).__name__}: its forward failed on "
+                        f"a {'small' if real else 'meta-device'} copy ({type(e).__name__}: {str(e)[:160]})") from None
     finally:
         for h in handles:
             h.remove()
-    return calls
+    _check_blocks(order, split, where)
+    try:
+        with torch.no_grad():
+            h = ids
+            for s in range(split.num_stages):
+                h = _output(stage_view(copy, split, s)(h))
+    except Exception as e:
+        raise PlanError(f"{where}: the eager split of {type(model).__name__} fails where the model runs: stage "
+                        f"{s} of {split.num_stages} raised {type(e).__name__}: {str(e)[:160]}; expected the chained "
+                        f"stages to run like the model; {_instead(copy, split, ids, whole, real)}") from None
+    problem = _compare(whole, h, real, split, type(model).__name__, where)
+    if problem:
+        raise PlanError(f"{problem}; {_instead(copy, split, ids, whole, real)}")
 
 
-def _tiny_copy(model: nn.Module, meta_error: Exception, where: str) -> nn.Module:
-    """A small CPU instance of a transformers model's architecture with as many layers (same module paths)."""
-    config = getattr(model, "config", None)
-    if config is None or not hasattr(config, "num_hidden_layers"):
-        raise PlanError(f"{where}: cannot verify the stage split of {type(model).__name__}: its forward on "
-                        f"meta-device token ids failed ({type(meta_error).__name__}: {str(meta_error)[:200]}); "
-                        f"the eager split needs a model that runs on the meta device") from None
-    from meshplan.hf.tiny_config import tiny_config
-    small = tiny_config(config, num_hidden_layers=config.num_hidden_layers)
-    with torch.device("cpu"):
-        return type(model)(small).eval()
+def _compare(whole: Any, chained: Any, real: bool, split: StageSplit, name: str, where: str) -> str:
+    """What differs between the chained stages' output and the model's ("" if nothing)."""
+    shape = tuple(getattr(whole, "shape", ()))
+    if not isinstance(chained, torch.Tensor) or tuple(chained.shape) != shape:
+        return (f"{where}: the {split.num_stages} chained stages of {name} give {type(chained).__name__} "
+                f"{tuple(getattr(chained, 'shape', ()))}, the model {shape}; expected the model's output")
+    if not real:
+        return ""
+    ref, got = whole.double(), chained.double()
+    scale = float(ref.nan_to_num().abs().max()) or 1.0
+    same_nan, keep = torch.equal(got.isnan(), ref.isnan()), ~ref.isnan()
+    diff = float("inf") if not same_nan else float((got - ref)[keep].abs().max()) if keep.any() else 0.0
+    if diff <= TOLERANCE * scale:
+        return ""
+    return (f"{where}: the {split.num_stages} chained stages of {name} compute another output than the model (max "
+            f"|difference| {diff:.3g}, {diff / scale:.3g} of max |output| {scale:.3g}, on a small copy; expected at "
+            f"most {TOLERANCE:g} of it): its forward depends on its input in a way a later stage, fed a hidden state "
+            f"instead of the token ids, does not reproduce")
 
 
-def _check_first(calls: dict, split: StageSplit, ids: torch.Tensor, where: str) -> None:
-    for path in split.first:
-        seen = calls.get(path, [])
-        if len(seen) != 1 or not seen[0][0] or seen[0][0][0] is not ids:
-            raise PlanError(f"{where}: first-stage module {path!r} is not fed the model's input once (found "
-                            f"{len(seen)} call(s){', on another tensor' if seen else ''}), so a later stage, which "
-                            f"feeds its hidden state where the input went, would compute something else; expected "
-                            f"the model's input: set pipeline.first_stage_modules, or use split: trace")
+def _instead(copy: nn.Module, split: StageSplit, ids: Any, whole: Any, real: bool) -> str:
+    """The suggestion of a refusal: ``split: trace`` with the same cuts if torch.export traces the small copy
+    and its traced stages give the model's output there, else no pipeline (a meta-only check cannot try)."""
+    points = [f"{split.container}.{keys[0]}" if split.container else keys[0] for keys in split.keys[1:]]
+    trace = f"pipeline.split: trace with split_points {points}"
+    if not real:
+        return f"try {trace} (not verified: the model is too large to copy for real), else pp 1"
+    from meshplan.pipeline.trace import traced_stages
+    try:
+        with torch.no_grad():
+            traced = traced_stages(copying.deepcopy(copy), (ids,), points, split.num_stages,
+                                   list(range(split.num_stages)))
+            h: Any = (ids,)
+            for module in traced.modules:
+                h = module(*h) if isinstance(h, tuple) else module(h)
+        ok = not _compare(whole, _output(h), True, split, "", "")
+    except Exception:  # noqa: BLE001 - any failure means: do not suggest it
+        ok = False
+    if ok:
+        return f"use {trace} (traced and checked on the same small copy)"
+    return f"{trace} does not run it either (tried on the same small copy): use pp 1 (no pipeline) for this model"
 
 
-def _check_blocks(calls: dict, split: StageSplit, where: str) -> None:
+def _check_blocks(order: list[str], split: StageSplit, where: str) -> None:
     blocks = [f"{split.container}.{k}" if split.container else k for keys in split.keys for k in keys]
-    prev = _first(calls[split.first[-1]][0][2]) if split.first else None
-    extras = None
     for path in blocks:
-        seen = calls.get(path, [])
-        if len(seen) != 1:
-            raise PlanError(f"{where}: block {path!r} ran {len(seen)} times in one forward; expected once")
-        args, kwargs, out = seen[0]
-        hidden = args[0] if args else next(iter(kwargs.values()), None)
-        if prev is not None and hidden is not prev:
-            what = "the previous block's output" if path != blocks[0] else \
-                f"the output of {split.first[-1]!r} unchanged (the model transforms it in between)"
-            raise PlanError(f"{where}: block {path!r} does not get {what}, so a later stage would compute "
-                            f"something else; found another tensor, expected {what}; use split: trace")
-        mine = _extras(args, kwargs) if args else _extras((None,), dict(list(kwargs.items())[1:]))
-        if extras is not None and mine != extras:
-            raise PlanError(f"{where}: block {path!r} gets other extra inputs than {blocks[0]!r} (e.g. a per-layer "
-                            f"attention mask chosen by the layer's index), so a later stage, which numbers its "
-                            f"blocks from 0, would give them the wrong ones; found different inputs, expected the "
-                            f"same for every block")
-        extras, prev = mine, _first(out)
+        if order.count(path) != 1:
+            raise PlanError(f"{where}: block {path!r} ran {order.count(path)} times in one forward; expected once "
+                            f"(each stage runs its blocks once)")
+    if order != blocks:
+        raise PlanError(f"{where}: the model runs its blocks in the order {order[:4]}…, not the container's "
+                        f"{blocks[:4]}…; expected the container's order (stages hold consecutive blocks)")
+
+
+def _probe_copy(model: nn.Module, where: str, seq: int, opaque: tuple[str, ...]) -> tuple[nn.Module, Any, bool]:
+    """``(copy, token ids, real)``: a small real copy (tiny transformers copy, or the model's own values), or a
+    meta-device copy with its MoE blocks standing in."""
+    config = getattr(model, "config", None)
+    size = sum(t.numel() for t in [*model.parameters(), *model.buffers()])
+    if config is not None and hasattr(config, "num_hidden_layers"):
+        copy = _tiny_copy(model, where)
+    elif size <= REAL_LIMIT:
+        copy = _own_copy(model)
+    else:
+        from meshplan.checks.dry_run import meta_copy
+        from meshplan.expert_parallel.apply import stand_in
+        copy = meta_copy(model)
+        for path in opaque:
+            stand_in(copy.get_submodule(path))  # the throwaway copy only
+        return copy.eval(), torch.zeros(2, seq, dtype=torch.long, device="meta"), False
+    vocab = _vocab(copy)
+    ids = torch.randint(0, vocab, (2, seq), generator=torch.Generator().manual_seed(0))
+    return copy.eval(), ids, True
+
+
+def _vocab(model: nn.Module) -> int:
+    size = getattr(getattr(model, "config", None), "vocab_size", None)
+    if isinstance(size, int) and size > 0:
+        return size
+    emb = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    return emb.num_embeddings if emb is not None else 1
+
+
+def _own_copy(model: nn.Module) -> nn.Module:
+    """A CPU copy of a small model: its values, or fixed pseudo-random ones where it is on the meta device."""
+    if not any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+        return copying.deepcopy(model)
+    copy = copying.deepcopy(model).to_empty(device="cpu")
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for t in [*copy.parameters(), *copy.buffers()]:
+            if t.is_floating_point():
+                t.copy_(torch.rand(t.shape, generator=g, dtype=torch.float64) - 0.5)
+            else:
+                t.zero_()
+    return copy
+
+
+def _tiny_copy(model: nn.Module, where: str) -> nn.Module:
+    """A small CPU instance of a transformers model's architecture with as many layers (same module paths)."""
+    from meshplan.hf.tiny_config import tiny_config, with_layers
+    try:
+        small = with_layers(tiny_config(model.config), model.config.num_hidden_layers, like=model.config)
+        small._attn_implementation = "eager"
+        small.use_cache = getattr(model.config, "use_cache", False)  # as the model runs (a cache in its output)
+        torch.manual_seed(0)
+        with torch.device("cpu"):
+            return type(model)(small).float()
+    except Exception as e:
+        raise PlanError(f"{where}: cannot verify the stage split of {type(model).__name__}: a small copy of its "
+                        f"architecture could not be built ({type(e).__name__}: {str(e)[:160]}); the eager split "
+                        f"is checked on one") from None

@@ -4,10 +4,12 @@ The blocks (the ``blocks`` section's pattern, e.g. ``layers.*``) are children of
 ``ModuleList``/``ModuleDict``/``Sequential``). Stage ``s`` of ``pp·vpp`` runs a contiguous run of them; the
 first stage also runs the modules with parameters registered before the container (the embedding), the last
 those registered after it (final norm, head). A stage is a *view* of the model: a shallow copy whose container
-holds only its blocks (under their original keys, so ``layers.5.attention.wq.weight`` keeps its name) and whose
-modules of other stages are pass-throughs (``nn.Identity``: a later stage feeds its hidden state where the
-model feeds token ids). The model itself is pruned to the union of this rank's stages, so its ``state_dict``
-is this rank's part of the full one and the keys of all ranks together are the full model's.
+holds its blocks under their original keys (so ``layers.5.attention.wq.weight`` keeps its name) and
+pass-throughs in the other stages' block slots, and whose end modules of other stages are pass-throughs
+(``nn.Identity``); what it receives and sends is taken at its blocks (:mod:`meshplan.pipeline.ends`), so the
+model's code before and after the blocks runs on the first and last stage only. The model itself is pruned to
+the union of this rank's stages, so its ``state_dict`` is this rank's part of the full one and the keys of all
+ranks together are the full model's.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch.nn as nn
 
 from meshplan._torch import module_view
 from meshplan.errors import PlanError
+from meshplan.pipeline.ends import Boundary, Skipped, install_ends
 from meshplan.plan_file.patterns import match_pattern
 from meshplan.plan_file.pipeline import Pipeline
 from meshplan.plan_file.stages import balanced, local_stage_ids  # noqa: F401  (re-exported)
@@ -170,18 +173,35 @@ def _subset(container: nn.Module, keys: tuple[str, ...]) -> nn.Module:
     return holder
 
 
+def _slots(container: nn.Module, split: StageSplit, stage: int, boundary: Boundary) -> nn.Module:
+    """A container of the same type with every block slot: this stage's blocks, pass-throughs for the others'
+    (the first one after this stage's blocks notes what the stage sends)."""
+    holder, mine = type(container)(), split.keys[stage]
+    after = [k for s in range(stage + 1, split.num_stages) for k in split.keys[s]]
+    for k in (k for keys in split.keys for k in keys):
+        holder.add_module(k, container.get_submodule(k) if k in mine else
+                          Skipped(boundary, sends=bool(after) and k == after[0]))
+    return holder
+
+
 def stage_view(model: nn.Module, split: StageSplit, stage: int) -> nn.Module:
-    """Stage ``stage`` of ``model``: a view sharing its parameters, with only that stage's blocks and end modules."""
+    """Stage ``stage`` of ``model``: a view sharing its parameters, with only that stage's blocks and end modules
+    (the other stages' block slots pass through; see :mod:`meshplan.pipeline.ends` for what it receives and
+    sends)."""
     if not split.container:  # the model is the container (an nn.Sequential of blocks)
         return _subset(model, split.keys[stage])
-    view, copies = module_view(model), {}
-    _replace(view, split.container, _subset(model.get_submodule(split.container), split.keys[stage]), copies)
+    view, copies, boundary = module_view(model), {}, Boundary()
+    slots = _slots(model.get_submodule(split.container), split, stage, boundary)
+    _replace(view, split.container, slots, copies)
     if stage != 0:
         for p in split.first:
             _replace(view, p, nn.Identity(), copies)
     if stage != split.num_stages - 1:
         for p in split.last:
             _replace(view, p, nn.Identity(), copies)
+    ends = (slots.get_submodule(split.keys[stage][0]), slots.get_submodule(split.keys[stage][-1]))
+    install_ends(view, ends, boundary, first=stage == 0,
+                 last=stage == split.num_stages - 1)
     return view
 
 

@@ -15,6 +15,7 @@ model's ``forward`` methods are restored after tracing (``pipeline`` patches the
 
 from __future__ import annotations
 
+import contextlib
 import linecache
 import os
 import sysconfig
@@ -116,14 +117,30 @@ def _restore_forwards(model: nn.Module, split_points: Sequence[str]) -> None:
         remove_split_marker(model.get_submodule(p))
 
 
+@contextlib.contextmanager
+def _no_cache(model: nn.Module) -> Any:
+    """A transformers model traced with ``config.use_cache`` off (restored after): with it on, the forward returns
+    a ``DynamicCache``, which torch.export cannot put in a graph's output (and training never reads it)."""
+    config = getattr(model, "config", None)
+    before = getattr(config, "use_cache", None)
+    if before:
+        config.use_cache = False
+    try:
+        yield
+    finally:
+        if before:
+            config.use_cache = before
+
+
 def _trace(model: nn.Module, example_args: tuple, example_kwargs: dict | None, split_points: Sequence[str],
            where: str) -> Any:
     from torch.distributed.pipelining import SplitPoint, pipeline
     try:
         with warnings.catch_warnings():  # torch 2.13's own deprecation, raised when Pipe deep-copies a graph
             warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
-            return pipeline(model, mb_args=tuple(example_args), mb_kwargs=example_kwargs,
-                            split_spec={p: SplitPoint.BEGINNING for p in split_points})
+            with _no_cache(model):
+                return pipeline(model, mb_args=tuple(example_args), mb_kwargs=example_kwargs,
+                                split_spec={p: SplitPoint.BEGINNING for p in split_points})
     except Exception as e:  # torch wraps every export failure in one RuntimeError
         raise _untraceable(model, e, where) from e
     finally:

@@ -67,13 +67,18 @@ def topo_dp(layout):
 
 
 def compare(layout, schedule="1f1b", microbatches=4, n_layers=4, tp=False, sp=True, lp=False, dp=None, hf=False,
-            **pipe):
+            tiny=None, tiny_config=None, **pipe):
     """Train the pipelined model; every parameter this rank holds, the losses and norms vs one device.
 
     ``hf``: transformers' ``LlamaForCausalLM`` (its stages return ``ModelOutput``s) with plans/hf_llama.yaml's
-    rules, instead of the examples' Llama."""
+    rules, instead of the examples' Llama. ``tiny``: a transformers model type, built by ``tiny_hf`` in float64
+    (``tiny_config``: more config values)."""
     tied = pipe.pop("tied", False)
-    if hf:
+    if tiny:
+        make, vocab, container = tiny_hf(tiny, n_layers, **(tiny_config or {}))
+        rules = None
+        pipe.setdefault("blocks", {"pattern": container + ".*"})
+    elif hf:
         make, vocab, rules = functools.partial(hf_models.llama, num_hidden_layers=n_layers), 128, HF_RULES
         pipe.setdefault("blocks", {"pattern": "model.layers.*"})
     else:
@@ -117,6 +122,30 @@ def compare(layout, schedule="1f1b", microbatches=4, n_layers=4, tp=False, sp=Tr
         assert abs(res.grad_norm - norm) <= RTOL * norm, (res.grad_norm, norm)
     assert union == sorted(ref.state_dict()), (set(ref.state_dict()) ^ set(union))
     return {"worst": worst, "loss": [r.loss for r in results], "params": len(names)}
+
+
+#: non-trivial settings of the code outside the blocks (transformers' Granite defaults are 1.0: a no-op)
+OUTSIDE = {"granite": {"embedding_multiplier": 12.0, "logits_scaling": 8.0, "residual_multiplier": 0.5},
+           "cohere": {"logit_scale": 0.25}, "gemma2": {"final_logit_softcapping": 0.5}}
+
+
+def tiny_hf(arch, n_layers, **config):
+    """``(make, vocab, block container)`` of a tiny transformers ``arch`` with ``n_layers`` layers, in float64
+    (gloo reduces float64; the one-device run then differs only by reordering, ~1e-16)."""
+    import warnings
+
+    from meshplan.hf.tiny_models import tiny_model
+
+    def make():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model, why = tiny_model(arch, layers=n_layers, **{**OUTSIDE.get(arch, {}), **config})
+        assert model is not None, why
+        return model.double().train()  # dropouts are 0 in tiny configs
+    model = make()
+    container = next(n for n, m in model.named_modules()
+                     if isinstance(m, torch.nn.ModuleList) and len(m) == n_layers)
+    return make, model.config.vocab_size, container
 
 
 def load_full(layout, tied=False):
@@ -164,6 +193,19 @@ CASES_2 = {
     # tp rules at tp 1 (a solver's plan keeps its rule sections): the stream is a one-rank DTensor at the boundary
     "tp_rules_at_tp1": lambda: compare(P2, "1f1b", n_layers=2, tp=True, sp=True, lp=True),
 }
+#: transformers decoders with code outside the blocks (issue 24): logit scales (Cohere, Granite), soft-capping
+#: (Gemma2), embedding multipliers (Granite, Gemma's normalizer), per-layer sliding/full masks (Gemma2/3, Cohere2)
+ZOO = ["cohere", "granite", "gemma2", "gemma3_text", "cohere2", "olmo2"]
+CASES_2.update({f"zoo_{arch}": functools.partial(compare, P2, "1f1b", tiny=arch) for arch in ZOO})
+# split: trace on a config with transformers' default use_cache=True (a DynamicCache in the output broke export)
+CASES_2["zoo_trace_granite"] = functools.partial(compare, P2, "1f1b", tiny="granite",
+                                                 tiny_config={"use_cache": True}, split="trace",
+                                                 split_points=["model.layers.2"], blocks=None)
+#: the sweep of docs/pipeline.md (MESHPLAN_PP_ZOO=1): a further list of decoders the suite does not train
+SWEEP = ["cohere", "cohere2", "granite", "gemma2", "gemma3_text", "olmo2", "starcoder2", "stablelm", "mistral",
+         "phi", "qwen2", "falcon", "gpt_neox", "exaone4", "olmo", "gemma", "glm4", "helium", "smollm3", "gpt2"]
+if os.environ.get("MESHPLAN_PP_ZOO"):
+    CASES_2 = {f"sweep_{arch}": functools.partial(compare, P2, "1f1b", tiny=arch) for arch in SWEEP}
 CASES_4 = {
     "pp2_tp2_sp_lp": lambda: compare({"pp": 2, "tp": 2}, "1f1b", n_layers=2, tp=True, sp=True, lp=True),
     "pp2_tp2_nosp": lambda: compare({"pp": 2, "tp": 2}, "gpipe", n_layers=2, tp=True, sp=False),
