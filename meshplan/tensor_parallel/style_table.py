@@ -22,6 +22,7 @@ from torch.distributed.tensor.parallel import ParallelStyle, PrepareModuleInput,
 
 from meshplan.tensor_parallel.layouts import Stream, StyleArgs, backward_collectives as back, conversions_collectives
 from meshplan.tensor_parallel.layouts import placement, redistribute_collectives as redist
+from meshplan.tensor_parallel.head_params import HeadParamsParallel
 from meshplan.tensor_parallel.packed import PackedColwiseParallel, PackedRowwiseParallel, features, packed_placement
 from meshplan.tensor_parallel.styles import ColwiseParallel, ReplicateParallel, RowwiseParallel, TableWiseEmbedding
 from meshplan.tensor_parallel.vocab_embedding import VocabParallelEmbedding
@@ -75,6 +76,7 @@ class StyleSpec:
             backward); its input must be replicated, not local heads.
         on_local_heads: runs unchanged on this rank's heads (a colwise sibling's local output); its gradients
             are summed over tp.
+        head_params: on a module seeing local heads: its rule's ``sharded`` own parameters split with the heads.
         reduces_output: with ``output_layouts: partial`` it reduces its module's partial output (transformers'
             ``gather``), which rowwise rules below it must leave partial.
         hf_name: transformers' tp_plan string; ``hf_packed`` with ``packed: 2``; ``hf_variant``
@@ -110,6 +112,7 @@ class StyleSpec:
     covers_submodules: bool = False
     replicated: bool = False
     on_local_heads: bool = False
+    head_params: bool = False
     reduces_output: bool = False
     hf_name: str | None = None
     hf_packed: str | None = None
@@ -186,6 +189,11 @@ def _norm(a: StyleArgs) -> ParallelStyle | None:
     if a.stream.local:
         return None  # untouched without sequence parallelism
     return SequenceParallel(sequence_dim=placement(a.stream.layout).dim, use_local_output=False)
+
+
+def _head_params(a: StyleArgs) -> ParallelStyle | None:
+    names, dim = tuple(a.overrides.get("sharded") or ()), a.overrides.get("dim", 0)
+    return HeadParamsParallel(names=names, dim=dim) if names else None
 
 
 def _torch_style(cls: type) -> Callable[[StyleArgs], ParallelStyle]:
@@ -280,6 +288,7 @@ STYLES: Mapping[str, StyleSpec] = MappingProxyType({s.name: s for s in (
               defaults=_frozen(input_layouts="replicate", use_local_output=True),
               covers_submodules=True, replicated=True, hf_name="replicate"),
     StyleSpec("head_norm", build=lambda a: None, on_local_heads=True, hf_name="replicated_with_grad_allreduce"),
+    StyleSpec("head_params", build=_head_params, head_params=True, hf_name="local_params"),
     StyleSpec("prepare_input", build=_torch_style(PrepareModuleInput),
               costs=_prepare_costs("input_layouts", "desired_input_layouts"),
               defaults=_frozen(input_layouts=None, desired_input_layouts=None, input_kwarg_layouts=None,
