@@ -19,7 +19,8 @@ from meshplan.plan_file.patterns import wildcard
 from meshplan.tensor_parallel.heads import safe_attr
 from meshplan.tensor_parallel.style_table import STYLES
 
-__all__ = ["head_counts", "split_own_params", "suggested_rule", "own_param_errors", "head_params_errors", "head_norm_size_errors"]
+__all__ = ["head_counts", "split_own_params", "suggested_rule", "own_param_errors", "head_params_errors",
+           "head_norm_size_errors", "projection_norm_errors"]
 
 
 def head_counts(model: nn.Module, mod: nn.Module) -> set[int]:
@@ -108,9 +109,25 @@ def head_norm_size_errors(model: nn.Module, path: str, pattern: str, head_dim: i
     n = w.shape[-1] if isinstance(w, nn.Parameter) and w.ndim == 1 else None
     if head_dim is None or n is None or n == head_dim:
         return []
-    parent = path.rpartition(".")[0]
     return [f"{where}.{pattern!r}: module {path!r} ({type(mod).__name__}, head_norm) normalises {n} features, not "
-            f"one head (head_dim {head_dim}): a norm over the whole projection needs all heads, but its input is this "
-            f"rank's heads only; found normalized size {n}, expected {head_dim}; gather the projection instead: "
-            f"output_layouts: replicate on the colwise rules of '{wildcard(parent)}' feeding it, input_layouts: "
-            f"replicate on its rowwise rule, and no rule for '{wildcard(path)}' (transformers' Olmo2 plan)"]
+            f"one head (head_dim {head_dim}): a norm over the whole projection needs all of its features, but its "
+            f"input is this rank's heads only; found normalized size {n}, expected {head_dim}; use "
+            f"'{wildcard(path)}: projection_norm' (its weight sharded like the projection, the mean of squares summed "
+            f"over tp), or gather the projection (output_layouts: replicate on the colwise rules feeding it, "
+            f"input_layouts: replicate on the rowwise one, no rule for it: transformers' Olmo2 plan)"]
+
+
+def projection_norm_errors(model: nn.Module, path: str, pattern: str, head_dim: int | None, regions: set[str],
+                           where: str) -> list[str]:
+    """A ``projection_norm``: inside a local-heads region, over more than one head."""
+    loc, parent = f"{where}.{pattern!r}", path.rpartition(".")[0]
+    if parent not in regions:
+        return [f"{loc}: module {path!r} (projection_norm) is not inside a module whose colwise children output "
+                f"local shards, so its input is not sharded; found no colwise sibling with local outputs, expected "
+                f"one (or no rule: the module runs whole on a gathered input)"]
+    w = getattr(model.get_submodule(path), "weight", None)
+    if head_dim is not None and getattr(w, "ndim", 0) == 1 and w.shape[0] == head_dim:
+        return [f"{loc}: module {path!r} (projection_norm) normalises {head_dim} features, one head (head_dim "
+                f"{head_dim}): each head is normalised alone, so its weight must stay whole; found normalized size "
+                f"{head_dim}, expected a whole projection; use '{wildcard(path)}: head_norm'"]
+    return []

@@ -16,7 +16,8 @@ from typing import Any
 
 import torch.nn as nn
 
-from meshplan.checks.head_params import head_norm_size_errors, head_params_errors, own_param_errors
+from meshplan.checks.head_params import head_norm_size_errors, head_params_errors, own_param_errors, \
+    projection_norm_errors
 from meshplan.plan_file.patterns import wildcard
 from meshplan.tensor_parallel.heads import safe_attr
 from meshplan.tensor_parallel.packed import features
@@ -92,10 +93,13 @@ def region_errors(model: nn.Module, modules: dict[str, nn.Module], matched: dict
         spec = STYLES[rule.style]
         if spec.head_params:
             errors += head_params_errors(model, path, pattern, rule, regions, tp, where)
-        if spec.on_local_heads and path.rpartition(".")[0] in regions:
-            parent = path.rpartition(".")[0]
-            errors += head_norm_size_errors(model, path, pattern, _head_dim(modules[parent] if parent else model,
-                                                                            model), where)
+        parent = path.rpartition(".")[0]
+        hd = _head_dim(modules[parent] if parent else model, model) if spec.on_local_heads or \
+            spec.whole_projection else None
+        if spec.on_local_heads and parent in regions:
+            errors += head_norm_size_errors(model, path, pattern, hd, where)
+        if spec.whole_projection:
+            errors += projection_norm_errors(model, path, pattern, hd, regions, where)
         if spec.on_local_heads and path.rpartition(".")[0] not in regions:
             errors.append(f"{where}.{pattern!r}: module {path!r} (head_norm) is not inside a module whose colwise "
                           f"children output local shards, so its input is replicated and summing its gradients over "

@@ -85,7 +85,7 @@ def _rule(style: str) -> Any:
 
 
 #: transformers' styles of an entry on a bare parameter, and the head_params list it joins
-_PARAM_STYLES = {"colwise": "sharded", "local_colwise": "sharded", "replicated_with_grad_allreduce": "summed"}
+PARAM_STYLES = {"colwise": "sharded", "local_colwise": "sharded", "replicated_with_grad_allreduce": "summed"}
 
 
 def _param_entries(model, hf: dict[str, Any]) -> dict[str, Any]:
@@ -98,9 +98,9 @@ def _param_entries(model, hf: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     merged: dict[str, dict[str, Any]] = {}
     for k, v in hf.items():
-        if k in params and k not in modules and v in _PARAM_STYLES:
+        if k in params and k not in modules and v in PARAM_STYLES:
             owner, _, name = k.rpartition(".")
-            merged.setdefault(owner, {"style": "head_params"}).setdefault(_PARAM_STYLES[v], []).append(name)
+            merged.setdefault(owner, {"style": "head_params"}).setdefault(PARAM_STYLES[v], []).append(name)
         else:
             out[k] = v
     return {**out, **merged}  # the merged rule replaces the owner's 'local_params'

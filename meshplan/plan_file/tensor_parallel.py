@@ -150,6 +150,14 @@ class HeadParams(_Rule):
         return self
 
 
+class ProjectionNorm(_Rule):
+    """A norm over a colwise sibling's whole output, run on its shards (Olmo2's ``q_norm``/``k_norm``)."""
+    style: Literal["projection_norm"] = Field(
+        description="The module normalises the whole output of a colwise sibling (num_heads x head_dim features, "
+                    "not one head): its 1-D parameters are sharded Shard(0) like those features, it runs on this "
+                    "rank's shard and its mean over the features is summed over tp (one small all-reduce).")
+
+
 class PrepareInput(_Rule):
     """torch ``PrepareModuleInput``."""
     style: Literal["prepare_input"] = Field(description="Redistribute the module's inputs.")
@@ -170,7 +178,7 @@ class PrepareOutput(_Rule):
 
 Rule = Annotated[
     Union[Colwise, Rowwise, Norm, Embedding, EmbeddingColwise, EmbeddingTables, LmHead, ReplicateRule, HeadNorm,
-          HeadParams, PrepareInput, PrepareOutput],
+          HeadParams, ProjectionNorm, PrepareInput, PrepareOutput],
     Field(discriminator="style"),
 ]
 #: the style names, in the order of :data:`Rule` (read from each rule class's ``style`` Literal): the one list

@@ -17,7 +17,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DeviceMesh, DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
-__all__ = ["HeadParamsParallel"]
+__all__ = ["HeadParamsParallel", "head_params_style"]
 
 
 class HeadParamsParallel(ParallelStyle):
@@ -78,3 +78,10 @@ class HeadParamsParallel(ParallelStyle):
 
     def __repr__(self) -> str:
         return f"{self.__class__.__name__}(names={self.names}, dim={self.dim}, prepare={self.prepare})"
+
+
+def head_params_style(overrides: dict[str, Any]) -> HeadParamsParallel | None:
+    """The style of a ``head_params`` rule (its fields ``overrides``); None when it shards nothing (``summed``
+    only: those parameters stay plain and join the tp gradient sum)."""
+    names = tuple(overrides.get("sharded") or ())
+    return HeadParamsParallel(names=names, dim=overrides.get("dim", 0)) if names else None

@@ -22,7 +22,8 @@ from torch.distributed.tensor.parallel import ParallelStyle, PrepareModuleInput,
 
 from meshplan.tensor_parallel.layouts import Stream, StyleArgs, backward_collectives as back, conversions_collectives
 from meshplan.tensor_parallel.layouts import placement, redistribute_collectives as redist
-from meshplan.tensor_parallel.head_params import HeadParamsParallel
+from meshplan.tensor_parallel.head_params import head_params_style
+from meshplan.tensor_parallel.projection_norm import ProjectionNormParallel, normalized_features as _features
 from meshplan.tensor_parallel.packed import PackedColwiseParallel, PackedRowwiseParallel, features, packed_placement
 from meshplan.tensor_parallel.styles import ColwiseParallel, ReplicateParallel, RowwiseParallel, TableWiseEmbedding
 from meshplan.tensor_parallel.vocab_embedding import VocabParallelEmbedding
@@ -77,6 +78,7 @@ class StyleSpec:
         on_local_heads: runs unchanged on this rank's heads (a colwise sibling's local output); its gradients
             are summed over tp.
         head_params: on a module seeing local heads: its rule's ``sharded`` own parameters split with the heads.
+        whole_projection: a norm over a colwise sibling's whole output run on its shards (mean summed over tp).
         reduces_output: with ``output_layouts: partial`` it reduces its module's partial output (transformers'
             ``gather``), which rowwise rules below it must leave partial.
         hf_name: transformers' tp_plan string; ``hf_packed`` with ``packed: 2``; ``hf_variant``
@@ -113,6 +115,7 @@ class StyleSpec:
     replicated: bool = False
     on_local_heads: bool = False
     head_params: bool = False
+    whole_projection: bool = False
     reduces_output: bool = False
     hf_name: str | None = None
     hf_packed: str | None = None
@@ -166,7 +169,6 @@ _stream, _batch, _local, _logits, _local_logits = (attrgetter(a) for a in ("layo
 
 
 # -- builds -----------------------------------------------------------------------------------------------
-
 def _colwise(a: StyleArgs) -> ParallelStyle:
     kw = a.torch_kwargs()
     if a.packed is None:
@@ -189,11 +191,6 @@ def _norm(a: StyleArgs) -> ParallelStyle | None:
     if a.stream.local:
         return None  # untouched without sequence parallelism
     return SequenceParallel(sequence_dim=placement(a.stream.layout).dim, use_local_output=False)
-
-
-def _head_params(a: StyleArgs) -> ParallelStyle | None:
-    names, dim = tuple(a.overrides.get("sharded") or ()), a.overrides.get("dim", 0)
-    return HeadParamsParallel(names=names, dim=dim) if names else None
 
 
 def _torch_style(cls: type) -> Callable[[StyleArgs], ParallelStyle]:
@@ -288,7 +285,10 @@ STYLES: Mapping[str, StyleSpec] = MappingProxyType({s.name: s for s in (
               defaults=_frozen(input_layouts="replicate", use_local_output=True),
               covers_submodules=True, replicated=True, hf_name="replicate"),
     StyleSpec("head_norm", build=lambda a: None, on_local_heads=True, hf_name="replicated_with_grad_allreduce"),
-    StyleSpec("head_params", build=_head_params, head_params=True, hf_name="local_params"),
+    StyleSpec("head_params", build=lambda a: head_params_style(a.overrides), head_params=True, hf_name="local_params"),
+    StyleSpec("projection_norm", build=_torch_style(ProjectionNormParallel), shards_params=True, whole_projection=True,
+              fits=lambda m, _: _features(m) is not None, expects="a norm with a 1-D weight",
+              sharded_dim=lambda m: ("normalized features", _features(m) or 0)),
     StyleSpec("prepare_input", build=_torch_style(PrepareModuleInput),
               costs=_prepare_costs("input_layouts", "desired_input_layouts"),
               defaults=_frozen(input_layouts=None, desired_input_layouts=None, input_kwarg_layouts=None,
