@@ -134,6 +134,9 @@ class HeadParams(_Rule):
                                           "tensor) and each rank's gradient is its slice's (transformers: a "
                                           "'colwise' rule on the parameter plus 'local_params' on the module).")
     dim: int = Field(0, ge=0, le=7, description="The head dim of the 'sharded' parameters (default 0).")
+    use_local_output: bool | None = Field(
+        None, description="The forward sees the 'sharded' parameters as this rank's slices, plain tensors (default "
+                          "true); false: as DTensors (for colwise children that keep DTensor outputs).")
     summed: list[str] = Field(
         default_factory=list, description="Names of the module's own parameters shared by all its heads (DiffLlama "
                                           "'lambda_q1', a vector of head_dim): replicated, each rank's gradient "
@@ -156,6 +159,8 @@ class ProjectionNorm(_Rule):
         description="The module normalises the whole output of a colwise sibling (num_heads x head_dim features, "
                     "not one head): its 1-D parameters are sharded Shard(0) like those features, it runs on this "
                     "rank's shard and its mean over the features is summed over tp (one small all-reduce).")
+    use_local_output: bool | None = Field(
+        None, description="Return this rank's shard as a plain tensor (default true); false: a DTensor.")
 
 
 class PrepareInput(_Rule):

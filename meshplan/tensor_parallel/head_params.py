@@ -26,6 +26,8 @@ class HeadParamsParallel(ParallelStyle):
     Keyword Args:
         names (tuple[str, ...]): the module's own parameters indexed by head.
         dim (int): their head dim. Default: 0.
+        use_local_output (bool): show the forward this rank's slices as plain tensors (else the DTensors).
+            Default: True.
         prepare (ParallelStyle, optional): a style for the same module applied after this one (the one input
             conversion of a block whose colwise children share the input: both live on the attention module).
 
@@ -43,10 +45,12 @@ class HeadParamsParallel(ParallelStyle):
         forward raises), so ``parameters()``, ``state_dict()`` and optimizers see the DTensor.
     """
 
-    def __init__(self, *, names: tuple[str, ...], dim: int = 0, prepare: ParallelStyle | None = None):
+    def __init__(self, *, names: tuple[str, ...], dim: int = 0, use_local_output: bool = True,
+                 prepare: ParallelStyle | None = None):
         super().__init__()
         self.names = tuple(names)
         self.dim = dim
+        self.use_local_output = use_local_output
         self.prepare = prepare
 
     def _partition(self, module: nn.Module, mesh: DeviceMesh) -> None:
@@ -69,19 +73,22 @@ class HeadParamsParallel(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         self._partition(module, device_mesh)  # not distribute_module: it would replicate every other parameter
-        module.register_forward_pre_hook(self._show_local)
-        module.register_forward_hook(self._hide_local, always_call=True)
+        if self.use_local_output:
+            module.register_forward_pre_hook(self._show_local)
+            module.register_forward_hook(self._hide_local, always_call=True)
         if self.prepare is not None:
             self.prepare.src_data_rank = self.src_data_rank
             self.prepare._apply(module, device_mesh)
         return module
 
     def __repr__(self) -> str:
-        return f"{self.__class__.__name__}(names={self.names}, dim={self.dim}, prepare={self.prepare})"
+        return (f"{self.__class__.__name__}(names={self.names}, dim={self.dim}, use_local_output={self.use_local_output}, "
+                f"prepare={self.prepare})")
 
 
 def head_params_style(overrides: dict[str, Any]) -> HeadParamsParallel | None:
     """The style of a ``head_params`` rule (its fields ``overrides``); None when it shards nothing (``summed``
     only: those parameters stay plain and join the tp gradient sum)."""
     names = tuple(overrides.get("sharded") or ())
-    return HeadParamsParallel(names=names, dim=overrides.get("dim", 0)) if names else None
+    return HeadParamsParallel(names=names, dim=overrides.get("dim", 0),
+                              use_local_output=overrides.get("use_local_output", True)) if names else None

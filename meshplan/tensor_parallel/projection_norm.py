@@ -17,7 +17,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DeviceMesh, DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
-__all__ = ["ProjectionNormParallel", "normalized_features"]
+__all__ = ["ProjectionNormParallel", "normalized_features", "projection_norm_style"]
 
 
 def normalized_features(module: nn.Module) -> int | None:
@@ -66,3 +66,8 @@ class ProjectionNormParallel(ParallelStyle):
 
     def __repr__(self) -> str:
         return f"{self.__class__.__name__}(use_local_output={self.use_local_output})"
+
+
+def projection_norm_style(args: Any) -> ProjectionNormParallel:
+    """The style of a ``projection_norm`` rule (``args``: its :class:`~meshplan.tensor_parallel.layouts.StyleArgs`)."""
+    return ProjectionNormParallel(use_local_output=args.overrides.get("use_local_output", True))

@@ -23,7 +23,7 @@ from torch.distributed.tensor.parallel import ParallelStyle, PrepareModuleInput,
 from meshplan.tensor_parallel.layouts import Stream, StyleArgs, backward_collectives as back, conversions_collectives
 from meshplan.tensor_parallel.layouts import placement, redistribute_collectives as redist
 from meshplan.tensor_parallel.head_params import head_params_style
-from meshplan.tensor_parallel.projection_norm import ProjectionNormParallel, normalized_features as _features
+from meshplan.tensor_parallel.projection_norm import normalized_features as _features, projection_norm_style
 from meshplan.tensor_parallel.packed import PackedColwiseParallel, PackedRowwiseParallel, features, packed_placement
 from meshplan.tensor_parallel.styles import ColwiseParallel, ReplicateParallel, RowwiseParallel, TableWiseEmbedding
 from meshplan.tensor_parallel.vocab_embedding import VocabParallelEmbedding
@@ -286,9 +286,9 @@ STYLES: Mapping[str, StyleSpec] = MappingProxyType({s.name: s for s in (
               covers_submodules=True, replicated=True, hf_name="replicate"),
     StyleSpec("head_norm", build=lambda a: None, on_local_heads=True, hf_name="replicated_with_grad_allreduce"),
     StyleSpec("head_params", build=lambda a: head_params_style(a.overrides), head_params=True, hf_name="local_params"),
-    StyleSpec("projection_norm", build=_torch_style(ProjectionNormParallel), shards_params=True, whole_projection=True,
+    StyleSpec("projection_norm", build=projection_norm_style, shards_params=True, whole_projection=True,
               fits=lambda m, _: _features(m) is not None, expects="a norm with a 1-D weight",
-              sharded_dim=lambda m: ("normalized features", _features(m) or 0)),
+              sharded_dim=lambda m: ("features", _features(m) or 0), costs=lambda *_: (["all_reduce"], ["all_reduce"])),
     StyleSpec("prepare_input", build=_torch_style(PrepareModuleInput),
               costs=_prepare_costs("input_layouts", "desired_input_layouts"),
               defaults=_frozen(input_layouts=None, desired_input_layouts=None, input_kwarg_layouts=None,
