@@ -57,6 +57,18 @@ def test_mla_three_adamw_steps_float64(results):
                 (rank, name, worst)
 
 
+def test_per_head_parts_three_sgd_steps_match_one_device(results):
+    """gpt-oss sinks (head_params sharded), DiffLlama lambdas (head_params summed, q/k/v packed 2), Olmo2's
+    projection_norm and lara_mini's gathered out_proj, tiny, float64, 3 SGD steps: loss, every gradient at each
+    step and every parameter after them within 1e-5 of one device (the models compute the lambdas and the
+    Olmo2 norm in float32); sharded gradients keep their parameters' placements."""
+    for rank, per_model in case_result(results, "heads", 2).items():
+        assert set(per_model) == {"diffllama", "gpt_oss", "lara_mini", "olmo2"}, per_model
+        for name, worst in per_model.items():
+            assert max(worst["loss"], worst["grad"], worst["param"]) <= 1e-5, (rank, name, worst)
+            assert worst["placements"] == [], (rank, name, worst)
+
+
 def test_meta_init_equals_one_device_init(results):
     for rank, per_model in case_result(results, "meta_init", 2).items():
         assert per_model == {m: 0.0 for m in MODELS}, (rank, per_model)

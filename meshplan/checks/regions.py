@@ -16,6 +16,8 @@ from typing import Any
 
 import torch.nn as nn
 
+from meshplan.checks.head_params import head_norm_size_errors, head_params_errors, own_param_errors, \
+    projection_norm_errors
 from meshplan.plan_file.patterns import wildcard
 from meshplan.tensor_parallel.heads import safe_attr
 from meshplan.tensor_parallel.packed import features
@@ -66,12 +68,13 @@ def unequal_packed_parts(parent: nn.Module, model: nn.Module, out: int, packed: 
 
 def region_errors(model: nn.Module, modules: dict[str, nn.Module], matched: dict[str, tuple[str, Any]],
                   sequence_parallel: bool | str, where: str, claimed: set[str] = frozenset(),
-                  token_regions: set[str] = frozenset()) -> list[str]:
+                  token_regions: set[str] = frozenset(), tp: int = 2) -> list[str]:
     """Every problem of modules that run on tp-local shards, and of modules on the SP stream.
 
     ``claimed``: paths some rule matches although no rule was assigned (conflicting rules, reported apart).
     ``token_regions``: MoE blocks of expert parallelism, which run on each tp rank's own tokens (their parameters'
-    gradients are summed over tp), so they need no tensor-parallel rule.
+    gradients are summed over tp), so they need no tensor-parallel rule. ``tp``: the degree sharded sizes must
+    divide (``head_params``).
     """
     regions = local_head_regions(matched, modules)
     ruled = set(matched) | set(claimed)
@@ -81,11 +84,22 @@ def region_errors(model: nn.Module, modules: dict[str, nn.Module], matched: dict
     for path, (_, rule) in matched.items():
         if STYLES[rule.style].column_parallel:
             colwise.setdefault(path.rpartition(".")[0], []).append(path)
+    near = {p: ", ".join(sorted(c)) for p, c in colwise.items()}
     for parent in sorted(regions):
-        errors += _region_children(model, modules, matched, parent, ruled | above, where,
-                                   ", ".join(sorted(colwise.get(parent, []))))
+        errors += _region_children(model, modules, matched, parent, ruled | above, where, near.get(parent, ""))
+    errors += own_param_errors(model, regions, modules, matched, where, near)
+    errors += _fanout_children(model, modules, matched, regions, ruled | above, where)
     for path, (pattern, rule) in matched.items():
         spec = STYLES[rule.style]
+        if spec.head_params:
+            errors += head_params_errors(model, path, pattern, rule, regions, tp, where)
+        parent = path.rpartition(".")[0]
+        hd = _head_dim(modules[parent] if parent else model, model) if spec.on_local_heads or \
+            spec.whole_projection else None
+        if spec.on_local_heads and parent in regions:
+            errors += head_norm_size_errors(model, path, pattern, hd, where)
+        if spec.whole_projection:
+            errors += projection_norm_errors(model, path, pattern, hd, regions, where)
         if spec.on_local_heads and path.rpartition(".")[0] not in regions:
             errors.append(f"{where}.{pattern!r}: module {path!r} ({spec.name}) is not inside a module whose colwise "
                           f"children output local shards, so its input is replicated and summing its gradients over "
@@ -151,6 +165,32 @@ def _latent_errors(model: nn.Module, modules: dict[str, nn.Module], matched: dic
                           f"the block input, {rule.style} would all-reduce it and the latent parameters' gradients "
                           f"would then be summed tp times; found {rule.style}, expected latent_colwise (it takes "
                           f"the block input like colwise)")
+def _fanout_children(model: nn.Module, modules: dict[str, nn.Module], matched: dict[str, tuple[str, Any]],
+                     regions: set[str], covered: set[str], where: str) -> list[str]:
+    """Projections without a rule beside a colwise whose parent converts the input once for its colwise
+    children (local-heads regions are :func:`_region_children`'s): they get that converted input, a DTensor, and
+    torch fails on the mixed tensors (lara_mini's ``linear_attn``: its ``out_proj`` is colwise with a gathered
+    output, its input projections have no rule)."""
+    errors = []
+    fanout: dict[str, list[tuple[str, str]]] = {}
+    for path, (pattern, rule) in matched.items():
+        if STYLES[rule.style].parent_converts_input(rule.overrides()):
+            fanout.setdefault(path.rpartition(".")[0], []).append((path, pattern))
+    for parent, cols in sorted(fanout.items()):
+        if parent in regions:
+            continue
+        pmod = modules[parent] if parent else model
+        loose = [f"{parent}.{n}" if parent else n for n, c in pmod.named_children()
+                 if (features(c) is not None or isinstance(c, nn.Conv1d)) and
+                 (f"{parent}.{n}" if parent else n) not in covered]
+        if loose:
+            names = ", ".join(f"'{p}'" for _, p in cols)
+            errors.append(f"{where}: module {loose[0]!r} ({type(modules[loose[0]]).__name__}) has no rule, and its "
+                          f"parent {parent or '(root)'!r} converts its input once (to a DTensor) for its colwise "
+                          f"children {', '.join(p for p, _ in cols)}; {loose[0]!r} would get that DTensor with plain "
+                          f"parameters (torch fails on the mixed tensors); found no input_layouts on {names}, "
+                          f"expected input_layouts: replicate there (each converts its own input, and the rest of "
+                          f"{parent or '(root)'!r} runs on plain tensors), or rules for {', '.join(loose)}")
     return errors
 
 

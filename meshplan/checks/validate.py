@@ -182,7 +182,7 @@ class _Checker:
 
     def regions(self, matched: dict[str, tuple[str, Any]]) -> None:
         for msg in region_errors(self.model, self.modules, matched, self.section.sequence_parallel, self.where,
-                                 self.conflicts, moe_blocks(self.model, self.plan.expert_parallel)):
+                                 self.conflicts, moe_blocks(self.model, self.plan.expert_parallel), self.tp):
             self.err(msg)
         for parent in sorted(local_head_regions(matched, self.modules)):
             for msg in head_count_errors(self.modules[parent] if parent else self.model, parent, self.tp,

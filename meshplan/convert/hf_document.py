@@ -124,13 +124,45 @@ def _load(source: str) -> dict | None:
     return data
 
 
+#: parameter names of per-head entries, when no model (--model) says which keys are modules
+_HEAD_PARAM_NAMES = ("sinks", "sink", "attention_sinks", "s_aux")
+
+
+def _param_entries(tp_plan: dict, modules: dict | None, notes: Notes) -> dict:
+    """transformers' entries on a bare parameter of a ``local_params`` module (``self_attn.sinks: colwise`` beside
+    ``self_attn: local_params``) as one ``head_params`` rule on the module (see :func:`meshplan.hf.convert.from_hf`);
+    a key is a parameter when the model's modules (``modules``) do not hold it, else (no model) when its name is
+    one of :data:`_HEAD_PARAM_NAMES`. A ``local_params`` entry with no parameter entry is dropped."""
+    from meshplan.hf.convert import PARAM_STYLES
+    owners = {k for k, v in tp_plan.items() if v == "local_params"}
+    merged: dict[str, dict] = {k: {"style": "head_params"} for k in owners}
+    out = {}
+    for key, value in tp_plan.items():
+        owner, _, name = key.rpartition(".")
+        is_param = key not in modules if modules else name in _HEAD_PARAM_NAMES
+        if owner in owners and value in PARAM_STYLES and is_param:
+            merged[owner].setdefault(PARAM_STYLES[value], []).append(name)
+        elif key not in owners:
+            out[key] = value
+    for owner, rule in merged.items():
+        if len(rule) == 1:
+            notes.drop(f"tp_plan {owner!r} (local_params)", "no entry of the plan shards a parameter of it")
+        else:
+            out[owner] = rule
+    return out
+
+
 def _rules(tp_plan: dict, modules: dict | None, notes: Notes) -> tuple[dict, bool]:
     """meshplan rules of a transformers tp_plan and whether it has norms on the stream (sequence parallelism)."""
     from meshplan.hf.styles import HF_UNSUPPORTED, resolve_alias
     from meshplan.tensor_parallel.style_table import STYLES
     rules, sp = {}, False
     heads = set((modules or {}).get("(output)", "").split(",")) - {""}
+    tp_plan = _param_entries(tp_plan, modules, notes)
     for key, value in tp_plan.items():
+        if isinstance(value, dict):
+            rules[key] = value
+            continue
         if value in HF_UNSUPPORTED:
             notes.drop(f"tp_plan {key!r} ({value})", HF_UNSUPPORTED[value])
             continue

@@ -84,6 +84,50 @@ def _rule(style: str) -> Any:
     return data["style"] if len(data) == 1 else data
 
 
+#: transformers' styles of an entry on a bare parameter, and the head_params list it joins
+PARAM_STYLES = {"colwise": "sharded", "local_colwise": "sharded", "replicated_with_grad_allreduce": "summed"}
+
+
+def _param_entries(model, hf: dict[str, Any]) -> dict[str, Any]:
+    """transformers' entries on a bare parameter (``layers.*.self_attn.sinks: colwise`` beside
+    ``layers.*.self_attn: local_params``) merged into one ``head_params`` rule on the module that owns it."""
+    from meshplan.plan_file.patterns import wildcard
+    modules = {wildcard(n) for n, _ in model.named_modules()}
+    params = {wildcard(f"{m}.{n}" if m else n) for m, mod in model.named_modules()
+              for n, _ in mod.named_parameters(recurse=False)}
+    out: dict[str, Any] = {}
+    merged: dict[str, dict[str, Any]] = {}
+    for k, v in hf.items():
+        if k in params and k not in modules and v in PARAM_STYLES:
+            owner, _, name = k.rpartition(".")
+            merged.setdefault(owner, {"style": "head_params"}).setdefault(PARAM_STYLES[v], []).append(name)
+        else:
+            out[k] = v
+    return {**out, **merged}  # the merged rule replaces the owner's 'local_params'
+
+
+def _own_inputs(model, rules: dict[str, Any]) -> dict[str, Any]:
+    """Gathered colwise rules (``colwise_gather_output``) whose parent holds projections no rule covers get
+    ``input_layouts: replicate``: each converts its own input, so the parent's input stays a plain tensor for
+    those projections (lara_mini's ``linear_attn.out_proj``; see :func:`meshplan.checks.regions.region_errors`)."""
+    from meshplan.plan_file.patterns import wildcard
+    from meshplan.tensor_parallel.packed import features
+    from meshplan.tensor_parallel.style_table import STYLES
+    kids: dict[str, set[str]] = {}
+    for path, mod in model.named_modules():
+        if path and features(mod) is not None:
+            kids.setdefault(wildcard(path.rpartition(".")[0]), set()).add(wildcard(path))
+    out = dict(rules)
+    for k, rule in rules.items():
+        data = {"style": rule} if isinstance(rule, str) else rule
+        spec = STYLES.get(data["style"])
+        if spec is None or not spec.parent_converts_input(data) or spec.gives_local_heads(data):
+            continue
+        if any(c not in rules for c in kids.get(k.rpartition(".")[0], ())):
+            out[k] = {**data, "input_layouts": "replicate"}
+    return out
+
+
 def _small_instance(cls, config):
     """A meta-device instance of ``cls`` from a shrunken copy of ``config`` that keeps every layer kind."""
     import torch
@@ -96,11 +140,12 @@ def _small_instance(cls, config):
 def _structure(model, hf_rules: dict[str, str]) -> tuple[dict[str, str], list[str]]:
     """Embedding, stream norms and lm_head rules read from a small meta-device instance (every layer kind of
     the model kept), and the instance's module paths (wildcarded) in model order."""
+    from meshplan.checks.head_params import split_own_params, suggested_rule
     from meshplan.checks.regions import is_norm, summable_on_shards
     from meshplan.plan_file.patterns import wildcard
     from meshplan.tensor_parallel.style_table import STYLES
     names = {id(m): n for n, m in model.named_modules()}
-    aliases = {k: resolve_alias(v) for k, v in hf_rules.items()}
+    aliases = {k: resolve_alias(v) if isinstance(v, str) else v for k, v in hf_rules.items()}
     specs = {k: STYLES[a["style"]] for k, a in aliases.items() if a["style"] in STYLES}  # unknown: no meaning
     parents = {k.rpartition(".")[0] for k, spec in specs.items() if spec.column_parallel}
     out: dict[str, str] = {}
@@ -117,6 +162,8 @@ def _structure(model, hf_rules: dict[str, str]) -> tuple[dict[str, str], list[st
         elif path and wildcard(parent) in local and pattern not in hf_rules and \
                 summable_on_shards(mod, modules[parent], model):
             out[pattern] = "head_norm"  # a per-head norm or a scalar-parameter activation on this rank's shards
+        elif path and pattern in local and pattern not in hf_rules and any(mod.parameters(recurse=False)):
+            out[pattern] = suggested_rule(*split_own_params(model, mod))  # sinks, differential lambdas
     head = model.get_output_embeddings()
     if head is not None and id(head) in names:
         out[names[id(head)]] = "lm_head"
@@ -176,9 +223,10 @@ def from_hf(source: str | Path, *, sequence_parallel: bool = True, loss_parallel
         hf.update(getattr(cls, "_tp_plan", None) or {})
         from meshplan.hf.moe import MOE_STYLES, expert_rules, is_moe_plan
         moe, rules = is_moe_plan(hf), {}
+        hf = _param_entries(model, hf)
         for k, v in hf.items():
             try:
-                rules[k] = v if moe and v in MOE_STYLES else _rule(v)
+                rules[k] = v if (moe and v in MOE_STYLES) or isinstance(v, dict) else _rule(v)
             except ValueError as e:
                 raise PlanError(f"{model_type}: tp_plan rule {k!r} ({cls.__name__}): {e}") from None
         if moe:  # the experts go to the expert_parallel section
@@ -192,6 +240,7 @@ def from_hf(source: str | Path, *, sequence_parallel: bool = True, loss_parallel
         from meshplan.hf.mla import latent_rules
         rules = latent_rules(model, rules)  # MLA: the latent path beside transformers' mla_kv_a_proj
         rules = _present(model, rules)
+        rules = _own_inputs(model, rules)
         rank = {p: i for i, p in enumerate(order)}
         rules = dict(sorted(rules.items(), key=lambda kv: rank.get(kv[0], len(rank))))
         origin = f"transformers {_version()} {type(config).__name__}.base_model_tp_plan + {cls.__name__}._tp_plan"
@@ -220,6 +269,7 @@ def to_hf(plan) -> dict[str, str]:
         PlanError: a rule has no transformers equivalent.
     """
     from meshplan.plan_file.document import as_plan
+    from meshplan.tensor_parallel.style_table import STYLES
     p = as_plan(plan)
     if p.tensor_parallel is None:
         return {}
@@ -231,6 +281,12 @@ def to_hf(plan) -> dict[str, str]:
             out[pattern] = to_hf_style(rule, pattern)
         except ValueError as e:
             raise PlanError(f"{p.source or '<plan>'}: tensor_parallel.rules.{pattern!r}: {e}") from None
+        if STYLES[rule.style].head_params:  # transformers shards a bare parameter by its own entry
+            if rule.summed:
+                raise PlanError(f"{p.source or '<plan>'}: tensor_parallel.rules.{pattern!r}: head_params 'summed' "
+                                f"({', '.join(rule.summed)}) has no transformers equivalent (its gradient sum hooks "
+                                f"a module, not a parameter)")
+            out.update({f"{pattern}.{n}": "colwise" for n in rule.sharded})
     return out
 
 

@@ -62,6 +62,9 @@ HF_ALIASES: dict[str, dict[str, Any]] = {
     "replicated_with_grad_allreduce": {"style": "head_norm"},
     # DeepSeek MLA's latent kv_a_proj_with_mqa (from_hf adds its latent siblings and latent_colwise up-projections)
     "mla_kv_a_proj": {"style": "latent"},
+    # a module whose own parameters belong to its local heads (attention sinks): the parameter entries
+    # ('self_attn.sinks: colwise') are merged into it by meshplan.hf.convert.from_hf as `sharded: [sinks]`
+    "local_params": {"style": "head_params"},
     # all-reduce a module's partial output
     "gather": {"style": "prepare_output", "output_layouts": "partial", "desired_output_layouts": _REP},
     "all_reduce": {"style": "prepare_output", "output_layouts": "partial", "desired_output_layouts": _REP},
@@ -70,13 +73,11 @@ HF_ALIASES: dict[str, dict[str, Any]] = {
 
 _MOE = ("it shards experts, which meshplan writes in the expert_parallel section (meshplan.hf.from_hf(model_type, "
         "ep=N) converts a model's base_model_ep_plan), not as a tensor_parallel rule")
-_PARAM = "it shards a bare nn.Parameter, and meshplan rules address modules"
 #: transformers strings meshplan rejects, with the reason
 HF_UNSUPPORTED: dict[str, str] = {
     "grouped_gemm": _MOE, "ep_router": _MOE, "moe_tp_experts": _MOE, "megamoe_router": _MOE,
     "megamoe_experts": _MOE, "moe_identity_expert": _MOE, "ep_dispatch_experts": _MOE,
     "moe_tp_gate_up_colwise": _MOE, "moe_tp_down_rowwise": _MOE,
-    "local_params": _PARAM,
     "activation_seq_dim_2": "meshplan's sequence-parallel stream shards dim 1",
     "keep_full_weight": "it is an FSDP plan string, not a tensor-parallel style",
     "free_full_weight": "it is an FSDP plan string, not a tensor-parallel style",

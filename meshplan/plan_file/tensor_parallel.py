@@ -136,6 +136,46 @@ class LatentColwise(_Rule):
     style: Literal["latent_colwise"] = Field(
         description="Shard the weight's output features (heads) over tp; the input is a latent (a 'latent' "
                     "module's output): replicated, taken with no collective, its gradient left partial.")
+class HeadParams(_Rule):
+    """A module's own parameters that belong to attention heads it sees locally (sinks, differential lambdas)."""
+    style: Literal["head_params"] = Field(
+        description="The module's own parameters (not its children's) that act on its attention heads while its "
+                    "colwise children shard those heads: 'sharded' ones are indexed by head and split with them, "
+                    "'summed' ones are shared by every head and stay replicated, their gradients summed over tp.")
+    sharded: list[str] = Field(
+        default_factory=list, description="Names of the module's own parameters indexed by head along 'dim' (gpt-oss "
+                                          "'sinks': one logit per head): Shard(dim) over tp, so each rank holds its "
+                                          "heads' entries; the module's forward sees this rank's slice (a plain "
+                                          "tensor) and each rank's gradient is its slice's (transformers: a "
+                                          "'colwise' rule on the parameter plus 'local_params' on the module).")
+    dim: int = Field(0, ge=0, le=7, description="The head dim of the 'sharded' parameters (default 0).")
+    use_local_output: bool | None = Field(
+        None, description="The forward sees the 'sharded' parameters as this rank's slices, plain tensors (default "
+                          "true); false: as DTensors (for colwise children that keep DTensor outputs).")
+    summed: list[str] = Field(
+        default_factory=list, description="Names of the module's own parameters shared by all its heads (DiffLlama "
+                                          "'lambda_q1', a vector of head_dim): replicated, each rank's gradient "
+                                          "covers its heads only and the ranks' gradients are summed over tp in the "
+                                          "one coalesced post-backward reduction.")
+
+    @model_validator(mode="after")
+    def _check_names(self) -> "HeadParams":
+        if not self.sharded and not self.summed:
+            raise ValueError("head_params names no parameter; expected 'sharded: [names]' and/or 'summed: [names]'")
+        both = sorted(set(self.sharded) & set(self.summed))
+        if both:
+            raise ValueError(f"head_params: {both} are both sharded and summed; expected each name in one list")
+        return self
+
+
+class ProjectionNorm(_Rule):
+    """A norm over a colwise sibling's whole output, run on its shards (Olmo2's ``q_norm``/``k_norm``)."""
+    style: Literal["projection_norm"] = Field(
+        description="The module normalises the whole output of a colwise sibling (num_heads x head_dim features, "
+                    "not one head): its 1-D parameters are sharded Shard(0) like those features, it runs on this "
+                    "rank's shard and its mean over the features is summed over tp (one small all-reduce).")
+    use_local_output: bool | None = Field(
+        None, description="Return this rank's shard as a plain tensor (default true); false: a DTensor.")
 
 
 class PrepareInput(_Rule):
@@ -158,7 +198,7 @@ class PrepareOutput(_Rule):
 
 Rule = Annotated[
     Union[Colwise, Rowwise, Norm, Embedding, EmbeddingColwise, EmbeddingTables, LmHead, ReplicateRule, HeadNorm,
-          Latent, LatentColwise, PrepareInput, PrepareOutput],
+          Latent, LatentColwise, HeadParams, ProjectionNorm, PrepareInput, PrepareOutput],
     Field(discriminator="style"),
 ]
 #: the style names, in the order of :data:`Rule` (read from each rule class's ``style`` Literal): the one list

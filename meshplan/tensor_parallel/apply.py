@@ -108,6 +108,7 @@ def apply_tensor_parallel(model: nn.Module, section: TensorParallel, tp_mesh: De
             parallelize_module(modules[path] if path else model, tp_mesh, style, src_data_rank=src)
     retie(model, tied, where)
     summed = [f"{p}.{n}" if p else n for p in meta["head_norms"] for n, _ in modules[p].named_parameters()]
+    summed += meta["summed_params"]  # head_params' shared parameters: each rank's heads' part of the gradient
     finalizer = TpGradSync.for_model(model, tp_mesh, section.sequence_parallel, summed=summed)
     if finalizer is not None:
         finalizer.install(model)

@@ -27,6 +27,7 @@ from meshplan.errors import PlanError
 from meshplan.mesh.ranks import divisors_text, not_dividing
 from meshplan.plan_file.patterns import match_rules
 from meshplan.plan_file.tensor_parallel import TensorParallel
+from meshplan.tensor_parallel.head_params import HeadParamsParallel
 from meshplan.tensor_parallel.layouts import Stream, StyleArgs, placement
 from meshplan.tensor_parallel.packed import features, uses_packed_style
 from meshplan.tensor_parallel.style_table import STYLES, StyleSpec
@@ -92,7 +93,8 @@ def generate_tp_plan(model: nn.Module, section: TensorParallel, tp: int, source:
 
     Returns:
         ``(plan, meta)``: ``meta`` holds ``fanout`` (parents converted once per block), ``local_heads``
-        (parents that see this rank's heads), ``head_norms``, ``norm_dropouts``, the matched rules and the
+        (parents that see this rank's heads), ``head_norms``, ``summed_params`` (``head_params``' shared
+        parameters, ``path.name``), ``norm_dropouts``, the matched rules and the
         model's modules by path.
 
     Raises:
@@ -107,6 +109,7 @@ def generate_tp_plan(model: nn.Module, section: TensorParallel, tp: int, source:
     fanout: dict[str, None] = {}
     local_heads: dict[str, None] = {}  # parents with a colwise child whose local output is this rank's heads
     head_norms: list[str] = []
+    summed_params: list[str] = []
     norm_dropouts: list[str] = []
     per_rule: dict[int, tuple[dict, dict]] = {}  # one per rule, not per module (126-layer models: 1.6k modules)
     for path, (pattern, rule) in matched.items():
@@ -126,18 +129,20 @@ def generate_tp_plan(model: nn.Module, section: TensorParallel, tp: int, source:
             norm_dropouts.append(path)
         if spec.on_local_heads:
             head_norms.append(path)  # runs unchanged on local heads; its grads join TpGradSync's tp sum
+        if spec.head_params:
+            summed_params += [f"{path}.{n}" if path else n for n in o.get("summed", ())]
     _convert_once(model, modules, plan, fanout, stream, section.save_gathered_inputs)
     return plan, {"fanout": list(fanout), "local_heads": list(local_heads), "head_norms": head_norms,
-                  "norm_dropouts": norm_dropouts, "matched": matched, "modules": modules}
+                  "summed_params": summed_params, "norm_dropouts": norm_dropouts, "matched": matched, "modules": modules}
 
 
 def _convert_once(model: nn.Module, modules: dict[str, nn.Module], plan: dict[str, Any], fanout: dict[str, None],
                   stream: Stream, save_gathered: bool = True) -> None:
     """One input conversion (stream → replicate) on each parent of colwise children, unless the user
-    prepared it by hand."""
+    prepared it by hand. A ``head_params`` style on the parent applies the conversion too (one style per path)."""
     arg_names: dict[type, str | None] = {}  # inspect.signature once per class
     for parent in fanout:
-        if parent in plan:
+        if parent in plan and not isinstance(plan[parent], HeadParamsParallel):
             continue  # the user prepared it by hand
         target = modules[parent] if parent else model
         if "forward" in target.__dict__:
@@ -146,5 +151,9 @@ def _convert_once(model: nn.Module, modules: dict[str, nn.Module], plan: dict[st
             name = arg_names[type(target)]
         else:
             name = arg_names[type(target)] = hidden_arg_name(target)
-        plan[parent] = PrepareHiddenInput(input_layout=placement(stream.layout), desired_layout=placement("replicate"),
-                                          arg_name=name, save_gathered=save_gathered)
+        prepare = PrepareHiddenInput(input_layout=placement(stream.layout), desired_layout=placement("replicate"),
+                                     arg_name=name, save_gathered=save_gathered)
+        if parent in plan:
+            plan[parent].prepare = prepare
+        else:
+            plan[parent] = prepare

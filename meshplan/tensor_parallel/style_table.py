@@ -23,6 +23,8 @@ from torch.distributed.tensor.parallel import ParallelStyle, PrepareModuleInput,
 from meshplan.tensor_parallel.layouts import Stream, StyleArgs, backward_collectives as back, conversions_collectives
 from meshplan.tensor_parallel.latent import LatentColwiseParallel, LatentParallel
 from meshplan.tensor_parallel.layouts import placement, redistribute_collectives as redist
+from meshplan.tensor_parallel.head_params import head_params_style
+from meshplan.tensor_parallel.projection_norm import normalized_features as _features, projection_norm_style
 from meshplan.tensor_parallel.packed import PackedColwiseParallel, PackedRowwiseParallel, features, packed_placement
 from meshplan.tensor_parallel.styles import ColwiseParallel, ReplicateParallel, RowwiseParallel, SequenceParallel
 from meshplan.tensor_parallel.styles import TableWiseEmbedding
@@ -77,6 +79,8 @@ class StyleSpec:
             are summed over tp.
         latent: MLA's latent (:mod:`~meshplan.tensor_parallel.latent`): takes its parent's converted input like a
             colwise child, runs whole, gradient partial; ``latent_input``: a colwise whose input is a latent.
+        head_params: on a module seeing local heads: its rule's ``sharded`` own parameters split with the heads.
+        whole_projection: a norm over a colwise sibling's whole output run on its shards (mean summed over tp).
         reduces_output: with ``output_layouts: partial`` it reduces its module's partial output (transformers'
             ``gather``), which rowwise rules below it must leave partial.
         hf_name: transformers' tp_plan string; ``hf_packed`` with ``packed: 2``; ``hf_variant``
@@ -112,6 +116,8 @@ class StyleSpec:
     covers_submodules: bool = False
     replicated: bool = False
     on_local_heads: bool = False
+    head_params: bool = False
+    whole_projection: bool = False
     reduces_output: bool = False
     latent: bool = False
     latent_input: bool = False
@@ -167,7 +173,6 @@ _stream, _batch, _local, _logits, _local_logits = (attrgetter(a) for a in ("layo
 
 
 # -- builds -----------------------------------------------------------------------------------------------
-
 def _colwise(a: StyleArgs) -> ParallelStyle:
     kw = a.torch_kwargs()
     if a.packed is None:
@@ -289,6 +294,10 @@ STYLES: Mapping[str, StyleSpec] = MappingProxyType({s.name: s for s in (
               defaults=_frozen(output_layouts="shard(-1)", use_local_output=True), sharded_dim=_out_dim,
               costs=lambda lay, o: (redist("shard(-1)", lay["output_layouts"]), []), fits=lambda m, k: isinstance(
                   m, nn.Linear), shards_params=True, column_parallel=True, latent_input=True, hf_name="colwise"),
+    StyleSpec("head_params", build=lambda a: head_params_style(a.overrides), head_params=True, hf_name="local_params"),
+    StyleSpec("projection_norm", build=projection_norm_style, shards_params=True, whole_projection=True,
+              fits=lambda m, _: _features(m) is not None, expects="a norm with a 1-D weight",
+              sharded_dim=lambda m: ("features", _features(m) or 0), costs=lambda *_: (["all_reduce"], ["all_reduce"])),
     StyleSpec("prepare_input", build=_torch_style(PrepareModuleInput),
               costs=_prepare_costs("input_layouts", "desired_input_layouts"),
               defaults=_frozen(input_layouts=None, desired_input_layouts=None, input_kwarg_layouts=None,

@@ -5,7 +5,9 @@ One launch for every model: 3 AdamW steps vs one device in float64 (transformers
 reordered sums differ by ~1e-16 and AdamW has no fp32 noise to amplify), meta-device init vs one-device init, and
 loading a full state dict from rank 0 and from a safetensors file; transformers' Llama over
 SP off / on / batch x loss_parallel on / off (float64 too); DeepSeek MLA (minicpm3, a dense DeepSeek-V2-Lite
-shape) in float64 with the plans ``from_hf`` converts. ``hf_worker.py CASE...`` runs only those cases.
+shape) in float64 with the plans ``from_hf`` converts; per-head parts of attention (tests/_heads.py: gpt-oss sinks,
+DiffLlama lambdas, Olmo2's whole-projection norm, lara_mini) 3 SGD steps in float64.
+``hf_worker.py CASE...`` runs only those cases.
 """
 
 import copy
@@ -215,9 +217,45 @@ def case_load():
     return out
 
 
+def _heads_run(model_type, steps=3, lr=0.1):
+    """3 SGD steps of a tiny float64 model with per-head parts (tests/_heads.py) beside one device."""
+    import time
+
+    from _heads import plan, tiny
+    t0 = time.perf_counter()
+    ref = tiny(model_type)
+    model = copy.deepcopy(ref)
+    meshplan.parallelize(model, plan(model_type, WORLD))
+    opts = [torch.optim.SGD(m.parameters(), lr=lr) for m in (ref, model)]
+    worst = {"loss": 0.0, "grad": 0.0, "param": 0.0, "placements": []}
+    vocab = ref.config.vocab_size
+    for step in range(steps):
+        tokens = torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(step))
+        losses = [m(input_ids=tokens, labels=tokens).loss for m in (ref, model)]
+        for loss in losses:
+            loss.backward()
+        worst["loss"] = max(worst["loss"], _rel(losses[1].detach(), losses[0].detach()))
+        for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+            if isinstance(p, DTensor) and p.grad.placements != p.placements:
+                worst["placements"].append(n)
+            worst["grad"] = max(worst["grad"], _rel(p.grad, q.grad))
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        worst["param"] = max(worst["param"], _rel(p.detach(), q.detach()))
+    worst["seconds"] = time.perf_counter() - t0
+    return worst
+
+
+def case_heads():
+    from _heads import RULES
+    return {t: _heads_run(t) for t in sorted(RULES)}
+
+
 if __name__ == "__main__":
     cases = {"parity": case_parity, "meta_init": case_meta_init, "load": case_load, "llama_matrix": case_llama_matrix,
-             "mla": case_mla}
+             "mla": case_mla, "heads": case_heads}
     wanted = sys.argv[1:] or list(cases)
     with meshplan.init({"tp": WORLD}), keep_float64():
         run_cases({k: cases[k] for k in wanted})

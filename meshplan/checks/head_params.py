@@ -1,0 +1,133 @@
+"""Checks of what acts on a module's local heads besides its projections: its own parameters (attention sinks,
+differential-attention lambdas; the ``head_params`` style) and norms on the heads (``head_norm``).
+
+In a local-heads region (a module whose colwise children hand it this rank's heads) every parameter of the
+module's own is used on those heads: one indexed by head (``sinks``, ``[num_heads]``) must be split with them
+(``head_params`` ``sharded``), one shared by all heads (DiffLlama's ``lambda_q1``, ``[head_dim]``) gets only this
+rank's heads' gradient, which must be summed over tp (``head_params`` ``summed``). A ``head_norm`` normalises each
+head alone, so its weight has ``head_dim`` entries; a norm over the whole projection (Olmo2's ``q_norm`` over
+``num_heads·head_dim``) needs the whole projection, i.e. its colwise outputs gathered.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.nn as nn
+
+from meshplan.plan_file.patterns import wildcard
+from meshplan.tensor_parallel.heads import safe_attr
+from meshplan.tensor_parallel.style_table import STYLES
+
+__all__ = ["head_counts", "split_own_params", "suggested_rule", "own_param_errors", "head_params_errors",
+           "head_norm_size_errors", "projection_norm_errors"]
+
+
+def head_counts(model: nn.Module, mod: nn.Module) -> set[int]:
+    """The model's global head counts (query and key/value heads), from its config or the module's attributes."""
+    cfg = safe_attr(mod, "config") or safe_attr(model, "config")
+    names = ("num_attention_heads", "num_key_value_heads", "n_head", "n_heads", "n_kv_heads", "num_heads",
+             "num_key_value_groups")
+    found = {safe_attr(cfg, n) for n in names[:5]} | {safe_attr(mod, n) for n in names[3:6]}
+    return {n for n in found if isinstance(n, int) and not isinstance(n, bool) and n > 0}
+
+
+def split_own_params(model: nn.Module, mod: nn.Module, skip: set[str] = frozenset()) -> tuple[list[str], list[str]]:
+    """``(per_head, shared)``: the own parameters of ``mod`` (but ``skip``) whose leading dim is a head count
+    (split with the heads), and the others (shared by all heads: gradients summed over tp)."""
+    own = [(n, p) for n, p in mod.named_parameters(recurse=False) if n not in skip]
+    heads = head_counts(model, mod)
+    per_head = [n for n, p in own if p.ndim >= 1 and p.shape[0] in heads]
+    return per_head, [n for n, _ in own if n not in per_head]
+
+
+def suggested_rule(per_head: list[str], shared: list[str]) -> dict[str, Any]:
+    """The ``head_params`` rule for :func:`split_own_params`' result (plain data)."""
+    return {"style": "head_params", **({"sharded": per_head} if per_head else {}),
+            **({"summed": shared} if shared else {})}
+
+
+def _suggest(path: str, sharded: list[str], summed: list[str]) -> str:
+    parts = ([f"sharded: [{', '.join(sharded)}]"] if sharded else []) + \
+            ([f"summed: [{', '.join(summed)}]"] if summed else [])
+    return f"'{wildcard(path)}': {{style: head_params, {', '.join(parts)}}}"
+
+
+def own_param_errors(model: nn.Module, regions: set[str], modules: dict[str, nn.Module],
+                     matched: dict[str, tuple[str, Any]], where: str, near: dict[str, str]) -> list[str]:
+    """The own parameters of local-heads regions that no ``head_params`` rule names (``near``: a region's
+    colwise children, for the message)."""
+    errors = []
+    for parent in sorted(regions):
+        mod = modules[parent] if parent else model
+        rule = matched.get(parent)
+        named = set()
+        if rule is not None and STYLES[rule[1].style].head_params:
+            named = set(rule[1].sharded) | set(rule[1].summed)
+        own = [(n, p) for n, p in mod.named_parameters(recurse=False) if n not in named]
+        if not own:
+            continue
+        heads = head_counts(model, mod)
+        per_head, shared = split_own_params(model, mod, named)
+        shapes = ", ".join(f"{n} {list(p.shape)}" for n, p in own)
+        errors.append(f"{where}: module {parent or '(root)'!r} ({type(mod).__name__}) runs on this rank's heads (the "
+                      f"local outputs of {near.get(parent, 'its colwise children')}) but no rule names its own "
+                      f"parameters ({shapes}; head counts {sorted(heads)}): one indexed by head must be split with "
+                      f"the heads, one shared by all heads gets only this rank's heads' gradient; found no rule, "
+                      f"expected {_suggest(parent, per_head, shared)}")
+    return errors
+
+
+def head_params_errors(model: nn.Module, path: str, pattern: str, rule: Any, regions: set[str], tp: int,
+                       where: str) -> list[str]:
+    """A ``head_params`` rule: on a local-heads region, naming its own parameters, sharded sizes divisible."""
+    mod, loc = model.get_submodule(path), f"{where}.{pattern!r}"
+    if path not in regions:
+        return [f"{loc}: module {path or '(root)'!r} (head_params) has no colwise child with local outputs, so its "
+                f"heads are not split over tp; found no colwise child giving shard(-1), expected one (or drop the "
+                f"rule: its parameters then act on every head)"]
+    own = dict(mod.named_parameters(recurse=False))
+    errors = [f"{loc}: module {path!r} ({type(mod).__name__}) has no parameter {n!r} of its own; found "
+              f"{sorted(own) or 'none'}, expected one of them" for n in [*rule.sharded, *rule.summed] if n not in own]
+    for n in rule.sharded:
+        p = own.get(n)
+        if p is None:
+            continue
+        if p.ndim <= rule.dim:
+            errors.append(f"{loc}: module {path!r}: parameter {n!r} has shape {list(p.shape)}, no dim {rule.dim}; "
+                          f"expected the head dim of a per-head parameter (dim: 0 for [num_heads])")
+        elif p.shape[rule.dim] % tp:
+            errors.append(f"{loc}: module {path!r}: tp({tp}) does not divide {n}.shape[{rule.dim}] "
+                          f"({p.shape[rule.dim]}); found {p.shape[rule.dim]}, expected a multiple of {tp}")
+    return errors
+
+
+def head_norm_size_errors(model: nn.Module, path: str, pattern: str, head_dim: int | None, where: str) -> list[str]:
+    """A ``head_norm`` whose weight is not one head's size: a norm over the whole projection (Olmo2)."""
+    mod = model.get_submodule(path)
+    w = getattr(mod, "weight", None)
+    n = w.shape[-1] if isinstance(w, nn.Parameter) and w.ndim == 1 else None
+    if head_dim is None or n is None or n == head_dim:
+        return []
+    return [f"{where}.{pattern!r}: module {path!r} ({type(mod).__name__}, head_norm) normalises {n} features, not "
+            f"one head (head_dim {head_dim}): a norm over the whole projection needs all of its features, but its "
+            f"input is this rank's heads only; found normalized size {n}, expected {head_dim}; use "
+            f"'{wildcard(path)}: projection_norm' (its weight sharded like the projection, the mean of squares summed "
+            f"over tp), or gather the projection (output_layouts: replicate on the colwise rules feeding it, "
+            f"input_layouts: replicate on the rowwise one, no rule for it: transformers' Olmo2 plan)"]
+
+
+def projection_norm_errors(model: nn.Module, path: str, pattern: str, head_dim: int | None, regions: set[str],
+                           where: str) -> list[str]:
+    """A ``projection_norm``: inside a local-heads region, over more than one head."""
+    loc, parent = f"{where}.{pattern!r}", path.rpartition(".")[0]
+    if parent not in regions:
+        return [f"{loc}: module {path!r} (projection_norm) is not inside a module whose colwise children output "
+                f"local shards, so its input is not sharded; found no colwise sibling with local outputs, expected "
+                f"one (or no rule: the module runs whole on a gathered input)"]
+    w = getattr(model.get_submodule(path), "weight", None)
+    if head_dim is not None and getattr(w, "ndim", 0) == 1 and w.shape[0] == head_dim:
+        return [f"{loc}: module {path!r} (projection_norm) normalises {head_dim} features, one head (head_dim "
+                f"{head_dim}): each head is normalised alone, so its weight must stay whole; found normalized size "
+                f"{head_dim}, expected a whole projection; use '{wildcard(path)}: head_norm'"]
+    return []
