@@ -86,6 +86,10 @@ def _apply_sections(model: nn.Module, p: Plan, topology: Topology | None, tp_mes
     if p.tensor_parallel is not None:
         from meshplan.checks.validate import validate_plan
         validate_plan(model, p, tp_mesh.size())  # what `meshplan check` checks, before anything changes
+    from meshplan.blocks import blocks_problem
+    problem = blocks_problem(model, p, topology.layout if topology is not None else None, p.source)
+    if problem is not None:  # `meshplan check` reports the same; raised before anything changes
+        raise problem
     context = _check_context(model, p, topology)
     split = _split_stages(model, p, topology) if pipelined else None
     moe = _check_experts(model, p, topology, split)

@@ -18,8 +18,10 @@ EXPERTS = {"model.layers.*.mlp.experts": "ep_dispatch_experts", "model.layers.*.
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "qwen2_moe"])
 def test_converted_plan_has_the_expert_section_and_checks(arch):
     import hf_models
-    plan = from_hf(arch, ep=2)
+    assert from_hf(arch, ep=2)["layout"] == {"tp": 1, "ep": 2, "etp": 1}  # ep alone: tp 1, not a silent tp 2
+    plan = from_hf(arch, ep=2, tp=2)
     assert plan["layout"] == {"tp": 2, "ep": 2, "etp": 1}
+    assert plan["blocks"] == {"pattern": "model.layers.*"}
     assert plan["expert_parallel"] == {"rules": EXPERTS}
     assert not [k for k in plan["tensor_parallel"]["rules"] if ".mlp." in k]  # every layer is sparse here
     plan.pop("_origin")
@@ -41,7 +43,7 @@ def test_checked_in_mixtral_plan_is_the_converters():
     import yaml
     with open("plans/hf_mixtral_ep.yaml") as f:
         committed = yaml.safe_load(f)
-    fresh = from_hf("mixtral", ep=2)
+    fresh = from_hf("mixtral", ep=2, tp=2)
     fresh.pop("_origin")
     assert committed == fresh
 
