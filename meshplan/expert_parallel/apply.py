@@ -205,7 +205,29 @@ def check_expert_parallel(model: nn.Module, section: ExpertParallel, layout: Any
         raise PlanError(f"{where}.rules: router {stray[0]} is in no MoE block (the parent of an experts module)")
     if tp_rules and layout.tp > 1:
         _no_tp_inside(model, blocks, tp_rules, where)
+    _recorded_inside(model, blocks, layout, where)
     return tuple(blocks)
+
+
+def _recorded_inside(model: nn.Module, blocks: list[MoeBlock], layout: Any, where: str) -> None:
+    """transformers records ``router_logits`` for its load-balancing loss (``output_router_logits``) with a hook on
+    a module class; inside a token region (tp > 1, etp 1) that module sees each tp rank's own tokens, so the loss
+    would differ from one device. The region's own outputs are gathered first (equal): Ernie 4.5 VL records them."""
+    config = getattr(model, "config", None)
+    if layout.tp == 1 or layout.etp > 1 or getattr(config, "output_router_logits", False) is not True:
+        return
+    for owner in model.modules():
+        spec = (getattr(type(owner), "_can_record_outputs", None) or {}).get("router_logits")
+        cls = spec if isinstance(spec, type) else getattr(spec, "target_class", None)
+        for b in blocks if isinstance(cls, type) else ():
+            inner = [n for n, m in model.get_submodule(b.region).named_modules() if n and isinstance(m, cls)]
+            if inner:
+                raise PlanError(f"{where}: the model records router_logits for its load-balancing loss "
+                                f"({type(config).__name__}.output_router_logits: True) from {b.region}.{inner[0]} "
+                                f"({cls.__name__}), inside the MoE block {b.region}, which under tp({layout.tp}) "
+                                f"with etp 1 sees each tp rank's own tokens: the loss would differ from one device; "
+                                f"set output_router_logits: False, or layout.etp = tp (the block then sees the tp "
+                                f"group's whole token set)")
 
 
 def _no_tp_inside(model: nn.Module, blocks: list[MoeBlock], tp_rules: Any, where: str) -> None:

@@ -137,7 +137,9 @@ def token_regions(model: nn.Module, blocks: tuple, topology: Any, tensor_paralle
         if not stream.sequence_parallel and not whole:
             block.register_forward_pre_hook(_even(path, tp))
         block.register_forward_pre_hook(_input_hook(topology["tp"], stream, whole))
-        block.register_forward_hook(_output_hook(path, topology["tp"], stream, whole))
+        # first of the block's forward hooks: transformers' output recorders (installed at the first forward) see
+        # the gathered outputs, equal to one device
+        block.register_forward_hook(_output_hook(path, topology["tp"], stream, whole), prepend=True)
         names += [f"{path}.{n}" for n, p in block.named_parameters()
                   if p.requires_grad and f"{path}.{n}" not in expert_params and not whole and tp > 1]
     if names:
