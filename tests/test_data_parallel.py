@@ -486,3 +486,14 @@ def test_meta_init_keeps_the_tp_reduction(fake_pg):
         _assert_final_grads(model)
         assert meshplan.parallel_state(model).tensor_parallel.finalizer.collectives == 1
         assert all(p.grad.placements == p.placements for p in model.parameters() if isinstance(p, DTensor))
+
+
+def test_clip_grad_norm_of_float64_gradients():
+    """float64 training (the parity tests' precision) clips: the norm is taken in float64, not narrowed to float32
+    (torch refuses the narrowing); bf16 gradients still accumulate in float32."""
+    from meshplan.training.clip import clip_grad_norm_
+    for dtype in (torch.float64, torch.bfloat16):
+        p = torch.nn.Parameter(torch.zeros(3, 4, dtype=dtype))
+        p.grad = torch.full((3, 4), 0.5, dtype=dtype)
+        assert clip_grad_norm_([p], 0.1, distributed=False, pp=1) == pytest.approx(0.5 * 12 ** 0.5, rel=1e-6)
+        assert float(p.grad.double().norm()) == pytest.approx(0.1, rel=1e-2)

@@ -36,7 +36,8 @@ def _grad_norm_parts(params: Iterable[nn.Parameter], ranks_per_stage: int,
             g = local_tensor(g)
         else:
             sharded = 1
-        norms.append(torch.linalg.vector_norm(g.detach(), dtype=torch.float32).double().to(device or g.device))
+        at = torch.promote_types(g.dtype, torch.float32)  # bf16/fp16 accumulate in fp32; fp64 stays fp64
+        norms.append(torch.linalg.vector_norm(g.detach(), dtype=at).double().to(device or g.device))
         weights.append(sharded / ranks_per_stage)
     if not norms:
         return torch.zeros((), dtype=torch.float64, device=device)
