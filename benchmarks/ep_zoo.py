@@ -8,8 +8,9 @@ has no float64 kernel), the plan :func:`meshplan.hf.convert.from_hf` writes from
 sequence parallel on; off when ``meshplan check`` refuses that), ``meshplan.check`` at world 2, then 3 SGD steps
 (momentum 0.9, lr 0.05, clip 0.5) through ``meshplan.parallelize`` + ``meshplan.train_step`` with the model's own
 loss (a base model: a fixed projection of its last hidden state) on 4 rows × 16 tokens (2 rows per rank) vs one
-device. One fixed tolerance: every parameter ‖Δ‖/‖ref‖ ≤ 1e-9 (absolute for a parameter that is zero), each
-step's loss and gradient norm 1e-9 relative.
+device. One fixed tolerance, the parity suite's: every parameter ‖Δ‖/‖ref‖ ≤ 1e-5 (absolute for a parameter that
+is zero), each step's loss and gradient norm 1e-5 relative. (transformers' causal-LM loss upcasts the logits to
+float32, so the float32 reduction-order noise of the loss, ~1e-7, reaches every gradient: measured 1e-9 to 1e-7.)
 
 Result per model: ``equal``, ``refused`` (convert or check said no: the reason), ``not buildable tiny``, ``WRONG``
 (check ok, numbers differ) or ``crash`` (check ok, the run raised or hung: 300 s).
@@ -30,7 +31,7 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT = ("olmoe", "phimoe", "hunyuan_v1_moe", "granitemoe", "deepseek_v3", "glm4_moe", "dots1", "ernie4_5_moe",
            "minimax", "flex_olmo", "lfm2_moe", "qwen3_next", "exaone_moe", "jamba")
-ROWS, SEQ, STEPS, TOL = 4, 16, 3, 1e-9
+ROWS, SEQ, STEPS, TOL = 4, 16, 3, 1e-5
 
 
 def _batch(step: int, vocab: int):
