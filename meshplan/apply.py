@@ -86,6 +86,12 @@ def _apply_sections(model: nn.Module, p: Plan, topology: Topology | None, tp_mes
     if p.tensor_parallel is not None:
         from meshplan.checks.validate import validate_plan
         validate_plan(model, p, tp_mesh.size())  # what `meshplan check` checks, before anything changes
+    from meshplan.blocks import blocks_problem
+    from meshplan.data_parallel.fsdp import data_parallel_problem
+    lay = topology.layout if topology is not None else None
+    problem = blocks_problem(model, p, lay, p.source) or (data_parallel_problem(p, lay) if lay is not None else None)
+    if problem is not None:  # `meshplan check` reports the same (checks/data.py); raised before anything changes
+        raise problem
     context = _check_context(model, p, topology)
     split = _split_stages(model, p, topology) if pipelined else None
     moe = _check_experts(model, p, topology, split)

@@ -19,7 +19,7 @@ from meshplan.plan_file.blocks import ActivationCheckpointing, Blocks
 if TYPE_CHECKING:
     import torch.nn as nn
 
-__all__ = ["AppliedBlocks", "apply_blocks", "as_blocks"]
+__all__ = ["AppliedBlocks", "apply_blocks", "as_blocks", "block_paths", "blocks_problem", "blocks_reason", "repeated_blocks"]
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,70 @@ def as_blocks(section: Blocks | Mapping[str, Any] | None) -> Blocks:
     except ValidationError as e:
         from meshplan.plan_file.reading import pydantic_message
         raise PlanError(f"blocks: {pydantic_message(e)}") from None
+
+
+def blocks_reason(plan: Any, layout: Any) -> str:
+    """Why :func:`meshplan.parallelize` runs the blocks step for ``plan`` on the resolved ``layout`` (the text
+    its error names), or "" when it does not: a ``blocks`` or ``data_parallel`` section, data or context ranks
+    (FSDP2 shards each block), expert gradients summed over ``edp``. ``meshplan check`` asks the same question,
+    so a plan it passes finds its blocks."""
+    if plan.blocks is not None:
+        return "the blocks section"
+    if layout is not None and layout.dp * layout.cp > 1:
+        return f"data parallelism over dp({layout.dp}) x cp({layout.cp}) shards each block"
+    if plan.data_parallel is not None:
+        return "the data_parallel section shards each block"
+    if layout is not None and plan.expert_parallel is not None and layout.edp > 1:
+        return f"expert gradients are summed over edp({layout.edp}) by FSDP2/DDP, which wraps each block"
+    return ""
+
+
+def blocks_problem(model: "nn.Module", plan: Any, layout: Any, source: str | None = None) -> PlanError | None:
+    """The error :func:`meshplan.parallelize` raises before changing the model when its blocks step would find no
+    block (:func:`blocks_reason`, :func:`block_paths`), else None; ``meshplan check`` reports the same one."""
+    why = blocks_reason(plan, layout)
+    if not why:
+        return None
+    try:
+        block_paths(model, plan.blocks, why)
+    except PlanError as e:
+        return PlanError(f"{source}: {e}" if source else str(e))
+    return None
+
+
+def repeated_blocks(model: "nn.Module") -> str | None:
+    """The pattern of ``model``'s repeated blocks: the children of its largest ``ModuleList`` (by parameter count,
+    then the shallowest) holding two or more modules, e.g. ``model.layers.*``; None without one."""
+    import torch.nn as nn
+    best: tuple | None = None
+    for path, mod in model.named_modules():
+        if isinstance(mod, nn.ModuleList) and len(mod) >= 2 and path:
+            size = sum(p.numel() for p in mod.parameters())
+            key = (size, -path.count("."))
+            if best is None or key > best[0]:
+                best = (key, path)
+    return f"{best[1]}.*" if best is not None else None
+
+
+def block_paths(model: "nn.Module", section: Blocks | Mapping[str, Any] | None, why: str = "") -> list[str]:
+    """The module paths of the blocks ``section`` names (default ``layers.*``), in model order.
+
+    Args:
+        why: what needs the blocks, for the message (e.g. ``data parallelism (dp 2) shards each block``).
+
+    Raises:
+        PlanError: the pattern matches no module; names the pattern, the model, its top-level children and the
+            pattern of its repeated blocks (:func:`repeated_blocks`), which would match.
+    """
+    from meshplan.plan_file.patterns import match_pattern
+    section = as_blocks(section)
+    try:
+        return match_pattern(model, section.pattern, "blocks")
+    except PlanError as e:
+        found = repeated_blocks(model)
+        fix = (f"; expected the model's repeated blocks: write `blocks: {{pattern: {found}}}`" if found else
+               "; the model has no ModuleList of blocks: name them in `blocks: {pattern: …}`")
+        raise PlanError(f"{e}{' (' + why + ')' if why else ''}{fix}") from None
 
 
 def _resolve_ops(ac: ActivationCheckpointing) -> list:
@@ -93,20 +157,20 @@ def apply_blocks(model: "nn.Module", section: Blocks | Mapping[str, Any] | None 
         ``model``, with the blocks recorded in its :class:`~meshplan.state.ParallelState` (``blocks``).
 
     Raises:
-        PlanError: an invalid section, a pattern that matches no module (naming the model's top-level children),
+        PlanError: an invalid section, a pattern that matches no module (naming the model's top-level children
+            and the pattern of its repeated blocks),
             an unknown checkpoint op, or blocks applied already. Every check runs before the model changes.
 
     Example::
 
         >>> apply_blocks(model, {"pattern": "layers.*", "activation_checkpointing": {"mode": "full"}})
     """
-    from meshplan.plan_file.patterns import match_pattern
     from meshplan.state import attach_state, parallel_state
     section = as_blocks(section)
     state = parallel_state(model)
     if state is not None and state.blocks is not None:
         raise PlanError(f"blocks were already applied to this {type(model).__name__}")
-    paths = match_pattern(model, section.pattern, "blocks")
+    paths = block_paths(model, section)
     ops = _resolve_ops(section.activation_checkpointing)  # every check before the model changes
     _checkpoint(model, paths, section.activation_checkpointing, ops)
     if section.compile:

@@ -495,3 +495,39 @@ def test_meta_init_keeps_the_tp_reduction(fake_pg):
         _assert_final_grads(model)
         assert meshplan.parallel_state(model).tensor_parallel.finalizer.collectives == 1
         assert all(p.grad.placements == p.placements for p in model.parameters() if isinstance(p, DTensor))
+
+
+def test_clip_grad_norm_of_float64_gradients():
+    """float64 training (the parity tests' precision) clips: the norm is taken in float64, not narrowed to float32
+    (torch refuses the narrowing); bf16 gradients still accumulate in float32."""
+    from meshplan.training.clip import clip_grad_norm_
+    for dtype in (torch.float64, torch.bfloat16):
+        p = torch.nn.Parameter(torch.zeros(3, 4, dtype=dtype))
+        p.grad = torch.full((3, 4), 0.5, dtype=dtype)
+        assert clip_grad_norm_([p], 0.1, distributed=False, pp=1) == pytest.approx(0.5 * 12 ** 0.5, rel=1e-6)
+        assert float(p.grad.double().norm()) == pytest.approx(0.1, rel=1e-2)
+
+
+@pytest.mark.parametrize("plan,want", [
+    ({"layout": {"dp_shard": 2}, "data_parallel": {"mode": "hsdp"}},
+     "data_parallel.mode: hsdp needs dp_replicate > 1 and dp_shard·cp > 1, got dp_replicate(1) dp_shard(2) cp(1)"),
+    ({"layout": {"dp_shard": 4}, "data_parallel": {"reshard_after_forward": 3}},
+     "data_parallel.reshard_after_forward: 3 must divide the shard size (4) and be smaller; valid: 2"),
+    ({"layout": {"dp_shard": 2}, "blocks": {"pattern": "blocks.*"}},
+     "blocks: pattern 'blocks.*' matched no module of Transformer (top-level children: tok_embeddings, layers, norm, "
+     "output) (the blocks section); expected the model's repeated blocks: write `blocks: {pattern: layers.*}`"),
+])
+def test_check_refuses_what_parallelize_refuses_before_changing_the_model(plan, want):
+    """`meshplan check` and `meshplan.parallelize` run the same functions for the blocks and data_parallel sections
+    (blocks_problem, data_parallel_problem), at dp > 1: check reports exactly the error parallelize raises first."""
+    from meshplan.blocks import blocks_problem
+    from meshplan.data_parallel.fsdp import data_parallel_problem
+    with torch.device("meta"):
+        model = build(tiny_args())
+    world = plan["layout"]["dp_shard"]
+    report = meshplan.check(model, plan, world_size=world)
+    assert [str(e) for e in report.errors] == [f"<plan>: {want}" if want.startswith("blocks") else want]
+    p = meshplan.Plan.from_data(plan)
+    lay = p.layout.resolve(world)
+    first = blocks_problem(model, p, lay) or data_parallel_problem(p, lay)  # what parallelize raises first
+    assert str(first) == want

@@ -3,7 +3,9 @@ and Qwen2-MoE (gated shared expert), unmodified, with the plan ``meshplan.hf.fro
 match one device over 3 SGD steps (parameters, losses and gradient norms within 1e-5): ep over the data ranks
 (ep 2, ep 4, expert FSDP over edp 2), ep folded over tp (tp 2 × ep 2, etp 1, with and without sequence
 parallelism; Qwen3-MoE with a dense MLP layer, which keeps its tp rules), and Mixtral's packed gate_up split over
-etp = tp 2."""
+etp = tp 2. MoE blocks that return tuples (gpt-oss's ``(hidden, router_scores)``, Ernie 4.5 VL's mlp holding text
+and vision experts, ``(hidden, router_logits)``) at tp 2 x ep 2 and ep 2 x edp 2, with the router scores each rank
+sees equal to one device's. Every converted plan passes ``meshplan check`` first (blocks included: dp > 1)."""
 
 import pytest
 
@@ -14,7 +16,8 @@ pytestmark = pytest.mark.dist
 CASES = {
     2: ["mixtral_ep2", "qwen2_moe_ep2"],
     4: ["mixtral_ep4", "mixtral_tp2_ep2", "mixtral_tp2_etp2", "qwen3_moe_ep2_edp2", "qwen3_moe_tp2_ep2",
-        "qwen3_moe_mixed_tp2_ep2", "qwen2_moe_tp2_ep2", "qwen2_moe_tp2_ep2_no_sp"],
+        "qwen3_moe_mixed_tp2_ep2", "qwen2_moe_tp2_ep2", "qwen2_moe_tp2_ep2_no_sp", "gpt_oss_ep2_edp2",
+        "gpt_oss_tp2_ep2", "gpt_oss_extras_tp2_ep2", "ernie_vl_tp2_ep2", "ernie_vl_tp2_ep2_no_sp"],
 }
 
 

@@ -18,8 +18,10 @@ EXPERTS = {"model.layers.*.mlp.experts": "ep_dispatch_experts", "model.layers.*.
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "qwen2_moe"])
 def test_converted_plan_has_the_expert_section_and_checks(arch):
     import hf_models
-    plan = from_hf(arch, ep=2)
+    assert from_hf(arch, ep=2)["layout"] == {"tp": 1, "ep": 2, "etp": 1}  # ep alone: tp 1, not a silent tp 2
+    plan = from_hf(arch, ep=2, tp=2)
     assert plan["layout"] == {"tp": 2, "ep": 2, "etp": 1}
+    assert plan["blocks"] == {"pattern": "model.layers.*"}
     assert plan["expert_parallel"] == {"rules": EXPERTS}
     assert not [k for k in plan["tensor_parallel"]["rules"] if ".mlp." in k]  # every layer is sparse here
     plan.pop("_origin")
@@ -41,7 +43,7 @@ def test_checked_in_mixtral_plan_is_the_converters():
     import yaml
     with open("plans/hf_mixtral_ep.yaml") as f:
         committed = yaml.safe_load(f)
-    fresh = from_hf("mixtral", ep=2)
+    fresh = from_hf("mixtral", ep=2, tp=2)
     fresh.pop("_origin")
     assert committed == fresh
 
@@ -136,3 +138,83 @@ def test_cli_convert_writes_the_expert_section(capsys):
     assert main(["convert", "mixtral", "--ep", "2"]) == 0
     out = capsys.readouterr().out
     assert "  ep: 2\n  etp: 1\n" in out and "expert_parallel:\n  rules:\n" in out
+
+
+def _tiny_plan(model_type, tmp_path, **kw):
+    """``(tiny meta-free model, the plan from_hf writes from its config)``."""
+    import json
+
+    from meshplan.hf.tiny_models import tiny_model
+    model, why = tiny_model(model_type)
+    assert model is not None, why
+    data = {**model.config.to_dict(), "model_type": model.config.model_type, "architectures": [type(model).__name__]}
+    (tmp_path / "config.json").write_text(json.dumps(data, default=str))
+    plan = from_hf(tmp_path, **kw)
+    plan.pop("_origin")
+    return model, plan
+
+
+def test_gpt_oss_reads_the_ep_plan_and_keeps_ep_alone(capsys):
+    """gpt-oss's tp_plan shards only the embedding; its base_model_ep_plan dispatches the experts. `convert --ep 2`
+    keeps the layout it was given (tp 1) and names the router transformers' plan leaves out."""
+    from meshplan.cli.main import main
+    assert main(["convert", "gpt_oss", "--ep", "2"]) == 0
+    data = __import__("yaml").safe_load(capsys.readouterr().out)
+    assert data["layout"] == {"tp": 1, "ep": 2, "etp": 1}
+    assert data["blocks"] == {"pattern": "model.layers.*"}
+    assert data["expert_parallel"]["rules"] == {"model.layers.*.mlp.experts": {"style": "experts", "interface": "topk"},
+                                                "model.layers.*.mlp.router": {"style": "router"}}
+    assert main(["convert", "gpt_oss", "--ep", "2", "--tp", "2"]) == 0
+    assert __import__("yaml").safe_load(capsys.readouterr().out)["layout"] == {"tp": 2, "ep": 2, "etp": 1}
+
+
+def test_hunyuan_router_is_found_by_its_expert_rows():
+    """HunYuan-MoE's router holds its [E, hidden] weight in a submodule (gate.wg): the gate is the router."""
+    plan = from_hf("hunyuan_v1_moe", ep=2)
+    assert plan["expert_parallel"]["rules"] == {"model.layers.*.mlp.experts": "ep_dispatch_experts",
+                                                "model.layers.*.mlp.gate": "ep_router"}
+
+
+@pytest.mark.parametrize("model_type,sp", [("gpt_oss", False), ("ernie4_5_vl_moe_text", True)])
+def test_tuple_returning_moe_plans_check_at_tp2_ep2(tmp_path, model_type, sp):
+    """gpt-oss (MLP returns (hidden, router_scores)) and Ernie 4.5 VL (mlp holds text_moe and vision_moe, returns
+    (hidden, router_logits)): the converted plan checks at tp 2 x ep 2 (world 4: dp 2, so blocks are needed)."""
+    model, plan = _tiny_plan(model_type, tmp_path, ep=2, tp=2, sequence_parallel=sp)
+    report = meshplan.check(model, plan, world_size=4)
+    assert report.ok, report.errors
+    assert report.experts["blocks"] >= 1
+
+
+def test_router_logits_recorded_inside_a_token_region_are_refused(tmp_path):
+    """gpt-oss records router_logits from its router, inside the MoE block: under tp 2 with etp 1 the router sees
+    each tp rank's own tokens, so the load-balancing loss would not be one device's; Ernie 4.5 VL records the
+    block's own (gathered) output and is accepted."""
+    model, plan = _tiny_plan("gpt_oss", tmp_path, ep=2, tp=2, sequence_parallel=False)
+    model.config.output_router_logits = True
+    report = meshplan.check(model, plan, world_size=4)
+    assert any("records router_logits for its load-balancing loss (GptOssConfig.output_router_logits: True) from "
+               "model.layers.0.mlp.router (GptOssTopKRouter)" in str(e) and "layout.etp = tp" in str(e)
+               for e in report.errors), report.errors
+    plan["layout"] = {"ep": 2}  # tp 1: every rank routes its own data (per-rank statistics, as data parallelism)
+    assert meshplan.check(model, plan, world_size=4).ok
+    ernie, plan = _tiny_plan("ernie4_5_vl_moe_text", tmp_path, ep=2, tp=2)
+    ernie.config.output_router_logits = True
+    report = meshplan.check(ernie, plan, world_size=4)
+    assert report.ok, report.errors
+
+
+def test_check_refuses_dp_with_blocks_matching_nothing_naming_the_pattern(tmp_path):
+    """The converted plan names the model's repeated blocks; without them (the default layers.*) dp 2 is refused by
+    `meshplan check` with the pattern that matches, as parallelize refuses it (one function, blocks_problem)."""
+    from meshplan.blocks import blocks_problem
+    model, plan = _tiny_plan("qwen3_moe", tmp_path, ep=2)
+    assert plan["blocks"] == {"pattern": "model.layers.*"}
+    assert meshplan.check(model, plan, world_size=4).ok  # dp 4 x ep 2, edp 2
+    del plan["blocks"]
+    report = meshplan.check(model, plan, world_size=4)
+    want = ("blocks: pattern 'layers.*' matched no module of Qwen3MoeForCausalLM (top-level children: model, lm_head) "
+            "(data parallelism over dp(4) x cp(1) shards each block); expected the model's repeated blocks: write "
+            "`blocks: {pattern: model.layers.*}`")
+    assert [str(e) for e in report.errors] == [f"<plan>: {want}"]
+    lay = meshplan.Plan.from_data(plan).layout.resolve(4)
+    assert str(blocks_problem(model, meshplan.Plan.from_data(plan), lay)) == want

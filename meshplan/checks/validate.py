@@ -236,6 +236,7 @@ def check(model: nn.Module, plan: Plan | Mapping[str, Any] | str, world_size: in
     from meshplan.checks.dry_run import meta_dry_run
     from meshplan.checks.explain import explain
     from meshplan.checks.context import check_context
+    from meshplan.checks.data import check_data
     from meshplan.checks.experts import check_experts
     from meshplan.checks.pipeline import check_pipeline
     p = as_plan(plan)
@@ -256,6 +257,7 @@ def check(model: nn.Module, plan: Plan | Mapping[str, Any] | str, world_size: in
     check_pipeline(model, p, resolved, report)  # the schedule and the split (on a meta copy)
     check_context(model, p, resolved, report)  # the context_parallel section
     check_experts(model, p, resolved, report)  # the expert_parallel section
+    check_data(model, p, resolved, report)  # blocks and data_parallel, as parallelize checks them first
     applied = None
     if report.ok and p.tensor_parallel is not None and dry_run:
         applied = meta_dry_run(model, p, resolved.tp, report)

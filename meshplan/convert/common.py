@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-__all__ = ["Notes", "unheld_sections", "layout_overrides", "rule_data", "is_replicate", "SECTION_NAMES", "HEAD_NAMES"]
+__all__ = ["Notes", "unheld_sections", "acts", "layout_overrides", "rule_data", "is_replicate", "SECTION_NAMES", "HEAD_NAMES"]
 
 #: what each plan section is, for the dropped lines
 SECTION_NAMES = {"blocks": "the blocks section (activation checkpointing, compile)",
@@ -46,10 +46,16 @@ class Notes:
 
 
 def unheld_sections(plan: Any, held: set[str], target: str, notes: Notes) -> None:
-    """One dropped line per plan section ``target`` cannot hold."""
+    """One dropped line per plan section ``target`` cannot hold (a ``blocks`` section that only names the blocks
+    holds nothing to drop: every target finds the repeated blocks itself)."""
     for name, what in SECTION_NAMES.items():
-        if getattr(plan, name, None) is not None and name not in held:
+        if getattr(plan, name, None) is not None and name not in held and (name != "blocks" or acts(plan.blocks)):
             notes.drop(what, f"{target} has no equivalent")
+
+
+def acts(blocks: Any) -> bool:
+    """Does a ``blocks`` section do something to the blocks (checkpointing, compile), beyond naming them?"""
+    return blocks is not None and (blocks.activation_checkpointing.mode != "none" or blocks.compile)
 
 
 def layout_overrides(layout: Any, held: set[str], target: str, notes: Notes) -> None:

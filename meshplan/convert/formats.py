@@ -35,7 +35,8 @@ class Options:
 
 def model_modules(model: Any) -> dict[str, str]:
     """``{module path (and its wildcard pattern): class name}`` of a model, plus ``"(output)"``: its output head
-    path(s) and ``"(parameters)"``: every parameter name, comma-joined (the converters read only text)."""
+    path(s), ``"(parameters)"``: every parameter name, comma-joined, and ``"(blocks)"``: the pattern of its
+    repeated blocks (:func:`meshplan.blocks.repeated_blocks`; the converters read only text)."""
     from meshplan.plan_file.patterns import wildcard
     out: dict[str, str] = {}
     for path, m in model.named_modules():
@@ -47,6 +48,8 @@ def model_modules(model: Any) -> dict[str, str]:
         [p for p, m in model.named_modules() if p.rpartition(".")[2] in HEAD_NAMES]
     out["(output)"] = ",".join(heads)
     out["(parameters)"] = ",".join(n for n, _ in model.named_parameters())
+    from meshplan.blocks import repeated_blocks
+    out["(blocks)"] = repeated_blocks(model) or ""
     return out
 
 
@@ -69,6 +72,10 @@ def read(fmt: str, source: str, opts: Options, notes: Notes) -> dict:
         data = read_accelerate(source, notes)
     if opts.tp is not None:
         data.setdefault("layout", {})["tp"] = opts.tp
+    found = (opts.modules or {}).get("(blocks)")
+    if found and "blocks" not in data and fmt != "meshplan":
+        data["blocks"] = {"pattern": found}  # FSDP2 shards each block at dp > 1; the default layers.* may miss
+        notes.assume(f"blocks: {{pattern: {found}}}", "the model's repeated blocks (the source names none)")
     return data
 
 

@@ -22,7 +22,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from meshplan.convert.common import HEAD_NAMES, Notes, is_replicate, layout_overrides, unheld_sections
+from meshplan.convert.common import HEAD_NAMES, Notes, acts, is_replicate, layout_overrides, unheld_sections
 from meshplan.errors import PlanError
 
 __all__ = ["read_hf", "write_hf"]
@@ -83,7 +83,7 @@ def _pp_plan(plan: Any, notes: Notes) -> dict[str, list]:
 def write_hf(plan: Any, notes: Notes, opts: Any) -> str:
     """The plan as transformers' document (see the module doc)."""
     unheld_sections(plan, {"tensor_parallel", "pipeline", "expert_parallel", "blocks"}, "transformers", notes)
-    if plan.blocks is not None and (plan.blocks.activation_checkpointing or plan.blocks.compile):
+    if acts(plan.blocks):
         notes.drop("blocks.activation_checkpointing / compile", "not a transformers DistributedConfig field")
     lay = plan.layout
     layout_overrides(lay, {"tp", "pp", "dp_shard", "dp_replicate", "ep"}, "transformers' DistributedConfig", notes)
@@ -199,8 +199,9 @@ def read_hf(source: str, notes: Notes, opts: Any) -> dict:
     data = _load(source)
     if data is None:
         from meshplan.hf.convert import from_hf
+        tp = {} if opts.tp is None else {"tp": opts.tp}  # default: 2, or 1 with ep alone (from_hf)
         return from_hf(source, sequence_parallel=opts.sequence_parallel, loss_parallel=opts.loss_parallel,
-                       ep=opts.ep)
+                       ep=opts.ep, **tp)
     doc = {"tp_plan": data} if _flat(data) else data
     unknown = sorted(set(doc) - {"tp_plan", "pp_plan", "ep_plan", *_SIZES})
     for key in unknown:

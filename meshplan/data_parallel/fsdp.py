@@ -28,8 +28,8 @@ if TYPE_CHECKING:
     import torch.nn as nn
     from meshplan.mesh.topology import Topology
 
-__all__ = ["DataParallelState", "apply_data_parallel", "check_data_parallel", "resolve_mode",
-           "data_parallel_state"]
+__all__ = ["DataParallelState", "apply_data_parallel", "check_data_parallel", "check_layout", "resolve_mode",
+           "data_parallel_problem", "data_parallel_state"]
 
 
 @dataclass(frozen=True)
@@ -122,16 +122,37 @@ def check_data_parallel(model: "nn.Module", section: DataParallel, topology: "To
     """
     import torch
     from torch.distributed.tensor import DTensor
-    layout = topology.layout
-    mode, shard_axes, rep_axes = resolve_mode(section, layout)
     if section.cpu_offload and (topology.dense.device_type == "cpu" or not torch.accelerator.is_available()):
         raise PlanError(f"data_parallel.cpu_offload: true needs an accelerator (mesh device "
                         f"{topology.dense.device_type!r}); torch 2.13's CPUOffloadPolicy copies between host and "
                         f"device memory. Set cpu_offload: false on CPU-only runs")
+    return check_layout(section, topology.layout, any(isinstance(p, DTensor) for p in model.parameters()))
+
+
+def check_layout(section: DataParallel, layout: Any, has_dtensor: bool
+                 ) -> tuple[str, tuple[str, ...] | None, tuple[str, ...] | None]:
+    """The checks of :func:`check_data_parallel` that need only the resolved layout (``meshplan check`` runs them
+    through :func:`data_parallel_problem`): the mode fits the layout, ``reshard_after_forward`` fits the shard size
+    and the parameters (``has_dtensor``: tensor or expert parallelism made them DTensors)."""
+    mode, shard_axes, rep_axes = resolve_mode(section, layout)
     if mode in ("fsdp", "hsdp"):
-        has_dtensor = any(isinstance(p, DTensor) for p in model.parameters())
         _check_reshard(section, math.prod(getattr(layout, a) for a in shard_axes), has_dtensor)
     return mode, shard_axes, rep_axes
+
+
+def data_parallel_problem(plan: Any, layout: Any) -> PlanError | None:
+    """The error :func:`meshplan.parallelize` raises for ``plan``'s data parallelism on the resolved ``layout``
+    before any device is involved (:func:`check_layout`), else None; ``meshplan check`` reports it. It applies when
+    parallelize applies data parallelism: a ``data_parallel`` section, dp·cp > 1, expert gradients over edp > 1."""
+    if not (plan.data_parallel is not None or layout.dp * layout.cp > 1
+            or (plan.expert_parallel is not None and layout.edp > 1)):
+        return None
+    try:
+        check_layout(plan.data_parallel or DataParallel(), layout,
+                     plan.tensor_parallel is not None or plan.expert_parallel is not None)
+    except PlanError as e:
+        return e
+    return None
 
 
 def apply_data_parallel(model: "nn.Module", section: DataParallel | Mapping[str, Any] | None = None,

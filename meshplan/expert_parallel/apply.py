@@ -11,7 +11,7 @@ parameters (router, shared expert) stay whole and their gradients join the tp su
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch.nn as nn
@@ -22,7 +22,7 @@ from meshplan.plan_file.expert_parallel import ExpertParallel, ExpertsRule, Rout
 from meshplan.plan_file.patterns import match_rules
 
 __all__ = ["MoeBlock", "EpApplied", "check_expert_parallel", "apply_expert_parallel", "moe_blocks", "expert_modules",
-           "stand_in"]
+           "stand_in", "token_region_of"]
 
 _TOP_K = ("top_k", "num_experts_per_tok")
 
@@ -37,6 +37,9 @@ class MoeBlock:
         interface: how the block calls the experts (``sorted`` or ``topk``).
         ffn: with etp > 1, ``((parameter, FFN dim, packed parts), …)`` of the experts (see
             :mod:`meshplan.expert_parallel.etp`); empty with etp 1.
+        region: the module made a token region under tp (:mod:`meshplan.expert_parallel.region`): the block, or
+            its parent when that holds several MoE blocks (Ernie 4.5 VL's ``mlp`` with ``text_moe`` and
+            ``vision_moe``, which return flattened outputs its parent reshapes); see :func:`token_region_of`.
     """
 
     path: str
@@ -45,6 +48,23 @@ class MoeBlock:
     num_experts: int
     interface: str
     ffn: tuple[tuple[str, int, int], ...] = ()
+    region: str = ""
+
+
+def token_region_of(blocks: set[str] | list[str]) -> dict[str, str]:
+    """``{MoE block path: the module that becomes its token region}``: the block itself, or its parent when the
+    parent holds two or more of ``blocks`` as direct children (one region around them all, taking and returning
+    the residual stream).
+
+    Example::
+
+        >>> token_region_of(["layers.0.mlp.text_moe", "layers.0.mlp.vision_moe", "layers.1.moe"])
+        {'layers.0.mlp.text_moe': 'layers.0.mlp', 'layers.0.mlp.vision_moe': 'layers.0.mlp', 'layers.1.moe': 'layers.1.moe'}
+    """
+    parents: dict[str, int] = {}
+    for b in blocks:
+        parents[b.rpartition(".")[0]] = parents.get(b.rpartition(".")[0], 0) + 1
+    return {b: b.rpartition(".")[0] if "." in b and parents[b.rpartition(".")[0]] > 1 else b for b in blocks}
 
 
 @dataclass
@@ -79,8 +99,9 @@ def expert_modules(model: nn.Module, section: ExpertParallel | None) -> set[str]
 
 
 def moe_blocks(model: nn.Module, section: ExpertParallel | None) -> set[str]:
-    """The MoE blocks ``section`` names: its experts modules' parents."""
-    return {path.rpartition(".")[0] for path in expert_modules(model, section)}
+    """The token regions of the MoE blocks ``section`` names (its experts modules' parents, or the module holding
+    several: :func:`token_region_of`)."""
+    return set(token_region_of({path.rpartition(".")[0] for path in expert_modules(model, section)}).values())
 
 
 def stand_in(module: nn.Module) -> None:
@@ -177,20 +198,44 @@ def check_expert_parallel(model: nn.Module, section: ExpertParallel, layout: Any
             ffn = tuple((n, d, k) for n, (d, k) in dims.items())
         blocks.append(MoeBlock(parent, path, mine[0], experts, _interface(module, rule, f"{where}.rules.{pattern!r}"),
                                ffn))
+    regions = token_region_of([b.path for b in blocks])
+    blocks = [replace(b, region=regions[b.path]) for b in blocks]
     stray = sorted(set(routers) - claimed)
     if stray:
         raise PlanError(f"{where}.rules: router {stray[0]} is in no MoE block (the parent of an experts module)")
     if tp_rules and layout.tp > 1:
         _no_tp_inside(model, blocks, tp_rules, where)
+    _recorded_inside(model, blocks, layout, where)
     return tuple(blocks)
+
+
+def _recorded_inside(model: nn.Module, blocks: list[MoeBlock], layout: Any, where: str) -> None:
+    """transformers records ``router_logits`` for its load-balancing loss (``output_router_logits``) with a hook on
+    a module class; inside a token region (tp > 1, etp 1) that module sees each tp rank's own tokens, so the loss
+    would differ from one device. The region's own outputs are gathered first (equal): Ernie 4.5 VL records them."""
+    config = getattr(model, "config", None)
+    if layout.tp == 1 or layout.etp > 1 or getattr(config, "output_router_logits", False) is not True:
+        return
+    for owner in model.modules():
+        spec = (getattr(type(owner), "_can_record_outputs", None) or {}).get("router_logits")
+        cls = spec if isinstance(spec, type) else getattr(spec, "target_class", None)
+        for b in blocks if isinstance(cls, type) else ():
+            inner = [n for n, m in model.get_submodule(b.region).named_modules() if n and isinstance(m, cls)]
+            if inner:
+                raise PlanError(f"{where}: the model records router_logits for its load-balancing loss "
+                                f"({type(config).__name__}.output_router_logits: True) from {b.region}.{inner[0]} "
+                                f"({cls.__name__}), inside the MoE block {b.region}, which under tp({layout.tp}) "
+                                f"with etp 1 sees each tp rank's own tokens: the loss would differ from one device; "
+                                f"set output_router_logits: False, or layout.etp = tp (the block then sees the tp "
+                                f"group's whole token set)")
 
 
 def _no_tp_inside(model: nn.Module, blocks: list[MoeBlock], tp_rules: Any, where: str) -> None:
     for path, (pattern, rule) in match_rules(model, tp_rules, "tensor_parallel.rules", errors=[]).items():
         for b in blocks:
-            if path == b.path or path.startswith(b.path + "."):
+            if path == b.region or path.startswith(b.region + "."):
                 raise PlanError(f"tensor_parallel.rules.{pattern!r} ({rule.style}) claims {path}, inside the MoE "
-                                f"block {b.path}, which runs on each tp rank's own tokens ({where}, etp 1); remove "
+                                f"block {b.region}, which runs on each tp rank's own tokens ({where}, etp 1); remove "
                                 f"the rule: the block's parameters outside the experts stay whole and their "
                                 f"gradients are summed over tp")
 

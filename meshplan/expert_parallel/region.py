@@ -2,19 +2,25 @@
 
 With ``etp: 1`` the ``ep`` group may span tp ranks (Megatron's MoE parallel folding). Tokens must then reach the
 experts once: a tp rank that sent the same tokens as its neighbours would count every expert gradient tp times.
-So each MoE block becomes a token region on the tp mesh (torch's ``PrepareModuleInputOutput``):
+So each MoE block becomes a token region on the tp mesh:
 
 * in: the residual stream → this rank's shard of the sequence (``shard(1)``), as a plain tensor: nothing moves
-  under sequence parallelism; with a replicated stream each rank keeps its 1/tp of the sequence (backward: an
-  all-gather of the input gradient); in smp's batch mode each rank keeps its own samples;
-* out: the shard back into the residual stream (an all-gather for a replicated stream).
+  under sequence parallelism; with a replicated stream each rank keeps its 1/tp of the sequence (backward: an all-gather of the input gradient); in smp's batch mode each rank keeps its
+  own samples; other inputs shaped like the stream's first two dims (per-token type ids) are cut alike;
+* out: the shard back into the residual stream (an all-gather for a replicated stream). A block that returns a
+  tuple (gpt-oss: ``(hidden, router_scores)``; Ernie 4.5 VL: ``(hidden, router_logits)``) has its first output
+  converted so and every other tensor output gathered to the tp group's whole token set, in one device's token
+  order: an extra shaped ``[B, S_local, …]`` or ``[B·S_local, …]`` becomes ``[B, S, …]`` / ``[B·S, …]``, equal on
+  every tp rank and to one device (backward: each rank keeps its tokens' gradient). An extra that is not per
+  token (a scalar auxiliary loss) would be each rank's statistic, not the model's: refused with the fix (``etp:
+  tp``, where the block sees the whole token set). ``None`` and non-tensors pass through.
 
 The block's parameters outside its experts (router, shared expert) stay whole on every tp rank; each rank's
 gradient covers its tokens, so they are summed over tp by the model's grad sync, in its one coalesced reduction.
 
 With ``etp`` = ``tp`` (experts split over the tp group, :mod:`meshplan.expert_parallel.etp`) the block instead runs
-on the tp group's whole token set (the stream all-gathered in, sliced out): every tp rank routes the same tokens
-and its parameters get the same, whole gradients.
+on the tp group's whole token set (the stream all-gathered in, sliced out): every tp rank routes the same tokens,
+its extra outputs are already whole, and its parameters get the same, whole gradients.
 """
 
 from __future__ import annotations
@@ -27,19 +33,32 @@ import torch.nn as nn
 from meshplan.errors import PlanError
 from meshplan.tensor_parallel.layouts import Stream, placement
 
-__all__ = ["token_regions", "region_style"]
+__all__ = ["token_regions"]
 
 
-def region_style(stream: Stream, whole: bool = False) -> Any:
-    """The ``PrepareModuleInputOutput`` making a block run on this rank's tokens for the residual stream
-    ``stream`` (``whole``: on the tp group's whole token set, for experts split over etp = tp)."""
+def _input_hook(mesh: Any, stream: Stream, whole: bool):
+    """The forward pre-hook giving a block its tokens (see the module docstring): the first input from the
+    residual stream's layout to the block's, as a plain tensor; other inputs shaped like the stream's first two
+    dims (per-token ids, masks) cut alike; the rest unchanged."""
+    from torch.distributed.tensor import DTensor, Replicate
+    outer, own = _placements(stream, whole)
+
+    def hook(_mod: nn.Module, args: tuple) -> tuple | None:
+        if not args or not isinstance(args[0], torch.Tensor):
+            return None
+        x = args[0] if isinstance(args[0], DTensor) else DTensor.from_local(args[0], mesh, (outer,), run_check=False)
+        rest = [DTensor.from_local(a, mesh, (Replicate(),), run_check=False).redistribute(mesh, (own,)).to_local()
+                if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) and a.dim() >= 2
+                and a.shape[:2] == x.shape[:2] and not whole else a for a in args[1:]]
+        return (x.redistribute(mesh, (own,)).to_local(), *rest)
+    return hook
+
+
+def _placements(stream: Stream, whole: bool) -> tuple[Any, Any]:
+    """``(the residual stream's placement, the placement the block runs on)``."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import PrepareModuleInputOutput
     outer = placement(stream.layout)
-    own = Replicate() if whole else outer if isinstance(outer, Shard) else Shard(1)
-    return PrepareModuleInputOutput(input_layouts=(outer,), desired_input_layouts=(own,), use_local_input=True,
-                                    output_layouts=(own,), desired_output_layouts=(outer,),
-                                    use_local_output=stream.local)
+    return outer, Replicate() if whole else outer if isinstance(outer, Shard) else Shard(1)
 
 
 def _even(path: str, tp: int):
@@ -51,16 +70,60 @@ def _even(path: str, tp: int):
     return check
 
 
+def _gathered(extra: Any, tokens: tuple[int, int], dim: int, mesh: Any, path: str, index: int) -> Any:
+    """One extra output of a block that ran on this rank's tokens, on the whole token set (one device's order)."""
+    from torch.distributed.tensor import DTensor, Shard
+    if not isinstance(extra, torch.Tensor):
+        return extra
+    if extra.dim() >= 2 and tuple(extra.shape[:2]) == tokens:
+        return DTensor.from_local(extra, mesh, (Shard(dim),), run_check=False).full_tensor()
+    if extra.dim() >= 1 and extra.shape[0] == tokens[0] * tokens[1]:
+        grid = extra.reshape(*tokens, *extra.shape[1:])
+        whole = DTensor.from_local(grid, mesh, (Shard(dim),), run_check=False).full_tensor()
+        return whole.reshape(-1, *extra.shape[1:])
+    raise PlanError(f"expert_parallel: MoE block {path} returns output[{index}] of shape {tuple(extra.shape)}, not "
+                    f"per token (expected [B, S, …] or [B·S, …] with B, S = {tokens} on this tp rank): computed "
+                    f"over each tp rank's own tokens it would differ from one device; set layout.etp = tp (the "
+                    f"block then runs on the tp group's whole token set) or tp 1")
+
+
+def _output_hook(path: str, mesh: Any, stream: Stream, whole: bool):
+    """The forward hook converting a block's output(s) back to the residual stream (see the module docstring)."""
+    from torch.distributed.tensor import DTensor
+    outer, own = _placements(stream, whole)
+
+    def hook(_mod: nn.Module, args: tuple, out: Any) -> Any:
+        single = isinstance(out, torch.Tensor)
+        if not single and not (isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor)):
+            raise PlanError(f"expert_parallel: MoE block {path} returned {type(out).__name__}; expected a tensor "
+                            f"or a tuple whose first item is the block's [B, S, hidden] output")
+        first = out if single else out[0]
+        x = args[0]
+        if first.dim() < 2 or first.shape[:2] != x.shape[:2]:
+            raise PlanError(f"expert_parallel: MoE block {path} returned {tuple(first.shape)} for its input "
+                            f"{tuple(x.shape)}; a token region needs the block's output shaped [B, S, …] like its "
+                            f"input (name the module that returns the residual branch as the MoE block)")
+        y = DTensor.from_local(first, mesh, (own,), run_check=False)
+        y = y.redistribute(mesh, (outer,)) if own != outer else y
+        y = y.to_local() if stream.local else y
+        if single:
+            return y
+        dim = getattr(own, "dim", 1)
+        extras = [e if whole else _gathered(e, tuple(x.shape[:2]), dim, mesh, path, i)
+                  for i, e in enumerate(out[1:], start=1)]
+        return type(out)([y, *extras]) if isinstance(out, list) else (y, *extras)
+    return hook
+
+
 def token_regions(model: nn.Module, blocks: tuple, topology: Any, tensor_parallel: Any,
                   expert_params: set[str]) -> list[str]:
-    """Make every MoE block of ``blocks`` a token region on ``topology["tp"]``; returns the paths of their
-    parameters outside the experts, added to the tp sum of ``tensor_parallel.finalizer``.
+    """Make the token region of every MoE block of ``blocks`` (its ``region`` module: the block, or the module
+    holding several blocks) run on ``topology["tp"]``; returns the paths of their parameters outside the experts,
+    added to the tp sum of ``tensor_parallel.finalizer``.
 
     Raises:
         PlanError: tp > 1 without a tensor_parallel section.
     """
-    from torch.distributed.tensor.parallel import parallelize_module
-
     from meshplan.tensor_parallel.grad_sync import TpGradSync
     tp = topology.layout.tp
     if tensor_parallel is None:
@@ -69,13 +132,16 @@ def token_regions(model: nn.Module, blocks: tuple, topology: Any, tensor_paralle
     stream = Stream(tensor_parallel.sequence_parallel, False)
     whole = topology.layout.etp > 1  # etp = tp: every tp rank routes the group's tokens, gradients alike
     names = []
-    for b in blocks:
-        block = model.get_submodule(b.path)
+    for path in dict.fromkeys(b.region for b in blocks):
+        block = model.get_submodule(path)
         if not stream.sequence_parallel and not whole:
-            block.register_forward_pre_hook(_even(b.path, tp))
-        parallelize_module(block, topology["tp"], region_style(stream, whole))
-        names += [f"{b.path}.{n}" for n, p in block.named_parameters()
-                  if p.requires_grad and f"{b.path}.{n}" not in expert_params and not whole and tp > 1]
+            block.register_forward_pre_hook(_even(path, tp))
+        block.register_forward_pre_hook(_input_hook(topology["tp"], stream, whole))
+        # first of the block's forward hooks: transformers' output recorders (installed at the first forward) see
+        # the gathered outputs, equal to one device
+        block.register_forward_hook(_output_hook(path, topology["tp"], stream, whole), prepend=True)
+        names += [f"{path}.{n}" for n, p in block.named_parameters()
+                  if p.requires_grad and f"{path}.{n}" not in expert_params and not whole and tp > 1]
     if names:
         sync = tensor_parallel.finalizer
         if sync is None:

@@ -177,8 +177,41 @@ def _present(model, rules: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in rules.items() if match_rules(model, {k: k}, k, errors=[])}
 
 
+def _hf_rules(model, cls, config, base: dict, model_type: str, sequence_parallel: bool) -> tuple[dict, dict]:
+    """``(tensor_parallel rules, expert_parallel rules)`` from transformers' plans and the model's structure."""
+    import torch
+
+    from meshplan.hf.moe import MOE_STYLES, expert_rules, has_ep_plan, is_moe_plan
+    from meshplan.tensor_parallel.style_table import STYLES
+    # a task model holds the base model under base_model_prefix; the base model class itself does not
+    p = cls.base_model_prefix
+    prefix = f"{p}." if p and isinstance(getattr(model, p, None), torch.nn.Module) else ""
+    hf = {prefix + k: v for k, v in base.items()}
+    hf.update(getattr(cls, "_tp_plan", None) or {})
+    moe, rules, ep_rules = is_moe_plan(hf) or has_ep_plan(config), {}, {}
+    hf = _param_entries(model, hf)
+    for k, v in hf.items():
+        try:
+            rules[k] = v if (moe and v in MOE_STYLES) or isinstance(v, dict) else _rule(v)
+        except ValueError as e:
+            raise PlanError(f"{model_type}: tp_plan rule {k!r} ({cls.__name__}): {e}") from None
+    if moe:  # the experts go to the expert_parallel section
+        rules, ep_rules = expert_rules(model, config, prefix, rules, model_type)
+        hf = {k: v for k, v in hf.items() if k in rules}
+    found, order = _structure(model, hf)
+    for path, style in found.items():
+        if STYLES[style].stream_module and not sequence_parallel:
+            continue
+        rules[path] = style  # lm_head: colwise_gather_output becomes meshplan's lm_head
+    from meshplan.hf.mla import latent_rules
+    rules = latent_rules(model, rules)  # MLA: the latent path beside transformers' mla_kv_a_proj
+    rules = _own_inputs(model, _present(model, rules))
+    rank = {p: i for i, p in enumerate(order)}
+    return dict(sorted(rules.items(), key=lambda kv: rank.get(kv[0], len(rank)))), ep_rules
+
+
 def from_hf(source: str | Path, *, sequence_parallel: bool = True, loss_parallel: bool = True,
-            tp: int | None = 2, ep: int | None = None) -> dict:
+            tp: int | None = ..., ep: int | None = None) -> dict:  # type: ignore[assignment]
     """A meshplan plan (plain data) from transformers' own tp_plan of a model.
 
     Args:
@@ -186,73 +219,53 @@ def from_hf(source: str | Path, *, sequence_parallel: bool = True, loss_parallel
         sequence_parallel: write ``sequence_parallel`` (and the norm rules it needs).
         loss_parallel: keep the logits vocab-sharded.
         tp: the tensor-parallel degree written to ``layout`` (dp_shard is inferred from the world size at run
-            time); None writes no layout (then every consumer must be given one).
+            time); default 2, or 1 when ``ep`` is given (the layout asked for: ep alone); None writes no layout
+            (then every consumer must be given one).
         ep: the expert-parallel degree of a mixture-of-experts model (:mod:`meshplan.hf.moe`): its experts go to an
             ``expert_parallel`` section (from ``base_model_ep_plan``) with ``layout.etp: 1``.
 
     Returns:
-        ``{"version": 1, "layout": {"tp": tp}, "tensor_parallel": {...}}``, ready for :meth:`Plan.from_data`
-        or :func:`plan_yaml`.
+        ``{"version": 1, "layout": {"tp": tp}, "blocks": {"pattern": …}, "tensor_parallel": {...}}``, ready for
+        :meth:`Plan.from_data` or :func:`plan_yaml`; ``blocks`` names the model's repeated blocks
+        (:func:`meshplan.blocks.repeated_blocks`), which data parallelism shards one by one.
 
     Raises:
         PlanError: unknown model type, no plan known for it, or an HF style meshplan cannot express.
     """
-    import torch
-
-    from meshplan.tensor_parallel.style_table import STYLES
+    from meshplan.blocks import repeated_blocks
     config, model_type, archs = _config(source)
+    if tp is ...:
+        tp = 1 if ep is not None else 2
     ep_rules: dict[str, Any] = {}
     cls = _model_class(config, model_type, archs)
     base = getattr(config, "base_model_tp_plan", None) or {}
-    if not base and model_type in BUILTIN:
-        rules = dict(BUILTIN[model_type])
-        origin = f"meshplan's built-in table (transformers ships no tp_plan for {model_type})"
-    elif not base:
+    if not base and model_type not in BUILTIN:
         raise PlanError(f"transformers ships no tp_plan for model type {model_type!r} and meshplan has no built-in "
                         f"one; write the rules by hand (see plans/hf_llama.yaml)")
+    try:
+        model = _small_instance(cls, config)
+    except Exception as e:
+        raise PlanError(f"{model_type}: cannot build a small {cls.__name__} to read its structure: "
+                        f"{type(e).__name__}: {' '.join(str(e).split())[:300]}") from None
+    if not base:
+        rules = dict(BUILTIN[model_type])
+        origin = f"meshplan's built-in table (transformers ships no tp_plan for {model_type})"
     else:
-        try:
-            model = _small_instance(cls, config)
-        except Exception as e:
-            raise PlanError(f"{model_type}: cannot build a small {cls.__name__} to read its structure: "
-                            f"{type(e).__name__}: {' '.join(str(e).split())[:300]}") from None
-        # a task model holds the base model under base_model_prefix; the base model class itself does not
-        p = cls.base_model_prefix
-        prefix = f"{p}." if p and isinstance(getattr(model, p, None), torch.nn.Module) else ""
-        hf = {prefix + k: v for k, v in base.items()}
-        hf.update(getattr(cls, "_tp_plan", None) or {})
-        from meshplan.hf.moe import MOE_STYLES, expert_rules, is_moe_plan
-        moe, rules = is_moe_plan(hf), {}
-        hf = _param_entries(model, hf)
-        for k, v in hf.items():
-            try:
-                rules[k] = v if (moe and v in MOE_STYLES) or isinstance(v, dict) else _rule(v)
-            except ValueError as e:
-                raise PlanError(f"{model_type}: tp_plan rule {k!r} ({cls.__name__}): {e}") from None
-        if moe:  # the experts go to the expert_parallel section
-            rules, ep_rules = expert_rules(model, config, prefix, rules, model_type)
-            hf = {k: v for k, v in hf.items() if k in rules}
-        found, order = _structure(model, hf)
-        for path, style in found.items():
-            if STYLES[style].stream_module and not sequence_parallel:
-                continue
-            rules[path] = style  # lm_head: colwise_gather_output becomes meshplan's lm_head
-        from meshplan.hf.mla import latent_rules
-        rules = latent_rules(model, rules)  # MLA: the latent path beside transformers' mla_kv_a_proj
-        rules = _present(model, rules)
-        rules = _own_inputs(model, rules)
-        rank = {p: i for i, p in enumerate(order)}
-        rules = dict(sorted(rules.items(), key=lambda kv: rank.get(kv[0], len(rank))))
+        rules, ep_rules = _hf_rules(model, cls, config, base, model_type, sequence_parallel)
         origin = f"transformers {_version()} {type(config).__name__}.base_model_tp_plan + {cls.__name__}._tp_plan"
     plan: dict[str, Any] = {"version": 1}
     moe = bool(base) and ep_rules
     if tp is not None or ep is not None:
         plan["layout"] = {k: v for k, v in (("tp", tp), ("ep", ep), ("etp", 1 if moe else None)) if v is not None}
+    found = repeated_blocks(model)
+    if found is not None:
+        plan["blocks"] = {"pattern": found}
     plan["tensor_parallel"] = {"sequence_parallel": sequence_parallel, "loss_parallel": loss_parallel, "rules": rules}
     if moe:
         plan["expert_parallel"] = {"rules": ep_rules}
     elif ep is not None:
-        raise PlanError(f"{model_type}: ep={ep} given, but {cls.__name__} has no experts (its tp_plan shards none)")
+        raise PlanError(f"{model_type}: ep={ep} given, but {cls.__name__} has no experts (neither its tp_plan nor a "
+                        f"base_model_ep_plan names any)")
     plan["_origin"] = f"{origin}; model class {cls.__name__}"
     return plan
 

@@ -6,8 +6,10 @@ transformers shards experts two ways. Its ``base_model_tp_plan`` splits each exp
 (:mod:`meshplan.expert_parallel.etp`), so those entries are dropped. Its ``base_model_ep_plan`` dispatches tokens
 to experts sharded over the ranks (``ep_dispatch_experts`` on the experts module, ``grouped_gemm`` on its
 parameters): that is meshplan's ``experts`` style (``interface: topk``). transformers' plan names no router;
-meshplan needs one per MoE block, read from the model: the child of the experts' parent whose class name says
-router, or named ``gate``/``router``, holding an ``[E, hidden]`` weight. Torch-free apart from the model passed in.
+meshplan needs one per MoE block, read from the model: the one child of the experts' parent besides the experts
+that holds a weight with a row per expert (itself or in a submodule: HunYuan's ``gate.wg``); among several, the
+one named ``gate``/``router`` or of a ``*Router``/``*Gate`` class. A config whose ``base_model_ep_plan``
+dispatches experts while its tp_plan shards none (gpt-oss) is an MoE model too. Torch-free apart from the model passed in.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any
 from meshplan.errors import PlanError
 from meshplan.hf.styles import HF_UNSUPPORTED
 
-__all__ = ["expert_rules", "is_moe_plan", "MOE_STYLES"]
+__all__ = ["expert_rules", "has_ep_plan", "is_moe_plan", "MOE_STYLES"]
 
 MOE_STYLES = {k for k, why in HF_UNSUPPORTED.items() if "expert" in why}
 
@@ -27,20 +29,33 @@ def is_moe_plan(hf_rules: dict[str, str]) -> bool:
     return any(v in MOE_STYLES for v in hf_rules.values())
 
 
-def _router(model: Any, block: str, experts: int, model_type: str) -> str:
+def has_ep_plan(config: Any) -> bool:
+    """Does the config's ``base_model_ep_plan`` dispatch experts (gpt-oss: its tp_plan shards only the embedding)?"""
+    return "ep_dispatch_experts" in (getattr(config, "base_model_ep_plan", None) or {}).values()
+
+
+def _routes(child: Any, experts: int) -> bool:
+    """Does ``child`` hold a weight with one row (or column) per expert, itself or in a submodule (HunYuan's
+    ``gate.wg``)?"""
+    return any(p.ndim == 2 and experts in p.shape for p in child.parameters())
+
+
+def _router(model: Any, block: str, experts: str, count: int, model_type: str) -> str:
+    """The block's one router, as :func:`meshplan.expert_parallel.apply.check_expert_parallel` accepts it: the
+    block's one child besides the experts holding an ``[E, …]`` weight, or, among several, the one named
+    ``gate``/``router`` or of a ``*Router``/``*Gate`` class."""
     from meshplan.plan_file.patterns import wildcard
     parent = model.get_submodule(block)
-    found = []
-    for name, child in parent.named_children():
-        named = "Router" in type(child).__name__ or name in ("gate", "router")
-        weight = getattr(child, "weight", None)
-        if named and getattr(weight, "ndim", 0) == 2 and weight.shape[0] == experts:
-            found.append(f"{block}.{name}")
+    found = [n for n, c in parent.named_children() if f"{block}.{n}" != experts and _routes(c, count)]
+    if len(found) > 1:
+        named = [n for n in found if n in ("gate", "router") or
+                 type(parent.get_submodule(n)).__name__.endswith(("Router", "Gate"))]
+        found = named if named else found
     if len(found) != 1:
         raise PlanError(f"{model_type}: MoE block {block} has {len(found)} router candidates {found}; expected one "
-                        f"child named gate/router (or a *Router class) with an [{experts}, hidden] weight: write the "
+                        f"child besides {experts} holding a weight with {count} (the expert count) rows: write the "
                         f"expert_parallel rules by hand")
-    return wildcard(found[0])
+    return wildcard(f"{block}.{found[0]}")
 
 
 def expert_rules(model: Any, config: Any, prefix: str, tp_rules: dict[str, Any],
@@ -73,10 +88,11 @@ def expert_rules(model: Any, config: Any, prefix: str, tp_rules: dict[str, Any],
         for path in match_rules(model, {pattern: pattern}, "base_model_ep_plan", errors=[]):
             module = model.get_submodule(path)
             count = next(p.shape[0] for p in module.parameters())
-            blocks.add((path.rpartition(".")[0], count))
+            blocks.add((path.rpartition(".")[0], path, count))
     if not any(v == "ep_router" for v in rules.values()):
-        rules.update({_router(model, b, n, model_type): "ep_router" for b, n in sorted(blocks)})
-    inside = tuple(b + "." for b, _ in blocks)
+        rules.update({_router(model, b, e, n, model_type): "ep_router" for b, e, n in sorted(blocks)})
+    from meshplan.expert_parallel.apply import token_region_of
+    inside = tuple(r + "." for r in set(token_region_of({b for b, _, _ in blocks}).values()))
     kept = {}
     for key, rule in tp_rules.items():
         style = rule if isinstance(rule, str) else rule.get("style")

@@ -1,0 +1,95 @@
+"""MoE blocks as token regions (``meshplan.expert_parallel.region``), tp ranks simulated in one process: a block
+that returns a tuple (gpt-oss: ``(hidden, router_scores)``) has its first output put back on the residual stream
+and its per-token extras gathered to the whole token set in one device's order, equal to one device on every tp
+rank (forward and the input gradient, float64); an extra that is not per token (a scalar auxiliary loss) is
+refused with the fix; the token region of an MoE block is its parent when that holds several (Ernie 4.5 VL)."""
+
+
+import pytest
+import torch
+import torch.nn as nn
+
+from _local import assert_close_rel, assert_ranks_agree, local_ranks, make_mesh, replicated
+from meshplan import PlanError
+from meshplan.expert_parallel.apply import token_region_of
+from meshplan.expert_parallel.region import _input_hook, _output_hook
+from meshplan.tensor_parallel.layouts import Stream
+
+pytestmark = pytest.mark.fast
+
+B, S, H, K = 2, 8, 4, 2
+
+
+class TupleBlock(nn.Module):
+    """Returns ``(hidden, per-token scores [B·S, K], per-token [B, S, K])`` like gpt-oss's GptOssMLP, plus an
+    optional scalar (an auxiliary loss)."""
+
+    def __init__(self, scalar: bool = False):
+        super().__init__()
+        self.w = nn.Parameter(torch.linspace(-1, 1, H * K, dtype=torch.float64).reshape(H, K))
+        self.scalar = scalar
+
+    def forward(self, x):
+        scores = (x.reshape(-1, H) @ self.w).softmax(-1)
+        out = (x * 2, scores, scores.reshape(*x.shape[:2], K))
+        return out + ((scores.square().mean(),) if self.scalar else ())
+
+
+def _run(block, x, sequence_parallel: bool):
+    """The block as a token region on a tp 2 mesh, on the replicated input ``x``: its outputs (full tensors)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    mesh = make_mesh(2, ("tp",))
+    stream = Stream(sequence_parallel, False)
+    block.register_forward_pre_hook(_input_hook(mesh, stream, False))
+    block.register_forward_hook(_output_hook("layers.0.mlp", mesh, stream, False))
+    xd = DTensor.from_local(replicated(x), mesh, (Replicate(),)).redistribute(
+        mesh, (Shard(1) if sequence_parallel else Replicate(),))
+    return block(xd)
+
+
+@pytest.mark.parametrize("sequence_parallel", [True, False])
+def test_tuple_outputs_match_one_device(sequence_parallel):
+    block, x = TupleBlock(), torch.randn(B, S, H, dtype=torch.float64)
+    ref = block(x)
+    with local_ranks(2):
+        out = _run(block, x, sequence_parallel)
+        assert len(out) == 3
+        assert_close_rel(out[0], ref[0], tol=1e-12)  # back on the residual stream (a DTensor)
+        for got, want in zip(out[1:], ref[1:]):  # whole token set, one device's order, on every tp rank
+            assert tuple(got.shape) == tuple(want.shape)
+            assert_close_rel(assert_ranks_agree(got), want, tol=1e-12)
+
+
+def test_gradient_through_an_extra_matches_one_device():
+    block, x = TupleBlock(), torch.randn(B, S, H, dtype=torch.float64)
+    block(x)[1].square().sum().backward()
+    want = block.w.grad.clone()
+    block.w.grad = None
+    with local_ranks(2):
+        _run(block, x, True)[1].square().sum().backward()
+        grad = block.w.grad  # each tp rank: its own tokens' share; the model's tp grad sync sums them
+        from _local import rank_values
+        total = sum(rank_values(grad).values())
+    assert torch.allclose(total, want, rtol=1e-12, atol=0)
+
+
+def test_a_scalar_extra_is_refused_with_the_fix():
+    block, x = TupleBlock(scalar=True), torch.randn(B, S, H, dtype=torch.float64)
+    with local_ranks(2), pytest.raises(PlanError, match=r"MoE block layers.0.mlp returns output\[3\] of shape \(\), "
+                                                        r"not per token .*set layout.etp = tp"):
+        _run(block, x, True)
+
+
+def test_a_flattened_first_output_is_refused():
+    class Flat(nn.Module):
+        def forward(self, x):
+            return x.flatten(), x.sum()
+    with local_ranks(2), pytest.raises(PlanError, match=r"MoE block layers.0.mlp returned \(32,\) for its input "
+                                                        r"\(2, 4, 4\); a token region needs"):
+        _run(Flat(), torch.randn(B, S, H, dtype=torch.float64), True)
+
+
+def test_the_region_is_the_parent_holding_several_blocks():
+    regions = token_region_of(["layers.1.mlp.text_moe", "layers.1.mlp.vision_moe", "layers.2.mlp", "moe"])
+    assert regions == {"layers.1.mlp.text_moe": "layers.1.mlp", "layers.1.mlp.vision_moe": "layers.1.mlp",
+                       "layers.2.mlp": "layers.2.mlp", "moe": "moe"}
