@@ -429,7 +429,7 @@ def test_cli_exits_0_or_2_with_one_line(pool, data):
     (["check", "plans/hf_llama.yaml", "--model", "examples.hf_models:llama", "--config", '{"num_hiden_layers": 1}'],
      "'num_hiden_layers' (did you mean num_hidden_layers"),
     (["convert", "{root}/cfg_dict.json"], "transformers cannot use this config: StrictDataclassFieldValidationError"),
-    (["convert", "{root}/cfg_list.json"], "transformers cannot use this config: TypeError"),
+    (["convert", "{root}/cfg_list.json"], "cfg_list.json: expected a JSON object (a transformers config), got list"),
     (["convert", "llama", "-o", "{root}"], "is a directory, expected a file path"),
     (["convert", "llama", "-o", "{root}/missing/x.yaml"], "cannot write: No such file or directory"),
     (["check", "{root}/bin.yaml", "--model", "x:y"], "bin.yaml: not UTF-8 text: byte 0xff at offset 0"),

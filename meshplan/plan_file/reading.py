@@ -32,12 +32,13 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-__all__ = ["read_plan_data", "check_data", "pydantic_message", "MAX_PLAN_BYTES", "MAX_PLAN_NODES", "MAX_PLAN_DEPTH",
-           "MAX_INT_BITS"]
+__all__ = ["read_plan_data", "check_data", "pydantic_message", "read_text", "read_json", "MAX_PLAN_BYTES",
+           "MAX_PLAN_NODES", "MAX_PLAN_DEPTH", "MAX_INT_BITS", "MAX_INPUT_BYTES"]
 
 MAX_PLAN_BYTES = 1 << 18     #: a plan file larger than 256 KiB is rejected (the largest shipped plan: 1.3 KB)
 MAX_PLAN_NODES = 5_000       #: so is one expanding (YAML aliases) to more values than this (a real plan: < 300)
 MAX_PLAN_DEPTH = 32          #: or nested deeper than this (a real plan nests 5 levels)
+MAX_INPUT_BYTES = 4 << 20    #: a converter source, model config or cluster file larger than 4 MiB is refused unread
 MAX_INT_BITS = 13_000        #: or holding an integer of more bits (about 3,900 digits; Python prints up to 4,300)
 
 
@@ -158,24 +159,48 @@ def check_data(obj: Any, max_nodes: int = MAX_PLAN_NODES, max_depth: int = MAX_P
                 stack.append((v, depth + 1, f"{path}.{key}" if path else key))
 
 
-def _read_text(p: Path) -> str:
-    """The file's text, or a PlanError: not a file, unreadable, too large, not UTF-8."""
+def read_text(path: str | Path, what: str = "file", max_bytes: int = MAX_INPUT_BYTES) -> str:
+    """The UTF-8 text of the regular file ``path``, reading at most ``max_bytes + 1`` bytes.
+
+    Raises:
+        PlanError: missing, a directory, not a regular file (``/dev/zero``, a pipe: they never end), unreadable,
+            larger than ``max_bytes``, or not UTF-8 (one line starting with the path, naming ``what`` it should be).
+    """
+    p = Path(path)
     if p.is_dir():
-        raise PlanError(f"{p}: is a directory, expected a plan file")
+        raise PlanError(f"{p}: is a directory, expected a {what}")
+    if not p.exists():
+        raise PlanError(f"{p}: no such {what}")
     if not p.is_file():
-        raise PlanError(f"{p}: no such plan file")
+        raise PlanError(f"{p}: not a regular file (a device, pipe or socket), expected a {what}")
     try:
         with p.open("rb") as f:
-            raw = f.read(MAX_PLAN_BYTES + 1)
+            raw = f.read(max_bytes + 1)
     except OSError as e:
-        raise PlanError(f"{p}: cannot read the plan file: {e.strerror or e}") from None
-    if len(raw) > MAX_PLAN_BYTES:
-        raise PlanError(f"{p}: {p.stat().st_size} bytes; plan files are limited to {MAX_PLAN_BYTES}")
+        raise PlanError(f"{p}: cannot read the {what}: {e.strerror or e}") from None
+    if len(raw) > max_bytes:
+        raise PlanError(f"{p}: {p.stat().st_size} bytes; {what}s are limited to {max_bytes}")
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise PlanError(f"{p}: not UTF-8 text: byte 0x{raw[e.start]:02x} at offset {e.start} ({e.reason}); "
-                        f"plan files are UTF-8 YAML, JSON or TOML") from None
+                        f"expected a {what}") from None
+
+
+def read_json(path: str | Path, what: str = "JSON file", max_bytes: int = MAX_INPUT_BYTES) -> Any:
+    """The JSON document in ``path`` (:func:`read_text`'s bounds); any failure is one :class:`PlanError`."""
+    text = read_text(path, what, max_bytes)
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise PlanError(f"{path}: not valid JSON: nested too deeply; expected a {what}") from None
+    except ValueError as e:  # JSONDecodeError, an integer past 4,300 digits
+        raise PlanError(f"{path}: not valid JSON: {_one_line(str(e))[:200]}; expected a {what}") from None
+
+
+def _read_text(p: Path) -> str:
+    """The plan file's text, or a PlanError: not a file, unreadable, too large, not UTF-8."""
+    return read_text(p, "plan file", MAX_PLAN_BYTES)
 
 
 def read_plan_data(path: str | Path) -> dict:
