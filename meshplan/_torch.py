@@ -31,6 +31,7 @@ __all__ = [
     "checkpoint_wrapper", "CheckpointWrapper", "CHECKPOINT_PREFIX", "replicate",  # data parallelism
     "step_microbatches", "ring_attention_dispatch",  # pipeline and context parallelism
     "set_group_timeout", "group_options", "default_store", "flight_recorder_dump",  # faults
+    "CHECKPOINT_PRIVATE_GLOBALS",  # checkpoints
 ]
 
 # ---------------------------------------------------------------- simulated ranks
@@ -40,11 +41,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
 
 # N ranks simulated in one process (each op runs per rank; collectives computed exactly): numerics checks
 from torch.distributed._local_tensor import (  # noqa: E402
-    LocalTensor,
-    LocalTensorMode,
-    local_tensor_mode,
-    maybe_disable_local_tensor_mode as no_local_tensor_mode,
-)
+    LocalTensor, LocalTensorMode, local_tensor_mode, maybe_disable_local_tensor_mode as no_local_tensor_mode)
 
 
 def rank_tensors(t: LocalTensor) -> dict[int, torch.Tensor]:
@@ -54,10 +51,8 @@ def rank_tensors(t: LocalTensor) -> dict[int, torch.Tensor]:
 
 @contextlib.contextmanager
 def simulated_ranks(world_size: int) -> Iterator[LocalTensorMode]:
-    """``world_size`` ranks in this process: a ``fake`` default group and ``LocalTensorMode``.
-
-    A fake group of another size is replaced (and the earlier one restored on exit); a real
-    (non-fake) default group is an error, since collectives would reach other processes.
+    """``world_size`` ranks in this process: a ``fake`` default group and ``LocalTensorMode``. A fake group of
+    another size is replaced (and restored on exit); a real default group is an error (collectives would leave).
 
     Raises:
         RuntimeError: a real process group is initialized.
@@ -115,9 +110,7 @@ def dtensor_op_handlers() -> dict:
 from torch._ops import OpOverload  # noqa: E402
 from torch.distributed.tensor._op_schema import OpSchema, OpStrategy, StrategyType  # noqa: E402
 from torch.distributed.tensor._ops.utils import (  # noqa: E402
-    expand_to_full_mesh_op_strategy,
-    is_tensor_evenly_shardable_on_dim,
-)
+    expand_to_full_mesh_op_strategy, is_tensor_evenly_shardable_on_dim)
 
 
 def sharding_propagator() -> Any:
@@ -127,7 +120,6 @@ def sharding_propagator() -> Any:
 
 # ---------------------------------------------------------------- meshes
 
-
 def flatten_mesh(mesh: Any, name: str | None = None) -> Any:
     """``mesh`` (a DeviceMesh) flattened to one dim named ``name``: the one process group over several axes
     that meshplan's composite meshes (``dp``, ``dp_cp``, …) and the loss's single all-reduce use."""
@@ -135,7 +127,6 @@ def flatten_mesh(mesh: Any, name: str | None = None) -> Any:
 
 
 # ---------------------------------------------------------------- autograd and dispatch
-
 
 def saved_tensors_hooks_active() -> bool:
     """Is a saved-tensor hook pair active (activation checkpointing's, a user's)? Nested hooks replace the outer
@@ -210,9 +201,7 @@ def style_prepare_fns(style: Any) -> tuple[Callable, Callable]:
 # activation checkpointing per block that keeps the block a module (FSDP2 shards it, hooks still fire)
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (  # noqa: E402
     _CHECKPOINT_PREFIX as CHECKPOINT_PREFIX,  # the path segment a checkpoint wrapper adds to parameter names
-    CheckpointWrapper,
-    checkpoint_wrapper,
-)
+    CheckpointWrapper, checkpoint_wrapper)
 
 
 def replicate(module: nn.Module, **kwargs: Any) -> nn.Module:
@@ -298,3 +287,13 @@ def flight_recorder_dump(stack_traces: bool = False, only_active: bool = False) 
     raw = torch._C._distributed_c10d._dump_fr_trace(includeCollectives=True, includeStackTraces=stack_traces,
                                                      onlyActive=only_active)
     return pickle.loads(raw) if raw else {}
+
+
+# ---------------------------------------------------------------- checkpoints
+
+#: the private globals a DCP ``.metadata`` pickle names (torch 2.13): a file's byte range, the memory-format enum,
+#: a layout by name. meshplan's restricted unpickler (:mod:`meshplan.checkpoint.safe_read`) loads these and public
+#: metadata classes only, so a crafted checkpoint cannot run code
+CHECKPOINT_PRIVATE_GLOBALS = frozenset({("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+                                        ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
+                                        ("torch.serialization", "_get_layout")})

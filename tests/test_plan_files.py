@@ -7,6 +7,7 @@ import pytest
 import meshplan
 from meshplan import PlanError, load_plan
 from meshplan.plan_file.json_schema import SCHEMA_PATH, plan_schema
+from meshplan.plan_file.reading import MAX_PLAN_NODES
 
 pytestmark = pytest.mark.fast
 
@@ -62,10 +63,34 @@ def test_size_limits(tmp_path):
         prev = "a" if i == 0 else "bcdefg"[i - 1]
         lines.append(f"{name}: &{name} [" + ", ".join([f"*{prev}"] * 10) + "]")
     bomb.write_text("\n".join(lines) + "\n")
-    with pytest.raises(PlanError, match="more than 100000 values"):
+    with pytest.raises(PlanError, match=f"more than {MAX_PLAN_NODES} values"):
         load_plan(bomb)
     with pytest.raises(PlanError, match="no such plan file"):
         load_plan(tmp_path / "missing.yaml")
+
+
+@pytest.mark.parametrize("text, message", [
+    ("a: " + "[" * 2000 + "]" * 2000 + "\n", r"nested deeper than 32 levels"),   # the issue's 4 KB file
+    ("{a: " * 2000 + "1" + "}" * 2000 + "\n", r"a(\.a){31}: nested deeper than 32 levels"),
+    ("a:\n  " + "- " * 2000 + "x\n", r"a(\.0){31}: nested deeper than 32 levels"),
+    ("a: &a " + "[" * 30 + "1" + "]" * 30 + "\nb: [[[*a]]]\n", r"b\.0\.0\.0: nested deeper than 32 levels \(through the alias \*a\)"),
+    ("a:\n" + "- 1\n" * 60_000, r"more than 5000 values"),                       # 240 KB, under the byte limit
+    ("".join(f"k{i}: &k{i} [*k{i - 1}, *k{i - 1}]\n" if i else "k0: &k0 [1, 2]\n" for i in range(14)),
+     r"more than 5000 values"),
+])
+def test_depth_and_count_refused_before_the_document_is_built(tmp_path, monkeypatch, text, message):
+    """Refused from the parser's events: the document is never composed (it took 0.5-9 s to build, then refuse)."""
+    import yaml
+    from meshplan.plan_file import reading
+
+    def never(*a, **k):
+        raise AssertionError("the document was built")
+    monkeypatch.setattr(reading.yaml, "load", never)
+    f = tmp_path / "p.yaml"
+    f.write_text(text)
+    with pytest.raises(PlanError, match=message):
+        load_plan(f)
+    assert yaml.load is never
 
 
 def test_committed_schema_is_fresh():

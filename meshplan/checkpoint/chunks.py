@@ -18,12 +18,13 @@ import itertools
 from typing import Any, Mapping
 
 import torch
-from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor
 
 from meshplan._torch import compute_local_shape_and_global_offset, local_tensor
+from meshplan.checkpoint.safe_read import SafeLoadPlanner
 from meshplan.weights.shards import local_slices
 
 __all__ = ["Boxes", "boxes_of", "as_boxes", "BoxSavePlanner", "BoxLoadPlanner"]
@@ -125,8 +126,9 @@ class BoxSavePlanner(DefaultSavePlanner):
         return found if found is not None else super().lookup_object(index)
 
 
-class BoxLoadPlanner(DefaultLoadPlanner):
-    """DCP's default load planner, handing out the view of each :class:`Boxes` box it fills.
+class BoxLoadPlanner(SafeLoadPlanner):
+    """DCP's default load planner (non-tensor entries read restricted: :class:`SafeLoadPlanner`), handing out the
+    view of each :class:`Boxes` box it fills.
 
     Takes a flat state dict (DCP's set-up replaces values it does not know by None: the boxes are set aside
     while it runs).

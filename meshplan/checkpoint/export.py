@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint import FileSystemReader
 
+from meshplan.checkpoint.safe_read import SafeLoadPlanner, dcp_load, read_metadata
 from meshplan.checkpoint.save import group_rank, save
 from meshplan.checkpoint.state import MODEL
 from meshplan.errors import PlanError
@@ -73,8 +73,7 @@ def checkpoint_to_safetensors(checkpoint: str | Path, out: str | Path, *, max_sh
         PlanError: the folder holds no model entries.
     """
     checkpoint, out = Path(checkpoint), Path(out)
-    reader = FileSystemReader(checkpoint)
-    entries = {k[len(MODEL):]: md for k, md in reader.read_metadata().state_dict_metadata.items()
+    entries = {k[len(MODEL):]: md for k, md in read_metadata(checkpoint).state_dict_metadata.items()
                if k.startswith(MODEL) and hasattr(md, "size")}  # tensors (non-tensor extra states are left out)
     if not entries:
         raise PlanError(f"{checkpoint}: no model tensors in this checkpoint")
@@ -86,8 +85,7 @@ def checkpoint_to_safetensors(checkpoint: str | Path, out: str | Path, *, max_sh
     written = []
     for i in range(rank, len(files), world_size):
         tensors = {k: torch.empty(tuple(entries[k].size), dtype=entries[k].properties.dtype) for k in files[i]}
-        dcp.load({MODEL + k: t for k, t in tensors.items()}, storage_reader=FileSystemReader(checkpoint),
-                 no_dist=True)
+        dcp_load({MODEL + k: t for k, t in tensors.items()}, checkpoint, SafeLoadPlanner(), no_dist=True)
         save_file(tensors, str(out / names[i]), metadata={"format": "pt"})
         written.append(out / names[i])
     if rank == 0 and len(files) > 1:

@@ -9,7 +9,6 @@ with the names, instead of hanging the ranks that had nothing to complain about.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,11 +17,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint import FileSystemReader
 
 from meshplan.checkpoint.chunks import BoxLoadPlanner, Boxes, as_boxes
 from meshplan.checkpoint.directory import MANIFEST, is_complete
-from meshplan.checkpoint.manifest import DataState, Manifest, check_resume
+from meshplan.checkpoint.manifest import DataState, Manifest, check_resume, read_manifest_file
+from meshplan.checkpoint.safe_read import dcp_load, read_metadata
 from meshplan.checkpoint.save import group_rank, run_layout
 from meshplan.checkpoint.state import MODEL, RNG, apply_state, gather_state
 from meshplan.errors import PlanError
@@ -62,7 +61,7 @@ def read_manifest(path: str | Path) -> Manifest:
     if not is_complete(path):
         raise PlanError(f"{path}: not a complete checkpoint: expected a folder with DCP's .metadata and "
                         f"{MANIFEST} (a folder ending in .partial is a save that did not finish)")
-    return Manifest.from_json(json.loads((path / MANIFEST).read_text()), str(path))
+    return read_manifest_file(path / MANIFEST)
 
 
 def _problems(targets: dict[str, Any], metadata: Any) -> dict[str, list[str]]:
@@ -146,11 +145,11 @@ def load(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
         optimizer = None  # "empty": saved before the first step, a fresh optimizer is the saved one
     same = manifest.rng and manifest.same_layout(*run_layout(model))
     state = gather_state(model, optimizer, group_rank() if same else None, aliases=False)
-    metadata = FileSystemReader(path).read_metadata()
+    metadata = read_metadata(path)  # the restricted unpickler: a crafted .metadata runs nothing
     state = {k: v for k, v in state.items() if not k.startswith(RNG) or k in metadata.state_dict_metadata}
     targets = as_boxes(state)
     _check_keys(targets, metadata, str(path), strict, process_group)
-    dcp.load(targets, storage_reader=FileSystemReader(path), planner=BoxLoadPlanner(), process_group=process_group)
+    dcp_load(targets, path, BoxLoadPlanner(), process_group=process_group)
     state.update({k: v for k, v in targets.items() if not isinstance(v, Boxes)})  # values DCP replaced
     apply_state(model, optimizer, state)
     return Saved(path=path, step=manifest.step, extra=manifest.extra, data=resumed, rng_restored=same,

@@ -11,16 +11,76 @@ and refuses another seed always (another stream).
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from meshplan.errors import PlanError
 
-__all__ = ["DataState", "Manifest", "check_resume", "FORMAT"]
+__all__ = ["DataState", "Manifest", "check_resume", "read_manifest_file", "FORMAT", "MAX_MANIFEST_BYTES"]
 
 #: version of the manifest's layout; :meth:`Manifest.from_json` refuses a newer one
 FORMAT = 1
+#: a manifest larger than this is refused unread (meshplan writes a few hundred bytes plus the caller's ``extra``)
+MAX_MANIFEST_BYTES = 16 << 20
+_OPTIMIZER = ("saved", "empty", "none")
+_MAX_TIME = 1e11  # Unix seconds (year 5138): a saved_at past it is not a time
+
+
+def _int(v: Any, lo: int = 0) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and lo <= v < 2 ** 63
+
+
+def _field_problem(name: str, v: Any) -> str | None:
+    """What is wrong with manifest field ``name`` = ``v`` (its expected type and range), or None."""
+    expected = {
+        "step": ("an integer >= 0", _int(v)), "world_size": ("an integer >= 1", _int(v, 1)),
+        "format": ("an integer >= 0", _int(v)), "extra": ("a mapping", isinstance(v, dict)),
+        "data": ("a mapping of global_batch, seed, samples_seen (integers) or null",
+                 v is None or (isinstance(v, dict) and set(v) == {"global_batch", "seed", "samples_seen"}
+                               and all(_int(x) for x in v.values()) and v["global_batch"] >= 1)),
+        "layout": ("a string or null", v is None or isinstance(v, str)),
+        "plan": ("a string or null", v is None or isinstance(v, str)),
+        "optimizer": (f"one of {list(_OPTIMIZER)}", v in _OPTIMIZER and isinstance(v, str)),
+        "rng": ("true or false", isinstance(v, bool)),
+        "torch": ("a string", isinstance(v, str)), "meshplan": ("a string", isinstance(v, str)),
+        "saved_at": (f"Unix seconds in [0, {_MAX_TIME:.0e}]",
+                     isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= _MAX_TIME),
+    }[name]
+    if expected[1]:
+        return None
+    try:
+        shown = repr(v)
+    except ValueError:  # an int past 4,300 digits
+        shown = f"an integer of {v.bit_length()} bits"
+    shown = shown if len(shown) <= 60 else f"{shown[:60]}… ({len(shown)} characters)"
+    return f"field {name!r}: expected {expected[0]}, got {shown}"
+
+
+def read_manifest_file(path: str | Path) -> "Manifest":
+    """The manifest in the file ``path`` (``meshplan.json``), every field checked.
+
+    Raises:
+        PlanError: unreadable, too large, not JSON, not a mapping, or a field of the wrong type or range (one
+            line: the file and the field, what it holds and what is expected).
+    """
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_MANIFEST_BYTES + 1)
+    except OSError as e:
+        raise PlanError(f"{path}: cannot read the checkpoint manifest: {e.strerror or e}") from None
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise PlanError(f"{path}: more than {MAX_MANIFEST_BYTES} bytes; a checkpoint manifest is far smaller")
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, nested too deep, an int past 4,300 digits
+        raise PlanError(f"{path}: not a JSON manifest: {' '.join(str(e).split())[:200]}") from None
+    if not isinstance(data, dict):
+        raise PlanError(f"{path}: expected a JSON mapping (the checkpoint manifest), got {type(data).__name__}")
+    return Manifest.from_json(data, str(path))
 
 
 @dataclass(frozen=True)
@@ -112,13 +172,21 @@ class Manifest:
 
     @classmethod
     def from_json(cls, data: dict[str, Any], where: str) -> "Manifest":
-        """Raises: PlanError: a manifest of a newer format or with fields this version does not know."""
-        if int(data.get("format", 0)) > FORMAT:
-            raise PlanError(f"{where}: manifest format {data['format']} is newer than this meshplan's ({FORMAT})")
+        """Raises: PlanError: a manifest of a newer format, with fields this version does not know, or a field of
+        the wrong type or range (named, with its value and what it should be)."""
+        fmt = data.get("format", 0)
+        if _int(fmt) and fmt > FORMAT:
+            raise PlanError(f"{where}: manifest format {fmt} is newer than this meshplan's ({FORMAT})")
         names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - names)
+        unknown = sorted(map(str, set(data) - names))
         if unknown:
-            raise PlanError(f"{where}: unknown manifest fields {unknown}; expected {sorted(names)}")
+            raise PlanError(f"{where}: unknown manifest fields {unknown[:10]}; expected {sorted(names)}")
+        if "step" not in data:
+            raise PlanError(f"{where}: the manifest has no field 'step'")
+        for name, value in data.items():
+            problem = _field_problem(name, value)
+            if problem:
+                raise PlanError(f"{where}: {problem}")
         values = dict(data)
         if values.get("data") is not None:
             values["data"] = DataState.from_json(values["data"])

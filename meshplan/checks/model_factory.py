@@ -28,13 +28,11 @@ def _config_arg(text: str | None) -> dict:
     if not text:
         return {}
     if not text.lstrip().startswith("{"):
+        from meshplan.plan_file.reading import read_text
         p = Path(text.removeprefix("@"))
         if not p.is_file():
             raise PlanError(f"--config: {text!r} is neither a JSON object nor a .json file")
-        try:
-            text = p.read_bytes().decode("utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise PlanError(f"--config: cannot read {str(p)!r}: {getattr(e, 'strerror', None) or e}") from None
+        text = read_text(p, "JSON config file")  # bounded: at most 4 MiB
     try:
         data = json.loads(text)
     except RecursionError:

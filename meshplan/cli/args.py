@@ -7,7 +7,7 @@ from typing import Callable
 
 from meshplan.errors import PlanError
 
-__all__ = ["Parser", "int_arg", "add_layout_flags", "layout_from_args", "error_line", "write_output"]
+__all__ = ["Parser", "int_arg", "float_arg", "add_layout_flags", "layout_from_args", "error_line", "write_output"]
 
 
 class Parser(argparse.ArgumentParser):
@@ -25,6 +25,20 @@ def int_arg(lo: int, hi: int, why: str = "") -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"invalid int value: {shown!r}") from None
         if not lo <= value <= hi:
             raise argparse.ArgumentTypeError(f"expected an integer in [{lo}, {hi}]{why}, got {shown}")
+        return value
+    return parse
+
+
+def float_arg(lo: float, hi: float, unit: str = "") -> Callable[[str], float]:
+    """An argparse ``type``: a finite number in ``(lo, hi]`` (NaN, ±inf and ``lo`` itself refused)."""
+    def parse(text: str) -> float:
+        shown = text if len(text) <= 40 else f"{text[:40]}… ({len(text)} characters)"
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid number: {shown!r}") from None
+        if not lo < value <= hi:  # False for NaN
+            raise argparse.ArgumentTypeError(f"expected a number in ({lo:g}, {hi:.0f}]{unit}, got {shown}")
         return value
     return parse
 

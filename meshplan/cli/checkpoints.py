@@ -4,7 +4,6 @@ to full safetensors files, in one process, without the model)."""
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -30,16 +29,17 @@ def _folder(path: str) -> Path:
 
 def _list(args: argparse.Namespace) -> int:
     from meshplan.checkpoint.directory import MANIFEST, PARTIAL, complete_steps
+    from meshplan.checkpoint.manifest import read_manifest_file
     root = Path(args.directory)
     if not root.is_dir():
         raise PlanError(f"{root}: no such directory")
     rows = []
     for step, p in complete_steps(root):
-        m = json.loads((p / MANIFEST).read_text())
-        saved = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m.get("saved_at", 0)))
-        data = m.get("data") or {}
-        rows.append(f"{p.name}  step {step}  saved {saved}  world {m.get('world_size')}  layout {m.get('layout')}  "
-                    f"optimizer {m.get('optimizer')}  samples {data.get('samples_seen', '-')}")
+        m = read_manifest_file(p / MANIFEST)  # every field checked: a hand-edited one is one line naming it
+        saved = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m.saved_at))
+        samples = m.data.samples_seen if m.data is not None else "-"
+        rows.append(f"{p.name}  step {step}  saved {saved}  world {m.world_size}  layout {' '.join(str(m.layout).split())[:200]}  "
+                    f"optimizer {m.optimizer}  samples {samples}")
     rows += [f"{p.name}  torn (ignored)" for p in sorted(root.iterdir()) if p.name.endswith(PARTIAL)]
     sys.stdout.write("\n".join(rows or [f"{root}: no checkpoints"]) + "\n")
     return 0

@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from meshplan.cli.args import int_arg
+from meshplan.cli.args import float_arg, int_arg
 from meshplan.errors import PlanError
 
 __all__ = ["register"]
@@ -67,7 +67,7 @@ def _cluster(args: argparse.Namespace):
         cl = cluster_preset(args.cluster)
     if args.gpus_per_node:
         cl = replace(cl, gpus_per_node=args.gpus_per_node)
-    if args.memory_gib:
+    if args.memory_gib is not None:
         cl = replace(cl, memory=args.memory_gib * float(1 << 30))
     return cl
 
@@ -105,12 +105,12 @@ def _space(args: argparse.Namespace):
     fixed = {k: getattr(args, k) for k in ("tp", "cp", "ep", "pp", "vpp", "dp_replicate") if getattr(args, k)}
     kw = {}
     for name in ("orders", "schedules", "ac"):
-        if getattr(args, name):
+        if getattr(args, name) is not None:
             kw[name] = tuple(x.strip() for x in getattr(args, name).split(",") if x.strip())
     for name in ("micro_batches", "vpps"):
-        if getattr(args, name):
+        if getattr(args, name) is not None:
             try:
-                kw[name] = tuple(int(x) for x in getattr(args, name).split(","))
+                kw[name] = tuple(int(x) for x in getattr(args, name).split(",") if x.strip())
             except ValueError:
                 raise PlanError(f"--{name.replace('_', '-')}: expected integers separated by commas, got "
                                 f"{getattr(args, name)!r}") from None
@@ -121,6 +121,9 @@ def _solve(args: argparse.Namespace) -> int:
     from meshplan.solver.candidate import Training
     from meshplan.solver.report import search_json, search_text
     from meshplan.solver.search import search
+    if args.plan:  # checked before the search: a typo'd section is refused, not dropped from the written plan
+        from meshplan.plan_file.document import load_plan
+        load_plan(args.plan)
     shape, warning = _shape(args)
     train = Training(seq=args.seq, global_batch=args.global_batch, dtype=args.dtype, master_dtype=args.master_dtype,
                      reduce_dtype=args.master_dtype, sequence_parallel=not args.no_sequence_parallel,
@@ -148,12 +151,20 @@ def _write(args: argparse.Namespace, best, train) -> None:
     data = plan_from_candidate(best.candidate, train, base, (base or {}).get("blocks", {}).get("pattern", "layers.*"))
     header = (f"Written by `meshplan solve` for {args.gpus} devices: {best.candidate.label()}\n"
               f"estimated {best.step_time:.4g} s per step, {best.tokens_per_s_device:,.1f} tokens/s per device, "
-              f"MFU {100 * best.mfu:.1f}%" + (f"; rules from {args.plan}" if args.plan else ""))
+              f"MFU {100 * best.mfu:.1f}%" + _rules_note(args.plan, data))
     try:
         Path(args.write).write_text(plan_text(data, header), encoding="utf-8")
     except (OSError, ValueError) as e:
         raise PlanError(f"--write {args.write!r}: cannot write: {getattr(e, 'strerror', None) or e}") from None
     print(f"meshplan: wrote {args.write}", file=sys.stderr)
+
+
+def _rules_note(plan: str | None, data: dict) -> str:
+    """The header's account of the rule sections kept from ``--plan`` (only the ones the written plan holds)."""
+    kept = [k for k in ("tensor_parallel", "context_parallel", "expert_parallel") if k in data]
+    if not plan:
+        return ""
+    return f"; {', '.join(kept)} from {plan}" if kept else f"; no rule section of {plan} needed by this layout"
 
 
 def _known_rules(args: argparse.Namespace) -> dict | None:
@@ -192,7 +203,8 @@ def _cluster_flags(p: argparse.ArgumentParser, profile: bool) -> None:
     p.add_argument("--cluster", default="h100-80g", help="a preset (h100-80g, h200-141g, a100-80g) or a cluster "
                                                          "file from `meshplan profile` (default h100-80g)")
     p.add_argument("--gpus-per-node", type=int_arg(1, 1 << 20), default=None, help="override the cluster's")
-    p.add_argument("--memory-gib", type=float, default=None, help="override the device memory (GiB)")
+    p.add_argument("--memory-gib", type=float_arg(0, 1 << 20, " GiB"), default=None,
+                   help="override the device memory (GiB, in (0, 2**20])")
     if profile:
         p.add_argument("--profile", action="store_true", help="measure this machine (a short torchrun job on the "
                                                              "current backend) and use it as the cluster")

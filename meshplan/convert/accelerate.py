@@ -69,14 +69,21 @@ def read_accelerate(source: str, notes: Notes) -> dict:
     from meshplan.plan_file.reading import read_plan_data
     path = Path(source)
     if path.suffix == ".py":
+        from meshplan.plan_file.reading import read_text
+        text = read_text(path, "Python source file")  # bounded: a regular file of at most 4 MiB
         try:
-            raw = _from_python(source, path.read_text(encoding="utf-8"))
-        except (OSError, SyntaxError) as e:
+            raw = _from_python(source, text)
+        except (SyntaxError, ValueError, RecursionError) as e:
             raise PlanError(f"{source}: cannot read: {getattr(e, 'strerror', None) or e}") from None
     else:
         data = dict(read_plan_data(source))
         raw = data.get("parallelism_config", data)
-        raw = {k.removeprefix("parallelism_config_"): v for k, v in (raw or {}).items()}
+        if not isinstance(raw, dict):
+            raise PlanError(f"{source}: parallelism_config: expected a mapping of degrees, got {type(raw).__name__}")
+        raw = {str(k).removeprefix("parallelism_config_"): v for k, v in raw.items()}
+    if not set(raw) & set(_FIELDS):
+        raise PlanError(f"{source}: not an accelerate ParallelismConfig: none of {', '.join(_FIELDS)} in it (got "
+                        f"{', '.join(sorted(map(str, raw))[:8]) or 'nothing'}); is --from accelerate the right format?")
     layout = {}
     for key, value in raw.items():
         if key in _FIELDS:

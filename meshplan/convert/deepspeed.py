@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 from typing import Any
 
 from meshplan.convert.common import HEAD_NAMES, Notes, is_replicate, layout_overrides, unheld_sections
@@ -145,10 +144,8 @@ def _rule(spec: dict, heads: set[str], path: str, where: str, notes: Notes) -> A
 
 def read_deepspeed(source: str, notes: Notes, modules: dict[str, str] | None = None) -> dict:
     """Plan data from a DeepSpeed config file (JSON; see the module doc)."""
-    try:
-        data = json.loads(Path(source).read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as e:
-        raise PlanError(f"{source}: cannot read a DeepSpeed JSON config: {getattr(e, 'strerror', None) or e}") from None
+    from meshplan.plan_file.reading import read_json
+    data = read_json(source, "DeepSpeed JSON config")  # bounded: a regular file of at most 4 MiB
     tp = (data.get("tensor_parallel") or {}) if isinstance(data, dict) else {}
     if not tp:
         raise PlanError(f"{source}: no tensor_parallel section; expected DeepSpeed AutoTP's {{\"tensor_parallel\": "

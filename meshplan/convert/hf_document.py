@@ -114,10 +114,8 @@ def _load(source: str) -> dict | None:
     path = Path(source)
     if path.is_dir() or path.name == "config.json" or not path.is_file():
         return None
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as e:
-        raise PlanError(f"{source}: not a JSON document: {getattr(e, 'strerror', None) or e}") from None
+    from meshplan.plan_file.reading import read_json
+    data = read_json(path, "JSON document")  # bounded: a regular file of at most 4 MiB
     if not isinstance(data, dict) or "model_type" in data or not set(data) & {"tp_plan", "pp_plan", "ep_plan",
                                                                                *_SIZES} and not _flat(data):
         return None  # a transformers config: from_hf reads it (and says what transformers thinks of it)

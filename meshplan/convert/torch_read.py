@@ -127,8 +127,9 @@ def read_torch_plans(source: str | Path, name: str | None, notes: Notes) -> dict
         PlanError: unreadable file, no plan, a key that is not a string, an argument that is not a literal.
     """
     where = str(source)
+    from meshplan.plan_file.reading import read_text
+    text = read_text(source, "Python source file")  # bounded: a regular file of at most 4 MiB
     try:
-        text = Path(source).read_text(encoding="utf-8")
         tree = ast.parse(text, where)
     except (OSError, SyntaxError, ValueError) as e:
         raise PlanError(f"{where}: cannot read Python source: {getattr(e, 'strerror', None) or e}") from None

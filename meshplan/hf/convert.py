@@ -15,7 +15,6 @@ use :data:`BUILTIN` (GPT-2).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -52,10 +51,10 @@ def _config(source: str | Path):
     if path.suffix == ".json" or path.is_file():
         if not path.is_file():
             raise PlanError(f"{path}: no such config file")
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as e:
-            raise PlanError(f"{path}: not valid JSON: {e}") from None
+        from meshplan.plan_file.reading import read_json
+        data = read_json(path, "transformers config.json")  # bounded: a regular file of at most 4 MiB
+        if not isinstance(data, dict):
+            raise PlanError(f"{path}: expected a JSON object (a transformers config), got {type(data).__name__}")
         model_type = data.pop("model_type", None)
         if not model_type:
             raise PlanError(f"{path}: has no model_type")

@@ -14,7 +14,6 @@ A profiled cluster replaces the formula by the measured fit ``α_n + B / β_n`` 
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -183,6 +182,13 @@ class Cluster:
                             f"`meshplan profile -o cluster.json`") from None
         if cluster.gpus_per_node < 1 or cluster.memory <= 0 or cluster.hbm_bandwidth <= 0:
             raise PlanError(f"{where}: gpus_per_node, memory and hbm_bandwidth must be positive")
+        import math
+        numbers = {k: v for k, v in vars(cluster).items() if isinstance(v, (int, float))}
+        numbers.update({f"flops.{k}": v for k, v in cluster.flops.items()})
+        bad = {k: v for k, v in numbers.items() if not math.isfinite(v) or v < 0}  # NaN compares false above
+        if bad:
+            raise PlanError(f"{where}: {', '.join(f'{k} = {v!r}' for k, v in list(bad.items())[:4])}: expected "
+                            f"finite numbers >= 0")
         return cluster
 
 
@@ -192,13 +198,12 @@ def load_cluster_file(path: str | Path) -> Cluster:
     Raises:
         PlanError: unreadable, not JSON, or not a cluster description.
     """
+    from meshplan.plan_file.reading import read_json
     p = Path(path)
     try:
-        data = json.loads(p.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise PlanError(f"--cluster {str(p)!r}: cannot read: {e.strerror or e}") from None
-    except ValueError as e:
-        raise PlanError(f"--cluster {str(p)!r}: not valid JSON: {e}") from None
+        data = read_json(p, "cluster file")  # bounded: a regular file of at most 4 MiB
+    except PlanError as e:
+        raise PlanError(f"--cluster {e}") from None
     if not isinstance(data, dict):
         raise PlanError(f"--cluster {str(p)!r}: expected a JSON object")
     return Cluster.from_dict(data, f"--cluster {str(p)!r}")

@@ -53,6 +53,9 @@ class Space:
 
     def __post_init__(self) -> None:
         from meshplan.plan_file.layout import _parse_order
+        empty = [k for k in ("orders", "schedules", "vpps", "micro_batches", "ac") if not getattr(self, k)]
+        if empty:
+            raise PlanError(f"{', '.join(empty)}: nothing to try (an empty list); give at least one value")
         bad = [x for x in self.schedules if x not in SCHEDULES]
         if bad:
             raise PlanError(f"schedules: {bad} are not schedules; valid: {', '.join(SCHEDULES)}")
@@ -235,8 +238,17 @@ def search(s: ModelShape, tr: Training, cl: Cluster, gpus: int, space: Space | N
     """
     if gpus < 1:
         raise PlanError(f"--gpus must be >= 1, got {gpus}")
+    space = space or Space()
+    for axis, d in space.fixed.items():
+        if gpus % d:
+            raise PlanError(f"--{axis.replace('_', '-')} {d}: does not divide --gpus {gpus}; a layout's degrees "
+                            f"divide the device count (divisors of {gpus}: {', '.join(map(str, divisors(gpus)))})")
     t0 = time.perf_counter()
-    run = _Search(s, tr, cl, gpus, space or Space())
+    run = _Search(s, tr, cl, gpus, space)
     run.run()
+    if not run.valid and not run.rejected:
+        pinned = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in space.fixed.items())
+        raise PlanError(f"no layout to consider on --gpus {gpus}: the pinned degrees ({pinned or 'none'}) leave none "
+                        f"(their product must divide {gpus}); pin fewer degrees")
     run.valid.sort(key=lambda e: e.step_time)
     return SearchResult(run.valid, run.rejected, run.enumerated, time.perf_counter() - t0)
