@@ -165,6 +165,9 @@ def _latent_errors(model: nn.Module, modules: dict[str, nn.Module], matched: dic
                           f"the block input, {rule.style} would all-reduce it and the latent parameters' gradients "
                           f"would then be summed tp times; found {rule.style}, expected latent_colwise (it takes "
                           f"the block input like colwise)")
+    return errors
+
+
 def _fanout_children(model: nn.Module, modules: dict[str, nn.Module], matched: dict[str, tuple[str, Any]],
                      regions: set[str], covered: set[str], where: str) -> list[str]:
     """Projections without a rule beside a colwise whose parent converts the input once for its colwise

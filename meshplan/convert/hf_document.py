@@ -131,7 +131,7 @@ def _param_entries(tp_plan: dict, modules: dict | None, notes: Notes) -> dict:
     ``self_attn: local_params``) as one ``head_params`` rule on the module (see :func:`meshplan.hf.convert.from_hf`);
     a key is a parameter when the model's modules (``modules``) do not hold it, else (no model) when its name is
     one of :data:`_HEAD_PARAM_NAMES`. A ``local_params`` entry with no parameter entry is dropped."""
-    from meshplan.hf.convert import PARAM_STYLES
+    from meshplan.hf.structure import PARAM_STYLES
     owners = {k for k, v in tp_plan.items() if v == "local_params"}
     merged: dict[str, dict] = {k: {"style": "head_params"} for k in owners}
     out = {}

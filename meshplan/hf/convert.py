@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from meshplan.errors import PlanError
+from meshplan.hf.structure import own_inputs, param_entries, present, structure_rules
 from meshplan.hf.styles import hf_rule_free, resolve_alias, to_hf_style
 
 __all__ = ["from_hf", "to_hf", "plan_yaml", "BUILTIN"]
@@ -83,50 +84,6 @@ def _rule(style: str) -> Any:
     return data["style"] if len(data) == 1 else data
 
 
-#: transformers' styles of an entry on a bare parameter, and the head_params list it joins
-PARAM_STYLES = {"colwise": "sharded", "local_colwise": "sharded", "replicated_with_grad_allreduce": "summed"}
-
-
-def _param_entries(model, hf: dict[str, Any]) -> dict[str, Any]:
-    """transformers' entries on a bare parameter (``layers.*.self_attn.sinks: colwise`` beside
-    ``layers.*.self_attn: local_params``) merged into one ``head_params`` rule on the module that owns it."""
-    from meshplan.plan_file.patterns import wildcard
-    modules = {wildcard(n) for n, _ in model.named_modules()}
-    params = {wildcard(f"{m}.{n}" if m else n) for m, mod in model.named_modules()
-              for n, _ in mod.named_parameters(recurse=False)}
-    out: dict[str, Any] = {}
-    merged: dict[str, dict[str, Any]] = {}
-    for k, v in hf.items():
-        if k in params and k not in modules and v in PARAM_STYLES:
-            owner, _, name = k.rpartition(".")
-            merged.setdefault(owner, {"style": "head_params"}).setdefault(PARAM_STYLES[v], []).append(name)
-        else:
-            out[k] = v
-    return {**out, **merged}  # the merged rule replaces the owner's 'local_params'
-
-
-def _own_inputs(model, rules: dict[str, Any]) -> dict[str, Any]:
-    """Gathered colwise rules (``colwise_gather_output``) whose parent holds projections no rule covers get
-    ``input_layouts: replicate``: each converts its own input, so the parent's input stays a plain tensor for
-    those projections (lara_mini's ``linear_attn.out_proj``; see :func:`meshplan.checks.regions.region_errors`)."""
-    from meshplan.plan_file.patterns import wildcard
-    from meshplan.tensor_parallel.packed import features
-    from meshplan.tensor_parallel.style_table import STYLES
-    kids: dict[str, set[str]] = {}
-    for path, mod in model.named_modules():
-        if path and features(mod) is not None:
-            kids.setdefault(wildcard(path.rpartition(".")[0]), set()).add(wildcard(path))
-    out = dict(rules)
-    for k, rule in rules.items():
-        data = {"style": rule} if isinstance(rule, str) else rule
-        spec = STYLES.get(data["style"])
-        if spec is None or not spec.parent_converts_input(data) or spec.gives_local_heads(data):
-            continue
-        if any(c not in rules for c in kids.get(k.rpartition(".")[0], ())):
-            out[k] = {**data, "input_layouts": "replicate"}
-    return out
-
-
 def _small_instance(cls, config):
     """A meta-device instance of ``cls`` from a shrunken copy of ``config`` that keeps every layer kind."""
     import torch
@@ -134,46 +91,6 @@ def _small_instance(cls, config):
     from meshplan.hf.tiny_config import tiny_config
     with torch.device("meta"):
         return cls(tiny_config(config, tp=2))
-
-
-def _structure(model, hf_rules: dict[str, str]) -> tuple[dict[str, str], list[str]]:
-    """Embedding, stream norms and lm_head rules read from a small meta-device instance (every layer kind of
-    the model kept), and the instance's module paths (wildcarded) in model order."""
-    from meshplan.checks.head_params import split_own_params, suggested_rule
-    from meshplan.checks.regions import is_norm, summable_on_shards
-    from meshplan.plan_file.patterns import wildcard
-    from meshplan.tensor_parallel.style_table import STYLES
-    names = {id(m): n for n, m in model.named_modules()}
-    aliases = {k: resolve_alias(v) if isinstance(v, str) else v for k, v in hf_rules.items()}
-    specs = {k: STYLES[a["style"]] for k, a in aliases.items() if a["style"] in STYLES}  # unknown: no meaning
-    parents = {k.rpartition(".")[0] for k, spec in specs.items() if spec.column_parallel}
-    out: dict[str, str] = {}
-    emb = model.get_input_embeddings()
-    if emb is not None and id(emb) in names:
-        out[names[id(emb)]] = "embedding"
-    local = {k.rpartition(".")[0] for k, spec in specs.items() if spec.gives_local_heads(aliases[k])}
-    modules = dict(model.named_modules())
-    for path, mod in modules.items():
-        pattern = wildcard(path)
-        parent = path.rpartition(".")[0]
-        if path and is_norm(mod) and not any(pattern.startswith(p + ".") for p in parents if p):
-            out[pattern] = "norm"
-        elif path and wildcard(parent) in local and pattern not in hf_rules and \
-                summable_on_shards(mod, modules[parent], model):
-            out[pattern] = "head_norm"  # a per-head norm or a scalar-parameter activation on this rank's shards
-        elif path and pattern in local and pattern not in hf_rules and any(mod.parameters(recurse=False)):
-            out[pattern] = suggested_rule(*split_own_params(model, mod))  # sinks, differential lambdas
-    head = model.get_output_embeddings()
-    if head is not None and id(head) in names:
-        out[names[id(head)]] = "lm_head"
-    return out, [wildcard(p) for p in names.values()]
-
-
-def _present(model, rules: dict[str, Any]) -> dict[str, Any]:
-    """The rules that match a module of this config's model: transformers' plans list alternatives (MLA's
-    ``q_proj`` or ``q_b_proj``, by ``q_lora_rank``), and a rule that matches nothing is a plan error."""
-    from meshplan.plan_file.patterns import match_rules
-    return {k: v for k, v in rules.items() if match_rules(model, {k: k}, k, errors=[])}
 
 
 def _hf_rules(model, cls, config, base: dict, model_type: str, sequence_parallel: bool) -> tuple[dict, dict]:
@@ -188,7 +105,7 @@ def _hf_rules(model, cls, config, base: dict, model_type: str, sequence_parallel
     hf = {prefix + k: v for k, v in base.items()}
     hf.update(getattr(cls, "_tp_plan", None) or {})
     moe, rules, ep_rules = is_moe_plan(hf) or has_ep_plan(config), {}, {}
-    hf = _param_entries(model, hf)
+    hf = param_entries(model, hf)
     for k, v in hf.items():
         try:
             rules[k] = v if (moe and v in MOE_STYLES) or isinstance(v, dict) else _rule(v)
@@ -197,14 +114,14 @@ def _hf_rules(model, cls, config, base: dict, model_type: str, sequence_parallel
     if moe:  # the experts go to the expert_parallel section
         rules, ep_rules = expert_rules(model, config, prefix, rules, model_type)
         hf = {k: v for k, v in hf.items() if k in rules}
-    found, order = _structure(model, hf)
+    found, order = structure_rules(model, hf)
     for path, style in found.items():
         if STYLES[style].stream_module and not sequence_parallel:
             continue
         rules[path] = style  # lm_head: colwise_gather_output becomes meshplan's lm_head
     from meshplan.hf.mla import latent_rules
     rules = latent_rules(model, rules)  # MLA: the latent path beside transformers' mla_kv_a_proj
-    rules = _own_inputs(model, _present(model, rules))
+    rules = own_inputs(model, present(model, rules))
     rank = {p: i for i, p in enumerate(order)}
     return dict(sorted(rules.items(), key=lambda kv: rank.get(kv[0], len(rank)))), ep_rules
 

@@ -20,7 +20,9 @@ from typing import Any, Callable, Mapping
 import torch.nn as nn
 from torch.distributed.tensor.parallel import ParallelStyle, PrepareModuleInput, PrepareModuleOutput
 
-from meshplan.tensor_parallel.layouts import Stream, StyleArgs, backward_collectives as back, conversions_collectives
+from meshplan.tensor_parallel.layouts import Stream, StyleArgs
+from meshplan.tensor_parallel.style_costs import Costs, colwise_costs, lm_head_costs, prepare_costs, reduced_costs
+from meshplan.tensor_parallel.style_costs import rowwise_costs
 from meshplan.tensor_parallel.latent import LatentColwiseParallel, LatentParallel
 from meshplan.tensor_parallel.layouts import placement, redistribute_collectives as redist
 from meshplan.tensor_parallel.head_params import head_params_style
@@ -32,7 +34,6 @@ from meshplan.tensor_parallel.vocab_embedding import VocabParallelEmbedding
 
 __all__ = ["StyleSpec", "StyleArgs", "STYLES", "gives_local_shards"]
 
-Costs = tuple[list[str], list[str]]
 
 
 def gives_local_shards(overrides: Mapping[str, Any]) -> bool:
@@ -201,38 +202,6 @@ def _torch_style(cls: type) -> Callable[[StyleArgs], ParallelStyle]:
     return lambda a: cls(**a.torch_kwargs())
 
 
-# -- collectives ------------------------------------------------------------------------------------------
-
-def _colwise_costs(lay: Mapping[str, Any], o: Mapping[str, Any]) -> Costs:
-    fwd: list[str] = []
-    bwd: list[str] = []
-    if "input_layouts" in o:  # else its parent converts the input once (a row of its own)
-        fwd += redist(lay["input_layouts"], "replicate")
-        bwd += redist("partial", lay["input_layouts"])
-    return fwd + redist("shard(-1)", lay["output_layouts"]), bwd
-
-
-def _rowwise_costs(lay: Mapping[str, Any], o: Mapping[str, Any]) -> Costs:
-    inp, out = lay["input_layouts"], lay["output_layouts"]
-    return (redist(inp, "shard(-1)") + redist("partial", out),
-            back(inp, "shard(-1)") + back("partial", out))
-
-
-def _reduced_costs(computed: str) -> Callable[[Mapping[str, Any], Mapping[str, Any]], Costs]:
-    """An embedding computes ``computed`` (partial lookups, or embedding-dim shards), converted to its output."""
-    return lambda lay, o: (redist(computed, lay["output_layouts"]), back(computed, lay["output_layouts"]))
-
-
-def _lm_head_costs(lay: Mapping[str, Any], o: Mapping[str, Any]) -> Costs:
-    inp = lay["input_layouts"]
-    return redist(inp, "replicate") + redist("shard(-1)", lay["output_layouts"]), redist("partial", inp)
-
-
-def _prepare_costs(source: str, desired: str) -> Callable[[Mapping[str, Any], Mapping[str, Any]], Costs]:
-    """Each layout of ``source`` converted to the one of ``desired``."""
-    return lambda lay, o: conversions_collectives(lay[source], lay[desired])
-
-
 # -- the modules a style fits, the dim it shards ------------------------------------------------------------
 
 def _projection(mod: nn.Module, packed: int) -> bool:
@@ -260,19 +229,19 @@ _EMBEDDING = _frozen(defaults=_frozen(input_layouts=_batch, output_layouts=_stre
                      expects="nn.Embedding", shards_params=True, writes_stream=True)
 
 STYLES: Mapping[str, StyleSpec] = MappingProxyType({s.name: s for s in (
-    StyleSpec("colwise", build=_colwise, costs=_colwise_costs,
+    StyleSpec("colwise", build=_colwise, costs=colwise_costs,
               defaults=_frozen(input_layouts="replicate", output_layouts="shard(-1)", use_local_output=True),
               sharded_dim=_out_dim, column_parallel=True, **_PROJECTION,
               hf_name="colwise", hf_packed="packed_colwise", hf_variant=("output_layouts", "replicate", "colwise_rep")),
-    StyleSpec("rowwise", build=_rowwise, costs=_rowwise_costs,
+    StyleSpec("rowwise", build=_rowwise, costs=rowwise_costs,
               defaults=_frozen(input_layouts="shard(-1)", output_layouts=_stream, use_local_output=_local),
               sharded_dim=_in_dim, replicated_params=("bias",), row_parallel=True, writes_stream=True, **_PROJECTION,
               hf_name="rowwise", hf_packed="packed_rowwise", hf_variant=("input_layouts", "replicate", "rowwise_rep")),
     StyleSpec("norm", build=_norm, stream_module=True, covers_submodules=True, hf_name="sequence_parallel"),
-    StyleSpec("embedding", build=_torch_style(VocabParallelEmbedding), costs=_reduced_costs("partial"),
+    StyleSpec("embedding", build=_torch_style(VocabParallelEmbedding), costs=reduced_costs("partial"),
               sharded_dim=lambda m: ("num_embeddings", m.num_embeddings), **_EMBEDDING,
               hf_name="embedding_rowwise"),
-    StyleSpec("embedding_colwise", build=_torch_style(ColwiseParallel), costs=_reduced_costs("shard(-1)"),
+    StyleSpec("embedding_colwise", build=_torch_style(ColwiseParallel), costs=reduced_costs("shard(-1)"),
               sharded_dim=lambda m: ("embedding_dim", m.embedding_dim), **_EMBEDDING,
               hf_name="embedding_colwise"),
     StyleSpec("embedding_tables", build=lambda a: TableWiseEmbedding(),
@@ -280,7 +249,7 @@ STYLES: Mapping[str, StyleSpec] = MappingProxyType({s.name: s for s in (
               fits=lambda m, packed: any(isinstance(c, nn.Embedding) for c in m.children()),
               expects="a module holding embedding tables", misfit=" with no nn.Embedding children",
               shards_params=True),
-    StyleSpec("lm_head", build=_torch_style(ColwiseParallel), costs=_lm_head_costs,
+    StyleSpec("lm_head", build=_torch_style(ColwiseParallel), costs=lm_head_costs,
               defaults=_frozen(input_layouts=_stream, output_layouts=_logits, use_local_output=_local_logits),
               needs=(nn.Linear, nn.Embedding), fits=lambda m, packed: isinstance(m, nn.Linear), expects="nn.Linear",
               sharded_dim=lambda m: ("out_features", m.out_features), size_note=" (vocab)", shards_params=True,
@@ -299,11 +268,11 @@ STYLES: Mapping[str, StyleSpec] = MappingProxyType({s.name: s for s in (
               fits=lambda m, _: _features(m) is not None, expects="a norm with a 1-D weight",
               sharded_dim=lambda m: ("features", _features(m) or 0), costs=lambda *_: (["all_reduce"], ["all_reduce"])),
     StyleSpec("prepare_input", build=_torch_style(PrepareModuleInput),
-              costs=_prepare_costs("input_layouts", "desired_input_layouts"),
+              costs=prepare_costs("input_layouts", "desired_input_layouts"),
               defaults=_frozen(input_layouts=None, desired_input_layouts=None, input_kwarg_layouts=None,
                                desired_input_kwarg_layouts=None, use_local_output=False)),
     StyleSpec("prepare_output", build=_torch_style(PrepareModuleOutput),
-              costs=_prepare_costs("output_layouts", "desired_output_layouts"),
+              costs=prepare_costs("output_layouts", "desired_output_layouts"),
               defaults=_frozen(output_layouts=None, desired_output_layouts=None, use_local_output=True),
               reduces_output=True, hf_variant=("output_layouts", "partial", "gather")),
 )})

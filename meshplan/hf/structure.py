@@ -1,0 +1,100 @@
+"""The rules transformers' tp_plan leaves to the model's structure, read from a small meta-device instance.
+
+:func:`structure_rules` adds what sequence and loss parallelism need (the input embedding, the norms on the residual
+stream, the output embedding) and the per-head parts beside colwise projections (``head_norm``, ``head_params``);
+:func:`param_entries` merges transformers' entries on bare parameters into one ``head_params`` rule;
+:func:`present` keeps the rules that match a module; :func:`own_inputs` gives gathered colwise rules their own
+input conversion where their parent holds projections without a rule.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from meshplan.hf.styles import resolve_alias
+
+__all__ = ["PARAM_STYLES", "param_entries", "own_inputs", "structure_rules", "present"]
+
+
+#: transformers' styles of an entry on a bare parameter, and the head_params list it joins
+PARAM_STYLES = {"colwise": "sharded", "local_colwise": "sharded", "replicated_with_grad_allreduce": "summed"}
+
+
+def param_entries(model, hf: dict[str, Any]) -> dict[str, Any]:
+    """transformers' entries on a bare parameter (``layers.*.self_attn.sinks: colwise`` beside
+    ``layers.*.self_attn: local_params``) merged into one ``head_params`` rule on the module that owns it."""
+    from meshplan.plan_file.patterns import wildcard
+    modules = {wildcard(n) for n, _ in model.named_modules()}
+    params = {wildcard(f"{m}.{n}" if m else n) for m, mod in model.named_modules()
+              for n, _ in mod.named_parameters(recurse=False)}
+    out: dict[str, Any] = {}
+    merged: dict[str, dict[str, Any]] = {}
+    for k, v in hf.items():
+        if k in params and k not in modules and v in PARAM_STYLES:
+            owner, _, name = k.rpartition(".")
+            merged.setdefault(owner, {"style": "head_params"}).setdefault(PARAM_STYLES[v], []).append(name)
+        else:
+            out[k] = v
+    return {**out, **merged}  # the merged rule replaces the owner's 'local_params'
+
+
+def own_inputs(model, rules: dict[str, Any]) -> dict[str, Any]:
+    """Gathered colwise rules (``colwise_gather_output``) whose parent holds projections no rule covers get
+    ``input_layouts: replicate``: each converts its own input, so the parent's input stays a plain tensor for
+    those projections (lara_mini's ``linear_attn.out_proj``; see :func:`meshplan.checks.regions.region_errors`)."""
+    from meshplan.plan_file.patterns import wildcard
+    from meshplan.tensor_parallel.packed import features
+    from meshplan.tensor_parallel.style_table import STYLES
+    kids: dict[str, set[str]] = {}
+    for path, mod in model.named_modules():
+        if path and features(mod) is not None:
+            kids.setdefault(wildcard(path.rpartition(".")[0]), set()).add(wildcard(path))
+    out = dict(rules)
+    for k, rule in rules.items():
+        data = {"style": rule} if isinstance(rule, str) else rule
+        spec = STYLES.get(data["style"])
+        if spec is None or not spec.parent_converts_input(data) or spec.gives_local_heads(data):
+            continue
+        if any(c not in rules for c in kids.get(k.rpartition(".")[0], ())):
+            out[k] = {**data, "input_layouts": "replicate"}
+    return out
+
+
+def structure_rules(model, hf_rules: dict[str, str]) -> tuple[dict[str, str], list[str]]:
+    """Embedding, stream norms and lm_head rules read from a small meta-device instance (every layer kind of
+    the model kept), and the instance's module paths (wildcarded) in model order."""
+    from meshplan.checks.head_params import split_own_params, suggested_rule
+    from meshplan.checks.regions import is_norm, summable_on_shards
+    from meshplan.plan_file.patterns import wildcard
+    from meshplan.tensor_parallel.style_table import STYLES
+    names = {id(m): n for n, m in model.named_modules()}
+    aliases = {k: resolve_alias(v) if isinstance(v, str) else v for k, v in hf_rules.items()}
+    specs = {k: STYLES[a["style"]] for k, a in aliases.items() if a["style"] in STYLES}  # unknown: no meaning
+    parents = {k.rpartition(".")[0] for k, spec in specs.items() if spec.column_parallel}
+    out: dict[str, str] = {}
+    emb = model.get_input_embeddings()
+    if emb is not None and id(emb) in names:
+        out[names[id(emb)]] = "embedding"
+    local = {k.rpartition(".")[0] for k, spec in specs.items() if spec.gives_local_heads(aliases[k])}
+    modules = dict(model.named_modules())
+    for path, mod in modules.items():
+        pattern = wildcard(path)
+        parent = path.rpartition(".")[0]
+        if path and is_norm(mod) and not any(pattern.startswith(p + ".") for p in parents if p):
+            out[pattern] = "norm"
+        elif path and wildcard(parent) in local and pattern not in hf_rules and \
+                summable_on_shards(mod, modules[parent], model):
+            out[pattern] = "head_norm"  # a per-head norm or a scalar-parameter activation on this rank's shards
+        elif path and pattern in local and pattern not in hf_rules and any(mod.parameters(recurse=False)):
+            out[pattern] = suggested_rule(*split_own_params(model, mod))  # sinks, differential lambdas
+    head = model.get_output_embeddings()
+    if head is not None and id(head) in names:
+        out[names[id(head)]] = "lm_head"
+    return out, [wildcard(p) for p in names.values()]
+
+
+def present(model, rules: dict[str, Any]) -> dict[str, Any]:
+    """The rules that match a module of this config's model: transformers' plans list alternatives (MLA's
+    ``q_proj`` or ``q_b_proj``, by ``q_lora_rank``), and a rule that matches nothing is a plan error."""
+    from meshplan.plan_file.patterns import match_rules
+    return {k: v for k, v in rules.items() if match_rules(model, {k: k}, k, errors=[])}
