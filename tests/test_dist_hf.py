@@ -45,9 +45,9 @@ def test_hf_llama_matrix_three_adamw_steps(world, results, results4):
             assert max(worst["loss"], worst["grad"], worst["param"]) <= RTOL, (world, rank, config, worst)
 
 
-def test_mla_three_adamw_steps_float64(results):
+def test_mla_three_sgd_steps_float64(results):
     """DeepSeek MLA (minicpm3, a dense DeepSeek-V2-Lite shape) with from_hf's plans, float64 over gloo: loss,
-    every gradient at each of 3 AdamW steps and every parameter after them within ``RTOL`` (1e-9, relative) of one
+    every gradient at each of 3 SGD steps and every parameter after them within ``RTOL`` (1e-9, relative) of one
     device (``keep_float64`` keeps transformers' float32 casts in float64); the latent's partial gradients summed
     twice or never would differ by O(1)."""
     for rank, per_model in case_result(results, "mla", 2).items():

@@ -137,3 +137,14 @@ def test_exact_collectives_as_any_attention_block(tmp_path, sp):
     else:
         assert _counts(fwd) == {"all_reduce": 2 * n + 1, "all_gather_into_tensor": 1}
         assert _counts(bwd) == {"all_reduce": 2 * n + 1 + 1}
+
+
+def test_numerics_flags_colwise_on_a_latent_when_check_is_fooled(tmp_path, monkeypatch):
+    """With the check fooled, a plain colwise kv_b_proj all-reduces the latent's gradient and the tp sum counts
+    it twice: check_numerics names the latent parameters."""
+    import meshplan.hf.mla as mla
+    monkeypatch.setattr(mla, "latent_misfits", lambda rules: [])
+    plan = _plan("deepseek_v2", tmp_path, q_lora_rank=None)
+    plan["tensor_parallel"]["rules"][ATTN + "kv_b_proj"] = "colwise"
+    report = check_numerics(_model("deepseek_v2", 2, q_lora_rank=None), plan, tp=2)
+    assert not report.ok and "model.layers.0.self_attn.kv_a_layernorm.weight" in report.failed, report.summary()

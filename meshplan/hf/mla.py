@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
-__all__ = ["latent_rules", "latent_misfits", "block_input_widths"]
+__all__ = ["latent_rules", "latent_misfits"]
 
 
 def _spec(rule: Any) -> Any:

@@ -5,8 +5,8 @@ One launch for every model: 3 AdamW steps vs one device in float64 (transformers
 reordered sums differ by ~1e-16 and AdamW has no fp32 noise to amplify), meta-device init vs one-device init, and
 loading a full state dict from rank 0 and from a safetensors file; transformers' Llama over
 SP off / on / batch x loss_parallel on / off (float64 too); DeepSeek MLA (minicpm3, a dense DeepSeek-V2-Lite
-shape) in float64 with the plans ``from_hf`` converts; per-head parts of attention (tests/_heads.py: gpt-oss sinks,
-DiffLlama lambdas, Olmo2's whole-projection norm, lara_mini) 3 SGD steps in float64.
+shape) in float64 with SGD and the plans ``from_hf`` converts; per-head parts of attention (tests/_heads.py: gpt-oss
+sinks, DiffLlama lambdas, Olmo2's whole-projection norm, lara_mini) 3 SGD steps in float64.
 ``hf_worker.py CASE...`` runs only those cases.
 """
 
@@ -43,14 +43,14 @@ def _step_batch(step, batch, seq):
     return tokens, labels
 
 
-def _parity(name, steps=3, batch=2, seq=16, factory=None, plan=None):
+def _parity(name, steps=3, batch=2, seq=16, factory=None, plan=None, optimizer=torch.optim.AdamW):
     factory, plan = (factory, plan) if factory is not None else FACTORIES[name]
     torch.manual_seed(0)
     ref = float64_model(factory())
     model = copy.deepcopy(ref)
     meshplan.parallelize(model, plan)  # the active topology (meshplan.init) gives the mesh
-    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt_ref = optimizer(ref.parameters(), lr=1e-3)
+    opt = optimizer(model.parameters(), lr=1e-3)
     worst = {"loss": 0.0, "grad": 0.0}
     for step in range(steps):
         tokens, labels = _step_batch(step, batch, seq)
@@ -99,11 +99,12 @@ def _mla(model_type, **overrides):
 
 
 def case_mla():
-    """3 AdamW steps in float64: minicpm3 (q_a_proj → q_b_proj), DeepSeek-V2-Lite's shape (q_proj beside the
+    """3 SGD steps in float64: minicpm3 (q_a_proj → q_b_proj), DeepSeek-V2-Lite's shape (q_proj beside the
     latent), dense layers."""
     lite = {"q_lora_rank": None, "first_k_dense_replace": 2, "num_hidden_layers": 2}
     models = {"minicpm3": _mla("minicpm3"), "deepseek_v2_lite": _mla("deepseek_v2", **lite)}
-    return {name: _parity(name, factory=factory, plan=plan) for name, (factory, plan) in models.items()}
+    return {name: _parity(name, factory=factory, plan=plan, optimizer=torch.optim.SGD)
+            for name, (factory, plan) in models.items()}
 
 
 def _matrix_run(sp, lp, steps=3, batch=4, seq=16):
