@@ -134,7 +134,8 @@ def _instead(copy: nn.Module, split: StageSplit, ids: Any, whole: Any, real: boo
     except Exception:  # noqa: BLE001 - any failure means: do not suggest it
         ok = False
     if ok:
-        return f"use {trace} (traced and checked on the same small copy)"
+        return (f"use {trace} (traced and checked on the same small copy; the traced split runs without "
+                f"tensor_parallel, data_parallel and blocks sections)")
     return f"{trace} does not run it either (tried on the same small copy): use pp 1 (no pipeline) for this model"
 
 
