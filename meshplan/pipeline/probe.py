@@ -80,7 +80,10 @@ def _probe(model: nn.Module, split: StageSplit, where: str, seq: int, opaque: tu
     finally:
         for h in handles:
             h.remove()
-    _check_blocks(order, split, where)
+    try:
+        _check_blocks(order, split, where)
+    except PlanError as e:
+        raise PlanError(f"{e}; {_instead(copy, split, ids, whole, real)}") from None
     try:
         with torch.no_grad():
             h = ids
