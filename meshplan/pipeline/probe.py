@@ -80,7 +80,10 @@ def _probe(model: nn.Module, split: StageSplit, where: str, seq: int, opaque: tu
     finally:
         for h in handles:
             h.remove()
-    _check_blocks(order, split, where)
+    try:
+        _check_blocks(order, split, where)
+    except PlanError as e:
+        raise PlanError(f"{e}; {_instead(copy, split, ids, whole, real)}") from None
     try:
         with torch.no_grad():
             h = ids
@@ -134,7 +137,8 @@ def _instead(copy: nn.Module, split: StageSplit, ids: Any, whole: Any, real: boo
     except Exception:  # noqa: BLE001 - any failure means: do not suggest it
         ok = False
     if ok:
-        return f"use {trace} (traced and checked on the same small copy)"
+        return (f"use {trace} (traced and checked on the same small copy; the traced split runs without "
+                f"tensor_parallel, data_parallel and blocks sections)")
     return f"{trace} does not run it either (tried on the same small copy): use pp 1 (no pipeline) for this model"
 
 
