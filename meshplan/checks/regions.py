@@ -96,7 +96,7 @@ def region_errors(model: nn.Module, modules: dict[str, nn.Module], matched: dict
         parent = path.rpartition(".")[0]
         hd = _head_dim(modules[parent] if parent else model, model) if spec.on_local_heads or \
             spec.whole_projection else None
-        if spec.on_local_heads and parent in regions:
+        if spec.on_local_heads and not spec.latent and parent in regions:  # a latent runs whole
             errors += head_norm_size_errors(model, path, pattern, hd, where)
         if spec.whole_projection:
             errors += projection_norm_errors(model, path, pattern, hd, regions, where)
