@@ -65,8 +65,13 @@ def lines(repeat: int) -> None:
         good = ok = total = 0
         t = time.time()
         for _ in range(repeat):
-            res = launch("tests/dist/faults_worker.py", world, sig, str(victim), "tp", "step", timeout=300,
-                         rank_stderr=True)
+            try:
+                res = launch("tests/dist/faults_worker.py", world, sig, str(victim), "tp", "step", timeout=300,
+                             rank_stderr=True)
+            except subprocess.TimeoutExpired:  # counted as a failed launch (a machine loaded past its means)
+                print(f"  {sig}: launch timed out after 300 s", file=sys.stderr, flush=True)
+                total += world - 1
+                continue
             logs = res["_meta"].get("rank_stderr", {})
             fine = 0
             for rank in (r for r in range(world) if r != victim):
@@ -75,6 +80,8 @@ def lines(repeat: int) -> None:
             total += world - 1
             ok += fine
             good += fine == world - 1
+            print(f"  {sig}: {fine}/{world - 1} survivors printed one line naming rank {victim} "
+                  f"({res['_meta']['seconds']:.0f} s)", file=sys.stderr, flush=True)
         print(f"| {sig.upper()} | {good}/{repeat} | {ok}/{total} | {(time.time() - t) / repeat:.1f} |", flush=True)
 
 
