@@ -4,6 +4,8 @@
                                                       # every other rank has named it (plan timeout 4 s)
     python benchmarks/faults.py exit [--runs 40]      # exit statuses of finished runs: the gloo exit race provoked
                                                       # (torch alone vs inside `with meshplan.init`), examples/train.py
+    python benchmarks/faults.py lines [--repeat 10]   # world 4, a rank killed / stopped: launches in which every
+                                                      # survivor printed exactly one line naming it
     python benchmarks/faults.py overhead              # tokens/s of examples/train.py, flight recorder on vs off
 
 ``detect`` and the provoked race run ``tests/dist/faults_worker.py``; ``exit --train-src DIR`` runs
@@ -51,6 +53,36 @@ def detect(repeat: int) -> None:
             plan = ("tp 2" if kind == "tp" else "pp 2 (1F1B)") + (" × dp_shard 2 (FSDP)" if world == 4 else "")
             print(f"| {world} | {plan} | {sig.upper()} ({'mid-forward' if where == 'forward' else 'step start'}) | "
                   f"{victim} | {named}/{total} | {shown} | {TIMEOUT_S:g} s |", flush=True)
+
+
+def lines(repeat: int) -> None:
+    """World 4, rank 2 killed or stopped at step 3 (tp 2 × dp_shard 2): launches in which EVERY survivor wrote
+    exactly one stderr line, naming rank 2 (the worker ends as examples/train.py does)."""
+    world, victim = 4, 2
+    print("| signal | launches where every survivor printed one line naming rank 2 | survivors | s per launch |")
+    print("|---|---|---|---|")
+    for sig, verb in (("sigkill", "died"), ("sigstop", "stopped answering")):
+        good = ok = total = 0
+        t = time.time()
+        for _ in range(repeat):
+            try:
+                res = launch("tests/dist/faults_worker.py", world, sig, str(victim), "tp", "step", timeout=300,
+                             rank_stderr=True)
+            except subprocess.TimeoutExpired:  # counted as a failed launch (a machine loaded past its means)
+                print(f"  {sig}: launch timed out after 300 s", file=sys.stderr, flush=True)
+                total += world - 1
+                continue
+            logs = res["_meta"].get("rank_stderr", {})
+            fine = 0
+            for rank in (r for r in range(world) if r != victim):
+                got = [x for x in logs.get(rank, "").splitlines() if x.strip()]
+                fine += len(got) == 1 and got[0].startswith(f"meshplan: rank {victim} {verb} (")
+            total += world - 1
+            ok += fine
+            good += fine == world - 1
+            print(f"  {sig}: {fine}/{world - 1} survivors printed one line naming rank {victim} "
+                  f"({res['_meta']['seconds']:.0f} s)", file=sys.stderr, flush=True)
+        print(f"| {sig.upper()} | {good}/{repeat} | {ok}/{total} | {(time.time() - t) / repeat:.1f} |", flush=True)
 
 
 def _torchrun(src: Path, nproc: int, script: str, *args: str) -> dict:
@@ -109,7 +141,7 @@ def overhead(pairs: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=("detect", "exit", "overhead"))
+    ap.add_argument("what", choices=("detect", "lines", "exit", "overhead"))
     ap.add_argument("--repeat", type=int, default=3, help="detect: launches per configuration")
     ap.add_argument("--runs", type=int, default=40, help="exit: launches per 2-rank row (4-rank rows: half)")
     ap.add_argument("--train-src", type=Path, default=ROOT, help="exit: the checkout whose examples/train.py runs")
@@ -119,6 +151,8 @@ def main() -> None:
     print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
     if args.what == "detect":
         detect(args.repeat)
+    elif args.what == "lines":
+        lines(args.repeat)
     elif args.what == "exit":
         exit_statuses(args.runs, args.train_src.resolve())
     else:

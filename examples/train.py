@@ -32,6 +32,11 @@ itself, on any plan and world size, and prints the losses the uninterrupted run 
 size is refused unless ``--allow-batch-change``). Each step reseeds torch's RNG from ``(seed, step)``, so any
 randomness in a step (dropout) repeats too. Under ``torchrun --max-restarts N`` a killed worker restarts the
 group, which resumes the same way.
+
+Exit status: 0 done; 1 bad input (one line ``train.py: error: …``); :data:`EXIT_RANK_FAILURE` (3) a peer died or
+stopped answering: the one line ``meshplan: rank 2 died (…); rank 0 was waiting in …`` (meshplan's
+:class:`~meshplan.RankFailure`, logged the moment it is known, docs/faults.md) and no traceback; 143 stopped by
+SIGTERM (torchrun stopping the group; a silent peer is still named on the one line first).
 """
 
 from __future__ import annotations
@@ -171,7 +176,19 @@ def _report(args, topo, model, step, result, tokens_per_s) -> None:
               f"tokens/s {tokens_per_s:,.0f}{aux}", flush=True)
 
 
+#: the exit status of a rank that lost a peer (a RankFailure): its one line is already on stderr
+EXIT_RANK_FAILURE = 3
+
+
 def main() -> None:
+    """Train; a lost peer ends this rank with its one RankFailure line and :data:`EXIT_RANK_FAILURE`."""
+    try:
+        _train()
+    except meshplan.RankFailure:  # logged on the meshplan.faults logger when found: that line is the report
+        sys.exit(EXIT_RANK_FAILURE)
+
+
+def _train() -> None:
     args = _parser().parse_args()
     plan = meshplan.load_plan(args.plan)
     with meshplan.init(plan, timeout_s=args.timeout_s) as topo:

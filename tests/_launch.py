@@ -27,9 +27,15 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def launch(script: str, nproc: int, *args: str, timeout: float = 900, torchrun_args: tuple[str, ...] = (),
-           env: dict | None = None) -> dict:
-    """Run ``torchrun --nproc-per-node nproc [torchrun_args] script`` and return ``{case: {rank: result}}``."""
+           env: dict | None = None, rank_stderr: bool = False) -> dict:
+    """Run ``torchrun --nproc-per-node nproc [torchrun_args] script`` and return ``{case: {rank: result}}``.
+
+    ``rank_stderr``: torchrun writes each rank's stderr to its own file; ``results["_meta"]["rank_stderr"]`` is
+    ``{local rank: text}`` (of the last attempt).
+    """
     out = Path(tempfile.mkdtemp(prefix="meshplan-dist-"))
+    if rank_stderr:
+        torchrun_args = (*torchrun_args, "--log-dir", str(out / "logs"), "--redirects", "2")
     env = {**os.environ, **(env or {}), "OMP_NUM_THREADS": "1", "MESHPLAN_CASE_OUT": str(out),
            "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "examples"), str(ROOT / "tests"),
                                           os.environ.get("PYTHONPATH", "")])}
@@ -39,6 +45,9 @@ def launch(script: str, nproc: int, *args: str, timeout: float = 900, torchrun_a
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     results: dict = {"_meta": {"returncode": proc.returncode, "seconds": time.time() - t, "out": str(out),
                                "stderr": proc.stderr[-6000:], "stdout": proc.stdout[-3000:]}}
+    if rank_stderr:
+        files = sorted(out.glob("logs/*/attempt_*/*/stderr.log"), key=lambda f: int(f.parent.parent.name[8:]))
+        results["_meta"]["rank_stderr"] = {int(f.parent.name): f.read_text(errors="replace") for f in files}
     for f in sorted(out.glob("rank*.json")):
         rank = int(f.stem[4:])
         for case, res in json.loads(f.read_text()).items():

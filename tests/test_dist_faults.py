@@ -1,7 +1,9 @@
 """Real torchrun/gloo launches that lose a rank (SIGSTOP, SIGKILL) or race at exit.
 
 A stopped or killed rank: every other rank ends with one RankFailure naming it and the mesh axis it waited on,
-sooner than the plan's timeout (4 s) + 30 s after the signal. The exit race (an unwaited async collective holding
+sooner than the plan's timeout (4 s) + 30 s after the signal, and that line is all it writes to stderr (no chained
+traceback; it exits with examples/train.py's status 3, or 143 when torchrun's SIGTERM came first). Repeated 10
+times per signal: ``python benchmarks/faults.py lines --repeat 10``. The exit race (an unwaited async collective holding
 Python objects at interpreter exit): a run inside ``with meshplan.init(...)`` exits 0.
 """
 
@@ -30,6 +32,11 @@ def _dumps(results, reports):
         assert trace["entries"] and {"process_group", "profiling_name", "frames"} <= set(trace["entries"][-1])
 
 
+def survivor_lines(results, rank):
+    """The non-empty lines rank ``rank`` wrote to stderr."""
+    return [line for line in results["_meta"]["rank_stderr"].get(rank, "").splitlines() if line.strip()]
+
+
 def _survivors(results):
     meta = results["_meta"]
     assert "victim" in results and VICTIM in results["victim"], meta["stderr"]
@@ -45,8 +52,11 @@ def _survivors(results):
     ("sigkill", "died", "tp", "step"),
 ])
 def test_lost_rank_is_named_on_every_other_rank(signal_name, verb, kind, where):
-    results = launch("tests/dist/faults_worker.py", WORLD, signal_name, str(VICTIM), kind, where, timeout=300)
+    results = launch("tests/dist/faults_worker.py", WORLD, signal_name, str(VICTIM), kind, where, timeout=300,
+                     rank_stderr=True)
     sent, reports = _survivors(results)
+    for rank, report in reports.items():  # the line alone: no chained traceback, nothing else (examples/train.py)
+        assert survivor_lines(results, rank) == [report["message"]], results["_meta"]["rank_stderr"].get(rank)
     for rank, report in reports.items():
         msg = report["message"]
         assert msg.startswith(f"meshplan: rank {VICTIM} {verb} ("), msg

@@ -218,6 +218,27 @@ def test_report_without_a_silent_rank_says_who_waits_where(store, monkeypatch):
                           "rank 2 in all_gather #3 over pp); rank 0's collective failed (the flight recorder is off"), msg
 
 
+def test_a_rank_stopped_by_torchrun_still_names_the_silent_peer(store):
+    """SIGTERM outside a failed collective (torchrun stops the group after a worker died): the silent rank is named;
+    a peer SIGTERMed too is not; nobody silent: None (the job was stopped for another reason)."""
+    beats = {r: heartbeat.Heartbeat(store, r, 0.02, lambda: None) for r in range(4)}
+    for b in beats.values():
+        b.start()
+    try:
+        store.set("fail/1", json.dumps({"t": 0, "kind": "terminated", "text": "stopped by SIGTERM"}))
+        t = time.time()
+        assert report.diagnose_terminated(_watch(store)) is None
+        assert time.time() - t >= STALE_BEATS * 0.1  # it looked for 3 heartbeats first
+        beats[2].stop()
+        failure = report.diagnose_terminated(_watch(store, rank=3))
+    finally:
+        for b in beats.values():
+            b.stop()
+    assert re.fullmatch(r"rank 2 stopped answering \(last heartbeat [\d.]+ s ago\); rank 3 was stopped by torchrun "
+                        r"\(SIGTERM\) before a collective of its own failed", str(failure)), str(failure)
+    assert failure.silent == (2,)
+
+
 def test_report_sees_a_stopped_local_peer_at_once(store, monkeypatch):
     _dump(monkeypatch, _entry(0, 5, "15", 2, created=time.time() - 1))
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])

@@ -1,4 +1,6 @@
-"""Fuzz: any plan file ends in a ``Plan`` or one ``PlanError``; any ``meshplan`` argv exits 0 or 2 with one line.
+"""Fuzz: any plan file ends in a ``Plan`` or one ``PlanError``; any ``meshplan`` argv (every subcommand, called
+in-process) exits 0 or 2 with one line, in bounded time and memory; any checkpoint manifest is listed or refused
+in one line; a crafted checkpoint never runs code.
 
 Inputs: random plan-shaped data and mutated copies of ``plans/*.yaml`` written as YAML, JSON and TOML; byte-level
 mutations of real plan files; random bytes; deep nesting; integers past Python's 4,300-digit limit; non-scalar YAML
@@ -346,15 +348,92 @@ def make_pool(root: Path) -> dict[str, list[str]]:
                str(root / "cfg_bin.json"), str(root / "cfg_deep.json"), str(root / "missing" / "config.json"),
                str(root / "dir.yaml"), *plans[:2]]
     outputs = [str(root / "out.yaml"), str(root), str(root / "missing" / "x.yaml"), str(root / "bin.yaml" / "x")]
+    clusters = [str(root / n) for n in ("cfg_list.json", "cfg_bin.json", "cfg_deep.json", "ok.json")] + ["/dev/zero"]
     return {"plans": plans, "configs": configs, "models": models, "sources": sources, "outputs": outputs,
-            "path": [str(root)]}
+            "path": [str(root)], "clusters": clusters, "checkpoints": [str(root / "missing"), str(root / "dir.yaml")],
+            "export_outputs": [str(root / "export"), str(root / "bin.yaml"), str(root / "missing" / "x" / "y")]}
+
+
+FLOATS = st.sampled_from(["80", "0", "-5", "nan", "inf", "-inf", "1e400", "1e-300", "0x10", "", "x", "1048577"])
+SMALL_GPUS = st.sampled_from(["1", "2", "3", "8", "16", "0", "-1", "x"])
+LISTS = st.sampled_from([",", "", " , ", "tp-cp-ep-dp-pp", "tp-xx", "DPT", "1f1b,x", "1,2", "0,-1", "1,,2", "a",
+                         "none,selective", "bogus"])
+
+
+@st.composite
+def _hostile_run_flags(draw, pool) -> list[str]:
+    """None (half the time) or 1-3 flags of estimate/solve with hostile values (NaN memory, a cluster file that is
+    /dev/zero, …)."""
+    argv: list[str] = []
+    if draw(st.booleans()):
+        return argv
+    for flag in draw(st.lists(st.sampled_from(("--memory-gib", "--cluster", "--seq", "--global-batch", "--format",
+                                               "--preset", "--config", "--gpus-per-node")), max_size=3)):
+        value = {"--memory-gib": FLOATS, "--cluster": st.sampled_from(["h100-80g", "a100-80g", "nope",
+                                                                        *pool["clusters"]]),
+                 "--seq": SMALL_GPUS, "--global-batch": SMALL_GPUS, "--format": st.sampled_from(("json", "x")),
+                 "--preset": st.sampled_from(("gpt-1.7b", "nope", "")), "--gpus-per-node": SMALL_GPUS,
+                 "--config": st.sampled_from(pool["configs"] + pool["sources"][6:12])}[flag]
+        argv += [flag, draw(value)]
+    return argv
+
+
+@st.composite
+def _estimate(draw, pool) -> list[str]:
+    """A valid estimate (a real plan, a preset model, 8 ranks) with hostile flags added."""
+    return ([draw(st.sampled_from(pool["plans"][:6] + pool["plans"][-6:])), "--preset", "llama3-8b",
+             "--world-size", draw(st.sampled_from(["8", "4", "3", "0"])), "--seq", "512", "--global-batch", "8"]
+            + draw(_hostile_run_flags(pool)))
+
+
+@st.composite
+def _solve(draw, pool) -> list[str]:
+    """A valid solve (a small preset on a few devices) with pinned degrees, search lists and hostile flags."""
+    argv = ["--preset", "gpt-1.7b", "--gpus", draw(st.sampled_from(["1", "2", "4", "3"])), "--seq", "512",
+            "--global-batch", "8"] + draw(_hostile_run_flags(pool))
+    for flag in draw(st.lists(st.sampled_from(("--tp", "--pp", "--cp", "--ep", "--vpp", "--dp-replicate")),
+                              max_size=2)):
+        argv += [flag, draw(SMALL_GPUS)]
+    for flag in draw(st.lists(st.sampled_from(("--orders", "--schedules", "--vpps", "--micro-batches", "--ac")),
+                              max_size=2)):
+        argv += [flag, draw(LISTS)]
+    if draw(st.integers(0, 3)) == 0:
+        argv += ["--write", draw(st.sampled_from(pool["outputs"]))]
+        if draw(st.booleans()):
+            argv += ["--plan", draw(st.sampled_from(pool["plans"]))]
+    return argv
+
+
+@st.composite
+def _checkpoints(draw, pool) -> list[str]:
+    return [draw(st.sampled_from(pool["checkpoints"] + pool["outputs"]))]
+
+
+@st.composite
+def _export(draw, pool) -> list[str]:
+    argv = [draw(st.sampled_from(pool["checkpoints"])), draw(st.sampled_from(pool["export_outputs"]))]
+    if draw(st.booleans()):
+        argv += ["--max-shard-bytes", draw(NUMBERS)]
+    return argv
+
+
+@st.composite
+def _profile(draw, pool) -> list[str]:  # only argument errors: a valid profile would launch torchrun
+    return draw(st.sampled_from([["--nproc", "0"], ["--nproc", "x"], ["--backend", "mpi"], ["--nproc", "1025"]]))
+
+
+OTHER_COMMANDS = {"estimate": _estimate, "solve": _solve, "checkpoints": _checkpoints, "export": _export,
+                  "profile": _profile}
 
 
 @st.composite
 def argvs(draw, pool: dict[str, list[str]]) -> list[str]:
     """A random ``meshplan`` command line: a subcommand, its flags with random values, sometimes junk."""
-    cmd = draw(st.sampled_from(("ranks", "ranks", "check", "check", "convert", "convert", "schema", "nope", "")))
+    cmd = draw(st.sampled_from(("ranks", "ranks", "check", "check", "convert", "convert", "schema", "nope", "",
+                                "estimate", "solve", "checkpoints", "export", "profile")))
     argv = [cmd] if cmd else []
+    if cmd in ("estimate", "solve", "checkpoints", "export", "profile"):
+        argv += draw(OTHER_COMMANDS[cmd](pool))
     layout_flags = ["--world-size", "--tp", "--pp", "--cp", "--ep", "--etp", "--vpp", "--dp-replicate", "--dp-shard"]
     if cmd == "check":
         argv += [draw(st.sampled_from(pool["plans"])), "--model", draw(st.sampled_from(pool["models"]))]
@@ -364,7 +443,8 @@ def argvs(draw, pool: dict[str, list[str]]) -> list[str]:
             argv += ["--path", pool["path"][0]]
     if cmd == "convert":
         argv.append(draw(st.sampled_from(pool["sources"])))
-        for flag, choices in (("--from", ("hf", "meshplan", "x")), ("--to", ("meshplan", "hf", "x"))):
+        for flag, choices in (("--from", ("hf", "meshplan", "torch", "deepspeed", "accelerate", "x")),
+                              ("--to", ("meshplan", "hf", "torch", "deepspeed", "accelerate", "x"))):
             if draw(st.booleans()):
                 argv += [flag, draw(st.sampled_from(choices))]
         if draw(st.booleans()):
@@ -392,23 +472,134 @@ def cli_outcome(argv: list[str]) -> tuple[int, str, str]:
             code = e.code
     text = err.getvalue()
     assert code in (0, 2), (argv, code, text)
-    assert text == "" or (text.count("\n") == 1 and text.endswith("\n") and re.match(r"meshplan: error: \S", text)), (
-        argv, text)
-    assert code == 2 or text == "", (argv, text)
+    if code == 2:  # one error line (or none: `check` printed its failing report on stdout)
+        assert text == "" or (text.count("\n") == 1 and text.endswith("\n")
+                              and re.match(r"meshplan: error: \S", text)), (argv, text)
+    else:  # nothing, or the documented notes of a success (convert's dropped/assumed lines, solve's wrote/warning)
+        assert all(NOTE.match(line) for line in text.splitlines()), (argv, text)
     return code, out.getvalue(), text
+
+
+#: the stderr lines a successful command may print: ``meshplan convert: dropped …`` / ``assumed …`` (docs/conversion.md),
+#: ``meshplan: wrote FILE`` and ``meshplan: warning: …`` (solve, estimate)
+NOTE = re.compile(r"meshplan convert: (dropped|assumed) \S|meshplan: (wrote|warning:) \S")
 
 
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory):
     saved = list(sys.path)  # --path and the cwd's examples/ land on sys.path: leave it as it was
-    yield make_pool(tmp_path_factory.mktemp("cli_pool"))
+    files = make_pool(tmp_path_factory.mktemp("cli_pool"))
+    files["checkpoints"] += add_checkpoints(tmp_path_factory.mktemp("cli_ckpts"))
+    yield files
     sys.path[:] = saved
+
+
+class _Payload:
+    """Unpickling it creates :data:`CANARY` (``open(CANARY, "w")``)."""
+
+    def __reduce__(self):
+        return (open, (str(CANARY), "w"))
+
+
+def add_checkpoints(root: Path) -> list[str]:
+    """A real checkpoint of the tiny Llama and broken copies of it (crafted ``.metadata`` that would create
+    :data:`CANARY`, garbage metadata, hand-edited manifests); returns the folders and their parents."""
+    import shutil
+    import warnings
+
+    import llama
+    import meshplan
+    import torch
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    torch.manual_seed(0)
+    model = llama.build(llama.tiny_args())
+    good = root / "good" / "step-00000001"
+    meshplan.save(good, model, None, step=1)
+    broken = {"payload": (".metadata", pickle_bytes(_Payload())), "garbage": (".metadata", b"\x80\x05garbage"),
+              "yesterday": ("meshplan.json", b'{"step": 1, "saved_at": "yesterday"}'),
+              "huge_time": ("meshplan.json", b'{"step": 1, "saved_at": 1e300}'),
+              "list": ("meshplan.json", b'{"step": 1, "data": [1, 2]}'), "not_json": ("meshplan.json", b"{")}
+    out = [str(good), str(good.parent)]
+    for name, (file, content) in broken.items():
+        folder = root / name / "step-00000001"
+        shutil.copytree(good, folder)
+        (folder / file).write_bytes(content)
+        out += [str(folder), str(folder.parent)]
+    return out
+
+
+def pickle_bytes(obj) -> bytes:
+    import pickle
+    return pickle.dumps(obj)
+
+
+#: no CLI run may take longer (a hang, a search or a read without bound); generous: the machine is shared
+MAX_CLI_S = 60.0
 
 
 @settings(max_examples=100, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(st.data())
 def test_cli_exits_0_or_2_with_one_line(pool, data):
-    cli_outcome(data.draw(argvs(pool)))
+    """Every subcommand, random and hostile arguments: exit 0 or exit 2 with one line, in bounded time and memory,
+    and no file created by a crafted checkpoint or plan."""
+    import resource
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t = time.perf_counter()
+    argv = data.draw(argvs(pool))
+    code, out, _ = cli_outcome(argv)
+    assert time.perf_counter() - t < MAX_CLI_S, (argv, time.perf_counter() - t)
+    if code == 0 and argv[0] in ("estimate", "solve"):  # a right answer: finite numbers only
+        assert not re.search(r"\b(nan|inf|NaN|Infinity)\b", out), (argv, out)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss < 2 << 20, argv  # KiB: under 2 GiB more
+    assert not CANARY.exists(), f"a crafted input ran code: {argv}"
+
+
+MANIFEST_VALUES = st.one_of(data, st.sampled_from(["yesterday", 1e300, float("nan"), float("inf"), -1, 2 ** 64, True,
+                                                   [], {}, None, "saved", 10 ** 4400]))
+
+
+@st.composite
+def manifests(draw) -> bytes:
+    """A real manifest with fields replaced, dropped or added, or random bytes."""
+    base = {"data": {"global_batch": 8, "samples_seen": 8, "seed": 0}, "extra": {}, "format": 1, "layout": None,
+            "meshplan": "0.1.0", "optimizer": "none", "plan": None, "rng": True, "saved_at": 1.7e9, "step": 1,
+            "torch": "2.13.0", "world_size": 1}
+    kind = draw(st.sampled_from(("edit", "edit", "bytes", "top")))
+    if kind == "bytes":
+        return draw(st.binary(max_size=200))
+    if kind == "top":
+        value = draw(data)
+        return json.dumps(value, default=str).encode() if _small(value) else b"1"
+    for _ in range(draw(st.integers(1, 3))):
+        key = draw(st.sampled_from(sorted(base) + ["surprise"]))
+        if draw(st.integers(0, 4)) == 0:
+            base.pop(key, None)
+        else:
+            base[key] = draw(MANIFEST_VALUES)
+    if key == "data" and isinstance(base.get("data"), dict) and draw(st.booleans()):
+        base["data"]["seed"] = draw(MANIFEST_VALUES)
+    try:
+        return json.dumps(base, default=str).encode()
+    except ValueError:  # an int past 4,300 digits
+        return b'{"step": 1, "saved_at": ' + b"9" * 5000 + b"}"
+
+
+@settings(max_examples=80, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(manifests())
+def test_checkpoint_manifests_end_in_a_listing_or_one_line(pool, content):
+    """``meshplan checkpoints`` over a folder whose manifest is anything: exit 0 listing it (a valid manifest) or
+    skipping it (not this step's), or exit 2 with one line naming ``meshplan.json``."""
+    from meshplan.checkpoint.manifest import read_manifest_file
+    folder = Path(pool["checkpoints"][0]).parent.parent / "fuzzed" / "step-00000001"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / ".metadata").write_bytes(b"never read by the listing")
+    (folder / "meshplan.json").write_bytes(content)
+    code, out, err = cli_outcome(["checkpoints", str(folder.parent)])
+    assert code == 0 or "meshplan.json: " in err, err
+    try:
+        read_manifest_file(folder / "meshplan.json")
+    except PlanError as e:
+        assert "\n" not in str(e) and str(e).startswith(str(folder / "meshplan.json")), str(e)
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -247,3 +247,22 @@ def test_group_timeouts_store_and_flight_recorder():
     assert entry["profiling_name"] == "gloo:all_reduce" and entry["process_group"].startswith(f"('{got['name']}'")
     assert entry["retired"] == "True" and got["frames"] and got["time"]
     assert "last_completed_collective" in got["status"], got
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+def test_checkpoint_private_globals_resolve_and_a_real_metadata_needs_no_other(tmp_path):
+    """The private names meshplan's restricted unpickler allows exist, and a DCP save names no global outside them
+    and the public metadata classes (a torch that pickles another would make every checkpoint refused)."""
+    import importlib
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from meshplan.checkpoint.safe_read import read_metadata
+    for module, name in _torch.CHECKPOINT_PRIVATE_GLOBALS:
+        assert getattr(importlib.import_module(module), name) is not None, (module, name)
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    dcp.save({"w": torch.ones(2, 3, dtype=torch.bfloat16), "lr": 0.1}, checkpoint_id=str(tmp_path), no_dist=True)
+    md = read_metadata(tmp_path)
+    assert tuple(md.state_dict_metadata["w"].size) == (2, 3)

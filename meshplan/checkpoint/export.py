@@ -80,7 +80,10 @@ def checkpoint_to_safetensors(checkpoint: str | Path, out: str | Path, *, max_sh
     sizes = [(k, md.properties.dtype.itemsize * int(torch.Size(md.size).numel())) for k, md in entries.items()]
     files = pack_files(sizes, max_shard_bytes)
     names = _file_names(len(files))
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a file of that name, no permission
+        raise PlanError(f"{out}: cannot create the output folder: {e.strerror or e}") from None
     from safetensors.torch import save_file
     written = []
     for i in range(rank, len(files), world_size):

@@ -19,7 +19,7 @@ from typing import Any
 from meshplan.errors import RankFailure
 from meshplan.plan_file.faults import STALE_BEATS
 
-__all__ = ["diagnose", "ranks_text"]
+__all__ = ["diagnose", "diagnose_terminated", "ranks_text"]
 
 _TIMEOUT = re.compile(r"Timed out waiting (\d+) ?ms|Timeout\(ms\)=(\d+)")
 
@@ -160,3 +160,17 @@ def diagnose(watch: Any, exc: BaseException) -> RankFailure:
     return RankFailure(message, silent=tuple(in_group), axis=axis, group_ranks=group,
                        op=entry.op if entry is not None else None,
                        waited_s=entry.waited_s(now) if entry is not None else None)
+
+
+def diagnose_terminated(watch: Any) -> RankFailure | None:
+    """The :class:`RankFailure` of a rank that torchrun stopped (SIGTERM) before any collective of its own failed,
+    when a peer is silent (torchrun stops the group 0.1 s after a worker died: a rank computing then would end
+    without naming it); None when every peer is alive (the job is being stopped for another reason)."""
+    everyone = list(range(watch.world))
+    deadline = time.time() + STALE_BEATS * watch.settings.heartbeat_s + 1.0
+    silent, beats, fails, states, now = _find_silent(watch, everyone, deadline)
+    if not silent:
+        return None
+    who = "; ".join(_peer_text(r, states[r], beats.get(r), fails.get(r), now) for r in silent)
+    return RankFailure(f"{who}; rank {watch.rank} was stopped by torchrun (SIGTERM) before a collective of its own "
+                       f"failed", silent=tuple(silent))

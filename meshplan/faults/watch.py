@@ -198,11 +198,22 @@ class FaultWatch:
             return failure
         if isinstance(exc, Terminated):
             self.record_failure("terminated", "stopped by SIGTERM")
+            self._name_on_termination()
         elif exc is not None and not isinstance(exc, RankFailure):
             self.record_failure("error", f"{type(exc).__name__}: {exc}")
         elif exc is None:
             self.record_failure("exit", "")
         return None
+
+    def _name_on_termination(self) -> None:
+        """SIGTERM (torchrun stopping the group) reached this rank outside a failed collective: name a silent peer
+        all the same, on this rank's one line, before the process ends."""
+        from meshplan.faults.report import diagnose_terminated
+        with self.term.hold():
+            error = diagnose_terminated(self)
+            if error is not None:
+                _LOG.error("meshplan: %s", error)
+                self._dump(str(error))
 
     def record_failure(self, kind: str, text: str) -> None:
         """``fail/<rank>`` in the store: peers count this rank as a victim (``fault``) or name its error."""

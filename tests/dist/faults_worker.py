@@ -77,6 +77,7 @@ def _stop_at(model: torch.nn.Module, sig: str, where: str, step: list) -> None:
 
 def lose_a_rank(sig: str, victim: int, kind: str, where: str) -> None:
     logging.getLogger("meshplan.faults").addHandler(_Report())
+    logging.getLogger("meshplan.faults").addHandler(logging.StreamHandler())  # stderr, as logging's last resort
     plan = PP_PLAN if kind == "pp" else PLAN
     args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128, ffn_dim=128, max_seq_len=16)
     with meshplan.init(plan) as topo:
@@ -129,4 +130,8 @@ if __name__ == "__main__":
     if sys.argv[1].startswith("exit_race"):
         exit_race({"exit_race": "with", "exit_race_plain": "plain", "exit_race_close": "close"}[sys.argv[1]])
     else:
-        lose_a_rank(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4])
+        from train import EXIT_RANK_FAILURE
+        try:
+            lose_a_rank(sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4])
+        except meshplan.RankFailure:  # as examples/train.py ends: the logged line alone, a distinct status
+            sys.exit(EXIT_RANK_FAILURE)
