@@ -162,7 +162,8 @@ def _structure(model, hf_rules: dict[str, str]) -> tuple[dict[str, str], list[st
         elif path and wildcard(parent) in local and pattern not in hf_rules and \
                 summable_on_shards(mod, modules[parent], model):
             out[pattern] = "head_norm"  # a per-head norm or a scalar-parameter activation on this rank's shards
-        elif path and pattern in local and pattern not in hf_rules and any(mod.parameters(recurse=False)):
+        elif path and pattern in local and pattern not in hf_rules and \
+                any(True for _ in mod.parameters(recurse=False)):
             out[pattern] = suggested_rule(*split_own_params(model, mod))  # sinks, differential lambdas
     head = model.get_output_embeddings()
     if head is not None and id(head) in names:
@@ -219,7 +220,7 @@ def from_hf(source: str | Path, *, sequence_parallel: bool = True, loss_parallel
         hf = _param_entries(model, hf)
         for k, v in hf.items():
             try:
-                rules[k] = v if (moe and v in MOE_STYLES) or isinstance(v, dict) else _rule(v)
+                rules[k] = v if isinstance(v, dict) or (moe and v in MOE_STYLES) else _rule(v)
             except ValueError as e:
                 raise PlanError(f"{model_type}: tp_plan rule {k!r} ({cls.__name__}): {e}") from None
         if moe:  # the experts go to the expert_parallel section
@@ -227,7 +228,7 @@ def from_hf(source: str | Path, *, sequence_parallel: bool = True, loss_parallel
             hf = {k: v for k, v in hf.items() if k in rules}
         found, order = _structure(model, hf)
         for path, style in found.items():
-            if STYLES[style].stream_module and not sequence_parallel:
+            if isinstance(style, str) and STYLES[style].stream_module and not sequence_parallel:
                 continue
             rules[path] = style  # lm_head: colwise_gather_output becomes meshplan's lm_head
         rules = _own_inputs(model, rules)
