@@ -164,7 +164,7 @@ def _fanout_children(model: nn.Module, modules: dict[str, nn.Module], matched: d
             continue
         pmod = modules[parent] if parent else model
         loose = [f"{parent}.{n}" if parent else n for n, c in pmod.named_children()
-                 if (features(c) is not None or isinstance(c, nn.Conv1d)) and
+                 if features(c) is not None and
                  (f"{parent}.{n}" if parent else n) not in covered]
         if loose:
             names = ", ".join(f"'{p}'" for _, p in cols)
