@@ -81,7 +81,7 @@ def test_unruled_projection_beside_a_converted_colwise_is_refused(models):
 
 
 @pytest.mark.parametrize("bad, why", [({"style": "head_params"}, "names no parameter"),
-                                      ({"style": "head_params", "sharded": ["a"], "summed": ["a"]}, "both")])
+                                      ({"style": "head_params", "sharded": ["a"], "summed": ["a"]}, "more than one")])
 def test_head_params_rule_is_validated(bad, why):
     with pytest.raises(PlanError, match=why):
         meshplan.Plan.from_data({"tensor_parallel": {"rules": {"attn": bad}}})
@@ -90,7 +90,7 @@ def test_head_params_rule_is_validated(bad, why):
 def test_head_params_names_checked_against_the_module(models):
     rules = {**RULES["gpt_oss"], "model.layers.*.self_attn": {"style": "head_params", "sharded": ["sink"]}}
     msg = _errors(models["gpt_oss"], rules)
-    assert "no parameter 'sink' of its own; found ['sinks']" in msg, msg
+    assert "no parameter 'sink' of its own, nor has any module the rule matches; found ['sinks']" in msg, msg
 
 
 def test_from_hf_merges_parameter_entries_and_gives_gathered_colwise_its_input():

@@ -41,6 +41,12 @@ def split_own_params(model: nn.Module, mod: nn.Module, skip: set[str] = frozense
     return per_head, [n for n, _ in own if n not in per_head]
 
 
+def _unsure(model: nn.Module, mod: nn.Module, shared: list[str]) -> list[str]:
+    """The shared parameters that may act outside the heads: neither ``head_dim`` long nor scalars."""
+    hd = safe_attr(mod, "head_dim")
+    return [n for n in shared if getattr(mod, n).numel() > 1 and getattr(mod, n).shape[-1] != hd]
+
+
 def suggested_rule(per_head: list[str], shared: list[str]) -> dict[str, Any]:
     """The ``head_params`` rule for :func:`split_own_params`' result (plain data)."""
     return {"style": "head_params", **({"sharded": per_head} if per_head else {}),
@@ -63,32 +69,38 @@ def own_param_errors(model: nn.Module, regions: set[str], modules: dict[str, nn.
         rule = matched.get(parent)
         named = set()
         if rule is not None and STYLES[rule[1].style].head_params:
-            named = set(rule[1].sharded) | set(rule[1].summed)
+            named = set(rule[1].sharded) | set(rule[1].summed) | set(rule[1].replicated)
         own = [(n, p) for n, p in mod.named_parameters(recurse=False) if n not in named]
         if not own:
             continue
         heads = head_counts(model, mod)
         per_head, shared = split_own_params(model, mod, named)
         shapes = ", ".join(f"{n} {list(p.shape)}" for n, p in own)
+        unsure = _unsure(model, mod, shared)
+        either = f" ({', '.join(unsure)}: 'replicated' instead if it acts only after the heads are reduced)" \
+            if unsure else ""
         errors.append(f"{where}: module {parent or '(root)'!r} ({type(mod).__name__}) runs on this rank's heads (the "
                       f"local outputs of {near.get(parent, 'its colwise children')}) but no rule names its own "
                       f"parameters ({shapes}; head counts {sorted(heads)}): one indexed by head must be split with "
                       f"the heads, one shared by all heads gets only this rank's heads' gradient; found no rule, "
-                      f"expected {_suggest(parent, per_head, shared)}")
+                      f"expected {_suggest(parent, per_head, shared)}{either}")
     return errors
 
 
 def head_params_errors(model: nn.Module, path: str, pattern: str, rule: Any, regions: set[str], tp: int,
-                       where: str) -> list[str]:
-    """A ``head_params`` rule: on a local-heads region, naming its own parameters, sharded sizes divisible."""
+                       where: str, present: set[str]) -> list[str]:
+    """A ``head_params`` rule: on a local-heads region, naming its own parameters, sharded sizes divisible.
+    ``present``: the own parameter names of every module the rule matches (a wildcard rule may match layers that
+    lack one, such as sinks on some layers only: a name is wrong when no matched module has it)."""
     mod, loc = model.get_submodule(path), f"{where}.{pattern!r}"
     if path not in regions:
         return [f"{loc}: module {path or '(root)'!r} (head_params) has no colwise child with local outputs, so its "
                 f"heads are not split over tp; found no colwise child giving shard(-1), expected one (or drop the "
                 f"rule: its parameters then act on every head)"]
     own = dict(mod.named_parameters(recurse=False))
-    errors = [f"{loc}: module {path!r} ({type(mod).__name__}) has no parameter {n!r} of its own; found "
-              f"{sorted(own) or 'none'}, expected one of them" for n in [*rule.sharded, *rule.summed] if n not in own]
+    errors = [f"{loc}: module {path!r} ({type(mod).__name__}) has no parameter {n!r} of its own, nor has any module "
+              f"the rule matches; found {sorted(present) or 'none'}, expected one of them" for n in [*rule.sharded, *rule.summed, *rule.replicated]
+              if n not in present]
     for n in rule.sharded:
         p = own.get(n)
         if p is None:

@@ -92,7 +92,9 @@ def region_errors(model: nn.Module, modules: dict[str, nn.Module], matched: dict
     for path, (pattern, rule) in matched.items():
         spec = STYLES[rule.style]
         if spec.head_params:
-            errors += head_params_errors(model, path, pattern, rule, regions, tp, where)
+            present = {n for p, (pat, _) in matched.items() if pat == pattern
+                       for n, _ in modules[p].named_parameters(recurse=False)}
+            errors += head_params_errors(model, path, pattern, rule, regions, tp, where, present)
         parent = path.rpartition(".")[0]
         hd = _head_dim(modules[parent] if parent else model, model) if spec.on_local_heads or \
             spec.whole_projection else None
@@ -184,7 +186,7 @@ def _fanout_children(model: nn.Module, modules: dict[str, nn.Module], matched: d
             continue
         pmod = modules[parent] if parent else model
         loose = [f"{parent}.{n}" if parent else n for n, c in pmod.named_children()
-                 if (features(c) is not None or isinstance(c, nn.Conv1d)) and
+                 if features(c) is not None and
                  (f"{parent}.{n}" if parent else n) not in covered]
         if loose:
             names = ", ".join(f"'{p}'" for _, p in cols)

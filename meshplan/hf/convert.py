@@ -108,7 +108,7 @@ def _hf_rules(model, cls, config, base: dict, model_type: str, sequence_parallel
     hf = param_entries(model, hf)
     for k, v in hf.items():
         try:
-            rules[k] = v if (moe and v in MOE_STYLES) or isinstance(v, dict) else _rule(v)
+            rules[k] = v if isinstance(v, dict) or (moe and v in MOE_STYLES) else _rule(v)
         except ValueError as e:
             raise PlanError(f"{model_type}: tp_plan rule {k!r} ({cls.__name__}): {e}") from None
     if moe:  # the experts go to the expert_parallel section

@@ -85,7 +85,8 @@ def structure_rules(model, hf_rules: dict[str, str]) -> tuple[dict[str, str], li
         elif path and wildcard(parent) in local and pattern not in hf_rules and \
                 summable_on_shards(mod, modules[parent], model):
             out[pattern] = "head_norm"  # a per-head norm or a scalar-parameter activation on this rank's shards
-        elif path and pattern in local and pattern not in hf_rules and any(mod.parameters(recurse=False)):
+        elif path and pattern in local and pattern not in hf_rules and \
+                any(True for _ in mod.parameters(recurse=False)):
             out[pattern] = suggested_rule(*split_own_params(model, mod))  # sinks, differential lambdas
     head = model.get_output_embeddings()
     if head is not None and id(head) in names:

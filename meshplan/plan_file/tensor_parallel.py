@@ -149,6 +149,10 @@ class HeadParams(_Rule):
                                           "tensor) and each rank's gradient is its slice's (transformers: a "
                                           "'colwise' rule on the parameter plus 'local_params' on the module).")
     dim: int = Field(0, ge=0, le=7, description="The head dim of the 'sharded' parameters (default 0).")
+    replicated: list[str] = Field(
+        default_factory=list, description="Names of the module's own parameters that act only outside its heads "
+                                          "(GPT-NeoX-Japanese's 'dense_bias', added after o_proj's reduction): plain, "
+                                          "whole on every rank, their gradients already whole (nothing summed).")
     use_local_output: bool | None = Field(
         None, description="The forward sees the 'sharded' parameters as this rank's slices, plain tensors (default "
                           "true); false: as DTensors (for colwise children that keep DTensor outputs).")
@@ -160,11 +164,14 @@ class HeadParams(_Rule):
 
     @model_validator(mode="after")
     def _check_names(self) -> "HeadParams":
-        if not self.sharded and not self.summed:
-            raise ValueError("head_params names no parameter; expected 'sharded: [names]' and/or 'summed: [names]'")
-        both = sorted(set(self.sharded) & set(self.summed))
+        lists = (self.sharded, self.summed, self.replicated)
+        if not any(lists):
+            raise ValueError("head_params names no parameter; expected 'sharded: [names]', 'summed: [names]' "
+                             "and/or 'replicated: [names]'")
+        both = sorted(n for n in set().union(*lists) if sum(n in x for x in lists) > 1)
         if both:
-            raise ValueError(f"head_params: {both} are both sharded and summed; expected each name in one list")
+            raise ValueError(f"head_params: {both} are in more than one of sharded, summed, replicated; expected "
+                             f"each name in one list")
         return self
 
 

@@ -130,7 +130,8 @@ def generate_tp_plan(model: nn.Module, section: TensorParallel, tp: int, source:
         if spec.on_local_heads:
             head_norms.append(path)  # runs unchanged on local heads; its grads join TpGradSync's tp sum
         if spec.head_params:
-            summed_params += [f"{path}.{n}" if path else n for n in o.get("summed", ())]
+            own = {n for n, _ in mod.named_parameters(recurse=False)}  # a wildcard may match layers without one
+            summed_params += [f"{path}.{n}" if path else n for n in o.get("summed", ()) if n in own]
     _convert_once(model, modules, plan, fanout, stream, section.save_gathered_inputs)
     return plan, {"fanout": list(fanout), "local_heads": list(local_heads), "head_norms": head_norms,
                   "summed_params": summed_params, "norm_dropouts": norm_dropouts, "matched": matched, "modules": modules}

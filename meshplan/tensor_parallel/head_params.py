@@ -53,8 +53,13 @@ class HeadParamsParallel(ParallelStyle):
         self.use_local_output = use_local_output
         self.prepare = prepare
 
+    def _own(self, module: nn.Module) -> list[str]:
+        """The names this module has (a wildcard rule may cover layers without, e.g. sinks on some layers only)."""
+        own = dict(module.named_parameters(recurse=False))
+        return [n for n in self.names if n in own]
+
     def _partition(self, module: nn.Module, mesh: DeviceMesh) -> None:
-        for name in self.names:
+        for name in self._own(module):
             param = getattr(module, name)
             if isinstance(param, DTensor):
                 continue
@@ -62,7 +67,7 @@ class HeadParamsParallel(ParallelStyle):
             module.register_parameter(name, nn.Parameter(shard, requires_grad=param.requires_grad))
 
     def _show_local(self, module: nn.Module, *_: Any) -> None:
-        for name in self.names:
+        for name in self._own(module):
             module.__dict__.pop(name, None)  # a slice left by a forward that never finished
             param = getattr(module, name)
             module.__dict__[name] = param.to_local() if isinstance(param, DTensor) else param
