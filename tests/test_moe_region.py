@@ -93,3 +93,20 @@ def test_the_region_is_the_parent_holding_several_blocks():
     regions = token_region_of(["layers.1.mlp.text_moe", "layers.1.mlp.vision_moe", "layers.2.mlp", "moe"])
     assert regions == {"layers.1.mlp.text_moe": "layers.1.mlp", "layers.1.mlp.vision_moe": "layers.1.mlp",
                        "layers.2.mlp": "layers.2.mlp", "moe": "moe"}
+
+
+def test_stand_in_keeps_a_tuple_blocks_arity():
+    """The split probe's and shadow run's stand-in for an MoE block returns what the block's caller unpacks:
+    gpt-oss's decoder layer does ``hidden, _ = self.mlp(x)`` (its MLP ends ``return hidden_states, router_scores``)."""
+    from meshplan.expert_parallel.apply import stand_in
+
+    class GptOssLike(nn.Module):
+        def forward(self, x):
+            scores = x.reshape(-1, H).softmax(-1)
+            return x * 2, scores
+    x = torch.randn(3, 8, H)
+    block, plain = GptOssLike(), nn.Linear(H, H)
+    stand_in(block)
+    stand_in(plain)
+    hidden, _ = block(x)
+    assert hidden.shape == x.shape and plain(x).shape == x.shape

@@ -107,13 +107,29 @@ def moe_blocks(model: nn.Module, section: ExpertParallel | None) -> set[str]:
 def stand_in(module: nn.Module) -> None:
     """Make ``module`` (an MoE block of a THROWAWAY copy: the split probe's, the shadow run's) return a new tensor
     shaped like its first input, without running: routing is data-dependent (no meta kernels, no DTensor rules)
-    and a block's contract is a residual branch's."""
-    module.forward = _same_shape
+    and a block's contract is a residual branch's. A block whose forward returns an n-tuple (gpt-oss:
+    ``return hidden_states, router_scores``) returns that tensor and n - 1 empty ones, so its caller unpacks it."""
+    import functools
+    module.forward = functools.partial(_same_shape, _returns(type(module).forward))
 
 
-def _same_shape(x: Any, *args: Any, **kwargs: Any) -> Any:
+def _returns(forward: Any) -> int:
+    """How many values every ``return`` of ``forward`` gives (1 unless all are tuples of one length)."""
+    import ast
+    import textwrap
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
+    except (OSError, TypeError, SyntaxError):
+        return 1
+    sizes = {len(r.value.elts) if isinstance(r.value, ast.Tuple) else 1
+             for r in ast.walk(tree) if isinstance(r, ast.Return) and r.value is not None}
+    return sizes.pop() if len(sizes) == 1 else 1
+
+
+def _same_shape(n: int, x: Any, *args: Any, **kwargs: Any) -> Any:
     import torch
-    return torch.empty_like(x)
+    out = torch.empty_like(x)
+    return out if n == 1 else (out, *(x.new_empty(0) for _ in range(n - 1)))
 
 
 def _interface(module: nn.Module, rule: ExpertsRule, where: str) -> str:
