@@ -116,7 +116,7 @@ def _hf_rules(model, cls, config, base: dict, model_type: str, sequence_parallel
         hf = {k: v for k, v in hf.items() if k in rules}
     found, order = structure_rules(model, hf)
     for path, style in found.items():
-        if STYLES[style].stream_module and not sequence_parallel:
+        if isinstance(style, str) and STYLES[style].stream_module and not sequence_parallel:
             continue
         rules[path] = style  # lm_head: colwise_gather_output becomes meshplan's lm_head
     from meshplan.hf.mla import latent_rules
