@@ -164,15 +164,37 @@ def _dump(monkeypatch, *entries):
         "entries": list(entries), "pg_status": {}})
 
 
-def _beat(store, rank, age, wait=None):
-    store.set(f"hb/{rank}", json.dumps({"t": time.time() - age, "n": 1, "wait": wait}))
+def _beat(store, rank, age, wait=None, now=None):
+    store.set(f"hb/{rank}", json.dumps({"t": (time.time() if now is None else now) - age, "n": 1, "wait": wait}))
 
 
-def test_report_names_the_silent_rank_and_the_axis(store, monkeypatch):
-    _dump(monkeypatch, _entry(0, 5, "15", 41, created=time.time() - 4.0))
+class _Clock:
+    """A clock that moves only when the code under test sleeps: the report's ages are exact on a loaded machine
+    (with the real clock, 'for 4.0 s' read 'for 6.5 s' at load 400)."""
+
+    def __init__(self, now=1_000_000.0):
+        self.now = now
+
+    def time(self):
+        return self.now
+
+    def sleep(self, seconds):
+        self.now += seconds
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    c = _Clock()
+    for module in (report, flight):
+        monkeypatch.setattr(module, "time", SimpleNamespace(time=c.time, sleep=c.sleep))
+    return c
+
+
+def test_report_names_the_silent_rank_and_the_axis(store, monkeypatch, clock):
+    _dump(monkeypatch, _entry(0, 5, "15", 41, created=clock.now - 4.0))
     for r in range(4):
-        _beat(store, r, 0.0)
-    _beat(store, 1, 20.0, {"op": "all_gather", "axis": "dp_shard", "seq": 7, "issued": time.time() - 30})
+        _beat(store, r, 0.0, now=clock.now)
+    _beat(store, 1, 20.0, {"op": "all_gather", "axis": "dp_shard", "seq": 7, "issued": clock.now - 30}, now=clock.now)
     failure = report.diagnose(_watch(store), RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out "
                                                           "waiting 4000ms for recv operation to complete"))
     msg = str(failure)
@@ -184,11 +206,11 @@ def test_report_names_the_silent_rank_and_the_axis(store, monkeypatch):
     assert 3.9 < failure.waited_s < 5
 
 
-def test_report_blames_the_cause_not_the_victims(store, monkeypatch):
+def test_report_blames_the_cause_not_the_victims(store, monkeypatch, clock):
     """Rank 2 failed on its own collective (a victim), rank 3 ended with an error (the cause)."""
-    _dump(monkeypatch, _entry(0, 3, "9", 5, "all_gather", created=time.time() - 0.2))
+    _dump(monkeypatch, _entry(0, 3, "9", 5, "all_gather", created=clock.now - 0.2))
     for r in range(4):
-        _beat(store, r, 0.0)
+        _beat(store, r, 0.0, now=clock.now)
     store.set("fail/2", json.dumps({"t": 0, "kind": "fault", "text": "RuntimeError: Connection closed by peer"}))
     store.set("fail/3", json.dumps({"t": 0, "kind": "error", "text": "ValueError: bad batch"}))
     msg = str(report.diagnose(_watch(store), RuntimeError("[pair.cc:534] Connection closed by peer [1.2.3.4]:5. "
