@@ -28,6 +28,14 @@ def fake_process_group(world_size: int, rank: int = 0):
             dist.destroy_process_group()
 
 
+def drop_fake_process_group() -> None:
+    """Destroy a ``fake`` process group left by an earlier test (``tests/_local.py`` keeps one for the next use):
+    a single-process save under it would plan for ranks that never write (an incomplete checkpoint)."""
+    import torch.distributed as dist
+    if dist.is_initialized() and dist.get_backend() == "fake":
+        dist.destroy_process_group()
+
+
 @pytest.fixture
 def fake_pg():
     """``with fake_pg(world, rank):`` inside a test."""

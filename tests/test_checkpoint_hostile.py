@@ -21,6 +21,7 @@ import torch
 import meshplan
 from meshplan.checkpoint.directory import DCP_METADATA, MANIFEST
 from meshplan.errors import PlanError
+from conftest import drop_fake_process_group, fake_process_group
 from test_fuzz_plans import cli_outcome
 
 pytestmark = pytest.mark.fast
@@ -52,6 +53,7 @@ def saved(tmp_path_factory):
     import llama
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     root = tmp_path_factory.mktemp("ckpt")
+    drop_fake_process_group()  # one process: no rank of a leftover fake group may be planned to write
     torch.manual_seed(0)
     model = llama.build(llama.tiny_args())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -179,3 +181,17 @@ def test_unreadable_manifest_is_one_line(saved, tmp_path, content, message):
 def re_search(pattern, text):
     import re
     return re.search(pattern, text) is not None
+
+
+def test_incomplete_checkpoint_is_one_line(tmp_path):
+    """A save planned for 2 ranks of which one never wrote (a fake group: rank 1 writes nothing): ``export`` and
+    ``meshplan.load`` name the first missing shard in one line instead of DCP's KeyError."""
+    import llama
+    torch.manual_seed(0)
+    model = llama.build(llama.tiny_args())
+    with fake_process_group(2):
+        meshplan.save(tmp_path / "step-00000001", model, None, step=1)
+    code, _, err = cli_outcome(["export", str(tmp_path), str(tmp_path / "out")])
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "is in no data file (an incomplete checkpoint" in err
+    with pytest.raises(PlanError, match=r"is in no data file \(an incomplete checkpoint"):
+        meshplan.load(tmp_path / "step-00000001", model, None)

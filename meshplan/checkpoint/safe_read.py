@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
-from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, Metadata, StorageMeta,
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, Metadata, MetadataIndex, StorageMeta,
                                                    TensorStorageMetadata)
 
 from meshplan._torch import CHECKPOINT_PRIVATE_GLOBALS
@@ -89,7 +89,25 @@ def read_metadata(folder: str | Path) -> Metadata:
         if isinstance(v, TensorStorageMetadata) and not _tensor_ok(v):
             raise PlanError(f"{path}: entry {key[:120]!r}: not a tensor description (size {str(v.size)[:80]}, "
                             f"dtype {str(getattr(v.properties, 'dtype', None))[:40]})")
+    _check_complete(md, path)
     return md
+
+
+def _check_complete(md: Metadata, path: Path) -> None:
+    """Every shard the metadata describes is in a data file: a checkpoint written by fewer ranks than it was
+    planned for (a rank died, or a process group of ranks that never write) is refused naming the first missing
+    shard, instead of a KeyError deep in DCP's reader."""
+    stored = md.storage_data
+    if not isinstance(stored, dict):
+        raise PlanError(f"{path}: not DCP checkpoint metadata: storage_data is {type(stored).__name__}, "
+                        f"expected a mapping of shards to data files")
+    for key, v in md.state_dict_metadata.items():
+        offsets = [c.offsets for c in v.chunks] if isinstance(v, TensorStorageMetadata) else [None]
+        for off in offsets:
+            if MetadataIndex(key, off) not in stored:
+                at = f" at offset {tuple(off)}" if off is not None else ""
+                raise PlanError(f"{path}: entry {key[:120]!r}: its shard{at} is in no data file (an incomplete "
+                                f"checkpoint: a rank did not write its part); found {len(stored)} stored shards")
 
 
 def _tensor_ok(v: TensorStorageMetadata) -> bool:
