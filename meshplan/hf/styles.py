@@ -159,6 +159,7 @@ def install_hf_loss(model: Any, section: Any) -> bool:
 
     def loss_function(logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index=-100,
                       shift_labels=None, **kwargs):
+        import torch
         import torch.nn.functional as F
         from torch.distributed.tensor import DTensor
 
@@ -174,7 +175,8 @@ def install_hf_loss(model: Any, section: Any) -> bool:
         if shift_labels is None:
             shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
         reduction = "sum" if num_items_in_batch is not None else "mean"
-        # transformers upcasts to float32; float64 logits stay float64 (cross_entropy computes in >= float32)
+        # transformers' .float(): half precisions up to float32 (a float32 loss), float64 kept (not cast down)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         loss = cross_entropy(logits, shift_labels.to(logits.device), ignore_index=ignore_index,
                              reduction=reduction)
         return loss / num_items_in_batch if reduction == "sum" else loss
