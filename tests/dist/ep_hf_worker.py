@@ -1,9 +1,8 @@
 """Real gloo processes: transformers' mixture-of-experts models (Mixtral, Qwen3-MoE, Qwen2-MoE with its gated
 shared expert), unmodified, trained with the plan ``meshplan.hf.from_hf(model_type, ep=…)`` writes (experts from
 the config's ``base_model_ep_plan``, ``interface: topk``) through ``meshplan.parallelize`` + ``meshplan.train_step``
-with the model's own loss, vs one device over 3 SGD steps (momentum; AdamW would amplify fp32 noise on this tiny
-model, see cp_worker.sgd): every parameter within ‖Δ‖/‖ref‖ ≤ 1e-5, each step's loss and gradient norm within
-1e-5 relative. transformers' default experts implementation (``grouped_mm``) runs on the local experts.
+with the model's own loss, vs one device over 3 SGD steps (momentum), in float64 (``tests/_float64.py``): every
+parameter within ‖Δ‖/‖ref‖ ≤ ``RTOL``, each step's loss and gradient norm within ``RTOL`` relative (1e-9, fixed). transformers' default experts implementation (``grouped_mm``) runs on the local experts.
 """
 
 import json
@@ -14,12 +13,18 @@ import torch
 import torch.distributed as dist
 
 import meshplan
+from _float64 import float64_model, keep_float64
 from _launch import run_cases
-from cp_worker import _compare, _train_ref, global_batch, sgd
+from cp_worker import _compare, _train_ref, global_batch
 from meshplan.hf.convert import from_hf
 
 WORLD = int(os.environ["WORLD_SIZE"])
 GLOBAL_BATCH = 4
+
+
+def sgd(params):
+    """SGD with momentum (chosen when this ran in float32, where AdamW amplified reduction-order noise)."""
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
 
 
 def hf_moe_case(arch, layout, sequence_parallel=True, **overrides):
@@ -27,7 +32,7 @@ def hf_moe_case(arch, layout, sequence_parallel=True, **overrides):
     import hf_models
     factory = getattr(hf_models, arch)
     torch.manual_seed(0)
-    ref = factory(**overrides)
+    ref = float64_model(factory(**overrides))
     vocab = ref.config.vocab_size
     ref_losses, ref_norms = _train_ref(ref, lambda s: (global_batch(s, vocab)[1],),
                                        lambda m, y: m(input_ids=y.clamp(min=0), labels=y).loss, sgd)
@@ -41,7 +46,7 @@ def hf_moe_case(arch, layout, sequence_parallel=True, **overrides):
     plan["layout"], plan["blocks"] = layout, {"pattern": "model.layers.*"}
     topo = meshplan.build_mesh(layout)
     torch.manual_seed(0)
-    model = meshplan.parallelize(factory(**overrides), plan, topo)
+    model = meshplan.parallelize(float64_model(factory(**overrides)), plan, topo)
     opt = sgd(model.parameters())
     rows, r = GLOBAL_BATCH // topo.data_world_size, topo.data_rank
     results = []
@@ -74,4 +79,5 @@ CASES = {
 
 if __name__ == "__main__":
     dist.init_process_group("gloo")
-    run_cases(CASES[WORLD])
+    with keep_float64():
+        run_cases(CASES[WORLD])
