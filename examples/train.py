@@ -119,6 +119,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0, help="seeds the model init and the data")
+    ap.add_argument("--dtype", choices=("float32", "float64"), default="float32",
+                    help="the model's parameters and compute (float64: exact parity checks, tests/_float64.py)")
     ap.add_argument("--checkpoint-dir", default=None,
                     help="save checkpoints here (step-N folders) and resume from the latest complete one")
     ap.add_argument("--checkpoint-every", type=int, default=None,
@@ -143,8 +145,8 @@ def _model(args: argparse.Namespace) -> torch.nn.Module:
                          capacity_factor=None, aux_loss_coef=0.0)
            if args.model == "moe" else llama.ModelArgs(**common))
     torch.manual_seed(args.seed)
-    return (moe if args.model == "moe" else llama).build(cfg)  # same seed on every rank: each keeps its shards
-    # of one single-device init
+    model = (moe if args.model == "moe" else llama).build(cfg)  # same seed on every rank: each keeps its shards
+    return model.to(getattr(torch, args.dtype))  # of one single-device init
 
 
 def _resume(args, ckpt, model, opt, data_state, rank) -> tuple[int, "meshplan.DataState"]:

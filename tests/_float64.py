@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+from unittest import mock
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -86,7 +87,22 @@ def keep_float64():
         with keep_float64():
             loss = float64_model(model)(input_ids=ids, labels=ids).loss    # float64
     """
-    with _KeepFloat64():
+    with _KeepFloat64(), _grouped_mm_fallback_for_float64():
+        yield
+
+
+@contextlib.contextmanager
+def _grouped_mm_fallback_for_float64():
+    """transformers' ``grouped_mm`` experts run its own fallback kernel on float64 (torch's CPU ``grouped_mm`` has no
+    float64 kernel); the experts implementation, and what meshplan shards, stay the same."""
+    try:
+        from transformers.integrations import moe
+    except ImportError:
+        yield
+        return
+    original = moe._can_use_grouped_mm
+    with mock.patch.object(moe, "_can_use_grouped_mm",
+                           lambda input, weight, offs: weight.dtype != torch.float64 and original(input, weight, offs)):
         yield
 
 

@@ -1,6 +1,7 @@
 """Changing the plan does not change the math, as the user sees it: ``examples/train.py --json`` prints the same
 per-step losses and gradient norms for every plan in ``plans/`` that targets ``examples/llama.py`` (at a matching
-``--nproc-per-node``) as one process with ``plans/single.yaml`` (no parallelism), within 1e-5 relative.
+``--nproc-per-node``) as one process with ``plans/single.yaml`` (no parallelism), in float64 (``--dtype float64``;
+gloo reduces float64), within ``RTOL`` relative (1e-9, the one fixed tolerance of ``tests/_float64.py``).
 
 Why they can be equal: every step draws its global batch by global sample index (sample ``i`` of the run is a
 function of ``(seed, i)`` only), each data-parallel rank takes its slice, the model is built from one seed on every
@@ -23,6 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from _float64 import RTOL
 from _launch import ROOT
 
 #: (plan, nproc): each launch must print REFERENCE's losses and grad norms. Pick the smallest world that
@@ -41,13 +43,14 @@ MOE_LAYOUTS = [
 ]
 #: small enough for 2 CPU cores; the global batch is divisible by every dp size in LAYOUTS
 STEPS = 3
-ARGS = ("--global-batch", "8", "--steps", str(STEPS), "--seq", "32", "--dim", "64", "--layers", "2", "--lr", "3e-3")
-RTOL = 1e-5
+ARGS = ("--global-batch", "8", "--steps", str(STEPS), "--seq", "32", "--dim", "64", "--layers", "2", "--lr", "3e-3",
+        "--dtype", "float64")
 
 
 def run_train(plan: str, nproc: int, *extra: str) -> list[dict]:
     """``torchrun examples/train.py --json``: the per-step objects rank 0 printed (checked: one per step)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1",  # this checkout's meshplan, not an installed one
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "examples/train.py", "--plan", plan, *ARGS, *extra, "--json"]
     t = time.time()

@@ -1,9 +1,9 @@
 """Real gloo processes: transformers' mixture-of-experts models (Mixtral, Qwen3-MoE, Qwen2-MoE with its gated
-shared expert; gpt-oss and Ernie 4.5 VL, whose MoE blocks return tuples, built by meshplan.hf.tiny_models), unmodified, trained with the plan ``meshplan.hf.from_hf(model_type, ep=…)`` writes (experts from
+shared expert; gpt-oss and Ernie 4.5 VL, whose MoE blocks return tuples, built by meshplan.hf.tiny_models),
+unmodified, trained with the plan ``meshplan.hf.from_hf(model_type, ep=…)`` writes (experts from
 the config's ``base_model_ep_plan``, ``interface: topk``) through ``meshplan.parallelize`` + ``meshplan.train_step``
-with the model's own loss, vs one device over 3 SGD steps (momentum; AdamW would amplify fp32 noise on this tiny
-model, see cp_worker.sgd): every parameter within ‖Δ‖/‖ref‖ ≤ 1e-5, each step's loss and gradient norm within
-1e-5 relative. transformers' default experts implementation (``grouped_mm``) runs on the local experts.
+with the model's own loss, vs one device over 3 SGD steps (momentum), in float64 (``tests/_float64.py``): every
+parameter within ‖Δ‖/‖ref‖ ≤ ``RTOL``, each step's loss and gradient norm within ``RTOL`` relative (1e-9, fixed). transformers' default experts implementation (``grouped_mm``) runs on the local experts.
 """
 
 import json
@@ -15,12 +15,18 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import meshplan
+from _float64 import float64_model, keep_float64
 from _launch import run_cases
-from cp_worker import _compare, _train_ref, global_batch, sgd
+from cp_worker import _compare, _train_ref, global_batch
 from meshplan.hf.convert import from_hf
 
 WORLD = int(os.environ["WORLD_SIZE"])
 GLOBAL_BATCH = 4
+
+
+def sgd(params):
+    """SGD with momentum (chosen when this ran in float32, where AdamW amplified reduction-order noise)."""
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
 
 
 def hf_moe_case(arch, layout, sequence_parallel=True, **overrides):
@@ -98,7 +104,7 @@ def _train_both(factory, source, layout, sequence_parallel):
     """The model ``factory()`` builds trained 3 SGD steps on one device, then with the converted plan under
     ``layout``; compared by :func:`_compare`."""
     torch.manual_seed(0)
-    ref = factory()
+    ref = float64_model(factory())
     vocab = ref.config.vocab_size
     own = ref.get_output_embeddings() is not None  # a causal LM: its own loss; a base model: hidden_loss
     count = lambda y: (y != -100).sum().clamp(min=1)  # noqa: E731
@@ -113,7 +119,7 @@ def _train_both(factory, source, layout, sequence_parallel):
     assert report.ok, report.errors
     topo = meshplan.build_mesh(layout)
     torch.manual_seed(0)
-    model = meshplan.parallelize(factory(), plan, topo)
+    model = meshplan.parallelize(float64_model(factory()), plan, topo)
     opt = sgd(model.parameters())
     rows, r = GLOBAL_BATCH // topo.data_world_size, topo.data_rank
     results = []
@@ -155,4 +161,5 @@ CASES = {
 
 if __name__ == "__main__":
     dist.init_process_group("gloo")
-    run_cases(CASES[WORLD])
+    with keep_float64():
+        run_cases(CASES[WORLD])
