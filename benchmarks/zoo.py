@@ -168,6 +168,20 @@ def run_all(rows: list[dict], timeout: float, log=print) -> tuple[dict, dict]:
     return ran, seconds
 
 
+def combine(old: dict, new: dict, label: str = "") -> tuple[list[dict], dict]:
+    """The rows of two sweeps' JSON: a model's axes in ``new`` replace its axes in ``old`` (a row that is not
+    buildable in either replaces the other); seconds of ``new`` added under ``label``."""
+    rows = {r["type"]: r for r in old["rows"]}
+    for r in new["rows"]:
+        mine = rows.get(r["type"])
+        if mine is None or "axes" not in mine or "axes" not in r:
+            rows[r["type"]] = r
+        else:
+            mine["axes"].update(r["axes"])
+    seconds = {**old["seconds"], **{f"{label}{k}": v for k, v in new["seconds"].items()}}
+    return sorted(rows.values(), key=lambda r: r["type"]), seconds
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", help="comma-separated model types")
@@ -181,11 +195,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-doc", action="store_true")
     ap.add_argument("--merge", action="store_true", help="with --only: replace those rows in --json, rewrite --doc")
     ap.add_argument("--render", action="store_true", help="only rewrite --doc from the --json of an earlier sweep")
+    ap.add_argument("--add", action="append", help="with --render: the JSON of a sweep of other axes, combined")
     args = ap.parse_args(argv)
     if args.render:
         with open(args.json) as f:
             data = json.load(f)
         rows, seconds, args.jobs = data["rows"], data["seconds"], data.get("jobs", args.jobs)
+        for extra in args.add or []:  # sweeps of other axes, run beside this one
+            with open(extra) as f:
+                rows, seconds = combine({"rows": rows, "seconds": seconds}, json.load(f))
     else:
         types = args.only.split(",") if args.only else list(zoo_types())
         axes = tuple(a for a in args.axes.split(",") if a)
@@ -198,8 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.merge:  # the rows of --only replace theirs in the earlier sweep's --json
             with open(args.json) as f:
                 data = json.load(f)
-            rows = sorted({r["type"]: r for r in data["rows"] + rows}.values(), key=lambda r: r["type"])
-            seconds = {**data["seconds"], **{f"rerun {k}": v for k, v in seconds.items()}}
+            rows, seconds = combine(data, {"rows": rows, "seconds": seconds}, "rerun ")
         with open(args.json, "w") as f:
             json.dump({"seconds": seconds, "jobs": args.jobs, "rows": rows}, f, indent=1, default=str)
     from zoo_report import counts_line, markdown
