@@ -167,7 +167,7 @@ def test_hand_edited_manifest_is_one_line_naming_the_field(saved, tmp_path, fiel
 
 @pytest.mark.parametrize("content, message", [
     (b"[1, 2]", r"expected a JSON mapping .* got list"), (b"{", r"not a JSON manifest"),
-    (b"\xff\xfe", r"not a JSON manifest"), (b'{"step": 1, "a": ' + b"[" * 50_000 + b"]" * 50_000 + b"}",
+    (b"\xff\xfe", r"meshplan.json: not UTF-8 text"), (b'{"step": 1, "a": ' + b"[" * 50_000 + b"]" * 50_000 + b"}",
                                             r"not a JSON manifest"),
 ])
 def test_unreadable_manifest_is_one_line(saved, tmp_path, content, message):

@@ -66,17 +66,12 @@ def read_manifest_file(path: str | Path) -> "Manifest":
         PlanError: unreadable, too large, not JSON, not a mapping, or a field of the wrong type or range (one
             line: the file and the field, what it holds and what is expected).
     """
+    from meshplan.plan_file.reading import read_text
     path = Path(path)
+    text = read_text(path, "checkpoint manifest", MAX_MANIFEST_BYTES)  # bounded, regular files, UTF-8
     try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_MANIFEST_BYTES + 1)
-    except OSError as e:
-        raise PlanError(f"{path}: cannot read the checkpoint manifest: {e.strerror or e}") from None
-    if len(raw) > MAX_MANIFEST_BYTES:
-        raise PlanError(f"{path}: more than {MAX_MANIFEST_BYTES} bytes; a checkpoint manifest is far smaller")
-    try:
-        data = json.loads(raw.decode("utf-8"))
-    except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, nested too deep, an int past 4,300 digits
+        data = json.loads(text)
+    except (ValueError, RecursionError) as e:  # not JSON, nested too deep, an int past 4,300 digits
         raise PlanError(f"{path}: not a JSON manifest: {' '.join(str(e).split())[:200]}") from None
     if not isinstance(data, dict):
         raise PlanError(f"{path}: expected a JSON mapping (the checkpoint manifest), got {type(data).__name__}")
