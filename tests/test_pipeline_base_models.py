@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
+from meshplan.errors import PlanError
 from meshplan.hf.tiny_models import tiny_model
 from meshplan.pipeline.probe import probe_split
 from meshplan.pipeline.split import plan_split, stage_view
@@ -61,3 +62,26 @@ def test_a_base_models_stages_give_tensors_and_the_loss_gets_its_output_class(ar
     model.zero_grad()
     model(x).last_hidden_state.square().sum().backward()
     assert all(torch.equal(p.grad, grad[n]) for n, p in model.named_parameters() if p.grad is not None)
+
+
+class DictOut(torch.nn.Module):
+    """Blocks in ``layers``; its forward returns a plain dict (neither a tensor nor a ``ModelOutput``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(16, 8)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+
+    def forward(self, x):
+        h = self.emb(x) if not x.is_floating_point() else x
+        for layer in self.layers:
+            h = layer(h)
+        return {"hidden": h}
+
+
+def test_an_output_torchs_stages_cannot_send_is_refused_in_one_line():
+    """Not a hang at run time: the probe ``check`` and ``parallelize`` run refuses it, saying what to return."""
+    model = DictOut()
+    with pytest.raises(PlanError, match=r"^pipeline: DictOut returns a dict; expected a tensor, a tuple of tensors "
+                                        r"or a transformers ModelOutput with logits or last_hidden_state .*pp 1$"):
+        probe_split(model, plan_split(model, Pipeline(microbatches=2), "layers.*", 2))
