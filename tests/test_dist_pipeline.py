@@ -42,11 +42,14 @@ def test_pp2(world2, case):
 
 
 @pytest.mark.parametrize("case", ["zoo_cohere", "zoo_granite", "zoo_gemma2", "zoo_gemma3_text", "zoo_cohere2",
-                                  "zoo_olmo2", "zoo_trace_granite"])
+                                  "zoo_olmo2", "zoo_trace_granite", "zoo_base_qwen3_vl_text", "zoo_base_eurobert"])
 def test_pp2_transformers_code_outside_the_blocks(world2, case):
     """Logit scales (Cohere, Granite), soft-capping (Gemma2), embedding multipliers (Granite, Gemma3's
     normalizer), per-layer sliding/full masks (Gemma2/3, Cohere2), OLMo2's norms: pp 2 1F1B, 3 AdamW steps in
-    float64 vs one device (issue 24: Cohere's stage 0 sent ``h * logit_scale``, 19 gradients ~0.8 off)."""
+    float64 vs one device (issue 24: Cohere's stage 0 sent ``h * logit_scale``, 19 gradients ~0.8 off). Base
+    models (Qwen3-VL's text decoder, EuroBERT's bidirectional encoder: no head): the last stage gives the last
+    hidden state, the loss function the model's ``ModelOutput`` (issue 24: it was handed to torch's stage, which
+    cannot send it; the ranks waited 90 s)."""
     _check(world2, case, 2)
 
 

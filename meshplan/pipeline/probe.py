@@ -25,6 +25,7 @@ import torch.nn as nn
 
 from meshplan.errors import PlanError
 from meshplan.pipeline.split import StageSplit, stage_view
+from meshplan.pipeline.stages import output_field
 
 __all__ = ["probe_split", "REAL_LIMIT", "TOLERANCE"]
 
@@ -35,12 +36,13 @@ TOLERANCE = 1e-6
 
 
 def _output(out: Any) -> Any:
-    """What a stage gives: a transformers output's logits, else the first element or the tensor."""
-    if not isinstance(out, torch.Tensor) and hasattr(out, "logits"):
-        return out.logits
-    if isinstance(out, (tuple, list)) and out:
-        return out[0]
-    return getattr(out, "last_hidden_state", out)
+    """What a stage gives, as the pipeline's boundary hooks take it (:func:`~meshplan.pipeline.stages.output_field`):
+    a transformers output's logits, else its last hidden state (a base model), else the first element or the
+    tensor."""
+    key = output_field(out)
+    if key is not None:
+        return getattr(out, key)
+    return out[0] if isinstance(out, (tuple, list)) and out else out
 
 
 def _record(copy: nn.Module, split: StageSplit) -> tuple[list[str], list]:
@@ -80,6 +82,10 @@ def _probe(model: nn.Module, split: StageSplit, where: str, seq: int, opaque: tu
     finally:
         for h in handles:
             h.remove()
+    if not isinstance(whole, torch.Tensor):
+        raise PlanError(f"{where}: {type(model).__name__} returns a {type(whole).__name__}; expected a tensor, a "
+                        f"tuple of tensors or a transformers ModelOutput with logits or last_hidden_state (torch's "
+                        f"pipeline stages send tensors only): return one from its forward, or use pp 1")
     try:
         _check_blocks(order, split, where)
     except PlanError as e:

@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from meshplan.plan_file.pipeline import MULTI_STAGE_SCHEDULES, Pipeline
 from meshplan.plan_file.stages import check_schedule  # noqa: F401  (re-exported: torch-free rules)
 
-__all__ = ["PipelineApplied", "StepLoss", "schedule_class", "check_schedule", "boundary_hooks"]
+__all__ = ["PipelineApplied", "StepLoss", "schedule_class", "check_schedule", "boundary_hooks", "output_field"]
 
 
 def schedule_class(name: str) -> type:
@@ -39,8 +39,9 @@ def boundary_hooks(view: nn.Module, tp_mesh: DeviceMesh | None, sequence_paralle
     """Make a stage take and give plain tensors: a received local shard becomes the stream's DTensor, a DTensor
     output (not the last stage's: the loss takes it) is sent as its local shard. A transformers ``ModelOutput``
     becomes its ``logits`` on every stage (on earlier stages the hidden state, the head being a pass-through):
-    torch's stages take and give tensors only. The last stage's output class is noted on ``loss``, which hands
-    the user's loss function the same class holding those logits, as the model without a pipeline would."""
+    torch's stages take and give tensors only; a base model's (no head) becomes its ``last_hidden_state``. The
+    last stage's output class is noted on ``loss``, which hands the user's loss function the same class holding
+    that tensor, as the model without a pipeline would."""
     place = _stream_placement(sequence_parallel) if tp_mesh is not None else None
 
     def to_stream(_mod: nn.Module, args: tuple) -> tuple:
@@ -50,15 +51,27 @@ def boundary_hooks(view: nn.Module, tp_mesh: DeviceMesh | None, sequence_paralle
         return (x, *args[1:])
 
     def to_local(_mod: nn.Module, _args: tuple, out: Any) -> Any:
-        if not isinstance(out, torch.Tensor) and hasattr(out, "logits"):  # transformers' ModelOutput
+        key = output_field(out)
+        if key is not None:  # transformers' ModelOutput: a causal LM's logits, a base model's last hidden state
             if last and loss is not None:
-                loss.output_type = type(out)
-            out = out.logits
+                loss.output_type, loss.output_key = type(out), key
+            out = getattr(out, key)
         return out.to_local() if isinstance(out, DTensor) and not last else out
 
     if place is not None and not first:
         view.register_forward_pre_hook(to_stream, prepend=True)  # before the model's own root hooks (cp positions)
     view.register_forward_hook(to_local)
+
+
+def output_field(out: Any) -> str | None:
+    """The tensor field a stage gives of a transformers ``ModelOutput``: ``logits`` (a model with a head), else
+    ``last_hidden_state`` (a base model); None for anything else (a tensor, a tuple)."""
+    if isinstance(out, torch.Tensor):
+        return None
+    for key in ("logits", "last_hidden_state"):
+        if isinstance(getattr(out, key, None), torch.Tensor):
+            return key
+    return None
 
 
 class StepLoss:
@@ -69,11 +82,12 @@ class StepLoss:
     def __init__(self) -> None:
         self.fn: Callable | None = None
         self.num_tokens = 1
-        self.output_type: type | None = None  # the last stage's ModelOutput class, whose logits it gives
+        self.output_type: type | None = None  # the last stage's ModelOutput class, whose tensor it gives
+        self.output_key = "logits"  # that tensor's field: logits, or a base model's last_hidden_state
 
     def __call__(self, output: Any, target: Any) -> torch.Tensor:
         if self.output_type is not None:
-            output = self.output_type(logits=output)
+            output = self.output_type(**{self.output_key: output})
         return self.fn(output, target) / max(self.num_tokens, 1)
 
 

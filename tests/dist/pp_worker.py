@@ -37,7 +37,12 @@ def global_batch(step, vocab):
 
 def logits_ce(out, y):
     """The summed loss of a transformers model's output (its logits: a pipelined model's loss function gets the
-    ModelOutput class it returns without a pipeline) or of plain logits."""
+    ModelOutput class it returns without a pipeline) or of plain logits; of a base model's output (no head), the
+    square of its last hidden state projected on a fixed vector, over the valid targets."""
+    h = getattr(out, "last_hidden_state", None)
+    if h is not None:
+        w = torch.arange(h.shape[-1], dtype=h.dtype).mul(0.7).sin()
+        return ((h @ w).square() * (y != -100)).sum()
     return sum_ce(out.logits if hasattr(out, "logits") else out, y)
 
 
@@ -197,6 +202,9 @@ CASES_2 = {
 #: (Gemma2), embedding multipliers (Granite, Gemma's normalizer), per-layer sliding/full masks (Gemma2/3, Cohere2)
 ZOO = ["cohere", "granite", "gemma2", "gemma3_text", "cohere2", "olmo2"]
 CASES_2.update({f"zoo_{arch}": functools.partial(compare, P2, "1f1b", tiny=arch) for arch in ZOO})
+#: base models (no head): the last stage gives the last hidden state, the loss function the model's output class
+BASE = ["qwen3_vl_text", "eurobert"]
+CASES_2.update({f"zoo_base_{arch}": functools.partial(compare, P2, "1f1b", tiny=arch) for arch in BASE})
 # split: trace on a config with transformers' default use_cache=True (a DynamicCache in the output broke export)
 CASES_2["zoo_trace_granite"] = functools.partial(compare, P2, "1f1b", tiny="granite",
                                                  tiny_config={"use_cache": True}, split="trace",
