@@ -354,7 +354,8 @@ def _tiny_sdpa(model_type):
     ("muse_spark", "language_model.layers.*.self_attn", r"MuseSparkModel has layer types .*config.text_config"),
     # Doge's dynamic mask attention: refused by check, not at the first forward
     ("doge", "model.layers.*.self_attn", r"DogeForCausalLM uses dynamic mask attention \(config.keep_window_size="
-                                         r"2048.*leave cp out of the layout"),
+                                         r"2048.*leave cp out of the layout \(its ranks then go to data "
+                                         r"parallelism"),
 ])
 def test_check_hf_refuses_what_cp_breaks(model_type, attn, needle):
     model = _tiny_sdpa(model_type)
@@ -363,6 +364,9 @@ def test_check_hf_refuses_what_cp_breaks(model_type, attn, needle):
     plan = {"version": 1, "layout": {"cp": 2}, "context_parallel": {"attention": [attn]}}
     report = meshplan.check(model, plan)  # the same check, before anything changes
     assert not report.ok and any(re.search(needle, str(e)) for e in report.errors), report.errors
+    followed = {"version": 1, "layout": {}, "blocks": {"pattern": attn.rsplit(".", 1)[0]}}  # cp left out
+    followed = meshplan.check(model, followed, world_size=2)
+    assert followed.ok, followed.errors
 
 
 # ------------------------------------------------------------------ batches

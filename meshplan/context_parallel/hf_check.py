@@ -17,7 +17,8 @@ from meshplan.errors import PlanError
 
 __all__ = ["check_hf_attention"]
 
-_WITHOUT_CP = "or leave cp out of the layout (tp, pp and data parallelism do not split the sequence)"
+_WITHOUT_CP = ("leave cp out of the layout (its ranks then go to data parallelism, layout.dp_shard, which "
+               "does not split the sequence)")
 
 
 def _configs(config: Any) -> list[tuple[str, Any]]:
@@ -62,18 +63,17 @@ def _check_one(name: str, key: str, config: Any, where: str) -> None:
     kinds = set(getattr(config, "layer_types", None) or ())
     if kinds - {"full_attention"}:
         raise PlanError(f"{where}: {name} has layer types {sorted(kinds)} ({key}.layer_types); context parallelism "
-                        f"supports layers of full causal attention only: set every layer type to 'full_attention' "
-                        f"{_WITHOUT_CP}")
+                        f"supports layers of full causal attention only: {_WITHOUT_CP}")
     window = getattr(config, "sliding_window", None)
     if not kinds and window and getattr(config, "use_sliding_window", True):  # layer_types, when given, decide
         raise PlanError(f"{where}: {name} has a sliding window of {window} tokens ({key}.sliding_window); the "
                         f"local mask of a sequence shard cannot express it: not supported with context "
-                        f"parallelism; set sliding_window=None {_WITHOUT_CP}")
+                        f"parallelism: {_WITHOUT_CP}")
     if getattr(config, "attn_logit_softcapping", None):
         raise PlanError(f"{where}: {name} sets attn_logit_softcapping ({key}); SDPA cannot soft-cap logits: not "
-                        f"supported with context parallelism; set it to None {_WITHOUT_CP}")
+                        f"supported with context parallelism: {_WITHOUT_CP}")
     if getattr(config, "keep_window_size", None) is not None:
         raise PlanError(f"{where}: {name} uses dynamic mask attention ({key}.keep_window_size="
                         f"{config.keep_window_size}: a learned bias per key and a top-k over the keys, a mask that "
                         f"is neither causal nor empty); context parallelism supports plain causal attention only: "
-                        f"{_WITHOUT_CP[3:]}")
+                        f"{_WITHOUT_CP}")
