@@ -4,6 +4,7 @@ attention FLOPs that the causal load balancer equalises), the mask classifier, t
 checks (example Llama, transformers' Llama and Mistral), the batch sharding, and ``meshplan.parallelize``'s
 refusals on a fake process group."""
 
+import re
 import types
 
 import pytest
@@ -335,6 +336,37 @@ def test_check_hf_full_attention_accepted():
     except PlanError as e:
         pytest.fail(f"BUG (meshplan/context_parallel/apply.py _check_hf): refuses a model whose layer_types are all "
                     f"full_attention because config.sliding_window is set: {e}")
+
+
+def _tiny_sdpa(model_type):
+    from meshplan.hf.tiny_models import tiny_model
+    model, why = tiny_model(model_type)
+    assert model is not None, why
+    model.config._attn_implementation = "sdpa"
+    return model
+
+
+@pytest.mark.parametrize("model_type, attn, needle", [
+    # multimodal: the text settings live in config.text_config (issue 24: cp 2 ran sliding layers as full
+    # attention, loss 41 % / 11 % off in float64)
+    ("muse_glimmer", "language_model.layers.*.self_attn",
+     r"MuseGlimmerModel has layer types \['full_attention', 'sliding_attention'\] \(config.text_config.layer_types\)"),
+    ("muse_spark", "language_model.layers.*.self_attn", r"MuseSparkModel has layer types .*config.text_config"),
+    # Doge's dynamic mask attention: refused by check, not at the first forward
+    ("doge", "model.layers.*.self_attn", r"DogeForCausalLM uses dynamic mask attention \(config.keep_window_size="
+                                         r"2048.*leave cp out of the layout \(its ranks then go to data "
+                                         r"parallelism"),
+])
+def test_check_hf_refuses_what_cp_breaks(model_type, attn, needle):
+    model = _tiny_sdpa(model_type)
+    with pytest.raises(PlanError, match=needle):
+        check_context_parallel(model, _section(attention=(attn,)), "cpu")
+    plan = {"version": 1, "layout": {"cp": 2}, "context_parallel": {"attention": [attn]}}
+    report = meshplan.check(model, plan)  # the same check, before anything changes
+    assert not report.ok and any(re.search(needle, str(e)) for e in report.errors), report.errors
+    followed = {"version": 1, "layout": {}, "blocks": {"pattern": attn.rsplit(".", 1)[0]}}  # cp left out
+    followed = meshplan.check(model, followed, world_size=2)
+    assert followed.ok, followed.errors
 
 
 # ------------------------------------------------------------------ batches

@@ -35,16 +35,17 @@ class TupleBlock(nn.Module):
         return out + ((scores.square().mean(),) if self.scalar else ())
 
 
-def _run(block, x, sequence_parallel: bool):
-    """The block as a token region on a tp 2 mesh, on the replicated input ``x``: its outputs (full tensors)."""
+def _run(block, x, sequence_parallel: bool, **kwargs):
+    """The block as a token region on a tp 2 mesh, on the replicated input ``x`` (and ``kwargs``, replicated):
+    its outputs (full tensors)."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
     mesh = make_mesh(2, ("tp",))
     stream = Stream(sequence_parallel, False)
-    block.register_forward_pre_hook(_input_hook(mesh, stream, False))
+    block.register_forward_pre_hook(_input_hook(mesh, stream, False), with_kwargs=True)
     block.register_forward_hook(_output_hook("layers.0.mlp", mesh, stream, False))
     xd = DTensor.from_local(replicated(x), mesh, (Replicate(),)).redistribute(
         mesh, (Shard(1) if sequence_parallel else Replicate(),))
-    return block(xd)
+    return block(xd, **{k: replicated(v) for k, v in kwargs.items()})
 
 
 @pytest.mark.parametrize("sequence_parallel", [True, False])
@@ -58,6 +59,32 @@ def test_tuple_outputs_match_one_device(sequence_parallel):
         for got, want in zip(out[1:], ref[1:]):  # whole token set, one device's order, on every tp rank
             assert tuple(got.shape) == tuple(want.shape)
             assert_close_rel(assert_ranks_agree(got), want, tol=1e-12)
+
+
+class HashRouted(nn.Module):
+    """Routes by token id like DeepSeek V4's hash router (``tid2eid[input_ids.reshape(-1)]``, ``input_ids=`` a
+    keyword argument of the MoE block): the ids must be cut like the tokens."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.linspace(-1, 1, H * K, dtype=torch.float64).reshape(H, K))
+        self.register_buffer("tid2eid", torch.tensor([[0], [1], [1], [0], [1]]))
+
+    def forward(self, x, input_ids=None):
+        scores = (x.reshape(-1, H) @ self.w).softmax(-1)
+        picked = scores.gather(1, self.tid2eid[input_ids.reshape(-1)])  # [B·S, 1]: fails on uncut ids
+        return x * picked.reshape(*x.shape[:2], 1)
+
+
+@pytest.mark.parametrize("sequence_parallel", [True, False])
+def test_a_per_token_keyword_input_is_cut_like_the_tokens(sequence_parallel):
+    """deepseek_v4 at tp 2 × ep 2 (etp 1) raised 'index [16, 2] … self [8, 4]': keyword inputs stayed whole."""
+    block, x = HashRouted(), torch.randn(B, S, H, dtype=torch.float64)
+    ids = torch.arange(B * S).reshape(B, S) % 5
+    ref = block(x, input_ids=ids)
+    with local_ranks(2):
+        out = _run(block, x, sequence_parallel, input_ids=ids)
+        assert_close_rel(out, ref, tol=1e-12)
 
 
 def test_gradient_through_an_extra_matches_one_device():

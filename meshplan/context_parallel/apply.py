@@ -3,7 +3,8 @@ runtime (:class:`~meshplan.context_parallel.runtime.CpRuntime`) that makes its a
 
 What is refused, with the reason (before anything changes): an attention pattern that matches nothing, a model
 that does not say how it learns positions, ``method: ring`` off CUDA, and transformers models whose attention is
-not plain causal SDPA (eager/flash kernels, sliding windows, per-layer attention types, logit soft-capping).
+not plain causal SDPA (eager/flash kernels, sliding windows, per-layer attention types, logit soft-capping,
+dynamic mask attention), read from the config and its sub-configs (:mod:`~meshplan.context_parallel.hf_check`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.nn as nn
 
+from meshplan.context_parallel.hf_check import check_hf_attention
 from meshplan.context_parallel.runtime import CpRuntime
 from meshplan.errors import PlanError
 from meshplan.plan_file.context_parallel import ContextParallel, PositionsBuffer, PositionsKwarg
@@ -93,7 +95,7 @@ def check_context_parallel(model: nn.Module, section: ContextParallel, device_ty
     if section.method == "ring" and device_type not in (None, "cuda"):
         raise PlanError(f"{where}.method: ring is torch's ring attention, which torch 2.13 runs on CUDA only; this "
                         f"mesh is on {device_type}. Use method: allgather_kv (any device)")
-    _check_hf(model, where)
+    check_hf_attention(model, where)
     kwarg, buffer, dim = _positions(model, section.positions, where)
     params = inspect.signature(model.forward).parameters
     return _Resolved(paths, kwarg, buffer, dim, kwarg is not None and "attention_mask" in params)
@@ -125,29 +127,6 @@ def _positions(model: nn.Module, positions: Any, where: str) -> tuple[str | None
         raise PlanError(f"{where}.positions.dim: {positions.dim} but {positions.buffer} has "
                         f"{buffers[positions.buffer].dim()} dims")
     return None, positions.buffer, positions.dim
-
-
-def _check_hf(model: nn.Module, where: str) -> None:
-    """transformers models: SDPA, full causal attention in every layer, no soft-capping."""
-    config = getattr(model, "config", None)
-    if config is None or not hasattr(config, "to_dict"):
-        return
-    name = type(model).__name__
-    impl = getattr(config, "_attn_implementation", None)
-    if impl not in (None, "sdpa"):
-        raise PlanError(f"{where}: {name} runs attention_implementation={impl!r}; context parallelism makes "
-                        f"scaled_dot_product_attention exact across shards: load it with attn_implementation='sdpa'")
-    kinds = set(getattr(config, "layer_types", None) or ())
-    if kinds - {"full_attention"}:
-        raise PlanError(f"{where}: {name} has layer types {sorted(kinds)}; context parallelism supports layers of "
-                        f"full causal attention only")
-    window = getattr(config, "sliding_window", None)
-    if not kinds and window and getattr(config, "use_sliding_window", True):  # layer_types, when given, decide
-        raise PlanError(f"{where}: {name} has a sliding window of {window} tokens; the local mask of a sequence "
-                        f"shard cannot express it: not supported with context parallelism")
-    for cap in ("attn_logit_softcapping",):
-        if getattr(config, cap, None):
-            raise PlanError(f"{where}: {name} sets {cap}; SDPA cannot soft-cap logits: not supported")
 
 
 def apply_context_parallel(model: nn.Module, section: ContextParallel, topology: "Topology",

@@ -6,7 +6,8 @@ So each MoE block becomes a token region on the tp mesh:
 
 * in: the residual stream → this rank's shard of the sequence (``shard(1)``), as a plain tensor: nothing moves
   under sequence parallelism; with a replicated stream each rank keeps its 1/tp of the sequence (backward: an all-gather of the input gradient); in smp's batch mode each rank keeps its
-  own samples; other inputs shaped like the stream's first two dims (per-token type ids) are cut alike;
+  own samples; other inputs, positional or keyword, shaped like the stream's first two dims (per-token type ids,
+  DeepSeek V4's ``input_ids=`` of its hash router) are cut alike;
 * out: the shard back into the residual stream (an all-gather for a replicated stream). A block that returns a
   tuple (gpt-oss: ``(hidden, router_scores)``; Ernie 4.5 VL: ``(hidden, router_logits)``) has its first output
   converted so and every other tensor output gathered to the tp group's whole token set, in one device's token
@@ -38,19 +39,25 @@ __all__ = ["token_regions"]
 
 def _input_hook(mesh: Any, stream: Stream, whole: bool):
     """The forward pre-hook giving a block its tokens (see the module docstring): the first input from the
-    residual stream's layout to the block's, as a plain tensor; other inputs shaped like the stream's first two
-    dims (per-token ids, masks) cut alike; the rest unchanged."""
+    residual stream's layout to the block's, as a plain tensor; other inputs, positional or keyword, shaped like
+    the stream's first two dims (per-token ids, masks: DeepSeek V4's hash router reads ``input_ids=``) cut alike;
+    the rest unchanged."""
     from torch.distributed.tensor import DTensor, Replicate
     outer, own = _placements(stream, whole)
 
-    def hook(_mod: nn.Module, args: tuple) -> tuple | None:
+    def hook(_mod: nn.Module, args: tuple, kwargs: dict) -> tuple | None:
         if not args or not isinstance(args[0], torch.Tensor):
             return None
         x = args[0] if isinstance(args[0], DTensor) else DTensor.from_local(args[0], mesh, (outer,), run_check=False)
-        rest = [DTensor.from_local(a, mesh, (Replicate(),), run_check=False).redistribute(mesh, (own,)).to_local()
-                if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) and a.dim() >= 2
-                and a.shape[:2] == x.shape[:2] and not whole else a for a in args[1:]]
-        return (x.redistribute(mesh, (own,)).to_local(), *rest)
+
+        def cut(a: Any) -> Any:
+            if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) and a.dim() >= 2 \
+                    and a.shape[:2] == x.shape[:2] and not whole:
+                whole_a = DTensor.from_local(a, mesh, (Replicate(),), run_check=False)
+                return whole_a.redistribute(mesh, (own,)).to_local()
+            return a
+        rest = [cut(a) for a in args[1:]]
+        return (x.redistribute(mesh, (own,)).to_local(), *rest), {k: cut(v) for k, v in kwargs.items()}
     return hook
 
 
@@ -136,7 +143,7 @@ def token_regions(model: nn.Module, blocks: tuple, topology: Any, tensor_paralle
         block = model.get_submodule(path)
         if not stream.sequence_parallel and not whole:
             block.register_forward_pre_hook(_even(path, tp))
-        block.register_forward_pre_hook(_input_hook(topology["tp"], stream, whole))
+        block.register_forward_pre_hook(_input_hook(topology["tp"], stream, whole), with_kwargs=True)
         # first of the block's forward hooks: transformers' output recorders (installed at the first forward) see
         # the gathered outputs, equal to one device
         block.register_forward_hook(_output_hook(path, topology["tp"], stream, whole), prepend=True)
