@@ -212,3 +212,15 @@ def test_meshplan_check_refuses_what_parallelize_refuses_and_its_suggestion_chec
                                                 "split_points": ["layers.2"]}}
     report = meshplan.check(ValueMasked(), traced)
     assert report.ok, report.errors
+
+
+def test_the_probe_keeps_to_the_models_longest_input():
+    """examples/llama.py refuses inputs longer than ``max_seq_len``: at 16 (under the probe's 24 tokens) the probe
+    runs 16 tokens and the split passes (it was refused: 'sequence length 24 > max_seq_len 16')."""
+    import llama
+    import meshplan
+    plan = {"layout": {"pp": 2}, "blocks": {"pattern": "layers.*"},
+            "pipeline": {"schedule": "1f1b", "microbatches": 2}}
+    report = meshplan.check(llama.build(llama.tiny_args(max_seq_len=16)), plan)
+    assert report.ok, report.errors
+    assert probe._max_len(llama.build(llama.tiny_args(max_seq_len=16))) == 16

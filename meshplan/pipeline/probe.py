@@ -176,8 +176,21 @@ def _probe_copy(model: nn.Module, where: str, seq: int, opaque: tuple[str, ...])
             stand_in(copy.get_submodule(path))  # the throwaway copy only
         return copy.eval(), torch.zeros(2, seq, dtype=torch.long, device="meta"), False
     vocab = _vocab(copy)
+    seq = min(seq, _max_len(copy) or seq)  # a model that refuses longer inputs (examples/llama.py: max_seq_len)
     ids = torch.randint(0, vocab, (2, seq), generator=torch.Generator().manual_seed(0))
     return copy.eval(), ids, True
+
+
+_LENGTH_NAMES = ("max_seq_len", "max_position_embeddings", "n_positions", "max_seq_length", "block_size")
+
+
+def _max_len(model: nn.Module) -> int | None:
+    """The longest input the model declares (its own, its ``config``'s or its ``args``' length attributes)."""
+    found = [getattr(owner, name, None) for owner in (model, getattr(model, "config", None),
+                                                      getattr(model, "args", None), getattr(model, "params", None))
+             if owner is not None for name in _LENGTH_NAMES]
+    found = [n for n in found if isinstance(n, int) and not isinstance(n, bool) and n > 0]
+    return min(found) if found else None
 
 
 def _vocab(model: nn.Module) -> int:
