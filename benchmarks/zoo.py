@@ -196,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--merge", action="store_true", help="with --only: replace those rows in --json, rewrite --doc")
     ap.add_argument("--render", action="store_true", help="only rewrite --doc from the --json of an earlier sweep")
     ap.add_argument("--add", action="append", help="with --render: the JSON of a sweep of other axes, combined")
+    ap.add_argument("--note", help="a paragraph for the doc's header (which rows were re-run, and when)")
     args = ap.parse_args(argv)
     if args.render:
         with open(args.json) as f:
@@ -223,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{len(rows)} models in {sum(seconds.values()) / 60:.1f} min; " + counts_line(rows))
     if not args.no_doc and (args.merge or not args.only):
         with open(args.doc, "w") as f:
-            f.write(markdown(rows, seconds, {"jobs": args.jobs}))
+            f.write(markdown(rows, seconds, {"jobs": args.jobs, "note": args.note}))
         print(f"wrote {args.doc}" + ("" if args.render else f", {args.json}"))
     return 0
 

@@ -34,7 +34,8 @@ TOL, FLOOR = 1e-9, 1e-6
 
 class KeepFloat64(torch.overrides.TorchFunctionMode):
     """Turns the model code's casts of float64 tensors to fp32 (``.float()``, ``.to``/``.type(torch.float32)``: the
-    RMSNorms, rotary tables and routers of most transformers models) into no-ops, on both sides: the whole step is
+    RMSNorms, rotary tables and routers of most transformers models; ``dtype=torch.float32`` reductions: DiffLlama's
+    lambdas) into no-ops, on both sides: the whole step is
     float64, so parity is exact to reduction order (about 1e-16) and one tolerance fits every model."""
 
     def __init__(self):
@@ -53,6 +54,10 @@ class KeepFloat64(torch.overrides.TorchFunctionMode):
                 self.kept += 1
                 args = tuple(torch.float64 if a is torch.float32 else a for a in args)
                 kwargs = {k: torch.float64 if v is torch.float32 else v for k, v in kwargs.items()}
+        elif kwargs.get("dtype") is torch.float32 and args and isinstance(args[0], torch.Tensor) \
+                and args[0].dtype == torch.float64:  # torch.sum(x, dtype=torch.float32): DiffLlama's lambdas
+            self.kept += 1
+            kwargs = {**kwargs, "dtype": torch.float64}
         return func(*args, **kwargs)
 
 

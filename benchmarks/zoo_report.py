@@ -43,6 +43,7 @@ def _header(rows: list[dict], seconds: dict, args: dict) -> list[str]:
         f"(transformers {transformers.__version__}, torch {torch.__version__}; {phases} on 2 shared CPU cores); "
         "do not edit.",
         "",
+        *([args["note"], ""] if args.get("note") else []),
         "Every config class with a non-empty `base_model_tp_plan`, built tiny by `meshplan.hf.tiny_models` (every",
         "layer kind kept, sizes divisible by 2) in **float64** with SDPA attention (eager where the class refuses",
         "it). Per axis, the plan of `benchmarks/zoo_plans.py` (`from_hf`'s tp/ep plan, the blocks, a `pipeline` or",

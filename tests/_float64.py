@@ -5,7 +5,7 @@ differs by ~1e-16 instead of ~1e-7 and AdamW, which divides each gradient elemen
 no fp32 noise to amplify into lr-sized moves. Model code keeps float32 islands that would cast float64 down:
 transformers' norms (``hidden_states.to(torch.float32)``, Gemma's ``x.float()`` and ``weight.float()``) and
 causal-LM loss (``logits.float()``), torch's test ``Transformer`` (``self.output(h).float()``), the examples'
-RoPE and RMSNorm (``x.float()``). Inside :func:`keep_float64`, a float64 tensor that MODEL code casts to float32
+RoPE and RMSNorm (``x.float()``), DiffLlama's lambdas (``torch.sum(..., dtype=torch.float32)``). Inside :func:`keep_float64`, a float64 tensor that MODEL code casts to float32
 stays float64 (the same math without the downcast); casts made by meshplan or torch are left alone, so a
 meshplan downcast still shows up as a parity error.
 
@@ -68,6 +68,13 @@ def _downcast(func, args, kwargs) -> bool:
     return False
 
 
+def _float32_result(args, kwargs) -> bool:
+    """Is this a float64 tensor reduced or converted with ``dtype=torch.float32`` (DiffLlama's lambdas:
+    ``torch.sum(q * k, dim=-1, dtype=torch.float32)``)?"""
+    return (kwargs.get("dtype") == torch.float32 and bool(args) and isinstance(args[0], torch.Tensor)
+            and args[0].dtype == torch.float64)
+
+
 class _KeepFloat64(TorchFunctionMode):
     """A float64 tensor cast to float32 by model code is returned as it is; nothing else changes."""
 
@@ -75,6 +82,8 @@ class _KeepFloat64(TorchFunctionMode):
         kwargs = kwargs or {}
         if _downcast(func, args, kwargs) and not _library_code(_caller()):
             return args[0]
+        if _float32_result(args, kwargs) and not _library_code(_caller()):  # torch.sum(x, dtype=torch.float32)
+            kwargs = {**kwargs, "dtype": torch.float64}
         return func(*args, **kwargs)
 
 

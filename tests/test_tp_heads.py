@@ -5,6 +5,9 @@ gathered ``linear_attn.out_proj`` (its own input conversion). Each plan equals o
 models compute parts in float32: DiffLlama's lambdas, Olmo2's norm); without the rule ``check`` refuses naming
 the parameter or module and the rule, which is the plan that passes."""
 
+import os
+import tempfile
+
 import pytest
 import torch
 from _heads import LAMBDAS, RULES, plan, tiny
@@ -113,3 +116,17 @@ def test_convert_document_merges_local_params():
     assert rules == {"layers.*.attn.q_proj": "colwise",
                      "layers.*.attn": {"style": "head_params", "sharded": ["sinks"]}}
     assert any("other" in line for line in notes.dropped)
+
+
+def test_from_hf_gives_latent_rules_no_input_layouts():
+    """glm5_next_text (MLA beside unruled indexer projections): the latent rules were given ``input_layouts``,
+    which their style has not, and convert failed on its own plan; now the plan validates and ``check`` judges
+    it."""
+    import json
+    from meshplan.hf.convert import from_hf
+    with tempfile.TemporaryDirectory() as d:  # a base model: the config.json names its class
+        with open(os.path.join(d, "config.json"), "w") as f:
+            json.dump({"model_type": "glm5_next_text", "architectures": ["Glm5NextTextModel"]}, f)
+        rules = from_hf(d)["tensor_parallel"]["rules"]
+    latent = {k: v for k, v in rules.items() if k.endswith(("q_a_proj", "kv_a_proj_with_mqa", "indexer"))}
+    assert len(latent) == 3 and set(latent.values()) == {"latent"}, latent

@@ -53,8 +53,8 @@ def own_inputs(model, rules: dict[str, Any]) -> dict[str, Any]:
     for k, rule in rules.items():
         data = {"style": rule} if isinstance(rule, str) else rule
         spec = STYLES.get(data["style"])
-        if spec is None or not spec.parent_converts_input(data) or spec.gives_local_heads(data):
-            continue
+        if spec is None or spec.latent or not spec.parent_converts_input(data) or spec.gives_local_heads(data):
+            continue  # latent rules take no input_layouts: the latent path converts its own input
         if any(c not in rules for c in kids.get(k.rpartition(".")[0], ())):
             out[k] = {**data, "input_layouts": "replicate"}
     return out
