@@ -204,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
         rows, seconds, args.jobs = data["rows"], data["seconds"], data.get("jobs", args.jobs)
         for extra in args.add or []:  # sweeps of other axes, run beside this one
             with open(extra) as f:
-                rows, seconds = combine({"rows": rows, "seconds": seconds}, json.load(f))
+                label = os.path.splitext(os.path.basename(extra))[0] + " "  # its phases' times kept apart
+                rows, seconds = combine({"rows": rows, "seconds": seconds}, json.load(f), label)
     else:
         types = args.only.split(",") if args.only else list(zoo_types())
         axes = tuple(a for a in args.axes.split(",") if a)

@@ -326,6 +326,17 @@ def test_check_hf_refusals(factory, kw, needle):
         check_context_parallel(factory(**kw), _section(attention=HF_ATTN), "cpu")
 
 
+def test_check_hf_eager_only_class_not_told_sdpa():
+    """Gemma2 refuses SDPA (soft-capping): suggesting attn_implementation='sdpa' there would fail at load."""
+    from meshplan.hf.tiny_models import tiny_model
+    model, why = tiny_model("gemma2")
+    assert why is None, why
+    assert type(model)._supports_sdpa is False
+    with pytest.raises(PlanError, match=r"does not take attn_implementation='sdpa'.*leave cp out") as e:
+        check_context_parallel(model, _section(attention=HF_ATTN), "cpu")
+    assert "load it with" not in str(e.value)
+
+
 def test_check_hf_full_attention_accepted():
     assert check_context_parallel(hf_models.mistral(), _section(attention=HF_ATTN), "cpu").kwarg == "position_ids"
     # Qwen2 slides only in layers >= max_window_layers (28): both layers of this one attend fully

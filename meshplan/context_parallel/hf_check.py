@@ -54,9 +54,17 @@ def check_hf_attention(model: nn.Module, where: str) -> None:
     impl = getattr(config, "_attn_implementation", None)
     if impl not in (None, "sdpa"):
         raise PlanError(f"{where}: {name} runs attention_implementation={impl!r}; context parallelism makes "
-                        f"scaled_dot_product_attention exact across shards: load it with attn_implementation='sdpa'")
+                        f"scaled_dot_product_attention exact across shards: {_sdpa_fix(model)}")
     for key, cfg in _configs(config):
         _check_one(name, key, cfg, where)
+
+
+def _sdpa_fix(model: nn.Module) -> str:
+    """What to do about a non-SDPA attention: load the model with SDPA where its class takes it; else (attention
+    sinks, soft-capping: the class refuses SDPA) leave cp out — suggesting SDPA there would fail at load."""
+    if getattr(type(model), "_supports_sdpa", True):
+        return "load it with attn_implementation='sdpa'"
+    return f"{type(model).__name__} does not take attn_implementation='sdpa' (_supports_sdpa is False); {_WITHOUT_CP}"
 
 
 def _check_one(name: str, key: str, config: Any, where: str) -> None:
