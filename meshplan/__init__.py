@@ -50,7 +50,7 @@ def __getattr__(name: str):
         import meshplan.checks.memory as mem
         return getattr(mem, name)
     if name == "check":
-        from meshplan.checks.validate import check
+        from meshplan.checks.offline import check
         return check
     if name in ("estimate", "solve"):  # torch-free: the layout solver and cost model
         import meshplan.solver.api as solver
