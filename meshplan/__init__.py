@@ -3,13 +3,13 @@
 from meshplan.errors import PlanError, RankFailure
 from meshplan.plan_file.layout import Layout, ResolvedLayout
 from meshplan.plan_file.document import Plan, load_plan
+from meshplan.version import __version__
 
 __all__ = ["PlanError", "RankFailure", "Layout", "ResolvedLayout", "Plan", "load_plan", "build_mesh", "init",
            "Topology", "current_topology", "parallelize", "cross_entropy", "loss_parallel",
            "train_step", "clip_grad_norm_", "materialize", "load_state_dict", "load_full_state_dict",
            "load_safetensors", "plan", "check", "parallel_state", "shard_sequence", "memory", "save", "load",
            "CheckpointManager", "DataState", "export_safetensors", "latest_checkpoint", "estimate", "solve"]
-__version__ = "0.1.0"
 
 
 def __getattr__(name: str):
@@ -50,7 +50,7 @@ def __getattr__(name: str):
         import meshplan.checks.memory as mem
         return getattr(mem, name)
     if name == "check":
-        from meshplan.checks.validate import check
+        from meshplan.checks.offline import check
         return check
     if name in ("estimate", "solve"):  # torch-free: the layout solver and cost model
         import meshplan.solver.api as solver

@@ -239,6 +239,13 @@ def test_every_alias_validates_and_round_trips():
         assert resolve_alias(back) == data, (name, back)
 
 
+def test_every_meshplan_style_name_resolves_to_itself():
+    # the alias table sits in the plan layer below STYLE_NAMES (issue 26): a meshplan name it also holds
+    # (colwise, rowwise, replicate) must map to itself, and none may be refused
+    for name in meshplan.plan_file.tensor_parallel.STYLE_NAMES:
+        assert resolve_alias(name) == {"style": name}, name
+
+
 @pytest.mark.parametrize("name", sorted(HF_UNSUPPORTED))
 def test_unsupported_hf_styles_say_why(name):
     with pytest.raises(PlanError, match=rf"transformers style '{name}' is not supported: "):

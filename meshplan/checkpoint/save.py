@@ -58,11 +58,11 @@ def _manifest(model: nn.Module, optimizer: Any, step: int, extra: Any, data: Dat
     except (TypeError, ValueError) as e:
         raise PlanError(f"meshplan.save({where}): extra must be JSON data (dicts, lists, strings, finite numbers): "
                         f"{e}") from None
-    import meshplan
+    from meshplan.version import __version__
     world, layout, plan = run_layout(model)
     return Manifest(step=step, extra=dict(extra or {}), data=data, world_size=world, layout=layout, plan=plan,
                     optimizer=_optimizer_kind(optimizer), rng=True, torch=torch.__version__,
-                    meshplan=meshplan.__version__).to_json()
+                    meshplan=__version__).to_json()
 
 
 def _fresh_partial(final: Path, group: Any) -> Path:

@@ -1,4 +1,5 @@
-"""Static validation of a plan against a model, before any collective: ``meshplan.check``.
+"""Static validation of a plan against a model, before any collective: what ``meshplan.parallelize`` checks first
+and ``meshplan.check`` (:mod:`meshplan.checks.offline`, above parallelize) reports.
 
 Every problem is collected (not only the first) as a :class:`~meshplan.PlanError`
 naming the plan file, the rule, the module path, what was found and what was
@@ -8,16 +9,14 @@ each style fits its module type; every sharded size divides (features, heads,
 KV heads, vocabulary; packed chunks; ``model.config``); the layouts chain (a
 rowwise needs a colwise sibling, overridden input layouts must match the
 residual stream, an ``lm_head`` takes the stream, a ``gather`` needs a partial
-output, sequence parallelism needs every norm on the stream listed). Then, when
-all of that passes, the plan is applied for real to a meta-device copy under a
-``fake`` process group (nothing allocated, nothing communicated), which gives
-the local parameter shapes of the explain table (:mod:`meshplan.checks.explain`). A ``pipeline`` section
-is checked against the layout and split on a meta copy (:mod:`meshplan.checks.pipeline`).
+output, sequence parallelism needs every norm on the stream listed). The rehearsals that apply the plan
+(the shadow run, the meta dry run, ``--numerics``) sit above ``parallelize`` and are run by ``meshplan.check``
+only; this module imports none of them (issue 26).
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any
 
 import torch.nn as nn
 
@@ -26,7 +25,7 @@ from meshplan.checks.report import Report, fold_errors
 from meshplan.errors import PlanError
 from meshplan.expert_parallel.apply import moe_blocks
 from meshplan.mesh.ranks import divisors_text
-from meshplan.plan_file.document import Plan, as_plan
+from meshplan.plan_file.document import Plan
 from meshplan.plan_file.layout import Layout
 from meshplan.plan_file.patterns import match_rules, wildcard
 from meshplan.tensor_parallel.generate import rules_where
@@ -34,7 +33,7 @@ from meshplan.tensor_parallel.heads import head_count_errors, safe_attr, sees_he
 from meshplan.tensor_parallel.layouts import residual_stream
 from meshplan.tensor_parallel.style_table import STYLES, StyleSpec
 
-__all__ = ["check", "Report", "validate_plan", "smallest_world"]
+__all__ = ["Report", "validate_plan", "static_checks", "smallest_world"]
 
 
 class _Checker:
@@ -211,64 +210,13 @@ def smallest_world(lay: Layout) -> int:
     return lay.tp * lay.cp * lay.pp * lay.dp_replicate * max(lay.dp_shard, 1)
 
 
-def check(model: nn.Module, plan: Plan | Mapping[str, Any] | str, world_size: int | None = None,
-          layout: Layout | Mapping[str, Any] | None = None, *, dry_run: bool = True) -> Report:
-    """Validate ``plan`` against ``model`` without running it; collect every problem.
-
-    Args:
-        model: the model (any device; a meta-device copy is used, the model is not changed).
-        plan: a path, a dict of a file's content, or a :class:`Plan`.
-        world_size: ranks to check for; default: :func:`smallest_world` of the layout.
-        layout: a :class:`Layout` or dict overriding the plan's ``layout`` section.
-        dry_run: also apply the plan to a meta copy under a ``fake`` process group (exact
-            local shapes); skipped when a real process group is initialized.
+def static_checks(model: nn.Module, p: Plan, tp: int, report: Report) -> tuple[dict, "_Checker | None"]:
+    """Every tensor_parallel check that needs no dry run and no process group, into ``report.errors``.
 
     Returns:
-        A :class:`Report`; ``report.ok`` is False when any check failed.
-
-    Example::
-
-        >>> with torch.device("meta"):
-        ...     model = LlamaForCausalLM(config)
-        >>> report = meshplan.check(model, "plans/hf_llama.yaml", world_size=8)
-        >>> report.raise_if_errors()
+        ``(matched rules, checker)``; the checker (None without a tensor_parallel section) takes further errors
+        (``checker.err``) and names the rules (``checker.where``): :func:`meshplan.check` adds the shadow run's.
     """
-    from meshplan.checks.dry_run import meta_dry_run
-    from meshplan.checks.explain import explain
-    from meshplan.checks.context import check_context
-    from meshplan.checks.data import check_data
-    from meshplan.checks.experts import check_experts
-    from meshplan.checks.pipeline import check_pipeline
-    p = as_plan(plan)
-    lay = Layout.model_validate(dict(layout)) if isinstance(layout, Mapping) else layout or p.layout or Layout()
-    report = Report(source=p.source or "<plan>", model=type(model).__name__, tp=lay.tp, world_size=world_size or 0)
-    try:
-        resolved = lay.resolve(world_size or smallest_world(lay))
-    except PlanError as e:
-        report.errors.append(PlanError(f"{report.source}: layout: {e}"))
-        return report
-    report.tp, report.world_size = resolved.tp, resolved.world_size
-    if layout is None and p.layout is None:
-        report.warnings.append(f"{report.source}: the plan has no layout and none was given: checked at tp=1, where "
-                               f"nothing is sharded; add `layout: {{tp: N}}` (CLI: --tp N)")
-    import torch.distributed as dist
-    shadow = dry_run and (not dist.is_initialized() or dist.get_backend() == "fake")  # as the dry run
-    matched, checker = _static(model, p, resolved.tp, report, shadow)
-    check_pipeline(model, p, resolved, report)  # the schedule and the split (on a meta copy)
-    check_context(model, p, resolved, report)  # the context_parallel section
-    check_experts(model, p, resolved, report)  # the expert_parallel section
-    check_data(model, p, resolved, report)  # blocks and data_parallel, as parallelize checks them first
-    applied = None
-    if report.ok and p.tensor_parallel is not None and dry_run:
-        applied = meta_dry_run(model, p, resolved.tp, report)
-    explain(report, model, p, resolved.tp, matched, getattr(checker, "fanout", set()), applied)
-    report.errors = fold_errors(report.errors)
-    return report
-
-
-def _static(model: nn.Module, p: Plan, tp: int, report: Report, shadow: bool) -> tuple[dict, "_Checker | None"]:
-    """Every check that needs no dry run, into ``report.errors``: ``(matched rules, checker)``; with ``shadow``
-    the cross-shard shadow run too (:mod:`meshplan.checks.shadow`; it needs a fake process group of its own)."""
     if p.tensor_parallel is None:
         return {}, None
     checker = _Checker(model, p, tp, report)
@@ -279,10 +227,6 @@ def _static(model: nn.Module, p: Plan, tp: int, report: Report, shadow: bool) ->
     checker.chain(matched)
     checker.stream_norms(matched)
     checker.regions(matched)
-    if report.ok and shadow:  # needs a plan that applies
-        from meshplan.checks.shadow import cross_shard_errors
-        for msg in cross_shard_errors(model, p, tp, checker.where, report.warnings):
-            checker.err(msg)
     return matched, checker
 
 
@@ -294,6 +238,6 @@ def validate_plan(model: nn.Module, plan: Plan, tp: int) -> None:
         PlanError: one error listing every problem (numbered), as :meth:`Report.raise_if_errors`.
     """
     report = Report(source=plan.source or "<plan>", model=type(model).__name__, tp=tp, world_size=tp)
-    _static(model, plan, tp, report, shadow=False)  # the shadow run needs its own fake group: check() only
+    static_checks(model, plan, tp, report)  # the shadow run needs its own fake group: meshplan.check only
     report.errors = fold_errors(report.errors)
     report.raise_if_errors()

@@ -40,7 +40,7 @@ def _check(args: argparse.Namespace) -> int:
 
     from meshplan.checks.explain import render_table
     from meshplan.plan_file.document import load_plan
-    from meshplan.checks.validate import check, smallest_world
+    from meshplan.checks.offline import check, smallest_world
     plan = load_plan(args.plan)
     base = plan.layout.model_dump(exclude_unset=True) if plan.layout else None
     layout = layout_from_args(args, base)

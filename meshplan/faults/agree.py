@@ -26,9 +26,9 @@ def software() -> dict[str, str]:
     """What must be the same build on every rank: torch (and its CUDA), meshplan, Python."""
     import torch
 
-    import meshplan
+    from meshplan.version import __version__
     return {"torch": str(torch.__version__), "torch.version.cuda": str(torch.version.cuda),
-            "meshplan": meshplan.__version__, "python": platform.python_version()}
+            "meshplan": __version__, "python": platform.python_version()}
 
 
 def _canonical(plan: Any) -> str:

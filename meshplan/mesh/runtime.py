@@ -29,7 +29,45 @@ from meshplan.plan_file.reading import pydantic_message
 from meshplan.mesh.elastic import restart_store
 from meshplan.mesh.topology import Topology, build_mesh
 
-__all__ = ["init", "plan_fingerprint", "check_same_plan"]
+__all__ = ["init", "plan_fingerprint", "check_same_plan", "Job"]
+
+
+class Job:
+    """What :func:`init` started and the end of its topology stops: the fault watch and, when ``init`` created
+    it, the process group. The topology holds its job (``topology.job``); the watch, not the topology, knows
+    about faults.
+
+    Args:
+        watch: the :class:`~meshplan.faults.watch.FaultWatch` (None for one rank or simulated ranks).
+        owns_process_group: ``init`` created the process group, so the end shuts it down.
+    """
+
+    def __init__(self, watch: Any, owns_process_group: bool):
+        self.watch = watch
+        self.owns_process_group = owns_process_group
+
+    def end(self, process_groups: Any, exc: BaseException | None) -> None:
+        """The end of ``with meshplan.init``: a failed collective escaping the block becomes a RankFailure (any
+        other error is recorded for the peers' reports), the heartbeat stops, and the process group ``init``
+        created is shut down so that the process exits 0 (:func:`meshplan.faults.shutdown.shutdown`).
+
+        Args:
+            process_groups: returns the topology's groups, the world's last (called only to shut them down).
+            exc: the exception leaving the block, or None.
+        """
+        watch, owns = self.watch, self.owns_process_group
+        self.watch, self.owns_process_group = None, False  # ended once
+        failure = watch.ending(exc) if watch is not None else None
+        try:
+            if owns and dist.is_initialized():
+                from meshplan.faults.shutdown import shutdown
+                with translating(watch if exc is None else None):
+                    shutdown(process_groups(), clean=exc is None)
+        finally:
+            if watch is not None:
+                watch.close()
+        if failure is not None:
+            raise failure from exc
 
 def _env_int(name: str) -> int:
     value = os.environ.get(name)
@@ -182,13 +220,13 @@ def init(layout_or_plan: Any = None, *, backend: str | None = None, timeout_s: f
         with translating(watch):
             agree(claims)  # before any collective of the model: a mismatch fails, never hangs
         made = dict(timeout_s=settings.init_timeout_s, p2p_timeout_s=settings.timeout_s) if watch is not None else {}
-        topo = build_mesh(resolved, device_type, **made, _owns_process_group=owns)
+        topo = build_mesh(resolved, device_type, **made)
     except BaseException:
         if watch is not None:
             watch.close()
         raise
     if watch is not None:
         watch.adopt_topology(topo)
-    topo.faults = watch
+    topo.job = Job(watch, owns)
     topo.plan_fingerprint = plan_fingerprint(plan) if plan is not None else None
     return topo

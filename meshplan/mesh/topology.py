@@ -17,7 +17,6 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from meshplan._torch import flatten_mesh
 from meshplan.errors import PlanError
-from meshplan.faults.watch import translating
 from meshplan.plan_file.layout import Layout, ResolvedLayout
 
 __all__ = ["Topology", "build_mesh", "current_topology", "MESH_KEYS"]
@@ -64,7 +63,9 @@ class Topology:
         plan_fingerprint: hash of the plan given to ``meshplan.init`` (every rank had the same), else None;
             ``meshplan.parallelize`` names ranks that pass another plan.
         faults: the :class:`~meshplan.faults.watch.FaultWatch` ``meshplan.init`` started (timeouts, heartbeat,
-            failed collectives reported as :class:`~meshplan.errors.RankFailure`), else None.
+            failed collectives reported as :class:`~meshplan.errors.RankFailure`), else None; the job owns it.
+        job: the :class:`~meshplan.mesh.runtime.Job` ``meshplan.init`` started (its fault watch, the process
+            group it made), ended with the topology; None for a topology made by :func:`build_mesh` alone.
 
     ``topo["tp"]``, ``topo["dp_shard_cp"]``, … return the (flattened where
     needed) 1-D meshes; see :data:`MESH_KEYS`. ``with topo:`` makes it the
@@ -72,15 +73,14 @@ class Topology:
     """
 
     def __init__(self, layout: ResolvedLayout, dense: DeviceMesh, expert: DeviceMesh,
-                 flat: Mapping[str, DeviceMesh], rank: int, owns_process_group: bool = False):
+                 flat: Mapping[str, DeviceMesh], rank: int):
         self.layout = layout
         self.dense = dense
         self.expert = expert
         self._flat = dict(flat)
         self.rank = rank
         self.plan_fingerprint: str | None = None
-        self.faults: Any = None
-        self._owns_pg = owns_process_group
+        self.job: Any = None
         self._tokens: list[contextvars.Token] = []
 
     def __getitem__(self, key: str) -> DeviceMesh:
@@ -163,20 +163,15 @@ class Topology:
         (:mod:`meshplan.faults.shutdown`)."""
         self._end(None)
 
+    @property
+    def faults(self) -> Any:
+        """The fault watch of the job ``meshplan.init`` started, else None (also once the job has ended)."""
+        return self.job.watch if self.job is not None else None
+
     def _end(self, exc: BaseException | None) -> None:
-        watch, self.faults = self.faults, None
-        owns, self._owns_pg = self._owns_pg, False  # ended once
-        failure = watch.ending(exc) if watch is not None else None
-        try:
-            if owns and dist.is_initialized():
-                from meshplan.faults.shutdown import shutdown
-                with translating(watch if exc is None else None):
-                    shutdown(self.process_groups(), clean=exc is None)
-        finally:
-            if watch is not None:
-                watch.close()
-        if failure is not None:
-            raise failure from exc
+        job, self.job = self.job, None  # ended once
+        if job is not None:
+            job.end(self.process_groups, exc)
 
     def process_groups(self) -> list:
         """This rank's process groups of every mesh key, once each, the world's last."""
@@ -226,8 +221,7 @@ def _made_with_timeout(names: tuple[str, ...], sizes: tuple[int, ...], timeout_s
 
 
 def build_mesh(layout: Layout | Mapping[str, Any] | ResolvedLayout, device_type: str | None = None,
-               *, timeout_s: float | None = None, p2p_timeout_s: float | None = None,
-               _owns_process_group: bool = False) -> Topology:
+               *, timeout_s: float | None = None, p2p_timeout_s: float | None = None) -> Topology:
     """Build the dense and expert DeviceMeshes of ``layout`` on the default process group.
 
     Args:
@@ -275,7 +269,7 @@ def build_mesh(layout: Layout | Mapping[str, Any] | ResolvedLayout, device_type:
     esizes = tuple(eg.size(n) for n in enames)
     expert = init_device_mesh(dev, esizes, mesh_dim_names=enames,
                               backend_override=_made_with_timeout(enames, esizes, timeout_s))
-    return Topology(resolved, dense, expert, flat, dist.get_rank(), _owns_process_group)
+    return Topology(resolved, dense, expert, flat, dist.get_rank())
 
 
 def mesh_axes(key: str) -> tuple[str, tuple[str, ...]]:

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal, Union, get_args
 
 from pydantic import Field, field_validator, model_validator
 
+from meshplan.plan_file.hf_aliases import resolve_alias
 from meshplan.plan_file.strict import Strict
 
 __all__ = ["TensorParallel", "Rule", "STYLE_NAMES", "parse_layout", "layout_kind", "LayoutText"]
@@ -214,7 +215,6 @@ STYLE_NAMES: tuple[str, ...] = tuple(get_args(cls.model_fields["style"].annotati
 
 
 def _normalise_rule(v: Any) -> Any:
-    from meshplan.hf.styles import resolve_alias
     if isinstance(v, str):
         return resolve_alias(v)
     if isinstance(v, dict) and isinstance(v.get("style"), str):

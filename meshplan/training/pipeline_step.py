@@ -21,6 +21,7 @@ from meshplan.errors import PlanError
 from meshplan.mesh.ranks import divisors_text
 from meshplan.state import ParallelState
 from meshplan.training.clip import clip_with, comm_device
+from meshplan.training.result import StepResult
 
 __all__ = ["pipeline_step"]
 
@@ -69,7 +70,6 @@ def pipeline_step(model: nn.Module, state: ParallelState, batch: tuple[Any, torc
             ``pipeline.microbatches`` not dividing the batch.
     """
     from meshplan.pipeline import sync_tied
-    from meshplan.training.step import StepResult
     if loss_fn is None:
         raise PlanError("train_step: a pipelined model needs a loss_fn (e.g. meshplan.cross_entropy): its last "
                         "stage computes the loss on the schedule's microbatches")

@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -30,18 +29,9 @@ from meshplan.errors import PlanError
 from meshplan.mesh.ranks import divisors_text
 from meshplan.state import DATA_AXES, ParallelState, parallel_state
 from meshplan.training.clip import clip_grad_norm_, clip_with, comm_device
+from meshplan.training.result import StepResult
 
 __all__ = ["StepResult", "train_step", "clip_grad_norm_"]
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """``loss``: mean over all valid tokens of the global batch; ``grad_norm``: total L2 norm before
-    clipping (None without ``max_grad_norm``); ``num_tokens``: the global number of valid tokens."""
-
-    loss: float
-    grad_norm: float | None
-    num_tokens: int
 
 
 def _split(x: Any, n: int, what: str) -> list:

@@ -1,0 +1,82 @@
+"""``meshplan.check``: every check of a plan against a model without running it, the rehearsals included.
+
+The static checks are :mod:`meshplan.checks.validate`'s (the ones ``meshplan.parallelize`` runs first); the
+rehearsals apply the plan: the cross-shard shadow run (:mod:`meshplan.checks.shadow`, simulated ranks) and, when
+all of that passes, the plan applied for real to a meta-device copy under a ``fake`` process group (nothing
+allocated, nothing communicated), which gives the local parameter shapes of the explain table
+(:mod:`meshplan.checks.explain`). A ``pipeline`` section is checked against the layout and split on a meta copy
+(:mod:`meshplan.checks.pipeline`). This module sits above ``meshplan.parallelize``: parallelize never imports it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch.nn as nn
+
+from meshplan.checks.report import Report, fold_errors
+from meshplan.checks.validate import smallest_world, static_checks
+from meshplan.errors import PlanError
+from meshplan.plan_file.document import Plan, as_plan
+from meshplan.plan_file.layout import Layout
+
+__all__ = ["check", "Report", "smallest_world"]
+
+
+def check(model: nn.Module, plan: Plan | Mapping[str, Any] | str, world_size: int | None = None,
+          layout: Layout | Mapping[str, Any] | None = None, *, dry_run: bool = True) -> Report:
+    """Validate ``plan`` against ``model`` without running it; collect every problem.
+
+    Args:
+        model: the model (any device; a meta-device copy is used, the model is not changed).
+        plan: a path, a dict of a file's content, or a :class:`Plan`.
+        world_size: ranks to check for; default: :func:`smallest_world` of the layout.
+        layout: a :class:`Layout` or dict overriding the plan's ``layout`` section.
+        dry_run: also apply the plan to a meta copy under a ``fake`` process group (exact
+            local shapes); skipped when a real process group is initialized.
+
+    Returns:
+        A :class:`Report`; ``report.ok`` is False when any check failed.
+
+    Example::
+
+        >>> with torch.device("meta"):
+        ...     model = LlamaForCausalLM(config)
+        >>> report = meshplan.check(model, "plans/hf_llama.yaml", world_size=8)
+        >>> report.raise_if_errors()
+    """
+    from meshplan.checks.dry_run import meta_dry_run
+    from meshplan.checks.explain import explain
+    from meshplan.checks.context import check_context
+    from meshplan.checks.data import check_data
+    from meshplan.checks.experts import check_experts
+    from meshplan.checks.pipeline import check_pipeline
+    p = as_plan(plan)
+    lay = Layout.model_validate(dict(layout)) if isinstance(layout, Mapping) else layout or p.layout or Layout()
+    report = Report(source=p.source or "<plan>", model=type(model).__name__, tp=lay.tp, world_size=world_size or 0)
+    try:
+        resolved = lay.resolve(world_size or smallest_world(lay))
+    except PlanError as e:
+        report.errors.append(PlanError(f"{report.source}: layout: {e}"))
+        return report
+    report.tp, report.world_size = resolved.tp, resolved.world_size
+    if layout is None and p.layout is None:
+        report.warnings.append(f"{report.source}: the plan has no layout and none was given: checked at tp=1, where "
+                               f"nothing is sharded; add `layout: {{tp: N}}` (CLI: --tp N)")
+    import torch.distributed as dist
+    shadow = dry_run and (not dist.is_initialized() or dist.get_backend() == "fake")  # as the dry run
+    matched, checker = static_checks(model, p, resolved.tp, report)
+    if checker is not None and report.ok and shadow:  # the shadow run needs a plan that applies
+        from meshplan.checks.shadow import cross_shard_errors
+        for msg in cross_shard_errors(model, p, resolved.tp, checker.where, report.warnings):
+            checker.err(msg)
+    check_pipeline(model, p, resolved, report)  # the schedule and the split (on a meta copy)
+    check_context(model, p, resolved, report)  # the context_parallel section
+    check_experts(model, p, resolved, report)  # the expert_parallel section
+    check_data(model, p, resolved, report)  # blocks and data_parallel, as parallelize checks them first
+    applied = None
+    if report.ok and p.tensor_parallel is not None and dry_run:
+        applied = meta_dry_run(model, p, resolved.tp, report)
+    explain(report, model, p, resolved.tp, matched, getattr(checker, "fanout", set()), applied)
+    report.errors = fold_errors(report.errors)
+    return report
