@@ -116,7 +116,7 @@ def _output_hook(path: str, mesh: Any, stream: Stream, whole: bool):
         y = DTensor.from_local(first, mesh, (own,), run_check=False)
         y = y.redistribute(mesh, (outer,)) if own != outer else y
         y = y.to_local() if stream.local else y
-        y = y.reshape(-1, *y.shape[2:]) if flat and not isinstance(y, DTensor) else y  # a DTensor stays [B, S, …]
+        y = y.reshape(-1, *y.shape[2:]) if flat and stream.local else y  # a DTensor stays [B, S, …]
         if single:
             return y
         dim = getattr(own, "dim", 1)
