@@ -134,6 +134,12 @@ CASES = {
     2: {
         "mixtral_ep2": lambda: hf_moe_case("mixtral", {"ep": 2}),
         "qwen2_moe_ep2": lambda: hf_moe_case("qwen2_moe", {"ep": 2}),
+        # no base_model_ep_plan: experts from the tp_plan's moe_tp_experts. Llama 4: experts(x) takes every token
+        # once per expert (interface dense), the block returns [B·S, hidden]; its FFN split over etp = tp 2.
+        # LongCat-Flash: identity (zero-computation) experts beside the routed ones, counted once over etp
+        "llama4_text_tp2": lambda: tiny_moe_case("llama4_text", {"tp": 2}),
+        "llama4_text_tp2_etp1": lambda: tiny_moe_case("llama4_text", {"tp": 2, "etp": 1}),
+        "longcat_flash_tp2": lambda: tiny_moe_case("longcat_flash", {"tp": 2}),
     },
     4: {
         "mixtral_ep4": lambda: hf_moe_case("mixtral", {"ep": 4}),
