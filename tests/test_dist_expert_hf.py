@@ -6,7 +6,8 @@ parallelism; Qwen3-MoE with a dense MLP layer, which keeps its tp rules), and Mi
 etp = tp 2. MoE blocks that return tuples (gpt-oss's ``(hidden, router_scores)``, Ernie 4.5 VL's mlp holding text
 and vision experts, ``(hidden, router_logits)``) at tp 2 x ep 2 and ep 2 x edp 2, with the router scores each rank
 sees equal to one device's. Llama 4 (experts taking every token, interface dense; etp 2 and etp 1) and
-LongCat-Flash (identity experts, etp 2) at tp 2 and tp 2 × dp 2 (the fix of its ep refusal), converted without a base_model_ep_plan. Every converted plan passes ``meshplan check`` first (blocks included: dp > 1)."""
+LongCat-Flash (identity experts, etp 2) at tp 2 and tp 2 × dp 2 (the fix of its ep refusal), converted without a
+base_model_ep_plan. Every converted plan passes ``meshplan check`` first (blocks included: dp > 1)."""
 
 import pytest
 
