@@ -241,6 +241,9 @@ def test_llama4_base_model_is_found_under_its_attribute():
     paths are prefixed 'model.' (they matched nothing before)."""
     plan = from_hf("llama4_text")
     assert "model.layers.*.self_attn.q_proj" in plan["tensor_parallel"]["rules"]
+    # model type llama4 (the composite config) converts its causal LM from the text config: the same plan (it
+    # failed building Llama4ForCausalLM from Llama4Config: 'no attribute pad_token_id')
+    assert from_hf("llama4")["expert_parallel"] == plan["expert_parallel"]
 
 
 def test_longcat_zero_computation_experts_are_refused_over_ep_with_the_fix(tmp_path):

@@ -79,6 +79,16 @@ def _model_class(config, model_type: str, archs: list[str]):
     return getattr(transformers, name)
 
 
+def _class_config(cls, config):
+    """The config ``cls`` is built from: a composite config's text part where the causal-LM class takes that
+    (``llama4``: Llama4ForCausalLM takes Llama4TextConfig, whose tp_plan is the language model's)."""
+    want = getattr(cls, "config_class", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if isinstance(want, type) and not isinstance(config, want) and isinstance(text, want):
+        return text
+    return config
+
+
 def _rule(style: str) -> Any:
     data = resolve_alias(style)
     return data["style"] if len(data) == 1 else data
@@ -165,6 +175,7 @@ def from_hf(source: str | Path, *, sequence_parallel: bool = True, loss_parallel
         tp = 1 if ep is not None else 2
     ep_rules: dict[str, Any] = {}
     cls = _model_class(config, model_type, archs)
+    config = _class_config(cls, config)
     base = getattr(config, "base_model_tp_plan", None) or {}
     if not base and model_type not in BUILTIN:
         raise PlanError(f"transformers ships no tp_plan for model type {model_type!r} and meshplan has no built-in "
