@@ -35,3 +35,34 @@ def test_worked_example():
 def test_experts_must_divide_over_ep():
     with pytest.raises(PlanError, match=r"ep\(4\) does not divide the number of experts \(6\)"):
         plan_routes(torch.ones(6, dtype=torch.long), None, 4)
+
+
+def test_dense_interface_counts_every_token_once_per_expert():
+    """Llama 4's experts take ``forward(x)``, x = every token once per expert, expert-major: E equal blocks."""
+    from meshplan.expert_parallel.experts import _sorted_inputs
+    x = torch.arange(12.).reshape(6, 2)
+    rows, counts, more = _sorted_inputs((x,), "dense", 3)
+    assert rows is x and counts.tolist() == [2, 2, 2] and more == []
+    with pytest.raises(PlanError, match=r"experts \(interface dense\): 6 input rows are not 4 \(the expert count\) "
+                                        r"equal blocks"):
+        _sorted_inputs((x,), "dense", 4)
+
+
+def test_the_interface_is_read_from_the_forward():
+    import torch.nn as nn
+
+    from meshplan.expert_parallel.apply import _interface
+    from meshplan.plan_file.expert_parallel import ExpertsRule
+
+    class Dense(nn.Module):
+        def forward(self, hidden_states):
+            return hidden_states
+
+    class Four(nn.Module):
+        def forward(self, a, b, c, d):
+            return a
+    rule = ExpertsRule(style="experts")
+    assert _interface(Dense(), rule, "r") == "dense"
+    with pytest.raises(PlanError, match=r"r: Four.forward takes 4 positional inputs; expected 1 \(x, every token "
+                                        r"once per expert: interface dense\), 2"):
+        _interface(Four(), rule, "r")

@@ -218,3 +218,39 @@ def test_check_refuses_dp_with_blocks_matching_nothing_naming_the_pattern(tmp_pa
     assert [str(e) for e in report.errors] == [f"<plan>: {want}"]
     lay = meshplan.Plan.from_data(plan).layout.resolve(4)
     assert str(blocks_problem(model, meshplan.Plan.from_data(plan), lay)) == want
+
+
+@pytest.mark.parametrize("model_type,interface", [("llama4_text", "dense"), ("longcat_flash", "topk")])
+def test_experts_without_an_ep_plan_come_from_the_tp_plan(tmp_path, model_type, interface):
+    """Llama 4 and LongCat-Flash ship no base_model_ep_plan (issue 24: refused 'the tp_plan shards experts but the
+    config has no base_model_ep_plan'): the experts are the tp_plan's moe_tp_experts modules, the interface read
+    from their forward, the router found in each block; no tensor-parallel rule inside an MoE block (Llama 4's
+    shared expert stays whole); the plan checks at tp 2 (etp 2) and tp 2 etp 1."""
+    model, plan = _tiny_plan(model_type, tmp_path)
+    block = {"llama4_text": "model.layers.*.feed_forward", "longcat_flash": "model.layers.*.mlp"}[model_type]
+    assert plan["expert_parallel"] == {"rules": {f"{block}.experts": "experts", f"{block}.router": "ep_router"}}
+    assert not [k for k in plan["tensor_parallel"]["rules"] if k.startswith(block + ".")]
+    for layout in ({"tp": 2}, {"tp": 2, "etp": 1}):
+        report = meshplan.check(model, {**plan, "layout": layout}, world_size=2)
+        assert report.ok, (layout, report.errors)
+        assert report.experts["interface"] == [interface]
+
+
+def test_llama4_base_model_is_found_under_its_attribute():
+    """Llama4ForCausalLM's base_model_prefix is 'language_model' but its base model sits at 'model': the tp_plan's
+    paths are prefixed 'model.' (they matched nothing before)."""
+    plan = from_hf("llama4_text")
+    assert "model.layers.*.self_attn.q_proj" in plan["tensor_parallel"]["rules"]
+    # model type llama4 (the composite config) converts its causal LM from the text config: the same plan (it
+    # failed building Llama4ForCausalLM from Llama4Config: 'no attribute pad_token_id')
+    assert from_hf("llama4")["expert_parallel"] == plan["expert_parallel"]
+
+
+def test_longcat_zero_computation_experts_are_refused_over_ep_with_the_fix(tmp_path):
+    """LongCat's gate_up_proj holds its identity experts too (6 rows), down_proj the routed ones (4): ep cannot
+    split them alike; the suggestion (ep 1) checks."""
+    model, plan = _tiny_plan("longcat_flash", tmp_path, ep=2)
+    report = meshplan.check(model, plan, world_size=2)
+    assert any("disagree on the expert count (dim 0)" in str(e) and "cannot be split over ep: set layout.ep: 1"
+               in str(e) for e in report.errors), report.errors
+    assert meshplan.check(model, {**plan, "layout": {"tp": 2}}, world_size=2).ok

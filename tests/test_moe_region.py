@@ -137,3 +137,32 @@ def test_stand_in_keeps_a_tuple_blocks_arity():
     stand_in(plain)
     hidden, _ = block(x)
     assert hidden.shape == x.shape and plain(x).shape == x.shape
+
+
+class FlatHidden(nn.Module):
+    """Returns ``(hidden [B·S, H], router logits [B·S, K])`` like Llama 4's Llama4TextMoe (its decoder layer
+    reshapes the hidden to the residual's shape)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.linspace(-1, 1, H * K, dtype=torch.float64).reshape(H, K))
+
+    def forward(self, x):
+        h = x.reshape(-1, H)
+        logits = h @ self.w
+        return h * logits.sum(-1, keepdim=True), logits
+
+
+@pytest.mark.parametrize("sequence_parallel", [True, False])
+def test_a_flattened_hidden_output_matches_one_device(sequence_parallel):
+    """llama4_text at tp 2 was refused ('returned (8, 4) for its input (1, 8, 4)'): a [B·S, hidden] first output
+    goes back on the residual stream: as [B, S, hidden] on a sequence-parallel (DTensor) stream, flattened again
+    on a plain one, equal to one device's."""
+    block, x = FlatHidden(), torch.randn(B, S, H, dtype=torch.float64)
+    ref = block(x)
+    shape = (B, S, H) if sequence_parallel else (B * S, H)
+    with local_ranks(2):
+        out = _run(block, x, sequence_parallel)
+        assert tuple(out[0].shape) == shape
+        assert_close_rel(out[0], ref[0].reshape(shape), tol=1e-12)
+        assert_close_rel(assert_ranks_agree(out[1]), ref[1], tol=1e-12)

@@ -34,7 +34,7 @@ class MoeBlock:
     Attributes:
         path: the block (the experts module's parent). experts: the experts module's path.
         router: the router's path. num_experts: experts in the layer (dim 0 of the experts' parameters).
-        interface: how the block calls the experts (``sorted`` or ``topk``).
+        interface: how the block calls the experts (``sorted``, ``topk`` or ``dense``).
         ffn: with etp > 1, ``((parameter, FFN dim, packed parts), …)`` of the experts (see
             :mod:`meshplan.expert_parallel.etp`); empty with etp 1.
         region: the module made a token region under tp (:mod:`meshplan.expert_parallel.region`): the block, or
@@ -137,25 +137,30 @@ def _interface(module: nn.Module, rule: ExpertsRule, where: str) -> str:
         return rule.interface
     params = [p for p in inspect.signature(module.forward).parameters.values()
               if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    found = {2: "sorted", 3: "topk"}.get(len(params))
+    found = {1: "dense", 2: "sorted", 3: "topk"}.get(len(params))
     if found is None:
-        raise PlanError(f"{where}: {type(module).__name__}.forward takes {len(params)} positional inputs; expected 2 "
-                        f"(x_sorted, counts: interface sorted) or 3 (hidden, top_k_index, top_k_weights: interface "
-                        f"topk); say `interface:` in the rule")
+        raise PlanError(f"{where}: {type(module).__name__}.forward takes {len(params)} positional inputs; expected 1 "
+                        f"(x, every token once per expert: interface dense), 2 (x_sorted, counts: interface sorted) "
+                        f"or 3 (hidden, top_k_index, top_k_weights: interface topk); say `interface:` in the rule")
     return found
 
 
-def _num_experts(module: nn.Module, path: str, ep: int, where: str) -> int:
+def _num_experts(module: nn.Module, path: str, layout: Any, where: str) -> int:
+    """The expert count of an experts module: dim 0 of its grouped weights, the largest where they differ
+    (LongCat's zero-computation experts: ``gate_up_proj`` holds a row block per expert, routed and identity alike,
+    ``down_proj`` only the routed ones), which ep cannot split alike (ep 1 only; etp counts their rows once)."""
     shapes = {n: tuple(p.shape) for n, p in module.named_parameters(recurse=False)}
     if not shapes:
         raise PlanError(f"{where}: experts module {path} ({type(module).__name__}) has no parameters of its own; "
                         f"expected grouped weights [E, …]")
     sizes = {s[0] if s else 0 for s in shapes.values()}
-    if len(sizes) != 1 or 0 in sizes:
+    if 0 in sizes or (len(sizes) > 1 and layout.ep > 1):
         raise PlanError(f"{where}: the parameters of experts module {path} disagree on the expert count (dim 0): "
-                        f"{shapes}; expected grouped weights [E, …] with one E")
-    experts = sizes.pop()
-    why = not_dividing("ep", ep, "the {n} experts of " + path, experts)
+                        f"{shapes}; expected grouped weights [E, …] with one E to split over ep({layout.ep})"
+                        + ("" if 0 in sizes else "; unequal counts (zero-computation experts without weights of "
+                           "their own) cannot be split over ep: set layout.ep: 1"))
+    experts = max(sizes)
+    why = not_dividing("ep", layout.ep, "the {n} experts of " + path, experts)
     if why:
         raise PlanError(f"{where}: {why}")
     return experts
@@ -201,7 +206,7 @@ def check_expert_parallel(model: nn.Module, section: ExpertParallel, layout: Any
             raise PlanError(f"{where}.rules: MoE block {parent} (parent of experts {path}) holds {len(mine)} router "
                             f"modules {mine}; expected exactly one (style: router)")
         claimed.update(mine)
-        experts = _num_experts(module, path, layout.ep, f"{where}.rules.{pattern!r}")
+        experts = _num_experts(module, path, layout, f"{where}.rules.{pattern!r}")
         k = _top_k(model.get_submodule(parent), model.get_submodule(mine[0]))
         if k is not None and not 1 <= k <= experts:
             raise PlanError(f"{where}: MoE block {parent} routes each token to top_k({k}) of {experts} experts; "

@@ -16,7 +16,10 @@ Two call interfaces (the plan's ``interface``):
 * ``topk``: ``forward(hidden, top_k_index, top_k_weights)`` with one row per token (transformers'
   ``MixtralExperts``); the style sorts the token copies by expert, and the module gets one row per copy, its
   local expert index and weight 1; the gate weights are applied where the copies return, and the copies are summed
-  per token. An index ``≥ E`` (transformers' "no expert") contributes zero.
+  per token. An index ``≥ E`` (transformers' "no expert") contributes zero;
+* ``dense``: ``forward(x)`` with every token once per expert, expert-major (``E`` equal blocks of rows, each row
+  pre-scaled by its router weight: Llama 4's ``Llama4TextExperts``); the ``sorted`` path with ``counts[e]`` =
+  rows / E, the module called with its experts' rows only.
 """
 
 from __future__ import annotations
@@ -52,8 +55,9 @@ class ExpertParallel(ParallelStyle):
     """Shard a grouped-experts module over a 1-D ``ep`` mesh and route its rows there and back.
 
     Keyword Args:
-        interface (str): ``"sorted"`` (``forward(x_sorted, counts)``) or ``"topk"``
-            (``forward(hidden, top_k_index, top_k_weights)``). Default: ``"sorted"``.
+        interface (str): ``"sorted"`` (``forward(x_sorted, counts)``), ``"topk"``
+            (``forward(hidden, top_k_index, top_k_weights)``) or ``"dense"`` (``forward(x)``, ``E`` equal
+            expert-major blocks of rows). Default: ``"sorted"``.
         ffn (dict): on an ``(ep, etp)`` mesh, ``{parameter: (FFN dim, packed parts)}``: each expert's FFN dim is
             split over etp (see :mod:`meshplan.expert_parallel.etp`) and the outputs summed over etp.
 
@@ -64,8 +68,8 @@ class ExpertParallel(ParallelStyle):
 
     def __init__(self, *, interface: str = "sorted", ffn: dict[str, tuple[int, int]] | None = None) -> None:
         super().__init__()
-        if interface not in ("sorted", "topk"):
-            raise ValueError(f"interface must be 'sorted' or 'topk', got {interface!r}")
+        if interface not in ("sorted", "topk", "dense"):
+            raise ValueError(f"interface must be 'sorted', 'topk' or 'dense', got {interface!r}")
         self.interface = interface
         self.ffn = dict(ffn or {})
 
@@ -98,17 +102,21 @@ class ExpertParallel(ParallelStyle):
         topk = self.interface == "topk"
 
         def before(mod: nn.Module, inputs: tuple, _mesh: Any) -> tuple:
-            _inputs(inputs, *(3, "forward(hidden, top_k_index, top_k_weights)") if topk else
-                    (2, "forward(x_sorted, counts)"))  # before anything changes
+            _inputs(inputs, *_SIGNATURES[self.interface])  # before anything changes
             _swap_local(mod, pending)
-            experts = next(iter(pending[-1].values())).shape[0]  # the DTensors' global experts dim: E
-            if topk:
+            experts = max(p.shape[0] for p in pending[-1].values())  # the DTensors' global experts dim: E
+            computing = min(p.shape[0] for p in pending[-1].values())
+            if topk and computing < experts:  # zero-computation experts (ep 1): the module's own routing
+                rows, *rest = _weightless_once(inputs, computing, etp_group)
+                pending.append(None)
+            elif topk:
                 rows, *rest = _dispatch_topk(inputs, experts, group, ep, pending)
             else:
-                x_sorted, counts, *more = _inputs(inputs, 2, "forward(x_sorted, counts)")
+                x_sorted, counts, more = _sorted_inputs(inputs, self.interface, experts)
                 routes = plan_routes(counts, group, ep)
                 pending.append(routes)
-                rows, rest = dispatch(x_sorted, routes, group), [routes.local_counts, *more]
+                rows = dispatch(x_sorted, routes, group)
+                rest = [*more] if self.interface == "dense" else [routes.local_counts, *more]
             return (EtpCopy.apply(rows, etp_group) if etp_group is not None else rows, *rest)
 
         def after(mod: nn.Module, outputs: torch.Tensor, _mesh: Any) -> torch.Tensor:
@@ -116,6 +124,8 @@ class ExpertParallel(ParallelStyle):
             _restore(mod, pending.pop())
             if etp_group is not None:  # partial sums over the FFN's etp shards: whole rows before they return
                 outputs = EtpSum.apply(outputs, etp_group)
+            if state is None:
+                return outputs
             if not topk:
                 return combine(outputs, state, group)
             routes, copies, weights, tokens, k = state
@@ -124,6 +134,23 @@ class ExpertParallel(ParallelStyle):
             return y.new_zeros(tokens, y.shape[-1]).index_add(0, torch.div(copies, k, rounding_mode="floor"), y)
 
         return distribute_module(module, device_mesh, self._partition, before, after)
+
+
+#: interface → (positional tensors the module takes, its signature)
+_SIGNATURES = {"sorted": (2, "forward(x_sorted, counts)"), "topk": (3, "forward(hidden, top_k_index, top_k_weights)"),
+               "dense": (1, "forward(x)")}
+
+
+def _sorted_inputs(inputs: tuple, interface: str, experts: int) -> tuple:
+    """``(rows sorted by expert, counts[E], the other inputs)`` of the ``sorted`` and ``dense`` interfaces."""
+    if interface == "sorted":
+        x_sorted, counts, *more = inputs
+        return x_sorted, counts, more
+    x, *more = inputs
+    if x.shape[0] % experts:
+        raise PlanError(f"experts (interface dense): {x.shape[0]} input rows are not {experts} (the expert count) "
+                        f"equal blocks; expected every token once per expert, expert-major")
+    return x, torch.full((experts,), x.shape[0] // experts, dtype=torch.int64, device=x.device), more
 
 
 def _inputs(inputs: tuple, n: int, signature: str) -> tuple:
@@ -144,6 +171,21 @@ def _dispatch_topk(inputs: tuple, experts: int, group: Any, ep: int, pending: li
                                     routes.local_counts.to(rows.device)).unsqueeze(-1)
     pending.append((routes, copies, weights, tokens, k))
     return (rows, local, torch.ones(rows.shape[0], 1, dtype=weights.dtype, device=rows.device), *rest)
+
+
+def _weightless_once(inputs: tuple, computing: int, etp_group: Any) -> tuple:
+    """``(hidden, top_k_index, top_k_weights)`` of a module with zero-computation experts (LongCat's identity
+    experts: indices ``≥ computing``, the smallest dim 0 of its parameters, which ``down_proj`` has no rows for),
+    passed to the module's own routing (ep is 1: every expert is here). Under etp their rows involve no FFN shard,
+    so every etp rank computes the same whole rows: etp ranks other than 0 weigh them 0 (exact zeros, and no
+    gradient), and the sum over etp counts them once. The module weighs its rows itself, before the sum: each etp
+    rank's gradient of the weights covers its FFN shard, so they are summed over etp (``EtpCopy``), as the rows'."""
+    import torch.distributed as dist
+    hidden, index, weights, *rest = inputs
+    if etp_group is not None:
+        weights = EtpCopy.apply(weights, etp_group)
+        weights = weights if dist.get_rank(etp_group) == 0 else weights.masked_fill(index >= computing, 0)
+    return (hidden, index, weights, *rest)
 
 
 def _swap_local(module: nn.Module, pending: list) -> None:

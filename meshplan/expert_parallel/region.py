@@ -14,7 +14,9 @@ So each MoE block becomes a token region on the tp mesh:
   order: an extra shaped ``[B, S_local, …]`` or ``[B·S_local, …]`` becomes ``[B, S, …]`` / ``[B·S, …]``, equal on
   every tp rank and to one device (backward: each rank keeps its tokens' gradient). An extra that is not per
   token (a scalar auxiliary loss) would be each rank's statistic, not the model's: refused with the fix (``etp:
-  tp``, where the block sees the whole token set). ``None`` and non-tensors pass through.
+  tp``, where the block sees the whole token set). ``None`` and non-tensors pass through. A first output
+  flattened to ``[B·S, hidden]`` (Llama 4's ``Llama4TextMoe``) is converted as ``[B, S, hidden]``; it comes back
+  flattened as a plain tensor, and as a ``[B, S, hidden]`` DTensor (its caller reshapes it to the residual's shape).
 
 The block's parameters outside its experts (router, shared expert) stay whole on every tp rank; each rank's
 gradient covers its tokens, so they are summed over tp by the model's grad sync, in its one coalesced reduction.
@@ -104,8 +106,9 @@ def _output_hook(path: str, mesh: Any, stream: Stream, whole: bool):
         if not single and not (isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor)):
             raise PlanError(f"expert_parallel: MoE block {path} returned {type(out).__name__}; expected a tensor "
                             f"or a tuple whose first item is the block's [B, S, hidden] output")
-        first = out if single else out[0]
-        x = args[0]
+        first, x = out if single else out[0], args[0]
+        flat = first.dim() >= 1 and first.shape[0] == x.shape[0] * x.shape[1] != x.shape[0]
+        first = first.reshape(*x.shape[:2], *first.shape[1:]) if flat else first  # Llama 4: [B·S, hidden]
         if first.dim() < 2 or first.shape[:2] != x.shape[:2]:
             raise PlanError(f"expert_parallel: MoE block {path} returned {tuple(first.shape)} for its input "
                             f"{tuple(x.shape)}; a token region needs the block's output shaped [B, S, …] like its "
@@ -113,6 +116,7 @@ def _output_hook(path: str, mesh: Any, stream: Stream, whole: bool):
         y = DTensor.from_local(first, mesh, (own,), run_check=False)
         y = y.redistribute(mesh, (outer,)) if own != outer else y
         y = y.to_local() if stream.local else y
+        y = y.reshape(-1, *y.shape[2:]) if flat and stream.local else y  # a DTensor stays [B, S, …]
         if single:
             return y
         dim = getattr(own, "dim", 1)

@@ -79,6 +79,16 @@ def _model_class(config, model_type: str, archs: list[str]):
     return getattr(transformers, name)
 
 
+def _class_config(cls, config):
+    """The config ``cls`` is built from: a composite config's text part where the causal-LM class takes that
+    (``llama4``: Llama4ForCausalLM takes Llama4TextConfig, whose tp_plan is the language model's)."""
+    want = getattr(cls, "config_class", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if isinstance(want, type) and not isinstance(config, want) and isinstance(text, want):
+        return text
+    return config
+
+
 def _rule(style: str) -> Any:
     data = resolve_alias(style)
     return data["style"] if len(data) == 1 else data
@@ -93,15 +103,26 @@ def _small_instance(cls, config):
         return cls(tiny_config(config, tp=2))
 
 
+def _base_prefix(model, cls) -> str:
+    """The base model's path prefix in a task model (``"model."``), ``""`` in the base model itself: the child named
+    ``base_model_prefix``, or else the one child that is a transformers model (Llama4ForCausalLM's prefix is
+    ``language_model``, its base model sits at ``model``)."""
+    import torch
+    from transformers import PreTrainedModel
+    p = cls.base_model_prefix
+    if p and isinstance(getattr(model, p, None), torch.nn.Module):
+        return f"{p}."
+    found = [n for n, c in model.named_children() if isinstance(c, PreTrainedModel)]
+    return f"{found[0]}." if len(found) == 1 else ""
+
+
 def _hf_rules(model, cls, config, base: dict, model_type: str, sequence_parallel: bool) -> tuple[dict, dict]:
     """``(tensor_parallel rules, expert_parallel rules)`` from transformers' plans and the model's structure."""
     import torch
 
     from meshplan.hf.moe import MOE_STYLES, expert_rules, has_ep_plan, is_moe_plan
     from meshplan.tensor_parallel.style_table import STYLES
-    # a task model holds the base model under base_model_prefix; the base model class itself does not
-    p = cls.base_model_prefix
-    prefix = f"{p}." if p and isinstance(getattr(model, p, None), torch.nn.Module) else ""
+    prefix = _base_prefix(model, cls)
     hf = {prefix + k: v for k, v in base.items()}
     hf.update(getattr(cls, "_tp_plan", None) or {})
     moe, rules, ep_rules = is_moe_plan(hf) or has_ep_plan(config), {}, {}
@@ -154,6 +175,7 @@ def from_hf(source: str | Path, *, sequence_parallel: bool = True, loss_parallel
         tp = 1 if ep is not None else 2
     ep_rules: dict[str, Any] = {}
     cls = _model_class(config, model_type, archs)
+    config = _class_config(cls, config)
     base = getattr(config, "base_model_tp_plan", None) or {}
     if not base and model_type not in BUILTIN:
         raise PlanError(f"transformers ships no tp_plan for model type {model_type!r} and meshplan has no built-in "

@@ -9,7 +9,9 @@ parameters): that is meshplan's ``experts`` style (``interface: topk``). transfo
 meshplan needs one per MoE block, read from the model: the one child of the experts' parent besides the experts
 that holds a weight with a row per expert (itself or in a submodule: HunYuan's ``gate.wg``); among several, the
 one named ``gate``/``router`` or of a ``*Router``/``*Gate`` class. A config whose ``base_model_ep_plan``
-dispatches experts while its tp_plan shards none (gpt-oss) is an MoE model too. Torch-free apart from the model passed in.
+dispatches experts while its tp_plan shards none (gpt-oss) is an MoE model too. A config with no
+``base_model_ep_plan`` (Llama 4, LongCat-Flash) gets an ``experts`` rule on each module its tp_plan rules
+``moe_tp_experts``, the interface read from the module's forward. Torch-free apart from the model passed in.
 """
 
 from __future__ import annotations
@@ -58,6 +60,25 @@ def _router(model: Any, block: str, experts: str, count: int, model_type: str) -
     return wildcard(f"{block}.{found[0]}")
 
 
+def _derived_experts(model: Any, tp_rules: dict[str, Any], model_type: str) -> dict[str, str]:
+    """The ``experts`` rules of a model whose config has no ``base_model_ep_plan`` (Llama 4, LongCat-Flash): the
+    modules its tp_plan shards as ``moe_tp_experts``, each ruled ``experts`` with the interface read from its
+    forward's signature (Llama 4's ``forward(x)``: ``dense``; LongCat's ``forward(hidden, top_k_index,
+    top_k_weights)``: ``topk``).
+
+    Raises:
+        PlanError: the tp_plan names no experts module that this model holds.
+    """
+    from meshplan.plan_file.patterns import match_rules
+    found = {k: "experts" for k, v in tp_rules.items()
+             if v == "moe_tp_experts" and match_rules(model, {k: k}, "", errors=[])}
+    if not found:
+        raise PlanError(f"{model_type}: the tp_plan shards experts but names no experts module (moe_tp_experts) of "
+                        f"this model, and the config has no base_model_ep_plan with ep_dispatch_experts; write the "
+                        f"expert_parallel rules by hand (style: experts, router)")
+    return found
+
+
 def expert_rules(model: Any, config: Any, prefix: str, tp_rules: dict[str, Any],
                  model_type: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(tensor-parallel rules without the experts' entries, expert_parallel rules)`` for an MoE model.
@@ -67,7 +88,8 @@ def expert_rules(model: Any, config: Any, prefix: str, tp_rules: dict[str, Any],
         prefix: the base model's path prefix (``"model."``). tp_rules: the converted tp rules (full paths).
 
     Raises:
-        PlanError: no ``base_model_ep_plan``, an ep style meshplan does not know, or no single router per block.
+        PlanError: neither a ``base_model_ep_plan`` nor a ``moe_tp_experts`` module, an ep style meshplan does not
+            know, or no single router per block.
     """
     from meshplan.plan_file.patterns import match_rules
     ep_plan = getattr(config, "base_model_ep_plan", None) or {}
@@ -79,10 +101,9 @@ def expert_rules(model: Any, config: Any, prefix: str, tp_rules: dict[str, Any],
             raise PlanError(f"{model_type}: base_model_ep_plan rule {key!r}: transformers style {style!r} has no "
                             f"meshplan equivalent (meshplan maps ep_dispatch_experts and ep_router)")
         rules[prefix + key] = style
-    experts = [k for k, v in rules.items() if v == "ep_dispatch_experts"]
-    if not experts:
-        raise PlanError(f"{model_type}: the tp_plan shards experts but the config has no base_model_ep_plan with "
-                        f"ep_dispatch_experts; write the expert_parallel rules by hand")
+    if not any(v == "ep_dispatch_experts" for v in rules.values()):
+        rules = {**_derived_experts(model, tp_rules, model_type), **rules}
+    experts = [k for k, v in rules.items() if v in ("ep_dispatch_experts", "experts")]
     blocks = set()
     for pattern in experts:
         for path in match_rules(model, {pattern: pattern}, "base_model_ep_plan", errors=[]):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from meshplan.hf.moe import MOE_STYLES
 from meshplan.hf.styles import resolve_alias
 
 __all__ = ["PARAM_STYLES", "param_entries", "own_inputs", "structure_rules", "present"]
@@ -30,8 +31,9 @@ def param_entries(model, hf: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     merged: dict[str, dict[str, Any]] = {}
     for k, v in hf.items():
-        if k in params and k not in modules and v in PARAM_STYLES:
-            owner, _, name = k.rpartition(".")
+        owner, _, name = k.rpartition(".")
+        experts = hf.get(owner) in MOE_STYLES  # Llama 4's experts.down_proj: colwise stays the experts rule's
+        if k in params and k not in modules and v in PARAM_STYLES and not experts:
             merged.setdefault(owner, {"style": "head_params"}).setdefault(PARAM_STYLES[v], []).append(name)
         else:
             out[k] = v

@@ -32,7 +32,7 @@ from meshplan.plan_file.strict import Strict
 
 __all__ = ["ExpertParallel", "ExpertsRule", "RouterRule", "EXPERT_STYLE_NAMES", "INTERFACES", "etp_problem"]
 
-Interface = Literal["sorted", "topk"]
+Interface = Literal["sorted", "topk", "dense"]
 #: the ways a grouped-experts module is called
 INTERFACES: tuple[str, ...] = get_args(Interface)
 
@@ -45,8 +45,9 @@ class ExpertsRule(Strict):
         None, description="How the block calls the experts module. sorted: forward(x_sorted, counts), rows sorted "
                           "by expert with counts[E] rows each (torchtitan's GroupedExperts). topk: "
                           "forward(hidden, top_k_index, top_k_weights), one row per token (transformers' "
-                          "MixtralExperts and kin). Default: read from the forward's signature (2 inputs: sorted, "
-                          "3: topk).")
+                          "MixtralExperts and kin). dense: forward(x), x holding every token once per expert, "
+                          "expert-major (E equal blocks of rows, each pre-scaled by its router weight: Llama 4's "
+                          "experts). Default: read from the forward's signature (1 input: dense, 2: sorted, 3: topk).")
 
 
 class RouterRule(Strict):

@@ -54,6 +54,20 @@ def tiny_moe_case(model_type, layout, sequence_parallel=True):
     return _train_both(factory, _converted(model_type, layout, sequence_parallel)[0], layout, sequence_parallel)
 
 
+def llama4_mixed_case(layout):
+    """Llama 4 with dense and MoE layers interleaved (``interleave_moe_layer_step: 2``: layers 1 and 3 are MoE):
+    the dense layers' feed_forward keeps transformers' colwise/rowwise rules beside the MoE blocks."""
+    import transformers
+    config = {"model_type": "llama4_text", "num_hidden_layers": 4, "interleave_moe_layer_step": 2,
+              "hidden_size": 64, "intermediate_size": 48, "intermediate_size_mlp": 128, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": 16, "num_local_experts": 4, "vocab_size": 128}
+    source = os.path.join(tempfile.mkdtemp(prefix="meshplan-ep-llama4-"), "config.json")
+    with open(source, "w") as f:
+        json.dump(config, f)
+    factory = lambda: transformers.Llama4ForCausalLM(transformers.AutoConfig.for_model(**config))  # noqa: E731
+    return _train_both(factory, source, layout, True)
+
+
 def hidden_loss(out, y):
     """A base model's loss: per valid target, the square of its last hidden state times a fixed pattern of
     (position, feature), summed (train_step divides by the global count)."""
@@ -134,6 +148,13 @@ CASES = {
     2: {
         "mixtral_ep2": lambda: hf_moe_case("mixtral", {"ep": 2}),
         "qwen2_moe_ep2": lambda: hf_moe_case("qwen2_moe", {"ep": 2}),
+        # no base_model_ep_plan: experts from the tp_plan's moe_tp_experts. Llama 4: experts(x) takes every token
+        # once per expert (interface dense), the block returns [B·S, hidden]; its FFN split over etp = tp 2.
+        # LongCat-Flash: identity (zero-computation) experts beside the routed ones, counted once over etp
+        "llama4_text_tp2": lambda: tiny_moe_case("llama4_text", {"tp": 2}),
+        "llama4_text_tp2_etp1": lambda: tiny_moe_case("llama4_text", {"tp": 2, "etp": 1}),
+        "longcat_flash_tp2": lambda: tiny_moe_case("longcat_flash", {"tp": 2}),
+        "llama4_mixed_tp2": lambda: llama4_mixed_case({"tp": 2}),
     },
     4: {
         "mixtral_ep4": lambda: hf_moe_case("mixtral", {"ep": 4}),
@@ -156,6 +177,8 @@ CASES = {
         "ernie_vl_tp2_ep2": lambda: tiny_moe_case("ernie4_5_vl_moe_text", {"tp": 2, "ep": 2, "etp": 1}),
         "ernie_vl_tp2_ep2_no_sp": lambda: tiny_moe_case("ernie4_5_vl_moe_text", {"tp": 2, "ep": 2, "etp": 1},
                                                         sequence_parallel=False),
+        # LongCat-Flash's identity experts are refused over ep: the fix (ep 1) runs, here beside dp 2 (FSDP2)
+        "longcat_flash_tp2_dp2": lambda: tiny_moe_case("longcat_flash", {"tp": 2, "ep": 1}),
     },
 }
 
