@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from meshplan.axes import AXES
 from meshplan.solver.candidate import DTYPE_BYTES, Candidate, Training
 from meshplan.solver.memory import _block_tensors, _end_tensors, block_kinds, shard_sizes
 from meshplan.solver.placement import Group, Placement
@@ -103,21 +104,6 @@ def _tp(s: ModelShape, c: Candidate, tr: Training, place: Placement, pp_rank: in
     return out
 
 
-def _cp(s: ModelShape, c: Candidate, tr: Training, place: Placement, pp_rank: int,
-        memo: dict) -> list[Collective]:
-    g = place.groups["cp"]
-    kvw = (s.q_width if s.gqa_repeat else s.kv_width) / c.tp
-    kv = 2 * kvw * c.micro_batch * tr.seq * tr.act_bytes  # K|V of the whole sequence, this rank's heads
-    kinds = block_kinds(s, c, place, pp_rank, memo)
-    blocks, recompute = sum(kinds.values()), sum(n for (_, ckpt), n in kinds.items() if ckpt)
-    if tr.cp_method == "ring":
-        hop = kv / c.cp
-        n = (c.cp - 1) * (2 * blocks + recompute) * c.microbatches
-        return [Collective("cp", "send", g, hop, n, "ring attention: K/V (and dK/dV) hops")]
-    return [Collective("cp", "all_gather", g, kv, (blocks + recompute) * c.microbatches, "K|V (forward)"),
-            Collective("cp", "reduce_scatter", g, kv, blocks * c.microbatches, "dK|dV (backward)")]
-
-
 def _ep(s: ModelShape, c: Candidate, tr: Training, place: Placement, pp_rank: int,
         memo: dict) -> list[Collective]:
     g = place.groups["ep"]
@@ -157,8 +143,9 @@ def step_collectives(s: ModelShape, c: Candidate, tr: Training, place: Placement
     memo = {} if memo is None else memo
     if c.tp > 1:
         out += _tp(s, c, tr, place, pp_rank, memo)
-    if c.cp > 1:
-        out += _cp(s, c, tr, place, pp_rank, memo)
+    for axis in AXES:  # the axes that are units (their own cost terms), in parallelize's order
+        if axis.degree(c) > 1:
+            out += axis.costs.collectives(s, c, tr, place, pp_rank, memo)
     if c.ep > 1:
         out += _ep(s, c, tr, place, pp_rank, memo)
     if c.pp > 1:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from meshplan.axes import AXES
 from meshplan.solver.candidate import Candidate, Training
 from meshplan.solver.placement import Placement
 from meshplan.solver.shape import ModelShape
@@ -151,8 +152,8 @@ def block_activations(s: ModelShape, c: Candidate, tr: Training, moe: bool, chec
     per = (2 * s.norm_saved + 2) * h / sh * b + 2 * 4 / sh + (2 * s.q_width + 2 * kvw) / t * b + s.heads / t * 4
     if tr.save_gathered_inputs and sh > 1:
         per += (1 if moe and c.etp == 1 else 2) * h * (1 - 1 / t) * b
-    if c.cp > 1 and tr.cp_method == "allgather_kv":
-        per += (2 * kvw * (c.cp - 1) + s.q_width) / t * b
+    for axis in AXES:  # the axes that are units: what they keep beyond the dense block
+        per += axis.costs.block_activations(s, c, tr, kvw)
     if not moe:
         return tokens * (per + (4 if s.mlp == "swiglu" else 2) * s.ffn / t * b)
     return tokens * per + _moe_activations(s, c, tokens, b)
@@ -177,7 +178,8 @@ def _end_activations(s: ModelShape, c: Candidate, tr: Training, first: bool, las
     tokens = c.micro_batch * tr.seq / c.cp
     out = 0.0
     if first:
-        out += tokens * ((9 if t > 1 else 8) + (16 if c.cp > 1 else 0) + h / sh * b)
+        extra = sum(axis.costs.first_stage_activations(c) for axis in AXES)
+        out += tokens * ((9 if t > 1 else 8) + extra + h / sh * b)
     if last:
         gathered = sh > 1
         norm = (s.norm_saved - (1 if gathered else 0)) * h / sh * b + 4 / sh + (h * b if gathered else 0)
