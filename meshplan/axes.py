@@ -13,7 +13,7 @@ from typing import Any
 from meshplan.axis import Axis
 from meshplan.context_parallel.unit import AXIS as _CONTEXT
 
-__all__ = ["AXES", "check_axes", "prepare_axes", "apply_axes", "shard_batch", "report_lines"]
+__all__ = ["AXES", "check_axes", "prepare_axes", "apply_axes", "shard_batch", "shard_sequence", "report_lines"]
 
 #: the axes that are units, in parallelize's order
 AXES: tuple[Axis, ...] = (_CONTEXT,)
@@ -44,6 +44,34 @@ def shard_batch(state: Any, inputs: Any, targets: Any, shift: bool = False,
         if state is not None and getattr(state, axis.state_field) is not None:
             inputs, targets, shift = axis.shard_batch(state, inputs, targets, shift, ignore_index)
     return inputs, targets, shift
+
+
+def shard_sequence(model: Any, inputs: Any, targets: Any = None) -> tuple[Any, Any]:
+    """This rank's share of a batch of whole sequences, for calling a context-parallel model yourself (an eval loop,
+    a custom step); :func:`meshplan.train_step` does it for you.
+
+    Args:
+        model: a model :func:`meshplan.parallelize` gave a ``context_parallel`` section (else nothing changes).
+        inputs: whole sequences: a tensor, tuple or dict, as the model takes them.
+        targets: per-token targets (already shifted if the loss does not shift), or None.
+
+    Returns:
+        ``(inputs, targets)`` of this cp rank: its head-tail chunks of every sequence-long tensor.
+
+    Raises:
+        PlanError: a length the layout cannot split (with valid lengths), or a padding ``attention_mask``.
+
+    Example::
+
+        >>> x, y = meshplan.shard_sequence(model, tokens, labels)
+        >>> loss = meshplan.cross_entropy(model(x), y)   # this rank's tokens; sum over cp for the global loss
+    """
+    from meshplan.state import parallel_state
+    state = parallel_state(model)
+    if state is None:
+        return inputs, targets
+    sharded, shard_targets, _ = shard_batch(state, inputs, inputs if targets is None else targets)
+    return sharded, (None if targets is None else shard_targets)
 
 
 def report_lines(report: Any) -> list[str]:

@@ -1,6 +1,6 @@
 """The shape of a parallelism axis as a unit: :class:`Axis`, one frozen value each axis folder exports.
 
-An axis folder (``context_parallel/`` today; pipeline, expert parallelism and the rest join one by one) says
+An axis folder (one today, the others join one by one: :data:`meshplan.axes.AXES`) says
 everything the rest of meshplan needs to know about it in one :class:`Axis`: its name, its plan section, its mesh
 dims, its check, its apply (returning a frozen record that :func:`meshplan.parallelize` alone attaches to the
 model's :class:`~meshplan.state.ParallelState`), its share of a batch for :func:`meshplan.train_step`, its report
@@ -45,9 +45,9 @@ class Axis:
     """One parallelism axis, end to end.
 
     Attributes:
-        name: the layout key and mesh dim of its degree (``cp``).
-        section: the plan key of its section (``context_parallel``).
-        title: how messages name it (``context parallelism``).
+        name: the layout key and mesh dim of its degree.
+        section: the plan key of its section.
+        title: how messages name it.
         mesh_dims: the :class:`~meshplan.mesh.topology.Topology` dims it runs over.
         state_field: the :class:`~meshplan.state.ParallelState` field ``parallelize`` attaches its record to.
         report_key: the :class:`~meshplan.checks.report.Report` field its check summary goes in.
@@ -61,6 +61,9 @@ class Axis:
             share of a batch, called by ``train_step`` when the state holds the axis' record.
         report_lines: ``(summary) -> [str]``: the text report's lines for its summary (none when empty).
         costs: its :class:`AxisCosts`.
+        training: ``(plan) -> {field: value}``: the solver's :class:`~meshplan.solver.candidate.Training` settings
+            its section decides.
+        example_plan: a plan file in ``plans/`` with its section, for messages.
     """
 
     name: str
@@ -75,6 +78,8 @@ class Axis:
     shard_batch: Callable[..., tuple]
     report_lines: Callable[[dict], list]
     costs: AxisCosts
+    training: Callable[[Any], dict]
+    example_plan: str
 
     def degree(self, layout: Any) -> int:
         """The axis' degree in ``layout`` (a resolved layout or a solver candidate)."""

@@ -20,7 +20,8 @@ __all__ = ["cp_collectives", "cp_block_activations", "cp_first_stage_activations
 
 
 def cp_collectives(s: Any, c: Any, tr: Any, place: Any, pp_rank: int, memo: dict) -> list:
-    """The cp collectives of pipeline rank ``pp_rank`` in one step (:class:`~meshplan.solver.collectives.Collective`)."""
+    """The cp collectives of pipeline rank ``pp_rank`` in one step
+    (:class:`~meshplan.solver.collectives.Collective`)."""
     from meshplan.solver.collectives import Collective
     from meshplan.solver.memory import block_kinds
     g = place.groups["cp"]

@@ -12,7 +12,7 @@ Activations are the tensors autograd keeps per microbatch, per token (``h`` hidd
 log-sum-exp and the norms' ``rstd`` in float32, and ``4f/t`` in a SwiGLU MLP (``2f/t`` for GELU). That is
 ``10h + 4f`` at ``norm_saved = 2`` and ``t = 1``, what ``meshplan.memory`` measures on the example Llama.
 Variants: without sequence parallelism the stream is whole; ``save_gathered_inputs`` keeps ``2h(1−1/t)`` more;
-all-gather-KV context parallelism keeps K and V of the whole sequence and the chunked output; an MoE block keeps
+each axis unit keeps its own terms (``costs.block_activations``, :mod:`meshplan.axes`); an MoE block keeps
 ``top_k·(3h + 4·f_e/etp)`` per routed token plus the dispatch buffers; full checkpointing keeps the block input
 only; op-level checkpointing the matmul outputs. The pipeline schedule multiplies by the microbatches in flight
 (``docs/pipeline.md``).
@@ -142,7 +142,7 @@ def block_activations(s: ModelShape, c: Candidate, tr: Training, moe: bool, chec
     """Bytes one block (an MoE one or not, checkpointed or not) keeps for backward per microbatch on one rank."""
     t, h, b = c.tp, s.hidden, tr.act_bytes
     sh = t if tr.sequence_parallel and t > 1 else 1
-    tokens = c.micro_batch * tr.seq / c.cp
+    tokens = c.rank_tokens(tr.seq)
     if checkpointed:
         return tokens * h / sh * b
     if c.ac == "selective" and c.ac_ops:  # op level: the matmul outputs (rowwise ones before their reduction)
@@ -175,7 +175,7 @@ def _end_activations(s: ModelShape, c: Candidate, tr: Training, first: bool, las
     and logits and the loss's saved tensors (last stage)."""
     t, h, b = c.tp, s.hidden, tr.act_bytes
     sh = t if tr.sequence_parallel and t > 1 else 1
-    tokens = c.micro_batch * tr.seq / c.cp
+    tokens = c.rank_tokens(tr.seq)
     out = 0.0
     if first:
         extra = sum(axis.costs.first_stage_activations(c) for axis in AXES)
@@ -223,7 +223,7 @@ def _per_block(s: ModelShape, c: Candidate, moe: bool, d_dense: int, d_expert: i
 
 def rank_memory(s: ModelShape, c: Candidate, tr: Training, place: Placement, pp_rank: int,
                 memo: dict | None = None) -> Memory:
-    """The memory of pipeline rank ``pp_rank`` (every data/tp/cp rank of a stage holds the same); ``memo`` shares
+    """The memory of pipeline rank ``pp_rank`` (every rank of a stage holds the same); ``memo`` shares
     per-block results between the ranks of one candidate."""
     memo = {} if memo is None else memo
     d_dense, d_expert = shard_sizes(c, place)
@@ -244,7 +244,7 @@ def rank_memory(s: ModelShape, c: Candidate, tr: Training, place: Placement, pp_
     acts = (acts + _end_activations(s, c, tr, first, last)) * in_flight(c, pp_rank)
     gathered, transient = _fsdp_buffers(s, c, tr, kinds, ends, d_dense > 1 or d_expert > 1, memo)
     if last:
-        transient += c.micro_batch * tr.seq / c.cp * s.vocab / c.tp * 4  # the loss's float32 logits gradient
+        transient += c.rank_tokens(tr.seq) * s.vocab / c.tp * 4  # the loss's float32 logits gradient
     host = 0.0
     if tr.cpu_offload:
         host, params, grads, optimizer = params + grads + optimizer, 0.0, 0.0, 0.0
