@@ -2,7 +2,7 @@
 
 :func:`meshplan.parallelize`, ``meshplan check``, :func:`meshplan.train_step`, explain and the solver iterate over
 :data:`AXES` instead of naming an axis. Only context parallelism is a unit so far; the others keep their own code
-paths and join the list one by one, at their place in parallelize's order (pipeline split → tensor → expert →
+paths and join the list one by one, at their place in parallelize's order (stage split → tensor → expert →
 context → blocks → stages → data). Torch-free.
 """
 

@@ -23,7 +23,7 @@ class AxisCosts:
 
     Attributes:
         collectives: ``(shape, candidate, training, placement, pp_rank, memo) -> [Collective]``: what the axis
-            issues in one step of pipeline rank ``pp_rank``, called when the axis' degree is above 1.
+            issues in one step of the ranks at stage position ``pp_rank``, called when the axis' degree is above 1.
         block_activations: ``(shape, candidate, training, kv_width) -> float``: bytes per token a (not
             checkpointed) block keeps beyond the dense ones (``kv_width``: the K/V width attention stores).
         first_stage_activations: ``(candidate) -> float``: bytes per token the first stage keeps beyond the dense
