@@ -31,7 +31,7 @@ ALLOWED = {
     "data_parallel/__init__.py", "data_parallel/fsdp.py", "blocks.py", "apply.py", "checks/validate.py",
     "training/step.py",  # cp as a data axis (dp·cp ranks hold different tokens)
     "solver/candidate.py", "solver/placement.py", "solver/search.py", "solver/rules.py",  # the degree searched
-    "cli/args.py", "cli/solve.py", "convert/accelerate.py", "convert/common.py",  # flags and other formats' keys
+    "cli/args.py", "cli/solve.py", "convert/accelerate.py",  # flags and other formats' keys
     "state.py", "_torch.py",
 }
 
