@@ -33,7 +33,7 @@ def __getattr__(name: str):
         from meshplan.state import parallel_state
         return parallel_state
     if name == "shard_sequence":
-        from meshplan.context_parallel.batch import shard_sequence
+        from meshplan.axes import shard_sequence
         return shard_sequence
     if name == "materialize":
         from meshplan.weights.materialize import materialize

@@ -92,7 +92,8 @@ def _apply_sections(model: nn.Module, p: Plan, topology: Topology | None, tp_mes
     problem = blocks_problem(model, p, lay, p.source) or (data_parallel_problem(p, lay) if lay is not None else None)
     if problem is not None:  # `meshplan check` reports the same (checks/data.py); raised before anything changes
         raise problem
-    context = _check_context(model, p, topology)
+    from meshplan.axes import apply_axes, prepare_axes
+    prepared = prepare_axes(model, p, topology)  # the axes that are units, checked before anything changes
     split = _split_stages(model, p, topology) if pipelined else None
     moe = _check_experts(model, p, topology, split)
     if p.tensor_parallel is not None:
@@ -103,9 +104,9 @@ def _apply_sections(model: nn.Module, p: Plan, topology: Topology | None, tp_mes
         attach_state(model, expert_parallel=apply_expert_parallel(model, moe[0], topology, moe[1],
                                                                   state.tensor_parallel))
         data_parallel = data_parallel or topology.layout.edp > 1  # expert gradients summed over edp
-    if context:
-        from meshplan.context_parallel.apply import apply_context_parallel
-        attach_state(model, context_parallel=apply_context_parallel(model, p.context_parallel, topology, context))
+    records = apply_axes(model, p, topology, prepared)
+    if records:
+        attach_state(model, **records)  # each axis' record, attached here alone
     attach_state(model, plan=p, topology=topology)  # train_step's topology, also without data parallelism
     if data_parallel:
         from meshplan.data_parallel.fsdp import check_data_parallel
@@ -123,18 +124,6 @@ def _apply_sections(model: nn.Module, p: Plan, topology: Topology | None, tp_mes
         from meshplan.data_parallel.fsdp import apply_data_parallel
         apply_data_parallel(model, section, topology)  # fully_shard each block, then the root (each stage)
     return model
-
-
-def _check_context(model: nn.Module, p: Plan, topology: Topology | None) -> str | None:
-    """The ``context_parallel`` section checked before anything changes; its error prefix when cp > 1, else None."""
-    if p.context_parallel is not None and topology is None:
-        raise PlanError(f"{p.source or '<plan>'}: context_parallel needs a meshplan Topology (meshplan.init or "
-                        f"build_mesh), not a bare DeviceMesh")
-    if topology is None:
-        return None
-    from meshplan.context_parallel.apply import check_plan_context
-    lay = topology.layout
-    return check_plan_context(model, p, lay.cp, lay.pp, topology.dense.device_type)
 
 
 def _check_experts(model: nn.Module, p: Plan, topology: Topology | None, split: Any) -> Any:

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from meshplan.checks.context import context_lines
+from meshplan.axes import report_lines
 from meshplan.checks.experts import experts_lines
 from meshplan.checks.pipeline import stage_lines
 from meshplan.plan_file.patterns import wildcard
@@ -229,7 +229,7 @@ def summary_lines(report, unsharded: bool = True) -> list[str]:
         shown = "; ".join(f"{k} ({v})" for k, v in folded.items())
         out.append(f"unsharded parameters ({len(report.unsharded)}, every tp rank holds them whole): {shown}")
     out += stage_lines(report.pipeline)
-    out += context_lines(report.context)
+    out += report_lines(report)  # the axes that are units
     out += experts_lines(report.experts)
     out += [f"warning: {w}" for w in report.warnings]
     out.append("ok" if report.ok else f"{len(report.errors)} error(s):")

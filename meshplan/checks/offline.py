@@ -47,7 +47,7 @@ def check(model: nn.Module, plan: Plan | Mapping[str, Any] | str, world_size: in
     """
     from meshplan.checks.dry_run import meta_dry_run
     from meshplan.checks.explain import explain
-    from meshplan.checks.context import check_context
+    from meshplan.axes import check_axes
     from meshplan.checks.data import check_data
     from meshplan.checks.experts import check_experts
     from meshplan.checks.pipeline import check_pipeline
@@ -71,7 +71,7 @@ def check(model: nn.Module, plan: Plan | Mapping[str, Any] | str, world_size: in
         for msg in cross_shard_errors(model, p, resolved.tp, checker.where, report.warnings):
             checker.err(msg)
     check_pipeline(model, p, resolved, report)  # the schedule and the split (on a meta copy)
-    check_context(model, p, resolved, report)  # the context_parallel section
+    check_axes(model, p, resolved, report)  # the sections of the axes that are units
     check_experts(model, p, resolved, report)  # the expert_parallel section
     check_data(model, p, resolved, report)  # blocks and data_parallel, as parallelize checks them first
     applied = None

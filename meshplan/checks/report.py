@@ -24,7 +24,8 @@ class Report:
         totals: parameter counts/bytes and collectives per forward/backward.
         pipeline: the ``pipeline`` section's schedule and one row per stage (see
             :mod:`meshplan.checks.pipeline`); empty without a section or when the split failed.
-        context: the ``context_parallel`` section's summary (see :mod:`meshplan.checks.context`), or empty.
+        context: the summary the context axis unit's check writes (its ``report_key``; :mod:`meshplan.axes`), or
+            empty.
         experts: the ``expert_parallel`` section's summary (see :mod:`meshplan.checks.experts`), or empty.
     """
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from meshplan.context_parallel.chunks import check_seq_len, rank_positions
 from meshplan.errors import PlanError
 
-__all__ = ["shard_batch", "shard_sequence", "shard_for_state", "sequence_length"]
+__all__ = ["shard_batch", "shard_for_state", "sequence_length"]
 
 
 def sequence_length(inputs: Any, seq_dim: int) -> int | None:
@@ -91,31 +91,3 @@ def shard_for_state(state: Any, inputs: Any, targets: Any, shift: bool = False,
     tp = state.topology.layout.tp if state.sequence_parallel is True else 1
     return shard_batch(inputs, targets, cp=rt.cp, rank=rt.rank, load_balance=rt.load_balance, seq_dim=rt.seq_dim,
                        tp_sequence=tp, shift=shift, ignore_index=ignore_index)
-
-
-def shard_sequence(model: Any, inputs: Any, targets: Any = None) -> tuple[Any, Any]:
-    """This rank's share of a batch of whole sequences, for calling a context-parallel model yourself (an eval loop,
-    a custom step); :func:`meshplan.train_step` does it for you.
-
-    Args:
-        model: a model :func:`meshplan.parallelize` gave a ``context_parallel`` section (else nothing changes).
-        inputs: whole sequences: a tensor, tuple or dict, as the model takes them.
-        targets: per-token targets (already shifted if the loss does not shift), or None.
-
-    Returns:
-        ``(inputs, targets)`` of this cp rank: its head-tail chunks of every sequence-long tensor.
-
-    Raises:
-        PlanError: a length the layout cannot split (with valid lengths), or a padding ``attention_mask``.
-
-    Example::
-
-        >>> x, y = meshplan.shard_sequence(model, tokens, labels)
-        >>> loss = meshplan.cross_entropy(model(x), y)   # this rank's tokens; sum over cp for the global loss
-    """
-    from meshplan.state import parallel_state
-    state = parallel_state(model)
-    if state is None or state.context_parallel is None:
-        return inputs, targets
-    sharded, shard_targets, _ = shard_for_state(state, inputs, inputs if targets is None else targets)
-    return sharded, (None if targets is None else shard_targets)

@@ -7,12 +7,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from meshplan.axes import AXES
+
 __all__ = ["Notes", "unheld_sections", "acts", "layout_overrides", "rule_data", "is_replicate", "SECTION_NAMES", "HEAD_NAMES"]
 
 #: what each plan section is, for the dropped lines
 SECTION_NAMES = {"blocks": "the blocks section (activation checkpointing, compile)",
                  "data_parallel": "the data_parallel section (FSDP2/HSDP/DDP settings)",
-                 "pipeline": "the pipeline section", "context_parallel": "the context_parallel section",
+                 "pipeline": "the pipeline section", **{axis.section: f"the {axis.section} section" for axis in AXES},
                  "expert_parallel": "the expert_parallel section", "tensor_parallel": "the tensor_parallel rules"}
 
 

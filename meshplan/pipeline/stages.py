@@ -59,7 +59,7 @@ def boundary_hooks(view: nn.Module, tp_mesh: DeviceMesh | None, sequence_paralle
         return out.to_local() if isinstance(out, DTensor) and not last else out
 
     if place is not None and not first:
-        view.register_forward_pre_hook(to_stream, prepend=True)  # before the model's own root hooks (cp positions)
+        view.register_forward_pre_hook(to_stream, prepend=True)  # before the model's root hooks (axis units' positions)
     view.register_forward_hook(to_local)
 
 

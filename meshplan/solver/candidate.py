@@ -107,6 +107,10 @@ class Candidate:
     def world(self) -> int:
         return self.tp * self.cp * self.pp * self.dp_replicate * self.dp_shard
 
+    def rank_tokens(self, seq: int) -> float:
+        """Tokens of one microbatch on one rank: ``micro_batch`` sequences of ``seq``, cut over the sequence axis."""
+        return self.micro_batch * seq / self.cp
+
     @property
     def dp(self) -> int:
         """Data-parallel ranks (each holding different sequences; cp ranks share theirs)."""

@@ -10,8 +10,7 @@ step recorded op by op; ``docs/tensor-parallel.md`` states the tensor-parallel o
   sequence parallelism all-reduces take their place. The embedding reduces its output, the head gathers its
   input; ``loss_parallel`` adds three small all-reduces; replicated parameters' gradients are summed once per
   step.
-* **cp** (all-gather K/V): one all-gather of K|V per attention forward (again in a recompute), one
-  reduce-scatter of dK|dV backward.
+* the axes that are units (:mod:`meshplan.axes`): each unit's ``costs.collectives``, under its own name.
 * **ep**: per MoE block, forward the all-to-alls of the counts, the dispatch and the combine; backward two.
 * **pp**: a send or receive per stage boundary a rank's stages touch, per microbatch and direction.
 * **dp**: FSDP2 per unit (each block, an MoE block's experts over edp, and the root): all-gathers before forward
@@ -26,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from meshplan.axes import AXES
 from meshplan.solver.candidate import DTYPE_BYTES, Candidate, Training
 from meshplan.solver.memory import _block_tensors, _end_tensors, block_kinds, shard_sizes
 from meshplan.solver.placement import Group, Placement
@@ -39,7 +39,7 @@ class Collective:
     """``count`` calls of one collective per step.
 
     Attributes:
-        axis: ``tp``, ``cp``, ``ep``, ``pp``, ``dp`` or ``step``. kind: ``all_gather``, ``reduce_scatter``,
+        axis: ``tp``, an axis unit's name, ``ep``, ``pp``, ``dp`` or ``step``. kind: ``all_gather``, ``reduce_scatter``,
         ``all_reduce``, ``all_to_all``, ``send`` or ``recv``. group: the ranks it spans. nbytes: per call, the
         full buffer (as :meth:`meshplan.solver.cluster.Cluster.comm_time` takes it). count: calls per step.
         what: what it moves. hidden: data-parallel or pipeline traffic that can overlap compute.
@@ -77,7 +77,7 @@ def _tp_block(c: Candidate, tr: Training, moe: bool, ckpt: bool, g: Group, nbyte
 def _tp(s: ModelShape, c: Candidate, tr: Training, place: Placement, pp_rank: int,
         memo: dict) -> list[Collective]:
     g, m = place.groups["tp"], c.microbatches
-    tokens = c.micro_batch * tr.seq / c.cp
+    tokens = c.rank_tokens(tr.seq)
     stream = tokens * s.hidden * tr.act_bytes
     out = []
     kinds = block_kinds(s, c, place, pp_rank, memo)
@@ -103,25 +103,10 @@ def _tp(s: ModelShape, c: Candidate, tr: Training, place: Placement, pp_rank: in
     return out
 
 
-def _cp(s: ModelShape, c: Candidate, tr: Training, place: Placement, pp_rank: int,
-        memo: dict) -> list[Collective]:
-    g = place.groups["cp"]
-    kvw = (s.q_width if s.gqa_repeat else s.kv_width) / c.tp
-    kv = 2 * kvw * c.micro_batch * tr.seq * tr.act_bytes  # K|V of the whole sequence, this rank's heads
-    kinds = block_kinds(s, c, place, pp_rank, memo)
-    blocks, recompute = sum(kinds.values()), sum(n for (_, ckpt), n in kinds.items() if ckpt)
-    if tr.cp_method == "ring":
-        hop = kv / c.cp
-        n = (c.cp - 1) * (2 * blocks + recompute) * c.microbatches
-        return [Collective("cp", "send", g, hop, n, "ring attention: K/V (and dK/dV) hops")]
-    return [Collective("cp", "all_gather", g, kv, (blocks + recompute) * c.microbatches, "K|V (forward)"),
-            Collective("cp", "reduce_scatter", g, kv, blocks * c.microbatches, "dK|dV (backward)")]
-
-
 def _ep(s: ModelShape, c: Candidate, tr: Training, place: Placement, pp_rank: int,
         memo: dict) -> list[Collective]:
     g = place.groups["ep"]
-    tokens = c.micro_batch * tr.seq / c.cp / (c.tp if c.etp == 1 else 1)
+    tokens = c.rank_tokens(tr.seq) / (c.tp if c.etp == 1 else 1)
     rows = tokens * s.top_k * s.hidden * tr.act_bytes
     kinds = block_kinds(s, c, place, pp_rank, memo)
     moe = sum(n for (is_moe, _), n in kinds.items() if is_moe)
@@ -135,7 +120,7 @@ def _pp(s: ModelShape, c: Candidate, tr: Training, place: Placement, pp_rank: in
         memo: dict) -> list[Collective]:
     g = place.groups["pp"]
     sh = c.tp if tr.sequence_parallel and c.tp > 1 else 1
-    act = c.micro_batch * tr.seq / c.cp * s.hidden / sh * tr.act_bytes
+    act = c.rank_tokens(tr.seq) * s.hidden / sh * tr.act_bytes
     last = c.pp * c.vpp - 1
     sends = recvs = 0
     for st in place.stages_of(pp_rank):
@@ -151,14 +136,15 @@ def _pp(s: ModelShape, c: Candidate, tr: Training, place: Placement, pp_rank: in
 
 def step_collectives(s: ModelShape, c: Candidate, tr: Training, place: Placement, pp_rank: int = 0,
                      memo: dict | None = None) -> list[Collective]:
-    """The collectives of pipeline rank ``pp_rank`` in one step (its tp/cp/dp peers issue the same); ``memo``
+    """The collectives of pipeline rank ``pp_rank`` in one step (its peers in the other axes issue the same); ``memo``
     shares per-block sizes between the ranks of one candidate."""
     out: list[Collective] = []
     memo = {} if memo is None else memo
     if c.tp > 1:
         out += _tp(s, c, tr, place, pp_rank, memo)
-    if c.cp > 1:
-        out += _cp(s, c, tr, place, pp_rank, memo)
+    for axis in AXES:  # the axes that are units (their own cost terms), in parallelize's order
+        if axis.degree(c) > 1:
+            out += axis.costs.collectives(s, c, tr, place, pp_rank, memo)
     if c.ep > 1:
         out += _ep(s, c, tr, place, pp_rank, memo)
     if c.pp > 1:

@@ -56,7 +56,7 @@ def _matmuls(s: ModelShape, c: Candidate, moe: bool, tokens: float) -> list[tupl
 def block_time(s: ModelShape, c: Candidate, tr: Training, cl: Cluster, moe: bool,
                checkpointed: bool) -> tuple[float, float]:
     """``(seconds, executed FLOPs)`` of one block's forward and backward for one microbatch on one rank."""
-    tokens = c.micro_batch * tr.seq / c.cp
+    tokens = c.rank_tokens(tr.seq)
     mm_time = mm_flops = 0.0
     for m, n, k in _matmuls(s, c, moe, tokens):
         f = 2 * m * n * k
@@ -79,7 +79,7 @@ def block_time(s: ModelShape, c: Candidate, tr: Training, cl: Cluster, moe: bool
 
 def end_time(s: ModelShape, c: Candidate, tr: Training, cl: Cluster, first: bool, last: bool) -> float:
     """The embedding and the head (output projection and loss) for one microbatch on one rank."""
-    tokens = c.micro_batch * tr.seq / c.cp
+    tokens = c.rank_tokens(tr.seq)
     out = 0.0
     if last:
         m, n, k = tokens, s.vocab / c.tp, s.hidden

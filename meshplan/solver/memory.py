@@ -12,7 +12,7 @@ Activations are the tensors autograd keeps per microbatch, per token (``h`` hidd
 log-sum-exp and the norms' ``rstd`` in float32, and ``4f/t`` in a SwiGLU MLP (``2f/t`` for GELU). That is
 ``10h + 4f`` at ``norm_saved = 2`` and ``t = 1``, what ``meshplan.memory`` measures on the example Llama.
 Variants: without sequence parallelism the stream is whole; ``save_gathered_inputs`` keeps ``2h(1−1/t)`` more;
-all-gather-KV context parallelism keeps K and V of the whole sequence and the chunked output; an MoE block keeps
+each axis unit keeps its own terms (``costs.block_activations``, :mod:`meshplan.axes`); an MoE block keeps
 ``top_k·(3h + 4·f_e/etp)`` per routed token plus the dispatch buffers; full checkpointing keeps the block input
 only; op-level checkpointing the matmul outputs. The pipeline schedule multiplies by the microbatches in flight
 (``docs/pipeline.md``).
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from meshplan.axes import AXES
 from meshplan.solver.candidate import Candidate, Training
 from meshplan.solver.placement import Placement
 from meshplan.solver.shape import ModelShape
@@ -141,7 +142,7 @@ def block_activations(s: ModelShape, c: Candidate, tr: Training, moe: bool, chec
     """Bytes one block (an MoE one or not, checkpointed or not) keeps for backward per microbatch on one rank."""
     t, h, b = c.tp, s.hidden, tr.act_bytes
     sh = t if tr.sequence_parallel and t > 1 else 1
-    tokens = c.micro_batch * tr.seq / c.cp
+    tokens = c.rank_tokens(tr.seq)
     if checkpointed:
         return tokens * h / sh * b
     if c.ac == "selective" and c.ac_ops:  # op level: the matmul outputs (rowwise ones before their reduction)
@@ -151,8 +152,8 @@ def block_activations(s: ModelShape, c: Candidate, tr: Training, moe: bool, chec
     per = (2 * s.norm_saved + 2) * h / sh * b + 2 * 4 / sh + (2 * s.q_width + 2 * kvw) / t * b + s.heads / t * 4
     if tr.save_gathered_inputs and sh > 1:
         per += (1 if moe and c.etp == 1 else 2) * h * (1 - 1 / t) * b
-    if c.cp > 1 and tr.cp_method == "allgather_kv":
-        per += (2 * kvw * (c.cp - 1) + s.q_width) / t * b
+    for axis in AXES:  # the axes that are units: what they keep beyond the dense block
+        per += axis.costs.block_activations(s, c, tr, kvw)
     if not moe:
         return tokens * (per + (4 if s.mlp == "swiglu" else 2) * s.ffn / t * b)
     return tokens * per + _moe_activations(s, c, tokens, b)
@@ -174,10 +175,11 @@ def _end_activations(s: ModelShape, c: Candidate, tr: Training, first: bool, las
     and logits and the loss's saved tensors (last stage)."""
     t, h, b = c.tp, s.hidden, tr.act_bytes
     sh = t if tr.sequence_parallel and t > 1 else 1
-    tokens = c.micro_batch * tr.seq / c.cp
+    tokens = c.rank_tokens(tr.seq)
     out = 0.0
     if first:
-        out += tokens * ((9 if t > 1 else 8) + (16 if c.cp > 1 else 0) + h / sh * b)
+        extra = sum(axis.costs.first_stage_activations(c) for axis in AXES)
+        out += tokens * ((9 if t > 1 else 8) + extra + h / sh * b)
     if last:
         gathered = sh > 1
         norm = (s.norm_saved - (1 if gathered else 0)) * h / sh * b + 4 / sh + (h * b if gathered else 0)
@@ -221,7 +223,7 @@ def _per_block(s: ModelShape, c: Candidate, moe: bool, d_dense: int, d_expert: i
 
 def rank_memory(s: ModelShape, c: Candidate, tr: Training, place: Placement, pp_rank: int,
                 memo: dict | None = None) -> Memory:
-    """The memory of pipeline rank ``pp_rank`` (every data/tp/cp rank of a stage holds the same); ``memo`` shares
+    """The memory of pipeline rank ``pp_rank`` (every rank of a stage holds the same); ``memo`` shares
     per-block results between the ranks of one candidate."""
     memo = {} if memo is None else memo
     d_dense, d_expert = shard_sizes(c, place)
@@ -242,7 +244,7 @@ def rank_memory(s: ModelShape, c: Candidate, tr: Training, place: Placement, pp_
     acts = (acts + _end_activations(s, c, tr, first, last)) * in_flight(c, pp_rank)
     gathered, transient = _fsdp_buffers(s, c, tr, kinds, ends, d_dense > 1 or d_expert > 1, memo)
     if last:
-        transient += c.micro_batch * tr.seq / c.cp * s.vocab / c.tp * 4  # the loss's float32 logits gradient
+        transient += c.rank_tokens(tr.seq) * s.vocab / c.tp * 4  # the loss's float32 logits gradient
     host = 0.0
     if tr.cpu_offload:
         host, params, grads, optimizer = params + grads + optimizer, 0.0, 0.0, 0.0

@@ -8,6 +8,7 @@ from typing import Any
 
 import yaml
 
+from meshplan.axes import AXES
 from meshplan.errors import PlanError
 from meshplan.plan_file.document import Plan
 from meshplan.plan_file.layout import Layout
@@ -18,10 +19,10 @@ __all__ = ["candidate_from_plan", "plan_from_candidate", "plan_text"]
 
 def _sections(plan: Plan, lay, where: str) -> None:
     """A degree above 1 needs its section, as ``meshplan.parallelize`` says."""
-    for degree, name, section in ((lay.tp, "tp", plan.tensor_parallel), (lay.cp, "cp", plan.context_parallel),
-                                  (lay.ep, "ep", plan.expert_parallel), (lay.pp, "pp", plan.pipeline)):
-        if degree > 1 and section is None:
-            key = {"tp": "tensor_parallel", "cp": "context_parallel", "ep": "expert_parallel", "pp": "pipeline"}[name]
+    units = tuple((axis.degree(lay), axis.name, axis.section) for axis in AXES)  # in parallelize's order
+    for degree, name, key in ((lay.tp, "tp", "tensor_parallel"), *units, (lay.ep, "ep", "expert_parallel"),
+                              (lay.pp, "pp", "pipeline")):
+        if degree > 1 and getattr(plan, key) is None:
             raise PlanError(f"{where}: layout.{name}({degree}) > 1 but the plan has no {key} section")
 
 
@@ -47,7 +48,8 @@ def candidate_from_plan(plan: Plan, world: int, seq: int, global_batch: int, *, 
     if global_batch % (data * m):
         raise PlanError(f"{where}: the global batch ({global_batch}) must split over dp({data}) × microbatches({m}); "
                         f"expected a multiple of {data * m}")
-    cand = Candidate(tp=lay.tp, cp=lay.cp, ep=lay.ep, etp=lay.etp, pp=lay.pp, vpp=lay.vpp,
+    cand = Candidate(tp=lay.tp, **{axis.name: axis.degree(lay) for axis in AXES}, ep=lay.ep, etp=lay.etp,
+                     pp=lay.pp, vpp=lay.vpp,
                      dp_replicate=lay.dp_replicate, dp_shard=lay.dp_shard, order=lay.order_str,
                      schedule=plan.pipeline.schedule if plan.pipeline and lay.pp > 1 else None,
                      micro_batch=global_batch // (data * m), microbatches=m,
@@ -64,26 +66,28 @@ def candidate_from_plan(plan: Plan, world: int, seq: int, global_batch: int, *, 
         save_gathered_inputs=bool(tp_sec is not None and tp_sec.save_gathered_inputs),
         reshard_after_forward=reshard is not False,
         cpu_offload=bool(dp_sec and dp_sec.cpu_offload),
-        cp_method=plan.context_parallel.method if plan.context_parallel else "allgather_kv")
+        **{k: v for axis in AXES for k, v in axis.training(plan).items()})
     return cand, train
 
 
 def plan_from_candidate(cand: Candidate, train: Training, base: dict[str, Any] | None = None,
                         blocks_pattern: str = "layers.*") -> dict[str, Any]:
     """The plan (plain data) that runs ``cand``: its layout, blocks, pipeline and data-parallel settings, and the
-    rule sections of ``base`` (a plan's data: ``tensor_parallel``, ``context_parallel``, ``expert_parallel``).
+    rule sections of ``base`` (a plan's data: ``tensor_parallel``, each axis unit's section, ``expert_parallel``).
 
     Raises:
         PlanError: the candidate needs a rule section ``base`` lacks, or the result does not validate.
     """
     base = dict(base or {})
     out: dict[str, Any] = {"version": 1, "layout": cand.layout_dict()}
-    for degree, key in ((cand.tp, "tensor_parallel"), (cand.cp, "context_parallel"), (cand.ep, "expert_parallel")):
+    units = tuple((axis.degree(cand), axis.section) for axis in AXES)
+    for degree, key in ((cand.tp, "tensor_parallel"), *units, (cand.ep, "expert_parallel")):
         if key in base:
             out[key] = base[key]
         elif degree > 1:
+            examples = ", ".join(f"{axis.example_plan} for {axis.section}" for axis in AXES)
             raise PlanError(f"the chosen layout needs a {key} section; pass --plan with one (e.g. plans/llama.yaml "
-                            f"for tensor_parallel, plans/llama_cp.yaml for context_parallel)")
+                            f"for tensor_parallel, {examples})")
     if "tensor_parallel" in out:
         out["tensor_parallel"] = {**out["tensor_parallel"], "sequence_parallel": train.sequence_parallel,
                                   "loss_parallel": train.loss_parallel}

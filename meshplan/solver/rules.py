@@ -7,16 +7,17 @@ with, so a layout ``meshplan solve`` rejects fails ``parallelize`` the same way:
   order string);
 * ``heads``, ``kv_heads``, ``vocab``, ``ffn``, ``experts``: :func:`meshplan.mesh.ranks.not_dividing`, the wording of
   tensor and expert parallelism's checks; ``etp``: expert parallelism's 1-or-tp rule;
-* ``sequence``: :func:`meshplan.context_parallel.chunks.check_seq_len` (head-tail chunks, then sequence parallelism);
+* ``sequence``: each axis unit's ``costs.sequence_problem`` (its chunks, then sequence parallelism);
 * ``blocks``: the pipeline split's "cannot fill" rule; ``schedule``: :func:`meshplan.plan_file.stages.schedule_problem`;
 * ``batch``: the global batch over the data ranks and microbatches (``train_step``'s rules);
-* ``device``: what the cluster's device cannot run (ring attention and CPU offload need an accelerator);
+* ``device``: what the cluster's device cannot run (each axis unit's ``costs.run_problem``; CPU offload needs an
+  accelerator);
 * ``memory``: the estimate above the usable device memory (checked by :mod:`meshplan.solver.search`).
 """
 
 from __future__ import annotations
 
-from meshplan.context_parallel.chunks import check_seq_len
+from meshplan.axes import AXES
 from meshplan.errors import PlanError
 from meshplan.mesh.ranks import divisors_text, not_dividing
 from meshplan.plan_file.expert_parallel import etp_problem
@@ -25,7 +26,7 @@ from meshplan.solver.candidate import Candidate, Training
 from meshplan.solver.placement import resolve
 from meshplan.solver.shape import ModelShape
 
-__all__ = ["REASONS", "layout_problem", "model_problem", "run_problem", "problem"]
+__all__ = ["REASONS", "layout_problem", "model_problem", "sequence_problem", "run_problem", "problem"]
 
 #: every rejection reason, in the order they are checked
 REASONS = ("layout", "heads", "kv_heads", "vocab", "ffn", "experts", "etp", "sequence", "blocks", "schedule",
@@ -69,12 +70,22 @@ def model_problem(s: ModelShape, c: Candidate) -> Problem:
     return None
 
 
+def sequence_problem(c: Candidate, tr: Training) -> Problem:
+    """Why the sequence cannot be split as ``c``'s axes that are units split it, then over tp for sequence
+    parallelism."""
+    tp_seq = c.tp if tr.sequence_parallel and c.tp > 1 else 1
+    for axis in AXES:
+        why = axis.costs.sequence_problem(tr.seq, axis.degree(c), tp_seq)
+        if why:
+            return "sequence", why
+    return None
+
+
 def run_problem(s: ModelShape, c: Candidate, tr: Training, device: str = "cuda") -> Problem:
     """What the sequence, the blocks, the schedule, the batch and the device allow."""
-    tp_seq = c.tp if tr.sequence_parallel and c.tp > 1 else 1
-    why = check_seq_len(tr.seq, c.cp, c.cp > 1, tp_seq) if c.cp > 1 or tp_seq > 1 else None
-    if why:
-        return "sequence", why
+    problem = sequence_problem(c, tr)
+    if problem:
+        return problem
     stages = c.pp * c.vpp
     if s.layers < stages:
         return "blocks", (f"pipeline: {s.layers} blocks cannot fill {stages} stages (pp·vpp); expected at least "
@@ -92,8 +103,10 @@ def run_problem(s: ModelShape, c: Candidate, tr: Training, device: str = "cuda")
     if c.micro_batch * c.microbatches != local:
         return "batch", (f"microbatches({c.microbatches}) × micro batch({c.micro_batch}) != this rank's batch "
                          f"size ({local}); valid microbatches: {divisors_text(local)}")
-    if device == "cpu" and tr.cp_method == "ring" and c.cp > 1:
-        return "device", "context_parallel.method: ring runs torch's ring attention, CUDA only in torch 2.13"
+    for axis in AXES:
+        problem = axis.costs.run_problem(c, tr, device)
+        if problem:
+            return problem
     if device == "cpu" and tr.cpu_offload:
         return "device", "data_parallel.cpu_offload: true needs an accelerator"
     return None

@@ -15,7 +15,6 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from meshplan.context_parallel.chunks import check_seq_len
 from meshplan.errors import PlanError
 from meshplan.mesh.ranks import divisors
 from meshplan.plan_file.pipeline import SCHEDULES, V_SCHEDULES
@@ -23,7 +22,7 @@ from meshplan.plan_file.stages import other_degrees, schedule_problem
 from meshplan.solver.candidate import Candidate, Training
 from meshplan.solver.cluster import Cluster
 from meshplan.solver.placement import Placement
-from meshplan.solver.rules import layout_problem, model_problem
+from meshplan.solver.rules import layout_problem, model_problem, sequence_problem
 from meshplan.solver.shape import ModelShape
 from meshplan.solver.step import Estimate, evaluate, peak_memory
 
@@ -118,10 +117,9 @@ class _Search:
                 continue
             for cp in self.degrees("cp", self.gpus // tp):
                 self.enumerated += 1
-                sp = tp if self.tr.sequence_parallel and tp > 1 else 1
-                why = check_seq_len(self.tr.seq, cp, cp > 1, sp) if cp > 1 or sp > 1 else None
+                why = sequence_problem(Candidate(tp=tp, etp=tp, cp=cp), self.tr)
                 if why:
-                    self.reject(f"tp{tp} cp{cp}", ("sequence", why))
+                    self.reject(f"tp{tp} cp{cp}", why)
                     continue
                 for pp in self.degrees("pp", self.gpus // (tp * cp)):
                     self.pipeline(tp, cp, pp)

@@ -1,6 +1,6 @@
 """One candidate's step: time, throughput, MFU and memory per rank. Torch-free.
 
-Step time = the pipeline (each microbatch's compute and exposed tp/cp/ep communication on the slowest rank,
+Step time = the pipeline (each microbatch's compute and exposed tp, axis-unit and ep communication on the slowest rank,
 times the microbatches, stretched by the schedule's idle fraction) + the exposed pipeline sends + the exposed
 data-parallel traffic (what does not hide behind compute, per the cluster's ``overlap``) + the optimizer step +
 the step's small all-reduces (with CPU offload the optimizer step and the parameter and gradient copies run at
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from meshplan.axes import AXES
 from meshplan.solver.candidate import Candidate, Training
 from meshplan.solver.cluster import Cluster
 from meshplan.solver.collectives import Collective, step_collectives
@@ -24,6 +25,9 @@ from meshplan.solver.placement import Placement
 from meshplan.solver.shape import ModelShape
 
 __all__ = ["Estimate", "evaluate", "idle_fraction", "peak_memory"]
+
+#: the collective axes exposed in each microbatch: tp, the axes that are units (in order), ep
+_PER_MICROBATCH = ("tp", *(axis.name for axis in AXES), "ep")
 
 
 def idle_fraction(schedule: str | None, p: int, v: int, m: int) -> float:
@@ -47,7 +51,8 @@ class Estimate:
         candidate: the layout. step_time: seconds per optimizer step. tokens_per_s: over the whole job.
         tokens_per_s_device: per device. mfu: model FLOPs utilisation (of the compute dtype's peak).
         tflops_device: model TFLOP/s per device. memory: the most loaded rank's. memory_rank: its pipeline rank.
-        parts: seconds by part (``compute``, ``bubble``, ``tp``, ``cp``, ``ep``, ``pp``, ``dp``, ``optimizer``, ``step``).
+        parts: seconds by part (``compute``, ``bubble``, ``tp``, each axis unit's name, ``ep``, ``pp``, ``dp``,
+            ``optimizer``, ``step``).
         collectives: pipeline rank 0's collectives per step.
     """
 
@@ -88,7 +93,7 @@ def _rank_microbatch(s: ModelShape, c: Candidate, tr: Training, cl: Cluster, pla
         flops += n * memo[key][1]
     secs += end_time(s, c, tr, cl, *place.ends_of(r))
     colls = step_collectives(s, c, tr, place, r, memo)
-    comm = {a: v / c.microbatches for a, v in _comm(colls, cl, ("tp", "cp", "ep"), times).items()}
+    comm = {a: v / c.microbatches for a, v in _comm(colls, cl, _PER_MICROBATCH, times).items()}
     return secs, flops, {**comm, "colls": colls}
 
 
@@ -140,7 +145,7 @@ def evaluate(s: ModelShape, c: Candidate, tr: Training, cl: Cluster, place: Plac
     memo = {} if memo is None else memo
     times = {} if times is None else times
     per_rank = {r: _rank_microbatch(s, c, tr, cl, place, r, memo, times) for r in _ranks(s, c, place, memo)}
-    t_mb = {r: v[0] + v[2]["tp"] + v[2]["cp"] + v[2]["ep"] for r, v in per_rank.items()}
+    t_mb = {r: sum((v[2][a] for a in _PER_MICROBATCH), v[0]) for r, v in per_rank.items()}
     slow = max(t_mb, key=t_mb.get)
     m = c.microbatches
     busy = m * t_mb[slow]
@@ -161,9 +166,8 @@ def evaluate(s: ModelShape, c: Candidate, tr: Training, cl: Cluster, place: Plac
     step = pipeline + pp_exposed + dp_exposed + optimizer + comm["step"]
     tokens = tr.tokens / step
     model = model_flops_per_token(s, tr.seq) * tokens / c.world
-    parts = {"compute": compute, "bubble": pipeline - busy, "tp": m * per_rank[slow][2]["tp"],
-             "cp": m * per_rank[slow][2]["cp"], "ep": m * per_rank[slow][2]["ep"], "pp": pp_exposed,
-             "dp": dp_exposed, "optimizer": optimizer, "step": comm["step"]}
+    parts = {"compute": compute, "bubble": pipeline - busy, **{a: m * per_rank[slow][2][a] for a in _PER_MICROBATCH},
+             "pp": pp_exposed, "dp": dp_exposed, "optimizer": optimizer, "step": comm["step"]}
     colls0 = per_rank[0][2]["colls"] if 0 in per_rank else step_collectives(s, c, tr, place, 0, memo)
     return Estimate(c, step, tokens, tokens / c.world, model / cl.peak(tr.dtype), model / 1e12, mem, worst,
                     parts, colls0)

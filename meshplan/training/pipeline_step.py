@@ -75,9 +75,8 @@ def pipeline_step(model: nn.Module, state: ParallelState, batch: tuple[Any, torc
                         "stage computes the loss on the schedule's microbatches")
     topology = topology or state.topology
     inputs, targets = batch
-    if state.context_parallel is not None:  # this cp rank's share of every sequence
-        from meshplan.context_parallel.batch import shard_for_state
-        inputs, targets, _ = shard_for_state(state, inputs, targets, ignore_index=ignore_index)
+    from meshplan.axes import shard_batch
+    inputs, targets, _ = shard_batch(state, inputs, targets, ignore_index=ignore_index)  # each axis' share
     record = state.pipeline
     _check_batch(inputs, record.section.microbatches)
     from meshplan.pipeline.traced import prepare_traced

@@ -173,9 +173,8 @@ def _step(model: nn.Module, batch: Any, loss_fn: Callable | None, optimizer: tor
     batch, loss_fn, shift = _own_loss(model, batch, loss_fn)
     distributed, replicas = _data_ranks(model, state, topology, sequence_parallel)
     inputs, targets = batch
-    if state is not None and state.context_parallel is not None:  # this cp rank's share of every sequence
-        from meshplan.context_parallel.batch import shard_for_state
-        inputs, targets, shift = shard_for_state(state, inputs, targets, shift, ignore_index)
+    from meshplan.axes import shard_batch
+    inputs, targets, shift = shard_batch(state, inputs, targets, shift, ignore_index)  # each axis' share
     n = int(microbatches)
     if n < 1:
         raise PlanError(f"train_step: microbatches must be >= 1, got {n}")

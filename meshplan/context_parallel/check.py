@@ -1,5 +1,5 @@
-"""The ``context_parallel`` section in ``meshplan check``: checked against the layout and the model as
-:func:`meshplan.parallelize` checks it, and summarised in one line::
+"""The ``context_parallel`` section checked: in ``meshplan check`` (:func:`check_context`) against the layout and
+the model as :func:`meshplan.parallelize` checks it (:func:`prepare_context`), and summarised in one line::
 
     context parallel: cp 2, allgather_kv (per attention module and step: 1 all_gather of K and V over cp,
     1 reduce_scatter of dK and dV), head-tail chunks (rank r holds chunks r and 2·cp−1−r of 2·cp);
@@ -12,10 +12,11 @@ from typing import Any
 
 import torch.nn as nn
 
-from meshplan.context_parallel.apply import check_context_parallel, check_plan_context
+from meshplan.context_parallel.apply import CpApplied, apply_context_parallel, check_context_parallel, \
+    check_plan_context
 from meshplan.errors import PlanError
 
-__all__ = ["check_context", "context_lines"]
+__all__ = ["check_context", "context_lines", "prepare_context", "apply_context"]
 
 
 def check_context(model: nn.Module, plan: Any, layout: Any, report: Any) -> None:
@@ -52,3 +53,20 @@ def context_lines(context: dict) -> list[str]:
     return [f"context parallel: cp {context['cp']}, {method}, {chunks}; attention: "
             f"{', '.join(context['attention'])} ({context['attention_modules']} modules); positions: "
             f"{context['positions']}"]
+
+
+def prepare_context(model: nn.Module, p: Any, topology: Any) -> str | None:
+    """The ``context_parallel`` section checked before :func:`meshplan.parallelize` changes anything; its error
+    prefix when cp > 1 (what :func:`apply_context` takes), else None."""
+    if p.context_parallel is not None and topology is None:
+        raise PlanError(f"{p.source or '<plan>'}: context_parallel needs a meshplan Topology (meshplan.init or "
+                        f"build_mesh), not a bare DeviceMesh")
+    if topology is None:
+        return None
+    lay = topology.layout
+    return check_plan_context(model, p, lay.cp, lay.pp, topology.dense.device_type)
+
+
+def apply_context(model: nn.Module, p: Any, topology: Any, where: str) -> CpApplied:
+    """The runtime installed for the plan's section (``where``: :func:`prepare_context`'s prefix)."""
+    return apply_context_parallel(model, p.context_parallel, topology, where)

@@ -1,0 +1,79 @@
+"""The ordered parallelism axes that are units (:class:`~meshplan.axis.Axis`), and the loops over them.
+
+:func:`meshplan.parallelize`, ``meshplan check``, :func:`meshplan.train_step`, explain and the solver iterate over
+:data:`AXES` instead of naming an axis. Only context parallelism is a unit so far; the others keep their own code
+paths and join the list one by one, at their place in parallelize's order (stage split → tensor → expert →
+context → blocks → stages → data). Torch-free.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from meshplan.axis import Axis
+from meshplan.context_parallel.unit import AXIS as _CONTEXT
+
+__all__ = ["AXES", "check_axes", "prepare_axes", "apply_axes", "shard_batch", "shard_sequence", "report_lines"]
+
+#: the axes that are units, in parallelize's order
+AXES: tuple[Axis, ...] = (_CONTEXT,)
+
+
+def check_axes(model: Any, plan: Any, layout: Any, report: Any) -> None:
+    """``meshplan check``: every axis' check of its section against ``layout`` (resolved) and ``model``."""
+    for axis in AXES:
+        axis.check(model, plan, layout, report)
+
+
+def prepare_axes(model: Any, plan: Any, topology: Any) -> dict[str, Any]:
+    """``parallelize``'s checks before anything changes: ``{axis name: prepared}`` for the axes it applies."""
+    prepared = {axis.name: axis.prepare(model, plan, topology) for axis in AXES}
+    return {name: v for name, v in prepared.items() if v is not None}
+
+
+def apply_axes(model: Any, plan: Any, topology: Any, prepared: dict[str, Any]) -> dict[str, Any]:
+    """Apply the prepared axes in order: ``{state field: record}`` for ``parallelize`` to attach."""
+    return {axis.state_field: axis.apply(model, plan, topology, prepared[axis.name])
+            for axis in AXES if axis.name in prepared}
+
+
+def shard_batch(state: Any, inputs: Any, targets: Any, shift: bool = False,
+                ignore_index: int = -100) -> tuple[Any, Any, bool]:
+    """This rank's share of a batch: each axis whose record ``state`` holds takes its share, in order."""
+    for axis in AXES:
+        if state is not None and getattr(state, axis.state_field) is not None:
+            inputs, targets, shift = axis.shard_batch(state, inputs, targets, shift, ignore_index)
+    return inputs, targets, shift
+
+
+def shard_sequence(model: Any, inputs: Any, targets: Any = None) -> tuple[Any, Any]:
+    """This rank's share of a batch of whole sequences, for calling a context-parallel model yourself (an eval loop,
+    a custom step); :func:`meshplan.train_step` does it for you.
+
+    Args:
+        model: a model :func:`meshplan.parallelize` gave a ``context_parallel`` section (else nothing changes).
+        inputs: whole sequences: a tensor, tuple or dict, as the model takes them.
+        targets: per-token targets (already shifted if the loss does not shift), or None.
+
+    Returns:
+        ``(inputs, targets)`` of this cp rank: its head-tail chunks of every sequence-long tensor.
+
+    Raises:
+        PlanError: a length the layout cannot split (with valid lengths), or a padding ``attention_mask``.
+
+    Example::
+
+        >>> x, y = meshplan.shard_sequence(model, tokens, labels)
+        >>> loss = meshplan.cross_entropy(model(x), y)   # this rank's tokens; sum over cp for the global loss
+    """
+    from meshplan.state import parallel_state
+    state = parallel_state(model)
+    if state is None:
+        return inputs, targets
+    sharded, shard_targets, _ = shard_batch(state, inputs, inputs if targets is None else targets)
+    return sharded, (None if targets is None else shard_targets)
+
+
+def report_lines(report: Any) -> list[str]:
+    """The text report's lines of every axis' summary."""
+    return [line for axis in AXES for line in axis.report_lines(getattr(report, axis.report_key))]

@@ -1,0 +1,62 @@
+"""Context parallelism's terms in the solver's cost model (torch-free; :mod:`meshplan.solver` reaches them through
+the unit, :mod:`meshplan.context_parallel.unit`).
+
+* collectives: ``allgather_kv``: one all-gather of K|V per attention forward (again in a recompute) and one
+  reduce-scatter of dK|dV per backward, K|V of the whole sequence for this rank's heads; ``ring``: ``cp − 1``
+  K/V hops per forward, twice that in backward;
+* activations: ``allgather_kv`` keeps the gathered K and V of the other ``cp − 1`` shards and the chunked output;
+  the first stage keeps the positions of this rank's tokens (16 bytes a token);
+* refusals: a sequence the head-tail chunks (then sequence parallelism) cannot split; ``ring`` off CUDA.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from meshplan.context_parallel.chunks import check_seq_len
+
+__all__ = ["cp_collectives", "cp_block_activations", "cp_first_stage_activations", "cp_sequence_problem",
+           "cp_run_problem"]
+
+
+def cp_collectives(s: Any, c: Any, tr: Any, place: Any, pp_rank: int, memo: dict) -> list:
+    """The cp collectives of pipeline rank ``pp_rank`` in one step
+    (:class:`~meshplan.solver.collectives.Collective`)."""
+    from meshplan.solver.collectives import Collective
+    from meshplan.solver.memory import block_kinds
+    g = place.groups["cp"]
+    kvw = (s.q_width if s.gqa_repeat else s.kv_width) / c.tp
+    kv = 2 * kvw * c.micro_batch * tr.seq * tr.act_bytes  # K|V of the whole sequence, this rank's heads
+    kinds = block_kinds(s, c, place, pp_rank, memo)
+    blocks, recompute = sum(kinds.values()), sum(n for (_, ckpt), n in kinds.items() if ckpt)
+    if tr.cp_method == "ring":
+        hop = kv / c.cp
+        n = (c.cp - 1) * (2 * blocks + recompute) * c.microbatches
+        return [Collective("cp", "send", g, hop, n, "ring attention: K/V (and dK/dV) hops")]
+    return [Collective("cp", "all_gather", g, kv, (blocks + recompute) * c.microbatches, "K|V (forward)"),
+            Collective("cp", "reduce_scatter", g, kv, blocks * c.microbatches, "dK|dV (backward)")]
+
+
+def cp_block_activations(s: Any, c: Any, tr: Any, kv_width: float) -> float:
+    """Bytes per token a block keeps for cp beyond the dense ones: the gathered K and V and the chunked output."""
+    if c.cp > 1 and tr.cp_method == "allgather_kv":
+        return (2 * kv_width * (c.cp - 1) + s.q_width) / c.tp * tr.act_bytes
+    return 0
+
+
+def cp_first_stage_activations(c: Any) -> float:
+    """Bytes per token the first stage keeps for cp: this rank's token positions."""
+    return 16 if c.cp > 1 else 0
+
+
+def cp_sequence_problem(seq: int, cp: int, tp_sequence: int) -> str | None:
+    """Why ``seq`` cannot be cut into ``cp`` ranks' head-tail chunks, then ``tp_sequence`` sequence-parallel
+    shards (with the lengths that can), or None."""
+    return check_seq_len(seq, cp, cp > 1, tp_sequence) if cp > 1 or tp_sequence > 1 else None
+
+
+def cp_run_problem(c: Any, tr: Any, device: str) -> tuple[str, str] | None:
+    """``method: ring`` on a CPU cluster, refused as :func:`meshplan.parallelize` refuses it."""
+    if device == "cpu" and tr.cp_method == "ring" and c.cp > 1:
+        return "device", "context_parallel.method: ring runs torch's ring attention, CUDA only in torch 2.13"
+    return None

@@ -1,0 +1,54 @@
+"""Context parallelism as a unit: :data:`AXIS`, the one value the rest of meshplan reaches it through.
+
+Torch-free (the solver imports it): each callable imports this folder's torch code when called.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from meshplan.axis import Axis, AxisCosts
+from meshplan.context_parallel.costs import cp_block_activations, cp_collectives, cp_first_stage_activations, \
+    cp_run_problem, cp_sequence_problem
+
+__all__ = ["AXIS"]
+
+
+def _check(model: Any, plan: Any, layout: Any, report: Any) -> None:
+    from meshplan.context_parallel.check import check_context
+    check_context(model, plan, layout, report)
+
+
+def _prepare(model: Any, plan: Any, topology: Any) -> str | None:
+    from meshplan.context_parallel.check import prepare_context
+    return prepare_context(model, plan, topology)
+
+
+def _apply(model: Any, plan: Any, topology: Any, where: str) -> Any:
+    from meshplan.context_parallel.check import apply_context
+    return apply_context(model, plan, topology, where)
+
+
+def _shard_batch(state: Any, inputs: Any, targets: Any, shift: bool = False,
+                 ignore_index: int = -100) -> tuple[Any, Any, bool]:
+    from meshplan.context_parallel.batch import shard_for_state
+    return shard_for_state(state, inputs, targets, shift, ignore_index)
+
+
+def _report_lines(summary: dict) -> list[str]:
+    from meshplan.context_parallel.check import context_lines
+    return context_lines(summary)
+
+
+def _training(plan: Any) -> dict:
+    return {"cp_method": plan.context_parallel.method if plan.context_parallel else "allgather_kv"}
+
+
+#: context parallelism: sequences split over ``cp`` (head-tail chunks), attention exact across the shards
+AXIS = Axis(name="cp", section="context_parallel", title="context parallelism", mesh_dims=("cp",),
+            state_field="context_parallel", report_key="context", check=_check, prepare=_prepare, apply=_apply,
+            shard_batch=_shard_batch, report_lines=_report_lines,
+            costs=AxisCosts(collectives=cp_collectives, block_activations=cp_block_activations,
+                            first_stage_activations=cp_first_stage_activations,
+                            sequence_problem=cp_sequence_problem, run_problem=cp_run_problem),
+            training=_training, example_plan="plans/llama_cp.yaml")
