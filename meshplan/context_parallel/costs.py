@@ -22,8 +22,8 @@ __all__ = ["cp_collectives", "cp_block_activations", "cp_first_stage_activations
 def cp_collectives(s: Any, c: Any, tr: Any, place: Any, pp_rank: int, memo: dict) -> list:
     """The cp collectives of pipeline rank ``pp_rank`` in one step
     (:class:`~meshplan.solver.collectives.Collective`)."""
-    from meshplan.solver.collectives import Collective
-    from meshplan.solver.memory import block_kinds
+    from meshplan.solver.terms import Collective
+    from meshplan.solver.terms import block_kinds
     g = place.groups["cp"]
     kvw = (s.q_width if s.gqa_repeat else s.kv_width) / c.tp
     kv = 2 * kvw * c.micro_batch * tr.seq * tr.act_bytes  # K|V of the whole sequence, this rank's heads

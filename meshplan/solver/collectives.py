@@ -23,35 +23,17 @@ step recorded op by op; ``docs/tensor-parallel.md`` states the tensor-parallel o
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 from meshplan.axes import AXES
 from meshplan.solver.candidate import DTYPE_BYTES, Candidate, Training
-from meshplan.solver.memory import _block_tensors, _end_tensors, block_kinds, shard_sizes
+from meshplan.solver.memory import _block_tensors, _end_tensors, shard_sizes
+from meshplan.solver.terms import Collective, block_kinds
 from meshplan.solver.placement import Group, Placement
 from meshplan.solver.shape import ModelShape
 
 __all__ = ["Collective", "step_collectives"]
 
 
-@dataclass(frozen=True)
-class Collective:
-    """``count`` calls of one collective per step.
-
-    Attributes:
-        axis: ``tp``, an axis unit's name, ``ep``, ``pp``, ``dp`` or ``step``. kind: ``all_gather``, ``reduce_scatter``,
-        ``all_reduce``, ``all_to_all``, ``send`` or ``recv``. group: the ranks it spans. nbytes: per call, the
-        full buffer (as :meth:`meshplan.solver.cluster.Cluster.comm_time` takes it). count: calls per step.
-        what: what it moves. hidden: data-parallel or pipeline traffic that can overlap compute.
-    """
-
-    axis: str
-    kind: str
-    group: Group
-    nbytes: float
-    count: int
-    what: str
-    hidden: bool = False
 
 
 def _tp_block(c: Candidate, tr: Training, moe: bool, ckpt: bool, g: Group, nbytes: float) -> list[Collective]:

@@ -26,6 +26,7 @@ from meshplan.axes import AXES
 from meshplan.solver.candidate import Candidate, Training
 from meshplan.solver.placement import Placement
 from meshplan.solver.shape import ModelShape
+from meshplan.solver.terms import block_kinds
 
 __all__ = ["Memory", "rank_memory", "block_activations", "in_flight", "rank_tensors", "block_kinds"]
 
@@ -189,26 +190,6 @@ def _end_activations(s: ModelShape, c: Candidate, tr: Training, first: bool, las
     return out
 
 
-def block_kinds(s: ModelShape, c: Candidate, place: Placement, pp_rank: int,
-                memo: dict | None = None) -> dict[tuple[bool, bool], int]:
-    """How many blocks of each kind ``(MoE, checkpointed)`` pipeline rank ``pp_rank`` holds (memoised in ``memo``)."""
-    if memo is not None:
-        key = ("kinds", pp_rank)
-        if key not in memo:
-            memo[key] = block_kinds(s, c, place, pp_rank)
-        return memo[key]
-    out: dict[tuple[bool, bool], int] = {}
-    every = c.ac_every if c.ac == "selective" and not c.ac_ops else 0
-    for lo, hi in place.ranges_of(pp_rank):
-        for moe, (a, b) in ((False, (lo, min(hi, s.dense_layers) if s.experts else hi)),
-                            (True, (max(lo, s.dense_layers), hi) if s.experts else (0, 0))):
-            if b <= a:
-                continue
-            ckpt = (b // every - a // every) if every else (b - a if c.ac == "full" else 0)  # blocks k, 2k, … from 1
-            for key, n in (((moe, True), ckpt), ((moe, False), b - a - ckpt)):
-                if n:
-                    out[key] = out.get(key, 0) + n
-    return out
 
 
 def _per_block(s: ModelShape, c: Candidate, moe: bool, d_dense: int, d_expert: int, memo: dict) -> tuple:
