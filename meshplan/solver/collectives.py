@@ -23,13 +23,12 @@ step recorded op by op; ``docs/tensor-parallel.md`` states the tensor-parallel o
 
 from __future__ import annotations
 
-
 from meshplan.axes import AXES
 from meshplan.solver.candidate import DTYPE_BYTES, Candidate, Training
 from meshplan.solver.memory import _block_tensors, _end_tensors, shard_sizes
-from meshplan.solver.terms import Collective, block_kinds
 from meshplan.solver.placement import Group, Placement
 from meshplan.solver.shape import ModelShape
+from meshplan.solver.terms import Collective, block_kinds
 
 __all__ = ["Collective", "step_collectives"]
 
