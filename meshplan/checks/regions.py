@@ -17,7 +17,7 @@ from typing import Any
 import torch.nn as nn
 
 from meshplan.checks.head_params import head_norm_size_errors, head_params_errors, own_param_errors, \
-    projection_norm_errors
+    per_head_rowwise_errors, projection_norm_errors
 from meshplan.plan_file.patterns import wildcard
 from meshplan.tensor_parallel.heads import safe_attr
 from meshplan.tensor_parallel.packed import features
@@ -88,6 +88,7 @@ def region_errors(model: nn.Module, modules: dict[str, nn.Module], matched: dict
     for parent in sorted(regions):
         errors += _region_children(model, modules, matched, parent, ruled | above, where, near.get(parent, ""))
     errors += own_param_errors(model, regions, modules, matched, where, near)
+    errors += per_head_rowwise_errors(model, modules, matched, regions, tp, where)
     errors += _fanout_children(model, modules, matched, regions, ruled | above, where)
     for path, (pattern, rule) in matched.items():
         spec = STYLES[rule.style]

@@ -3,7 +3,8 @@
 :func:`structure_rules` adds what sequence and loss parallelism need (the input embedding, the norms on the residual
 stream, the output embedding) and the per-head parts beside colwise projections (``head_norm``, ``head_params``);
 :func:`param_entries` merges transformers' entries on bare parameters into one ``head_params`` rule;
-:func:`present` keeps the rules that match a module; :func:`own_inputs` gives gathered colwise rules their own
+:func:`present` keeps the rules that match a module; :func:`per_head_rowwise` makes a rowwise onto one value per
+head (Doge's ``dt_proj``) hand each rank its own heads'; :func:`own_inputs` gives gathered colwise rules their own
 input conversion where their parent holds projections without a rule.
 """
 
@@ -13,7 +14,7 @@ from typing import Any
 
 from meshplan.hf.styles import resolve_alias
 
-__all__ = ["PARAM_STYLES", "param_entries", "own_inputs", "structure_rules", "present"]
+__all__ = ["PARAM_STYLES", "param_entries", "own_inputs", "structure_rules", "present", "per_head_rowwise"]
 
 
 #: transformers' styles of an entry on a bare parameter, and the head_params list it joins
@@ -99,3 +100,26 @@ def present(model, rules: dict[str, Any]) -> dict[str, Any]:
     ``q_proj`` or ``q_b_proj``, by ``q_lora_rank``), and a rule that matches nothing is a plan error."""
     from meshplan.plan_file.patterns import match_rules
     return {k: v for k, v in rules.items() if match_rules(model, {k: k}, k, errors=[])}
+
+
+def per_head_rowwise(model, rules: dict[str, Any]) -> dict[str, Any]:
+    """Rowwise rules beside colwise ones with local outputs whose module outputs one value per head (Doge's
+    ``dt_proj`` onto ``num_key_value_heads``, which transformers reduces whole) get ``output_layouts: shard(-1),
+    use_local_output: true``: each rank gets its own heads' values (see
+    :func:`meshplan.checks.head_params.per_head_rowwise_errors`)."""
+    from meshplan.checks.head_params import PER_HEAD_ROWWISE, per_head_outputs
+    from meshplan.plan_file.patterns import wildcard
+    from meshplan.tensor_parallel.style_table import STYLES
+    data = {k: {"style": r} if isinstance(r, str) else r for k, r in rules.items()}
+    local = {k.rpartition(".")[0] for k, d in data.items() if d["style"] in STYLES and
+             STYLES[d["style"]].gives_local_heads(d)}
+    modules = dict(model.named_modules())
+    out = dict(rules)
+    for path, mod in modules.items():
+        k, parent = wildcard(path), path.rpartition(".")[0]
+        d = data.get(k)
+        if d is None or d["style"] not in STYLES or not STYLES[d["style"]].row_parallel or \
+                wildcard(parent) not in local or per_head_outputs(model, modules[parent], mod) is None:
+            continue
+        out[k] = {**d, **PER_HEAD_ROWWISE}
+    return out
