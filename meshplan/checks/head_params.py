@@ -107,10 +107,10 @@ def head_params_errors(model: nn.Module, path: str, pattern: str, rule: Any, reg
     ``present``: the own parameter names of every module the rule matches (a wildcard rule may match layers that
     lack one, such as sinks on some layers only: a name is wrong when no matched module has it)."""
     mod, loc = model.get_submodule(path), f"{where}.{pattern!r}"
-    if path not in regions:
-        return [f"{loc}: module {path or '(root)'!r} (head_params) has no colwise child with local outputs, so its "
-                f"heads are not split over tp; found no colwise child giving shard(-1), expected one (or drop the "
-                f"rule: its parameters then act on every head)"]
+    if path not in regions and path.rpartition(".")[0] not in regions:  # a child runs on its parent's heads too
+        return [f"{loc}: module {path or '(root)'!r} (head_params) has no colwise child with local outputs, nor is it "
+                f"the child of a module that has, so its heads are not split over tp; found no colwise child giving "
+                f"shard(-1), expected one (or drop the rule: its parameters then act on every head)"]
     own = dict(mod.named_parameters(recurse=False))
     errors = [f"{loc}: module {path!r} ({type(mod).__name__}) has no parameter {n!r} of its own, nor has any module "
               f"the rule matches; found {sorted(present) or 'none'}, expected one of them" for n in [*rule.sharded, *rule.summed, *rule.replicated]

@@ -5,14 +5,14 @@ naming the plan file, the rule, the module path, what was found and what was
 expected. Checks, in order: the layout resolves; every rule matches a module
 (else the closest module paths); no module is claimed by two different rules;
 each style fits its module type; every sharded size divides (features, heads,
-KV heads, vocabulary; packed chunks; ``model.config``); the layouts chain (a
-rowwise needs a colwise sibling, overridden input layouts must match the
+KV heads, vocabulary; packed chunks; ``model.config``); the layouts chain (a rowwise needs a colwise sibling,
+overridden input layouts must match the
 residual stream, an ``lm_head`` takes the stream, a ``gather`` needs a partial
 output, sequence parallelism needs every norm on the stream listed). Then, when
 all of that passes, the plan is applied for real to a meta-device copy under a
 ``fake`` process group (nothing allocated, nothing communicated), which gives
-the local parameter shapes of the explain table (:mod:`meshplan.checks.explain`). A ``pipeline`` section
-is checked against the layout and split on a meta copy (:mod:`meshplan.checks.pipeline`).
+the local parameter shapes of the explain table (:mod:`meshplan.checks.explain`). A ``pipeline`` section is
+checked against the layout and split on a meta copy (:mod:`meshplan.checks.pipeline`).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from typing import Any, Mapping
 
 import torch.nn as nn
 
+from meshplan.checks.layer_kinds import layer_kinds_hint
 from meshplan.checks.regions import is_norm, local_head_regions, region_errors, unequal_packed_parts
 from meshplan.checks.report import Report, fold_errors
 from meshplan.errors import PlanError
@@ -125,7 +126,7 @@ class _Checker:
             for path, pattern, rule in kids:
                 spec, o = STYLES[rule.style], rule.overrides()
                 if spec.needs_colwise_input(o):
-                    self.rowwise_input(parent, path, pattern, cols)
+                    self.rowwise_input(parent, path, pattern, cols, by_parent)
                 if spec.column_parallel and not spec.parent_converts_input(o):
                     self.colwise_input(parent, path, pattern, o["input_layouts"], default_in, matched)
                 self.stream_layouts(path, pattern, spec, o)
@@ -133,14 +134,14 @@ class _Checker:
                     self.reduced_output(path, pattern, matched)
         self.fanout = fanout
 
-    def rowwise_input(self, parent: str, path: str, pattern: str, cols: list[tuple[str, str, Any]]) -> None:
-        """A rowwise taking ``shard(-1)`` needs colwise siblings that output it."""
+    def rowwise_input(self, parent: str, path: str, pattern: str, cols: list, kin: dict | None = None) -> None:
+        """A rowwise taking ``shard(-1)`` needs colwise siblings that output it (``kin``: for the hint)."""
         bad = [c for c in cols if getattr(c[2], "output_layouts", None) not in (None, "shard(-1)")]
         if not cols:
             self.err(f"{self.loc(pattern)}: module {path!r} (rowwise) expects its input sharded on the "
                      f"last dim by a colwise sibling, but {parent or '(root)'!r} has no colwise child; found "
                      f"input layout {self.stream}, expected shard(-1); add colwise rules for the projections "
-                     f"feeding it or set input_layouts")
+                     f"feeding it or set input_layouts{layer_kinds_hint(pattern, kin, self.modules)}")
         elif bad:
             self.err(f"{self.loc(pattern)}: module {path!r} (rowwise) expects shard(-1) input, but its "
                      f"colwise sibling(s) {', '.join(c[0] for c in bad)} output {bad[0][2].output_layouts}; "

@@ -65,7 +65,7 @@ def structure_rules(model, hf_rules: dict[str, str]) -> tuple[dict[str, str], li
     """Embedding, stream norms and lm_head rules read from a small meta-device instance (every layer kind of
     the model kept), and the instance's module paths (wildcarded) in model order."""
     from meshplan.checks.head_params import split_own_params, suggested_rule
-    from meshplan.checks.regions import is_norm, summable_on_shards
+    from meshplan.checks.regions import is_norm, summable_on_shards, whole_projection_norm
     from meshplan.plan_file.patterns import wildcard
     from meshplan.tensor_parallel.style_table import STYLES
     names = {id(m): n for n, m in model.named_modules()}
@@ -77,6 +77,10 @@ def structure_rules(model, hf_rules: dict[str, str]) -> tuple[dict[str, str], li
     if emb is not None and id(emb) in names:
         out[names[id(emb)]] = "embedding"
     local = {k.rpartition(".")[0] for k, spec in specs.items() if spec.gives_local_heads(aliases[k])}
+    kids: dict[str, set[str]] = {}  # a local parent's children whose colwise outputs stay local
+    for k, spec in specs.items():
+        if spec.gives_local_heads(aliases[k]):
+            kids.setdefault(k.rpartition(".")[0], set()).add(k.rpartition(".")[2])
     modules = dict(model.named_modules())
     for path, mod in modules.items():
         pattern = wildcard(path)
@@ -86,6 +90,9 @@ def structure_rules(model, hf_rules: dict[str, str]) -> tuple[dict[str, str], li
         elif path and wildcard(parent) in local and pattern not in hf_rules and \
                 summable_on_shards(mod, modules[parent], model):
             out[pattern] = "head_norm"  # a per-head norm or a scalar-parameter activation on this rank's shards
+        elif path and wildcard(parent) in local and pattern not in hf_rules and \
+                whole_projection_norm(mod, modules[parent], kids.get(wildcard(parent), set())):
+            out[pattern] = "projection_norm"  # ESMC's q_norm over the whole q_proj output
         elif path and pattern in local and pattern not in hf_rules and \
                 any(True for _ in mod.parameters(recurse=False)):
             out[pattern] = suggested_rule(*split_own_params(model, mod))  # sinks, differential lambdas
