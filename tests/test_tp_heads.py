@@ -145,6 +145,9 @@ def test_per_head_rowwise_reduced_whole_is_refused_with_the_rule(models):
             in msg), msg
     rules["model.layers.*.self_attn.dt_proj"] = {"style": "rowwise", "output_layouts": "shard(-1)"}
     assert "use_local_output None" in _errors(models["doge"], rules)
+    # the rule's plan: the cross-shard shadow run keeps dt_proj's output a DTensor like A (it ran, no note), and
+    # its shard(-1) output is no residual-stream redistribute
+    assert meshplan.check(models["doge"], plan("doge"), world_size=2).warnings == []
 
 
 def test_from_hf_reduce_scatters_a_per_head_rowwise():

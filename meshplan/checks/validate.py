@@ -1,18 +1,15 @@
 """Static validation of a plan against a model, before any collective: ``meshplan.check``.
 
-Every problem is collected (not only the first) as a :class:`~meshplan.PlanError`
-naming the plan file, the rule, the module path, what was found and what was
-expected. Checks, in order: the layout resolves; every rule matches a module
-(else the closest module paths); no module is claimed by two different rules;
-each style fits its module type; every sharded size divides (features, heads,
-KV heads, vocabulary; packed chunks; ``model.config``); the layouts chain (a rowwise needs a colwise sibling,
-overridden input layouts must match the
-residual stream, an ``lm_head`` takes the stream, a ``gather`` needs a partial
-output, sequence parallelism needs every norm on the stream listed). Then, when
-all of that passes, the plan is applied for real to a meta-device copy under a
-``fake`` process group (nothing allocated, nothing communicated), which gives
-the local parameter shapes of the explain table (:mod:`meshplan.checks.explain`). A ``pipeline`` section is
-checked against the layout and split on a meta copy (:mod:`meshplan.checks.pipeline`).
+Every problem is collected (not only the first) as a :class:`~meshplan.PlanError` naming the plan file, the rule,
+the module path, what was found and what was expected. Checks, in order: the layout resolves; every rule matches a
+module (else the closest module paths); no module is claimed by two different rules; each style fits its module
+type; every sharded size divides (features, heads, KV heads, vocabulary; packed chunks; ``model.config``); the
+layouts chain (a rowwise needs a colwise sibling, overridden input layouts must match the residual stream, an
+``lm_head`` takes the stream, a ``gather`` needs a partial output, sequence parallelism needs every norm on the
+stream listed). Then, when all of that passes, the plan is applied for real to a meta-device copy under a ``fake``
+process group (nothing allocated, nothing communicated), which gives the local parameter shapes of the explain table
+(:mod:`meshplan.checks.explain`). A ``pipeline`` section is checked against the layout and split on a meta copy
+(:mod:`meshplan.checks.pipeline`).
 """
 
 from __future__ import annotations
@@ -21,6 +18,7 @@ from typing import Any, Mapping
 
 import torch.nn as nn
 
+from meshplan.checks.head_params import per_head_outputs
 from meshplan.checks.layer_kinds import layer_kinds_hint
 from meshplan.checks.regions import is_norm, local_head_regions, region_errors, unequal_packed_parts
 from meshplan.checks.report import Report, fold_errors
@@ -166,8 +164,9 @@ class _Checker:
             self.err(f"{self.loc(pattern)}: module {path!r} ({spec.name}) input_layouts {given} does not match "
                      f"the residual stream (sequence_parallel: {self.section.sequence_parallel}); found "
                      f"{given}, expected {self.stream}")
-        given = o.get("output_layouts")
-        if spec.writes_stream and given is not None and given not in (self.stream, "partial"):
+        given, up = o.get("output_layouts"), self.modules.get(path.rpartition(".")[0], self.model)
+        if spec.writes_stream and given not in (None, self.stream, "partial") and \
+                per_head_outputs(self.model, up, self.modules[path]) is None:  # Doge's dt_proj: not the stream
             self.r.warnings.append(f"{self.loc(pattern)}: module {path!r} ({spec.name}) outputs {given} "
                                    f"but the residual stream is {self.stream}: an extra redistribute")
 
