@@ -109,8 +109,20 @@ def blocks_pattern(model) -> str | None:
 
 def attention_patterns(model, blocks: str) -> list[str]:
     """Module-path patterns of the blocks' attention modules: the outermost module under each block whose class
-    name contains ``Attention`` (one pattern per distinct relative path)."""
-    prefix = blocks[:-2]
+    name contains ``Attention`` (one pattern per distinct relative path), in ``blocks`` and in every other block
+    list (not a tower's) that holds attention: HRM's ``H_module.layers`` beside ``L_module.layers``."""
+    import torch
+    towers = ("expert", "visual", "vision", "audio", "image")
+    lists = [blocks[:-2]] + [n for n, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and n and
+                             n != blocks[:-2] and not any(t in n for t in towers)]
+    out: list[str] = []
+    for prefix in lists:
+        out += [p for p in _attention_under(model, prefix) if p not in out]
+    return out
+
+
+def _attention_under(model, prefix: str) -> list[str]:
+    """The attention patterns under the block list ``prefix`` (see :func:`attention_patterns`)."""
     rel: list[str] = []
     for name, m in model.named_modules():
         if not name.startswith(prefix + ".") or "Attention" not in type(m).__name__:

@@ -1,6 +1,7 @@
 """Tiny transformers models whose attention has per-head parts beside its projections, and their tp plans
 (issue 24): gpt-oss's attention sinks, DiffLlama's lambdas (head pairs: q/k/v packed 2), Olmo2's norm over the
-whole q/k projection, lara_mini's gated-delta-net whose out_proj is gathered. Shared by tests/test_tp_heads.py
+whole q/k projection, lara_mini's gated-delta-net whose out_proj is gathered, Doge's per-KV-head dynamic mask
+(``A`` and ``dt_proj``). Shared by tests/test_tp_heads.py
 (simulated ranks) and tests/dist/hf_worker.py (real gloo)."""
 
 ATTN = {"model.layers.*.self_attn.q_proj": "colwise", "model.layers.*.self_attn.k_proj": "colwise",
@@ -16,6 +17,13 @@ RULES = {
     "diffllama": {**ATTN, **PACKED2, **MLP, "model.layers.*.self_attn": {"style": "head_params", "summed": LAMBDAS}},
     "olmo2": {**ATTN, **MLP, "model.layers.*.self_attn.q_norm": "projection_norm",
               "model.layers.*.self_attn.k_norm": "projection_norm"},
+    # Doge: the dynamic mask's per-KV-head rate A and dt_proj onto num_key_value_heads (reduce-scattered: each
+    # rank gets its own heads' values)
+    "doge": {**ATTN, **MLP, "model.layers.*.self_attn.q_norm": "head_norm",
+             "model.layers.*.self_attn.k_norm": "head_norm",
+             "model.layers.*.self_attn.dt_proj": {"style": "rowwise", "output_layouts": "shard(-1)",
+                                                  "use_local_output": True},
+             "model.layers.*.self_attn": {"style": "head_params", "sharded": ["A"]}},
     "lara_mini": {**ATTN, "model.layers.*.self_attn.q_norm": "head_norm", "model.layers.*.self_attn.k_norm": "head_norm",
                   "model.layers.*.linear_attn.out_proj": {"style": "colwise", "output_layouts": "replicate",
                                                           "input_layouts": "replicate"}},

@@ -380,6 +380,25 @@ def test_check_hf_refuses_what_cp_breaks(model_type, attn, needle):
     assert followed.ok, followed.errors
 
 
+
+def test_check_audits_attention_outside_the_plan_on_a_small_copy():
+    """HRM holds attention in two block lists (``H_module``, ``L_module``): a plan naming one passed ``check`` and
+    was refused at the first forward (issue 24's hrm_text cp crash). ``check`` now runs the runtime's audit on a
+    small copy, names the module and the pattern to add; with it the plan passes (and the zoo's cp 2 run equals
+    one device)."""
+    model = _tiny_sdpa("hrm_text")
+    low, high = "model.L_module.layers.*.self_attn", "model.H_module.layers.*.self_attn"
+    base = {"version": 1, "layout": {"cp": 2}, "blocks": {"pattern": "model.L_module.layers.*"}}
+    report = meshplan.check(model, {**base, "context_parallel": {"attention": [low]}})
+    msg = " | ".join(map(str, report.errors))
+    assert not report.ok and f"{high} calls scaled_dot_product_attention outside the attention modules" in msg, msg
+    assert f"add {high!r}" in msg, msg
+    report = meshplan.check(model, {**base, "context_parallel": {"attention": [low, high]}})
+    assert report.ok, report.errors
+    report = meshplan.check(model, {**base, "context_parallel": {"attention": [low, high, "model.H_module.layers.*.mlp"]}})
+    assert any("['model.H_module.layers.*.mlp'] called no scaled_dot_product_attention" in str(e)
+               for e in report.errors), report.errors
+
 # ------------------------------------------------------------------ batches
 
 def _batch(s=16):

@@ -59,13 +59,13 @@ def test_mla_three_sgd_steps_float64(results):
 
 def test_per_head_parts_three_sgd_steps_match_one_device(results):
     """gpt-oss sinks (head_params sharded), DiffLlama lambdas (head_params summed, q/k/v packed 2), Olmo2's
-    projection_norm and lara_mini's gathered out_proj, tiny, float64, 3 SGD steps: loss, every gradient at each
+    projection_norm, lara_mini's gathered out_proj and Doge's dynamic mask (A sharded, dt_proj reduce-scattered), tiny, float64, 3 SGD steps: loss, every gradient at each
     step and every parameter after them within 1e-5 of one device, fixed (SGD: no optimizer amplification; the
     models compute the lambdas (``torch.sum(..., dtype=float32)``) and the Olmo2 norm in float32, which
     ``keep_float64`` does not reach: DiffLlama's gradients are 1.3e-7 off); sharded gradients keep their parameters'
     placements."""
     for rank, per_model in case_result(results, "heads", 2).items():
-        assert set(per_model) == {"diffllama", "gpt_oss", "lara_mini", "olmo2"}, per_model
+        assert set(per_model) == {"diffllama", "doge", "gpt_oss", "lara_mini", "olmo2"}, per_model
         for name, worst in per_model.items():
             assert max(worst["loss"], worst["grad"], worst["param"]) <= 1e-5, (rank, name, worst)
             assert worst["placements"] == [], (rank, name, worst)

@@ -1,7 +1,8 @@
 """Per-head parts of attention beside its projections (issue 24), on tiny transformers models at tp=2 (simulated
 ranks, float64): gpt-oss's sinks (``head_params`` sharded), DiffLlama's lambdas (``head_params`` summed, q/k/v
 packed 2 for its head pairs), Olmo2's norm over the whole q/k projection (``projection_norm``) and lara_mini's
-gathered ``linear_attn.out_proj`` (its own input conversion). Each plan equals one device within 1e-5 (the
+gathered ``linear_attn.out_proj`` (its own input conversion), Doge's dynamic mask (``A`` per KV head,
+``dt_proj`` onto the KV heads, reduce-scattered). Each plan equals one device within 1e-5 (the
 models compute parts in float32: DiffLlama's lambdas, Olmo2's norm); without the rule ``check`` refuses naming
 the parameter or module and the rule, which is the plan that passes."""
 
@@ -130,3 +131,30 @@ def test_from_hf_gives_latent_rules_no_input_layouts():
         rules = from_hf(d)["tensor_parallel"]["rules"]
     latent = {k: v for k, v in rules.items() if k.endswith(("q_a_proj", "kv_a_proj_with_mqa", "indexer"))}
     assert len(latent) == 3 and set(latent.values()) == {"latent"}, latent
+
+
+def test_per_head_rowwise_reduced_whole_is_refused_with_the_rule(models):
+    """Doge at tp 2 with transformers' plain ``dt_proj: rowwise``: each rank got all 4 KV heads' rates beside its 2
+    heads (``A`` sharded) and crashed after ``check`` ok ('size of tensor a (2) must match ... b (4)'); with 2 KV
+    heads a rank's one local head would broadcast silently. ``check`` now refuses it naming the rule, and the rule
+    is the plan that passes (test_plan_checks_and_equals_one_device[doge])."""
+    rules = {**RULES["doge"], "model.layers.*.self_attn.dt_proj": "rowwise"}
+    msg = _errors(models["doge"], rules)
+    assert "module 'model.layers.0.self_attn.dt_proj' (rowwise) outputs one value per head (4 features" in msg, msg
+    assert ("'model.layers.*.self_attn.dt_proj': {style: rowwise, output_layouts: shard(-1), use_local_output: true}"
+            in msg), msg
+    rules["model.layers.*.self_attn.dt_proj"] = {"style": "rowwise", "output_layouts": "shard(-1)"}
+    assert "use_local_output None" in _errors(models["doge"], rules)
+    # the rule's plan: the cross-shard shadow run keeps dt_proj's output a DTensor like A (it ran, no note), and
+    # its shard(-1) output is no residual-stream redistribute
+    assert meshplan.check(models["doge"], plan("doge"), world_size=2).warnings == []
+
+
+def test_from_hf_reduce_scatters_a_per_head_rowwise():
+    """transformers' Doge plan reduces ``dt_proj`` whole; ``from_hf`` gives it this rank's heads and shards ``A``."""
+    from meshplan.hf.convert import from_hf
+    rules = from_hf("doge", sequence_parallel=False, loss_parallel=False)["tensor_parallel"]["rules"]
+    assert rules["model.layers.*.self_attn.dt_proj"] == {"style": "rowwise", "output_layouts": "shard(-1)",
+                                                         "use_local_output": True}
+    assert rules["model.layers.*.self_attn"] == {"style": "head_params", "sharded": ["A"]}
+    assert rules["model.layers.*.self_attn.o_proj"] == "rowwise"  # onto the hidden size: reduced whole

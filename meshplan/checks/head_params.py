@@ -6,7 +6,9 @@ module's own is used on those heads: one indexed by head (``sinks``, ``[num_head
 (``head_params`` ``sharded``), one shared by all heads (DiffLlama's ``lambda_q1``, ``[head_dim]``) gets only this
 rank's heads' gradient, which must be summed over tp (``head_params`` ``summed``). A ``head_norm`` normalises each
 head alone, so its weight has ``head_dim`` entries; a norm over the whole projection (Olmo2's ``q_norm`` over
-``num_heads·head_dim``) needs the whole projection, i.e. its colwise outputs gathered.
+``num_heads·head_dim``) needs the whole projection, i.e. its colwise outputs gathered. A rowwise projection in such
+a region whose output holds one value per head (Doge's ``dt_proj``, ``[num_kv_heads·head_dim] → [num_kv_heads]``)
+must hand each rank its own heads' values (a reduce-scatter), not all of them.
 """
 
 from __future__ import annotations
@@ -20,7 +22,11 @@ from meshplan.tensor_parallel.heads import safe_attr
 from meshplan.tensor_parallel.style_table import STYLES
 
 __all__ = ["head_counts", "split_own_params", "suggested_rule", "own_param_errors", "head_params_errors",
-           "head_norm_size_errors", "projection_norm_errors"]
+           "head_norm_size_errors", "projection_norm_errors", "per_head_outputs", "PER_HEAD_ROWWISE",
+           "per_head_rowwise_errors"]
+
+#: the rowwise fields that hand each rank its own heads' values (the reduction is a reduce-scatter)
+PER_HEAD_ROWWISE = {"output_layouts": "shard(-1)", "use_local_output": True}
 
 
 def head_counts(model: nn.Module, mod: nn.Module) -> set[int]:
@@ -30,6 +36,14 @@ def head_counts(model: nn.Module, mod: nn.Module) -> set[int]:
              "num_key_value_groups")
     found = {safe_attr(cfg, n) for n in names[:5]} | {safe_attr(mod, n) for n in names[3:6]}
     return {n for n in found if isinstance(n, int) and not isinstance(n, bool) and n > 0}
+
+
+def per_head_outputs(model: nn.Module, parent: nn.Module, mod: nn.Module) -> int | None:
+    """The head count ``mod``'s output features are (one value per head, e.g. Doge's ``dt_proj`` onto
+    ``num_key_value_heads``), or None (the hidden size, or no head count)."""
+    out = getattr(mod, "out_features", None)
+    hidden = safe_attr(safe_attr(parent, "config") or safe_attr(model, "config"), "hidden_size")
+    return out if isinstance(out, int) and out != hidden and out in head_counts(model, parent) else None
 
 
 def split_own_params(model: nn.Module, mod: nn.Module, skip: set[str] = frozenset()) -> tuple[list[str], list[str]]:
@@ -93,10 +107,10 @@ def head_params_errors(model: nn.Module, path: str, pattern: str, rule: Any, reg
     ``present``: the own parameter names of every module the rule matches (a wildcard rule may match layers that
     lack one, such as sinks on some layers only: a name is wrong when no matched module has it)."""
     mod, loc = model.get_submodule(path), f"{where}.{pattern!r}"
-    if path not in regions:
-        return [f"{loc}: module {path or '(root)'!r} (head_params) has no colwise child with local outputs, so its "
-                f"heads are not split over tp; found no colwise child giving shard(-1), expected one (or drop the "
-                f"rule: its parameters then act on every head)"]
+    if path not in regions and path.rpartition(".")[0] not in regions:  # a child runs on its parent's heads too
+        return [f"{loc}: module {path or '(root)'!r} (head_params) has no colwise child with local outputs, nor is it "
+                f"the child of a module that has, so its heads are not split over tp; found no colwise child giving "
+                f"shard(-1), expected one (or drop the rule: its parameters then act on every head)"]
     own = dict(mod.named_parameters(recurse=False))
     errors = [f"{loc}: module {path!r} ({type(mod).__name__}) has no parameter {n!r} of its own, nor has any module "
               f"the rule matches; found {sorted(present) or 'none'}, expected one of them" for n in [*rule.sharded, *rule.summed, *rule.replicated]
@@ -143,3 +157,34 @@ def projection_norm_errors(model: nn.Module, path: str, pattern: str, head_dim: 
                 f"{head_dim}): each head is normalised alone, so its weight must stay whole; found normalized size "
                 f"{head_dim}, expected a whole projection; use '{wildcard(path)}: head_norm'"]
     return []
+
+
+def per_head_rowwise_errors(model: nn.Module, modules: dict[str, nn.Module], matched: dict[str, tuple[str, Any]],
+                            regions: set[str], tp: int, where: str) -> list[str]:
+    """Rowwise rules in a local-heads region whose output is one value per head: reduced whole, every rank gets
+    every head's value, which then meets this rank's heads (a shape error, or with one local head a silent
+    broadcast); each rank needs its own heads' values (:data:`PER_HEAD_ROWWISE`, a reduce-scatter)."""
+    errors = []
+    for path, (pattern, rule) in matched.items():
+        parent = path.rpartition(".")[0]
+        if not STYLES[rule.style].row_parallel or parent not in regions or path not in modules:
+            continue
+        n = per_head_outputs(model, modules[parent] if parent else model, modules[path])
+        if n is None:
+            continue
+        o, loc = rule.overrides(), f"{where}.{pattern!r}"
+        layouts = o.get("output_layouts")
+        got = {"output_layouts": layouts[0] if isinstance(layouts, list) and len(layouts) == 1 else layouts,
+               "use_local_output": o.get("use_local_output")}
+        if got != PER_HEAD_ROWWISE:
+            errors.append(f"{loc}: module {path!r} (rowwise) outputs one value per head ({n} features, a head "
+                          f"count of {type(modules[parent] if parent else model).__name__}) inside a module that "
+                          f"runs on this rank's heads: reduced whole, each rank gets all {n} heads' values beside "
+                          f"its own {n // tp if n % tp == 0 else '?'} heads; found output_layouts "
+                          f"{got['output_layouts'] or 'default'}, use_local_output {got['use_local_output']}, "
+                          f"expected '{wildcard(path)}': {{style: rowwise, output_layouts: shard(-1), "
+                          f"use_local_output: true}} (a reduce-scatter: each rank gets its own heads' values)")
+        elif n % tp:
+            errors.append(f"{loc}: module {path!r}: tp({tp}) does not divide its {n} per-head outputs; found {n}, "
+                          f"expected a multiple of {tp}")
+    return errors

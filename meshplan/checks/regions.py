@@ -17,13 +17,14 @@ from typing import Any
 import torch.nn as nn
 
 from meshplan.checks.head_params import head_norm_size_errors, head_params_errors, own_param_errors, \
-    projection_norm_errors
+    per_head_rowwise_errors, projection_norm_errors
 from meshplan.plan_file.patterns import wildcard
 from meshplan.tensor_parallel.heads import safe_attr
 from meshplan.tensor_parallel.packed import features
 from meshplan.tensor_parallel.style_table import STYLES
 
-__all__ = ["is_norm", "local_head_regions", "region_errors", "summable_on_shards", "unequal_packed_parts"]
+__all__ = ["is_norm", "local_head_regions", "region_errors", "summable_on_shards", "unequal_packed_parts",
+           "whole_projection_norm"]
 
 _NORM_RE = re.compile(r"(LayerNorm|RMSNorm|GroupNorm|BatchNorm)", re.I)
 
@@ -88,6 +89,7 @@ def region_errors(model: nn.Module, modules: dict[str, nn.Module], matched: dict
     for parent in sorted(regions):
         errors += _region_children(model, modules, matched, parent, ruled | above, where, near.get(parent, ""))
     errors += own_param_errors(model, regions, modules, matched, where, near)
+    errors += per_head_rowwise_errors(model, modules, matched, regions, tp, where)
     errors += _fanout_children(model, modules, matched, regions, ruled | above, where)
     for path, (pattern, rule) in matched.items():
         spec = STYLES[rule.style]
@@ -125,6 +127,8 @@ def _region_children(model: nn.Module, modules: dict[str, nn.Module], matched: d
     errors = []
     pmod = modules[parent] if parent else model
     hd = _head_dim(pmod, model)
+    local_kids = {p.rpartition(".")[2] for p, (_, r) in matched.items() if p.rpartition(".")[0] == parent
+                  and STYLES[r.style].gives_local_heads(r.overrides())}
     for name, child in pmod.named_children():
         path, kind = f"{parent}.{name}" if parent else name, type(child).__name__
         star = wildcard(path)
@@ -141,8 +145,10 @@ def _region_children(model: nn.Module, modules: dict[str, nn.Module], matched: d
                           f"it; there it gets the block's converted input (a DTensor) or their local shards; "
                           f"found no rule, expected '{star}: colwise' (or rowwise if it consumes their outputs)")
         else:
-            want = f"'{star}: head_norm'" if summable_on_shards(child, pmod, model) else "a rule that shards it, " \
-                   "or gather the colwise outputs (output_layouts: replicate)"
+            want = f"'{star}: head_norm'" if summable_on_shards(child, pmod, model) else \
+                f"'{star}: projection_norm' (a norm over a whole projection: ESMC's, Olmo2's q_norm)" \
+                if whole_projection_norm(child, pmod, local_kids) else _head_params_rule(model, child, star) or \
+                "a rule that shards it, or gather the colwise outputs (output_layouts: replicate)"
             errors.append(f"{where}: module {path!r} ({kind}) runs on this rank's shards (the local outputs of "
                           f"{near}) but no rule covers it; its parameters' gradients would cover only this rank's "
                           f"part; found no rule, expected {want}")
@@ -257,3 +263,22 @@ def _per_head(mod: nn.Module, head_dim: int | None) -> bool:
     w = getattr(mod, "weight", None)
     return head_dim is not None and getattr(w, "ndim", 0) == 1 and w.shape[0] == head_dim
 
+
+
+def whole_projection_norm(mod: nn.Module, parent: nn.Module, colwise: set[str]) -> bool:
+    """Is ``mod`` a norm over the whole output of a sibling colwise projection (``colwise``: the names of the
+    parent's children whose colwise outputs stay local; ESMC's and Olmo2's ``q_norm`` over
+    ``num_heads·head_dim``: ``projection_norm``)?"""
+    w = getattr(mod, "weight", None)
+    outs = {getattr(c, "out_features", None) for n, c in parent.named_children() if n in colwise}
+    return is_norm(mod) and isinstance(w, nn.Parameter) and w.ndim == 1 and w.shape[0] in outs
+
+
+def _head_params_rule(model: nn.Module, child: nn.Module, star: str) -> str | None:
+    """The ``head_params`` rule of a child whose own parameters are indexed by head (NeoMME's
+    ``exclusive_self_attention.alpha``, ``[num_heads]``), or None."""
+    from meshplan.checks.head_params import split_own_params
+    per_head, shared = split_own_params(model, child)
+    if not per_head or shared or any(True for _ in child.children()):
+        return None
+    return f"'{star}': {{style: head_params, sharded: [{', '.join(per_head)}]}}"

@@ -105,7 +105,8 @@ def cross_shard_errors(model: nn.Module, plan: Any, tp: int, where: str, notes: 
     # packed outputs stay local: their split into parts is exactly what packed sharding makes right
     local_rules = sorted({pat for path, (pat, r) in matched.items() if STYLES[r.style].gives_local_heads(r.overrides())
                           and (getattr(r, "packed", None) or 1) == 1 or STYLES[r.style].head_params
-                          or STYLES[r.style].whole_projection})
+                          or STYLES[r.style].whole_projection
+                          or STYLES[r.style].row_parallel and r.overrides().get("output_layouts") == "shard(-1)"})
     tracker = _Collectives()
     try:
         with fake_group(tp):

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch.nn as nn
 
+from meshplan.checks.head_params import per_head_outputs
+from meshplan.checks.layer_kinds import layer_kinds_hint
 from meshplan.checks.regions import is_norm, local_head_regions, region_errors, unequal_packed_parts
 from meshplan.checks.report import Report, fold_errors
 from meshplan.errors import PlanError
@@ -124,7 +126,7 @@ class _Checker:
             for path, pattern, rule in kids:
                 spec, o = STYLES[rule.style], rule.overrides()
                 if spec.needs_colwise_input(o):
-                    self.rowwise_input(parent, path, pattern, cols)
+                    self.rowwise_input(parent, path, pattern, cols, by_parent)
                 if spec.column_parallel and not spec.parent_converts_input(o):
                     self.colwise_input(parent, path, pattern, o["input_layouts"], default_in, matched)
                 self.stream_layouts(path, pattern, spec, o)
@@ -132,14 +134,14 @@ class _Checker:
                     self.reduced_output(path, pattern, matched)
         self.fanout = fanout
 
-    def rowwise_input(self, parent: str, path: str, pattern: str, cols: list[tuple[str, str, Any]]) -> None:
-        """A rowwise taking ``shard(-1)`` needs colwise siblings that output it."""
+    def rowwise_input(self, parent: str, path: str, pattern: str, cols: list, kin: dict | None = None) -> None:
+        """A rowwise taking ``shard(-1)`` needs colwise siblings that output it (``kin``: for the hint)."""
         bad = [c for c in cols if getattr(c[2], "output_layouts", None) not in (None, "shard(-1)")]
         if not cols:
             self.err(f"{self.loc(pattern)}: module {path!r} (rowwise) expects its input sharded on the "
                      f"last dim by a colwise sibling, but {parent or '(root)'!r} has no colwise child; found "
                      f"input layout {self.stream}, expected shard(-1); add colwise rules for the projections "
-                     f"feeding it or set input_layouts")
+                     f"feeding it or set input_layouts{layer_kinds_hint(pattern, kin, self.modules)}")
         elif bad:
             self.err(f"{self.loc(pattern)}: module {path!r} (rowwise) expects shard(-1) input, but its "
                      f"colwise sibling(s) {', '.join(c[0] for c in bad)} output {bad[0][2].output_layouts}; "
@@ -164,8 +166,9 @@ class _Checker:
             self.err(f"{self.loc(pattern)}: module {path!r} ({spec.name}) input_layouts {given} does not match "
                      f"the residual stream (sequence_parallel: {self.section.sequence_parallel}); found "
                      f"{given}, expected {self.stream}")
-        given = o.get("output_layouts")
-        if spec.writes_stream and given is not None and given not in (self.stream, "partial"):
+        given, up = o.get("output_layouts"), self.modules.get(path.rpartition(".")[0], self.model)
+        if spec.writes_stream and given not in (None, self.stream, "partial") and \
+                per_head_outputs(self.model, up, self.modules[path]) is None:  # Doge's dt_proj: not the stream
             self.r.warnings.append(f"{self.loc(pattern)}: module {path!r} ({spec.name}) outputs {given} "
                                    f"but the residual stream is {self.stream}: an extra redistribute")
 

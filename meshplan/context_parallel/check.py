@@ -31,6 +31,11 @@ def check_context(model: nn.Module, plan: Any, layout: Any, report: Any) -> None
     except PlanError as e:
         report.errors.append(e)
         return
+    if layout.cp > 1:  # the runtime's first-forward audit, on a small copy (checks/cp_audit.py)
+        from meshplan.context_parallel.audit import attention_audit_errors
+        where = f"{plan.source}: context_parallel" if plan.source else "context_parallel"
+        report.errors += [PlanError(m) for m in attention_audit_errors(model, section.attention, layout.cp, where,
+                                                                          report.warnings)]
     positions = (f"kwarg {resolved.kwarg}" if resolved.kwarg else
                  f"buffer {resolved.buffer} (dim {resolved.buffer_dim})" if resolved.buffer else "none")
     report.context = {"cp": layout.cp, "method": section.method, "load_balance": section.load_balance,

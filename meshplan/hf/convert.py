@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from meshplan.errors import PlanError
-from meshplan.hf.structure import own_inputs, param_entries, present, structure_rules
+from meshplan.hf.structure import own_inputs, param_entries, per_head_rowwise, present, structure_rules
 from meshplan.hf.styles import hf_rule_free, resolve_alias, to_hf_style
 
 __all__ = ["from_hf", "to_hf", "plan_yaml", "BUILTIN"]
@@ -142,7 +142,7 @@ def _hf_rules(model, cls, config, base: dict, model_type: str, sequence_parallel
         rules[path] = style  # lm_head: colwise_gather_output becomes meshplan's lm_head
     from meshplan.hf.mla import latent_rules
     rules = latent_rules(model, rules)  # MLA: the latent path beside transformers' mla_kv_a_proj
-    rules = own_inputs(model, present(model, rules))
+    rules = per_head_rowwise(model, own_inputs(model, present(model, rules)))
     rank = {p: i for i, p in enumerate(order)}
     return dict(sorted(rules.items(), key=lambda kv: rank.get(kv[0], len(rank)))), ep_rules
 

@@ -3,7 +3,8 @@
 :func:`structure_rules` adds what sequence and loss parallelism need (the input embedding, the norms on the residual
 stream, the output embedding) and the per-head parts beside colwise projections (``head_norm``, ``head_params``);
 :func:`param_entries` merges transformers' entries on bare parameters into one ``head_params`` rule;
-:func:`present` keeps the rules that match a module; :func:`own_inputs` gives gathered colwise rules their own
+:func:`present` keeps the rules that match a module; :func:`per_head_rowwise` makes a rowwise onto one value per
+head (Doge's ``dt_proj``) hand each rank its own heads'; :func:`own_inputs` gives gathered colwise rules their own
 input conversion where their parent holds projections without a rule.
 """
 
@@ -14,7 +15,7 @@ from typing import Any
 from meshplan.hf.moe import MOE_STYLES
 from meshplan.hf.styles import resolve_alias
 
-__all__ = ["PARAM_STYLES", "param_entries", "own_inputs", "structure_rules", "present"]
+__all__ = ["PARAM_STYLES", "param_entries", "own_inputs", "structure_rules", "present", "per_head_rowwise"]
 
 
 #: transformers' styles of an entry on a bare parameter, and the head_params list it joins
@@ -66,7 +67,7 @@ def structure_rules(model, hf_rules: dict[str, str]) -> tuple[dict[str, str], li
     """Embedding, stream norms and lm_head rules read from a small meta-device instance (every layer kind of
     the model kept), and the instance's module paths (wildcarded) in model order."""
     from meshplan.checks.head_params import split_own_params, suggested_rule
-    from meshplan.checks.regions import is_norm, summable_on_shards
+    from meshplan.checks.regions import is_norm, summable_on_shards, whole_projection_norm
     from meshplan.plan_file.patterns import wildcard
     from meshplan.tensor_parallel.style_table import STYLES
     names = {id(m): n for n, m in model.named_modules()}
@@ -78,6 +79,10 @@ def structure_rules(model, hf_rules: dict[str, str]) -> tuple[dict[str, str], li
     if emb is not None and id(emb) in names:
         out[names[id(emb)]] = "embedding"
     local = {k.rpartition(".")[0] for k, spec in specs.items() if spec.gives_local_heads(aliases[k])}
+    kids: dict[str, set[str]] = {}  # a local parent's children whose colwise outputs stay local
+    for k, spec in specs.items():
+        if spec.gives_local_heads(aliases[k]):
+            kids.setdefault(k.rpartition(".")[0], set()).add(k.rpartition(".")[2])
     modules = dict(model.named_modules())
     for path, mod in modules.items():
         pattern = wildcard(path)
@@ -87,6 +92,9 @@ def structure_rules(model, hf_rules: dict[str, str]) -> tuple[dict[str, str], li
         elif path and wildcard(parent) in local and pattern not in hf_rules and \
                 summable_on_shards(mod, modules[parent], model):
             out[pattern] = "head_norm"  # a per-head norm or a scalar-parameter activation on this rank's shards
+        elif path and wildcard(parent) in local and pattern not in hf_rules and \
+                whole_projection_norm(mod, modules[parent], kids.get(wildcard(parent), set())):
+            out[pattern] = "projection_norm"  # ESMC's q_norm over the whole q_proj output
         elif path and pattern in local and pattern not in hf_rules and \
                 any(True for _ in mod.parameters(recurse=False)):
             out[pattern] = suggested_rule(*split_own_params(model, mod))  # sinks, differential lambdas
@@ -101,3 +109,26 @@ def present(model, rules: dict[str, Any]) -> dict[str, Any]:
     ``q_proj`` or ``q_b_proj``, by ``q_lora_rank``), and a rule that matches nothing is a plan error."""
     from meshplan.plan_file.patterns import match_rules
     return {k: v for k, v in rules.items() if match_rules(model, {k: k}, k, errors=[])}
+
+
+def per_head_rowwise(model, rules: dict[str, Any]) -> dict[str, Any]:
+    """Rowwise rules beside colwise ones with local outputs whose module outputs one value per head (Doge's
+    ``dt_proj`` onto ``num_key_value_heads``, which transformers reduces whole) get ``output_layouts: shard(-1),
+    use_local_output: true``: each rank gets its own heads' values (see
+    :func:`meshplan.checks.head_params.per_head_rowwise_errors`)."""
+    from meshplan.checks.head_params import PER_HEAD_ROWWISE, per_head_outputs
+    from meshplan.plan_file.patterns import wildcard
+    from meshplan.tensor_parallel.style_table import STYLES
+    data = {k: {"style": r} if isinstance(r, str) else r for k, r in rules.items()}
+    local = {k.rpartition(".")[0] for k, d in data.items() if d["style"] in STYLES and
+             STYLES[d["style"]].gives_local_heads(d)}
+    modules = dict(model.named_modules())
+    out = dict(rules)
+    for path, mod in modules.items():
+        k, parent = wildcard(path), path.rpartition(".")[0]
+        d = data.get(k)
+        if d is None or d["style"] not in STYLES or not STYLES[d["style"]].row_parallel or \
+                wildcard(parent) not in local or per_head_outputs(model, modules[parent], mod) is None:
+            continue
+        out[k] = {**d, **PER_HEAD_ROWWISE}
+    return out

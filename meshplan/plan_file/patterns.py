@@ -12,7 +12,7 @@ from meshplan.errors import PlanError
 if TYPE_CHECKING:  # plan_file/ imports no torch
     import torch.nn as nn
 
-__all__ = ["match_rules", "match_pattern", "is_pattern", "wildcard", "pattern_regex", "regex_patterns"]
+__all__ = ["match_rules", "match_pattern", "path_matches", "is_pattern", "wildcard", "pattern_regex", "regex_patterns"]
 
 
 def is_pattern(path: str) -> bool:
@@ -46,7 +46,8 @@ def match_pattern(model: nn.Module, pattern: str, where: str) -> list[str]:
     return paths
 
 
-def _matches(pattern: str, path: str) -> bool:
+def path_matches(pattern: str, path: str) -> bool:
+    """Does ``pattern`` (``'*'`` = one segment) match the module path ``path`` segment by segment?"""
     ps, qs = pattern.split("."), path.split(".")
     return len(ps) == len(qs) and all(fnmatchcase(q, p) for p, q in zip(ps, qs))
 

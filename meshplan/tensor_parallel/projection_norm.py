@@ -40,7 +40,9 @@ class ProjectionNormParallel(ParallelStyle):
 
     .. note::
         The module's forward must reduce the sharded dim with torch ops (``mean``, ``sum``, ``var``) that DTensor
-        sums over tp; a kernel that takes the raw tensor cannot see the other ranks' features.
+        sums over tp; a kernel that takes the raw tensor cannot see the other ranks' features. An op DTensor cannot
+        run sharded (``F.layer_norm`` over the sharded dim: ESMC's ``q_norm``) gathers its input; the output is
+        then sliced back to this rank's shard.
     """
 
     def __init__(self, *, use_local_output: bool = True):
@@ -59,6 +61,10 @@ class ProjectionNormParallel(ParallelStyle):
                      if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x for x in inputs)
 
     def _output(self, _module: nn.Module, out: Any, _mesh: DeviceMesh) -> Any:
+        if isinstance(out, DTensor) and out.placements != (Shard(out.ndim - 1),):
+            # DTensor gathers what it cannot shard (torch's layer_norm over a sharded normalized dim: ESMC's
+            # LayerNorm q_norm): this rank's shard again, as the next op (the split into local heads) expects
+            out = out.redistribute(out.device_mesh, (Shard(out.ndim - 1),))
         return out.to_local() if isinstance(out, DTensor) and self.use_local_output else out
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:

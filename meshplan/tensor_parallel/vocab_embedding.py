@@ -87,6 +87,8 @@ class VocabParallelEmbedding(ParallelStyle):
         self.use_local_output = use_local_output
 
     def _partition(self, name, module, mesh):
+        if name:  # a child of the embedding (MuseGlimmer's embed_norm): distribute_module replicates its parameters
+            return
         if not isinstance(module, nn.Embedding):
             raise PlanError(f"style embedding needs an nn.Embedding, got {type(module).__name__}")
         if module.max_norm is not None or module.sparse:

@@ -6,7 +6,7 @@ reordered sums differ by ~1e-16 and AdamW has no fp32 noise to amplify), meta-de
 loading a full state dict from rank 0 and from a safetensors file; transformers' Llama over
 SP off / on / batch x loss_parallel on / off (float64 too); DeepSeek MLA (minicpm3, a dense DeepSeek-V2-Lite
 shape) in float64 with SGD and the plans ``from_hf`` converts; per-head parts of attention (tests/_heads.py: gpt-oss
-sinks, DiffLlama lambdas, Olmo2's whole-projection norm, lara_mini) 3 SGD steps in float64.
+sinks, DiffLlama lambdas, Olmo2's whole-projection norm, lara_mini, Doge's dynamic mask) 3 SGD steps in float64.
 ``hf_worker.py CASE...`` runs only those cases.
 """
 

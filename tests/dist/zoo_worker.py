@@ -1,8 +1,8 @@
 """Real gloo processes: a representative slice of the transformers zoo (``benchmarks/zoo.py``) on every axis.
 
 Each case builds a tiny transformers model in float64 (``benchmarks/zoo_plans.build``), writes the zoo's plan for
-one axis (``zoo_plans.axis_plan``: ``from_hf``'s tp/ep plan, the blocks, a pipeline or context_parallel section),
-checks it, and runs ``zoo_dist.run_item``: ``meshplan.parallelize`` + one ``meshplan.train_step`` vs one device,
+one axis (``zoo_plans.check_axis``: ``from_hf``'s tp/ep plan, SP first then plain, the blocks, a pipeline or
+context_parallel section), checks it, and runs ``zoo_dist.run_item``: ``meshplan.parallelize`` + one ``meshplan.train_step`` vs one device,
 the loss and every gradient each rank holds within 1e-9 relative (the model code's fp32 casts kept float64).
 """
 
@@ -16,7 +16,7 @@ from _launch import run_cases
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                                 "benchmarks"))
 from zoo_dist import KeepFloat64, run_item  # noqa: E402
-from zoo_plans import WORLD, axis_plan, build, is_moe  # noqa: E402
+from zoo_plans import WORLD, build, check_axis, is_moe  # noqa: E402
 
 # (model type, axis): what each covers beyond the plain Llama block
 ZOO = {
@@ -32,6 +32,10 @@ ZOO = {
     ("phi3", "cp"): "fused qkv under cp",
     ("mixtral", "ep"): "experts dispatched over ep 2",
     ("qwen3_moe", "ep"): "per-head q/k norms, experts over ep 2",
+    ("doge", "tp"): "per-KV-head A sharded, dt_proj reduce-scattered onto this rank's heads (plain: SP refused)",
+    ("esmc", "tp"): "LayerNorm q/k norms over the whole projection (projection_norm)",
+    ("muse_glimmer_text", "tp"): "a vocab-parallel embedding holding a norm child",
+    ("hrm_text", "cp"): "attention in two block lists (H_module, L_module)",
     ("llama", "3d"): "pp 2 x tp 2 x dp_shard 2",
     ("qwen3_moe", "3d"): "tp 2 x ep 2 x dp_shard 4",
 }
@@ -41,7 +45,9 @@ def zoo_case(model_type, axis, topologies):
     """One zoo item on this rank; raises when check refuses the plan (these pass today)."""
     import meshplan
     model, _ = build(model_type)
-    plan = axis_plan(model, axis, is_moe(model))
+    found = check_axis(model, axis, is_moe(model))  # the zoo's plan: SP + loss parallel, else plain
+    assert found["status"] == "ok", found
+    plan = found["plan"]
     meshplan.check(model, plan, world_size=WORLD[axis]).raise_if_errors()
     with KeepFloat64():
         return run_item({"type": model_type, "axis": axis, "plan": plan}, topologies)
