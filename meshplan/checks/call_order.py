@@ -1,7 +1,7 @@
 """The order in which a model's forward first calls its modules, per rule pattern: the model picture draws its
 modules in forward order (transformers registers a decoder layer's norms after its attention and MLP).
 
-One forward of the small copy the cross-shard check runs (:func:`meshplan.checks.shadow._small_copy`: a
+One forward of the small copy the cross-shard check runs (:func:`meshplan.model_copies.small_copy`: a
 transformers model rebuilt from its shrunk config, another model copied empty), on
 :func:`meshplan.checks.numerics.default_batch`, with a pre-hook on every module.
 """
@@ -26,10 +26,10 @@ def forward_order(model: nn.Module, tp: int, notes: list[str]) -> dict[str, int]
         tp: the tensor-parallel degree (sizes of the small copy divisible by it).
         notes: gets one line when the order cannot be found.
     """
-    from meshplan.checks.numerics import default_batch
-    from meshplan.checks.shadow import _small_copy
+    from meshplan.model_copies import default_batch
+    from meshplan.model_copies import small_copy
     try:
-        small = _small_copy(model, tp, notes)
+        small = small_copy(model, tp, notes)
         if small is None:
             return None
         batch = {k: v for k, v in default_batch(model, tp).items() if k != "labels"}

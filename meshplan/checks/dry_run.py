@@ -6,27 +6,14 @@ uses the same copy and group."""
 from __future__ import annotations
 
 import contextlib
-import copy
-from typing import Any, Iterator
+from typing import Iterator
 
-import torch
 import torch.nn as nn
 
 from meshplan.errors import PlanError
+from meshplan.model_copies import meta_copy  # noqa: F401 (re-exported: meshplan.checks.dry_run.meta_copy)
 
 __all__ = ["meta_copy", "fake_group", "meta_dry_run"]
-
-
-def meta_copy(model: nn.Module) -> nn.Module:
-    """A copy of ``model`` with every parameter and buffer on the meta device (the model is not changed)."""
-    if all(t.is_meta for t in [*model.parameters(), *model.buffers()]):
-        return copy.deepcopy(model)
-    memo: dict[int, Any] = {}
-    for p in model.parameters():
-        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
-    for b in model.buffers():
-        memo[id(b)] = torch.empty_like(b, device="meta")
-    return copy.deepcopy(model, memo)
 
 
 @contextlib.contextmanager

@@ -23,6 +23,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from meshplan.errors import PlanError
+from meshplan.model_copies import default_batch, is_hf as _is_hf, vocab_size as _vocab  # noqa: F401 (re-exported)
 
 __all__ = ["NumericsReport", "check_numerics", "default_batch"]
 
@@ -74,39 +75,6 @@ class NumericsReport:
     def to_dict(self) -> dict:
         return {"ok": self.ok, "tp": self.tp, "tol": self.tol, "loss": self.loss, "loss_error": self.loss_error,
                 "failed": self.failed, "notes": self.notes, "errors": self.errors, "crash": self.crash}
-
-
-def _vocab(model: nn.Module) -> int | None:
-    cfg = getattr(model, "config", None)
-    v = getattr(cfg, "vocab_size", None)
-    if isinstance(v, int) and v > 0:
-        return v
-    emb = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
-    return emb.num_embeddings if emb is not None else None
-
-
-def _is_hf(model: nn.Module) -> bool:
-    return hasattr(model, "config") and hasattr(type(model), "base_model_prefix")
-
-
-def default_batch(model: nn.Module, tp: int, seed: int = 0) -> dict[str, Any]:
-    """Token ids ``(2, 8·tp)`` below the vocabulary size, labels with a few ``-100``; as keyword arguments
-    for a transformers model (``input_ids``, ``labels`` = the ids: the model shifts them), else
-    ``{"tokens", "labels"}`` with random labels (a tied model would otherwise predict its input at ~0 loss).
-
-    Raises:
-        PlanError: the model has no vocabulary (no ``config.vocab_size``, no ``nn.Embedding``).
-    """
-    vocab = _vocab(model)
-    if vocab is None:
-        raise PlanError(f"check --numerics: cannot make inputs for {type(model).__name__}: it has no config.vocab_size "
-                        f"and no nn.Embedding; pass batch=")
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab, (2, 8 * tp), generator=g)
-    hf = _is_hf(model)  # transformers shifts the labels itself; other models get next-token-like targets
-    labels = ids.clone() if hf else torch.randint(0, vocab, (2, 8 * tp), generator=g)
-    labels[0, :3] = -100
-    return {"input_ids" if hf else "tokens": ids, "labels": labels}
 
 
 def _loss(model: nn.Module, batch: Mapping[str, Any], vocab: int | None) -> torch.Tensor:

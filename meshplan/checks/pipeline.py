@@ -21,7 +21,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from meshplan.checks.dry_run import meta_copy
+from meshplan.model_copies import meta_copy
 from meshplan.errors import PlanError
 from meshplan.pipeline.probe import probe_split
 from meshplan.pipeline.split import StageSplit, local_stage_ids, plan_split, stage_view

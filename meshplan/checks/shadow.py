@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.overrides import TorchFunctionMode
 
 from meshplan._torch import TorchDispatchMode, tree_map
+from meshplan.model_copies import small_copy
 
 __all__ = ["cross_shard_errors"]
 
@@ -83,7 +84,7 @@ def _shadow_section(section: Any, regions_rules: list[str]) -> Any:
 def cross_shard_errors(model: nn.Module, plan: Any, tp: int, where: str, notes: list[str]) -> list[str]:
     """The regions whose own code computes across tp shards (see the module docstring), as error messages."""
     from meshplan.checks.dry_run import fake_group
-    from meshplan.checks.numerics import default_batch
+    from meshplan.model_copies import default_batch
     from meshplan.checks.regions import local_head_regions
     from meshplan.expert_parallel.apply import moe_blocks, stand_in
     from meshplan.mesh.topology import build_mesh
@@ -93,7 +94,7 @@ def cross_shard_errors(model: nn.Module, plan: Any, tp: int, where: str, notes: 
     section = plan.tensor_parallel
     if tp == 1 or not local_head_regions(match_rules(model, section.rules, where), dict(model.named_modules())):
         return []
-    meta = _small_copy(model, tp, notes)
+    meta = small_copy(model, tp, notes)
     if meta is None:
         return []
     unmatched: list = []  # exact paths of layers the small copy does not have: not its concern
@@ -131,28 +132,6 @@ def cross_shard_errors(model: nn.Module, plan: Any, tp: int, where: str, notes: 
             f"its result would be wrong; found cross-shard ops, expected per-head/per-feature code; gather those "
             f"outputs (output_layouts: replicate) or leave the module unsharded"
             for path, ops in sorted(tracker.hits.items())]
-
-
-def _small_copy(model: nn.Module, tp: int, notes: list[str]) -> nn.Module | None:
-    """A small CPU instance to run (values do not matter: uninitialized weights, a fake group): a transformers
-    model rebuilt from its config shrunk by :func:`meshplan.hf.tiny_config.tiny_config`; another model, copied empty
-    when it has at most 50M parameters. None (with a note) otherwise."""
-    cfg = getattr(model, "config", None)
-    if cfg is not None and hasattr(type(model), "base_model_prefix"):
-        from meshplan.hf.tiny_config import tiny_config
-        try:
-            with torch.device("meta"):
-                small = type(model)(tiny_config(cfg, tp=tp))
-            return small.to_empty(device="cpu")
-        except Exception as e:
-            notes.append(f"cross-shard check skipped: cannot build a small {type(model).__name__}: {type(e).__name__}")
-            return None
-    n = sum(p.numel() for p in model.parameters())
-    if n > 50_000_000:
-        notes.append(f"cross-shard check skipped: {n:,} parameters (it runs models up to 50M on the CPU)")
-        return None
-    from meshplan.checks.dry_run import meta_copy
-    return meta_copy(model).to_empty(device="cpu")
 
 
 def _track(module: nn.Module, path: str, tracker: _Collectives, push: bool) -> None:

@@ -4,7 +4,7 @@
 ``scaled_dot_product_attention`` call outside the plan's attention modules, an attention module that calls none, and
 a softmax over a (sequence × sequence) score matrix (attention written by hand).
 ``check`` runs the same audit on one forward of the small copy the cross-shard check runs
-(:func:`meshplan.checks.shadow._small_copy`), so a plan ``check`` passes does not stop there: HRM's
+(:func:`meshplan.model_copies.small_copy`), so a plan ``check`` passes does not stop there: HRM's
 ``H_module`` and ``L_module`` both hold attention, and a plan naming one of them is refused here, with the pattern
 to add.
 """
@@ -49,10 +49,10 @@ _Found = tuple[list[tuple[str, ...]], list[str], list[str]]
 def _sdpa_calls(model: nn.Module, cp: int, notes: list[str]) -> _Found | None:
     """``(call stacks, module paths, hand-written softmax callers)`` of one forward of the small copy, or None (with
     a note) when it cannot run."""
-    from meshplan.checks.numerics import default_batch
-    from meshplan.checks.shadow import _small_copy
+    from meshplan.model_copies import default_batch
+    from meshplan.model_copies import small_copy
     try:
-        small = _small_copy(model, cp, notes)
+        small = small_copy(model, cp, notes)
         if small is None:
             return None
         impl = getattr(getattr(model, "config", None), "_attn_implementation", None)

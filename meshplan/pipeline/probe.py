@@ -169,7 +169,7 @@ def _probe_copy(model: nn.Module, where: str, seq: int, opaque: tuple[str, ...])
     elif size <= REAL_LIMIT:
         copy = _own_copy(model)
     else:
-        from meshplan.checks.dry_run import meta_copy
+        from meshplan.model_copies import meta_copy
         from meshplan.expert_parallel.apply import stand_in
         copy = meta_copy(model)
         for path in opaque:

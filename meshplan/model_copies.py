@@ -1,0 +1,85 @@
+"""Model helpers on the ground floor, shared by parallelize's checks, the axes and the rehearsals above apply: a
+meta-device copy, a small CPU copy to run, a default batch. Imports nothing of meshplan above ``errors`` and the
+torch-free ``hf.tiny_config``."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from meshplan.errors import PlanError
+
+__all__ = ["default_batch", "is_hf", "meta_copy", "small_copy", "vocab_size"]
+
+
+def meta_copy(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` with every parameter and buffer on the meta device (the model is not changed)."""
+    if all(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+        return copy.deepcopy(model)
+    memo: dict[int, Any] = {}
+    for p in model.parameters():
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = torch.empty_like(b, device="meta")
+    return copy.deepcopy(model, memo)
+
+
+
+def small_copy(model: nn.Module, tp: int, notes: list[str]) -> nn.Module | None:
+    """A small CPU instance to run (values do not matter: uninitialized weights, a fake group): a transformers
+    model rebuilt from its config shrunk by :func:`meshplan.hf.tiny_config.tiny_config`; another model, copied empty
+    when it has at most 50M parameters. None (with a note) otherwise."""
+    cfg = getattr(model, "config", None)
+    if cfg is not None and hasattr(type(model), "base_model_prefix"):
+        from meshplan.hf.tiny_config import tiny_config
+        try:
+            with torch.device("meta"):
+                small = type(model)(tiny_config(cfg, tp=tp))
+            return small.to_empty(device="cpu")
+        except Exception as e:
+            notes.append(f"cross-shard check skipped: cannot build a small {type(model).__name__}: {type(e).__name__}")
+            return None
+    n = sum(p.numel() for p in model.parameters())
+    if n > 50_000_000:
+        notes.append(f"cross-shard check skipped: {n:,} parameters (it runs models up to 50M on the CPU)")
+        return None
+    return meta_copy(model).to_empty(device="cpu")
+
+
+
+def vocab_size(model: nn.Module) -> int | None:
+    cfg = getattr(model, "config", None)
+    v = getattr(cfg, "vocab_size", None)
+    if isinstance(v, int) and v > 0:
+        return v
+    emb = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    return emb.num_embeddings if emb is not None else None
+
+
+
+def is_hf(model: nn.Module) -> bool:
+    return hasattr(model, "config") and hasattr(type(model), "base_model_prefix")
+
+
+
+def default_batch(model: nn.Module, tp: int, seed: int = 0) -> dict[str, Any]:
+    """Token ids ``(2, 8·tp)`` below the vocabulary size, labels with a few ``-100``; as keyword arguments
+    for a transformers model (``input_ids``, ``labels`` = the ids: the model shifts them), else
+    ``{"tokens", "labels"}`` with random labels (a tied model would otherwise predict its input at ~0 loss).
+
+    Raises:
+        PlanError: the model has no vocabulary (no ``config.vocab_size``, no ``nn.Embedding``).
+    """
+    vocab = vocab_size(model)
+    if vocab is None:
+        raise PlanError(f"check --numerics: cannot make inputs for {type(model).__name__}: it has no config.vocab_size "
+                        f"and no nn.Embedding; pass batch=")
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (2, 8 * tp), generator=g)
+    hf = is_hf(model)  # transformers shifts the labels itself; other models get next-token-like targets
+    labels = ids.clone() if hf else torch.randint(0, vocab, (2, 8 * tp), generator=g)
+    labels[0, :3] = -100
+    return {"input_ids" if hf else "tokens": ids, "labels": labels}
