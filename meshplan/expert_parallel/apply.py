@@ -202,6 +202,9 @@ def check_expert_parallel(model: nn.Module, section: ExpertParallel, layout: Any
                             f"modules {mine}; expected exactly one (style: router)")
         claimed.update(mine)
         experts = _num_experts(module, path, layout.ep, f"{where}.rules.{pattern!r}")
+        from meshplan.expert_parallel.experts import shared_inside
+        if shared_inside(module, path, layout.ep):
+            raise PlanError(f"{where}.rules.{pattern!r}: {shared_inside(module, path, layout.ep)}")
         k = _top_k(model.get_submodule(parent), model.get_submodule(mine[0]))
         if k is not None and not 1 <= k <= experts:
             raise PlanError(f"{where}: MoE block {parent} routes each token to top_k({k}) of {experts} experts; "
@@ -278,7 +281,7 @@ def apply_expert_parallel(model: nn.Module, section: ExpertParallel, topology: A
         module = model.get_submodule(b.experts)
         style = ExpertsStyle(interface=b.interface, ffn={n: (d, k) for n, d, k in b.ffn})
         parallelize_module(module, mesh, style, src_data_rank=src)
-        expert_params += [f"{b.experts}.{n}" for n, _ in module.named_parameters(recurse=False)]
+        expert_params += [f"{b.experts}.{n}" for n, _ in module.named_parameters()]  # data-parallel over edp
         stored = vars(module).get("num_experts")
         if isinstance(stored, int) and stored == b.num_experts and lay.ep > 1:
             module.num_experts = adjusted.setdefault(b.experts, (stored, stored // lay.ep))[1]

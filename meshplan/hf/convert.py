@@ -97,7 +97,7 @@ def _hf_rules(model, cls, config, base: dict, model_type: str, sequence_parallel
     """``(tensor_parallel rules, expert_parallel rules)`` from transformers' plans and the model's structure."""
     import torch
 
-    from meshplan.hf.moe import MOE_STYLES, expert_rules, has_ep_plan, is_moe_plan
+    from meshplan.hf.moe import MOE_STYLES, expert_rules, experts_present, has_ep_plan, is_moe_plan
     from meshplan.tensor_parallel.style_table import STYLES
     # a task model holds the base model under base_model_prefix; the base model class itself does not
     p = cls.base_model_prefix
@@ -105,6 +105,8 @@ def _hf_rules(model, cls, config, base: dict, model_type: str, sequence_parallel
     hf = {prefix + k: v for k, v in base.items()}
     hf.update(getattr(cls, "_tp_plan", None) or {})
     moe, rules, ep_rules = is_moe_plan(hf) or has_ep_plan(config), {}, {}
+    if moe and not experts_present(model, config, prefix, hf):  # Gemma 4 without enable_moe_block: dense
+        moe, hf = False, {k: v for k, v in hf.items() if v not in MOE_STYLES}
     hf = param_entries(model, hf)
     for k, v in hf.items():
         try:

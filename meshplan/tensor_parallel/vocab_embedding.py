@@ -87,6 +87,11 @@ class VocabParallelEmbedding(ParallelStyle):
         self.use_local_output = use_local_output
 
     def _partition(self, name, module, mesh):
+        if name:  # a module the embedding's own forward runs on the lookup (a norm): whole on every rank
+            for pname, p in list(module.named_parameters(recurse=False)):
+                module.register_parameter(pname, nn.Parameter(distribute_tensor(
+                    p, mesh, [Replicate()], src_data_rank=self.src_data_rank), p.requires_grad))
+            return
         if not isinstance(module, nn.Embedding):
             raise PlanError(f"style embedding needs an nn.Embedding, got {type(module).__name__}")
         if module.max_norm is not None or module.sparse:
