@@ -52,9 +52,15 @@ def test_gemma4_moe_ep_plan_dense_entries_are_the_tp_plans(tmp_path, model_type,
     model, plan = _tiny_plan(model_type, tmp_path, sequence_parallel=False, loss_parallel=False, config=config)
     assert plan["expert_parallel"]["rules"] == {f"{prefix}layers.*.experts": "ep_dispatch_experts",
                                                 f"{prefix}layers.*.router": "ep_router"}
+    assert plan["layout"] == {"tp": 2, "etp": 2}  # the MoE block is the decoder layer: it needs all its tokens
     for layout in ({"tp": 2}, {"ep": 2}):
         report = meshplan.check(model, {**plan, "layout": layout}, world_size=2)
         assert report.ok, (layout, report.errors)
+    refused = meshplan.check(model, {**plan, "layout": {"tp": 2, "etp": 1}}, world_size=2)
+    assert any(f"MoE block {prefix}layers.0 is a whole layer" in str(e) and "set layout.etp: 2" in str(e)
+               for e in refused.errors), refused.errors
+    _, plan = _tiny_plan(model_type, tmp_path, ep=2, tp=2, config=config)
+    assert plan["layout"] == {"tp": 2, "ep": 2, "etp": 2}
 
 
 def test_ep_plan_tp_style_without_a_tp_rule_becomes_one():
@@ -128,3 +134,17 @@ def test_etp_once_adds_on_the_first_rank_and_passes_the_gradient():
         assert torch.equal(y, x.detach() if first else torch.zeros(3))
         y.backward(torch.ones(3))
         assert torch.equal(x.grad, torch.ones(3))  # every etp rank: the whole gradient of the summed rows
+
+
+def test_no_structure_rule_inside_a_decoder_layer_moe_block(tmp_path):
+    """DiffusionGemma's MoE block is the whole decoder layer: the stream norms inside it get no rule (at ep 2 with
+    sequence parallelism a norm rule there made the attention's input a DTensor: a crash on real gloo), and check
+    refuses such a rule even at tp 1, where a tensor_parallel section still makes the block a token region."""
+    model, plan = _tiny_plan("diffusion_gemma_text", tmp_path, ep=2)
+    assert not [k for k in plan["tensor_parallel"]["rules"] if k.startswith("layers.")], plan["tensor_parallel"]
+    model, plan = _tiny_plan("diffusion_gemma_text", tmp_path, ep=2, sequence_parallel=False, loss_parallel=False)
+    assert meshplan.check(model, plan, world_size=2).ok
+    plan["tensor_parallel"]["rules"]["layers.*.input_layernorm"] = "norm"
+    refused = meshplan.check(model, plan, world_size=2)
+    assert any("'layers.*.input_layernorm' (norm) claims layers.0.input_layernorm, inside the MoE block layers.0, a "
+               "token region of plain tensors" in str(e) for e in refused.errors), refused.errors

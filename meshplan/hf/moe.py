@@ -20,7 +20,7 @@ from meshplan.errors import PlanError
 from meshplan.hf.styles import HF_UNSUPPORTED, resolve_alias
 from meshplan.plan_file.tensor_parallel import STYLE_NAMES
 
-__all__ = ["expert_rules", "experts_present", "has_ep_plan", "is_moe_plan", "MOE_STYLES", "EP_STYLES"]
+__all__ = ["expert_rules", "experts_present", "layer_blocks", "outside_blocks", "has_ep_plan", "is_moe_plan", "MOE_STYLES", "EP_STYLES"]
 
 MOE_STYLES = {k for k, why in HF_UNSUPPORTED.items() if "expert" in why}
 
@@ -116,6 +116,31 @@ def _ep_entries(model: Any, ep_plan: dict[str, str], prefix: str, tp_rules: dict
         if match_rules(model, {path: path}, "", errors=[]):
             dense[path] = data["style"] if len(data) == 1 else data
     return ep, dense
+
+
+def layer_blocks(model: Any, ep_rules: dict[str, Any]) -> bool:
+    """Are the MoE blocks whole layers (the experts' parent an element of a layer list: Gemma 4's decoder layer)?
+    Such a block mixes tokens, so under tp its experts split over etp = tp (:mod:`meshplan.expert_parallel.region`)."""
+    from meshplan.plan_file.patterns import match_rules
+    experts = {k: k for k, v in ep_rules.items() if v == "ep_dispatch_experts"}
+    found = match_rules(model, experts, "base_model_ep_plan", errors=[]) if experts else {}
+    return any(p.rpartition(".")[0].rpartition(".")[2].isdigit() for p in found)
+
+
+def outside_blocks(model: Any, ep_rules: dict[str, Any], rules: dict[str, Any]) -> dict[str, Any]:
+    """``rules`` without those inside an MoE block's token region (read from ``ep_rules``' experts): the
+    structure's norm rules too (DiffusionGemma's MoE block is the whole decoder layer, its norms inside)."""
+    from meshplan.expert_parallel.apply import token_region_of
+    from meshplan.plan_file.patterns import match_rules
+    experts = {k: k for k, v in ep_rules.items() if v == "ep_dispatch_experts"}
+    found = match_rules(model, experts, "base_model_ep_plan", errors=[]) if experts else {}
+    inside = tuple(r + "." for r in set(token_region_of({p.rpartition(".")[0] for p in found}).values()))
+    out = {}
+    for key, rule in rules.items():
+        hits = match_rules(model, {key: key}, "", errors=[])
+        if not inside or not hits or not any(h.startswith(inside) or h + "." in inside for h in hits):
+            out[key] = rule
+    return out
 
 
 def expert_rules(model: Any, config: Any, prefix: str, tp_rules: dict[str, Any],
