@@ -148,3 +148,13 @@ def test_no_structure_rule_inside_a_decoder_layer_moe_block(tmp_path):
     refused = meshplan.check(model, plan, world_size=2)
     assert any("'layers.*.input_layernorm' (norm) claims layers.0.input_layernorm, inside the MoE block layers.0, a "
                "token region of plain tensors" in str(e) for e in refused.errors), refused.errors
+
+
+def test_token_region_of_a_layer_list_is_each_layer():
+    """Decoder layers holding experts (numbered children of a list) are each their own region; named siblings
+    (Ernie's text_moe and vision_moe) share their parent."""
+    from meshplan.expert_parallel.apply import token_region_of
+    assert token_region_of(["model.layers.0", "model.layers.1"]) == {"model.layers.0": "model.layers.0",
+                                                                     "model.layers.1": "model.layers.1"}
+    assert token_region_of(["l.0.mlp.text_moe", "l.0.mlp.vision_moe"]) == {"l.0.mlp.text_moe": "l.0.mlp",
+                                                                           "l.0.mlp.vision_moe": "l.0.mlp"}
