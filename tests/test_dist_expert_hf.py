@@ -6,9 +6,10 @@ parallelism; Qwen3-MoE with a dense MLP layer, which keeps its tp rules), and Mi
 etp = tp 2. MoE blocks that return tuples (gpt-oss's ``(hidden, router_scores)``, Ernie 4.5 VL's mlp holding text
 and vision experts, ``(hidden, router_logits)``) at tp 2 x ep 2 and ep 2 x edp 2, with the router scores each rank
 sees equal to one device's. Llama 4 (experts taking every token, interface dense; etp 2 and etp 1; dense and MoE
-layers interleaved) and
-LongCat-Flash (identity experts, etp 2) at tp 2 and tp 2 × dp 2 (the fix of its ep refusal), converted without a
-base_model_ep_plan. Every converted plan passes ``meshplan check`` first (blocks included: dp > 1)."""
+layers interleaved) and LongCat-Flash (identity experts, etp 2) at tp 2 and tp 2 × dp 2 (the fix of its ep refusal), converted without a
+base_model_ep_plan. gpt-oss's experts over etp = tp (interleaved gate/up,
+biases; tp 2 and tp 2 x ep 2 x etp 2), MuseSpark (a norm inside its experts, etp 1) and Gemma 4 with its MoE block
+(tp 2, ep 2) at world 2. Every converted plan passes ``meshplan check`` first (blocks included: dp > 1)."""
 
 import pytest
 
@@ -19,11 +20,11 @@ pytestmark = pytest.mark.dist
 
 CASES = {
     2: ["mixtral_ep2", "qwen2_moe_ep2", "llama4_text_tp2", "llama4_text_tp2_etp1", "longcat_flash_tp2",
-        "llama4_mixed_tp2"],
+        "llama4_mixed_tp2", "gpt_oss_tp2_etp2", "muse_spark_text_tp2_etp1", "gemma4_moe_tp2_etp2", "gemma4_moe_ep2"],
     4: ["mixtral_ep4", "mixtral_tp2_ep2", "mixtral_tp2_etp2", "qwen3_moe_ep2_edp2", "qwen3_moe_tp2_ep2",
         "qwen3_moe_mixed_tp2_ep2", "qwen2_moe_tp2_ep2", "qwen2_moe_tp2_ep2_no_sp", "gpt_oss_ep2_edp2",
-        "gpt_oss_tp2_ep2", "gpt_oss_extras_tp2_ep2", "ernie_vl_tp2_ep2", "ernie_vl_tp2_ep2_no_sp",
-        "longcat_flash_tp2_dp2"],
+        "gpt_oss_tp2_ep2", "gpt_oss_extras_tp2_ep2", "gpt_oss_tp2_ep2_etp2", "ernie_vl_tp2_ep2",
+        "ernie_vl_tp2_ep2_no_sp", "longcat_flash_tp2_dp2"],
 }
 
 

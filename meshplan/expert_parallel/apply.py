@@ -53,8 +53,9 @@ class MoeBlock:
 
 def token_region_of(blocks: set[str] | list[str]) -> dict[str, str]:
     """``{MoE block path: the module that becomes its token region}``: the block itself, or its parent when the
-    parent holds two or more of ``blocks`` as direct children (one region around them all, taking and returning
-    the residual stream).
+    parent holds two or more of ``blocks`` as direct named children (one region around them all, taking and
+    returning the residual stream); never a list of blocks (numbered children: Gemma 4's MoE blocks are its
+    decoder layers, and a ``ModuleList`` has no forward for a region's hooks).
 
     Example::
 
@@ -62,9 +63,11 @@ def token_region_of(blocks: set[str] | list[str]) -> dict[str, str]:
         {'layers.0.mlp.text_moe': 'layers.0.mlp', 'layers.0.mlp.vision_moe': 'layers.0.mlp', 'layers.1.moe': 'layers.1.moe'}
     """
     parents: dict[str, int] = {}
-    for b in blocks:
+    named = [b for b in blocks if not b.rpartition(".")[2].isdigit()]
+    for b in named:
         parents[b.rpartition(".")[0]] = parents.get(b.rpartition(".")[0], 0) + 1
-    return {b: b.rpartition(".")[0] if "." in b and parents[b.rpartition(".")[0]] > 1 else b for b in blocks}
+    return {b: b.rpartition(".")[0] if b in named and "." in b and parents[b.rpartition(".")[0]] > 1 else b
+            for b in blocks}
 
 
 @dataclass
@@ -207,6 +210,9 @@ def check_expert_parallel(model: nn.Module, section: ExpertParallel, layout: Any
                             f"modules {mine}; expected exactly one (style: router)")
         claimed.update(mine)
         experts = _num_experts(module, path, layout, f"{where}.rules.{pattern!r}")
+        from meshplan.expert_parallel.experts import shared_inside
+        if shared_inside(module, path, layout.ep):
+            raise PlanError(f"{where}.rules.{pattern!r}: {shared_inside(module, path, layout.ep)}")
         k = _top_k(model.get_submodule(parent), model.get_submodule(mine[0]))
         if k is not None and not 1 <= k <= experts:
             raise PlanError(f"{where}: MoE block {parent} routes each token to top_k({k}) of {experts} experts; "
@@ -224,7 +230,10 @@ def check_expert_parallel(model: nn.Module, section: ExpertParallel, layout: Any
     stray = sorted(set(routers) - claimed)
     if stray:
         raise PlanError(f"{where}.rules: router {stray[0]} is in no MoE block (the parent of an experts module)")
-    if tp_rules and layout.tp > 1:
+    from meshplan.expert_parallel.region import layer_region_problem
+    if layer_region_problem(blocks, layout.tp, layout.etp):
+        raise PlanError(f"{where}: {layer_region_problem(blocks, layout.tp, layout.etp)}")
+    if tp_rules:  # any tensor_parallel section makes the blocks token regions, even at tp 1
         _no_tp_inside(model, blocks, tp_rules, where)
     _recorded_inside(model, blocks, layout, where)
     return tuple(blocks)
@@ -256,7 +265,7 @@ def _no_tp_inside(model: nn.Module, blocks: list[MoeBlock], tp_rules: Any, where
         for b in blocks:
             if path == b.region or path.startswith(b.region + "."):
                 raise PlanError(f"tensor_parallel.rules.{pattern!r} ({rule.style}) claims {path}, inside the MoE "
-                                f"block {b.region}, which runs on each tp rank's own tokens ({where}, etp 1); remove "
+                                f"block {b.region}, a token region of plain tensors ({where}); remove "
                                 f"the rule: the block's parameters outside the experts stay whole and their "
                                 f"gradients are summed over tp")
 
@@ -283,7 +292,7 @@ def apply_expert_parallel(model: nn.Module, section: ExpertParallel, topology: A
         module = model.get_submodule(b.experts)
         style = ExpertsStyle(interface=b.interface, ffn={n: (d, k) for n, d, k in b.ffn})
         parallelize_module(module, mesh, style, src_data_rank=src)
-        expert_params += [f"{b.experts}.{n}" for n, _ in module.named_parameters(recurse=False)]
+        expert_params += [f"{b.experts}.{n}" for n, _ in module.named_parameters()]  # data-parallel over edp
         stored = vars(module).get("num_experts")
         if isinstance(stored, int) and stored == b.num_experts and lay.ep > 1:
             module.num_experts = adjusted.setdefault(b.experts, (stored, stored // lay.ep))[1]

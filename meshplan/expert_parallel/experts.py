@@ -28,16 +28,16 @@ from typing import Any
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from meshplan._torch import module_parameters
 from meshplan.errors import PlanError
 from meshplan.expert_parallel.dispatch import combine, dispatch, plan_routes
-from meshplan.expert_parallel.etp import EtpCopy, EtpSum
+from meshplan.expert_parallel.etp import MODEL_SIDE, EtpCopy, EtpOnce, EtpSum
 from meshplan.tensor_parallel.packed import packed_order, packed_placement
 
-__all__ = ["ExpertParallel", "sort_copies"]
+__all__ = ["ExpertParallel", "sort_copies", "shared_inside"]
 
 
 def sort_copies(top_k_index: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,6 +77,9 @@ class ExpertParallel(ParallelStyle):
         return f"{self.__class__.__name__}(interface={self.interface!r}, ffn={self.ffn!r})"
 
     def _partition(self, name: str, module: nn.Module, mesh: Any) -> None:
+        if name:
+            return  # a submodule's parameters (MuseSpark's post_expert_norm, shared by the experts) stay whole:
+            # dense parameters of the MoE block, like its router
         ep = mesh.size(0)
         for pname, p in list(module.named_parameters(recurse=False)):
             if p.dim() == 0 or p.shape[0] % ep:
@@ -84,6 +87,8 @@ class ExpertParallel(ParallelStyle):
                                 f"experts (dim 0) of {name or type(module).__name__}.{pname} {tuple(p.shape)}")
             if mesh.ndim == 1:
                 t = distribute_tensor(p, mesh, [Shard(0)], src_data_rank=self.src_data_rank)
+            elif self.ffn[pname] == MODEL_SIDE:  # a bias on the model side: whole on every etp rank
+                t = distribute_tensor(p, mesh, [Shard(0), Replicate()], src_data_rank=self.src_data_rank)
             else:  # (ep, etp): the experts over ep, each expert's FFN dim over etp (packed parts separately)
                 dim, packed = self.ffn[pname]
                 order = packed_order(p.detach(), dim, packed, mesh.size(1))
@@ -99,11 +104,13 @@ class ExpertParallel(ParallelStyle):
         ep_mesh = device_mesh if device_mesh.ndim == 1 else device_mesh["ep"]
         etp_group = device_mesh["etp"].get_group() if device_mesh.ndim == 2 else None
         group, ep, pending = ep_mesh.get_group(), ep_mesh.size(), []
+        first = device_mesh.ndim == 1 or device_mesh.get_local_rank("etp") == 0
+        once = {n for n, d in self.ffn.items() if d == MODEL_SIDE} if etp_group is not None else set()
         topk = self.interface == "topk"
 
         def before(mod: nn.Module, inputs: tuple, _mesh: Any) -> tuple:
             _inputs(inputs, *_SIGNATURES[self.interface])  # before anything changes
-            _swap_local(mod, pending)
+            _swap_local(mod, pending, once, first)
             experts = max(p.shape[0] for p in pending[-1].values())  # the DTensors' global experts dim: E
             computing = min(p.shape[0] for p in pending[-1].values())
             if topk and computing < experts:  # zero-computation experts (ep 1): the module's own routing
@@ -133,7 +140,23 @@ class ExpertParallel(ParallelStyle):
             y = (y * weights.reshape(-1).index_select(0, copies).unsqueeze(-1)).to(y.dtype)  # as transformers
             return y.new_zeros(tokens, y.shape[-1]).index_add(0, torch.div(copies, k, rounding_mode="floor"), y)
 
-        return distribute_module(module, device_mesh, self._partition, before, after)
+        module = distribute_module(module, device_mesh, self._partition, before, after)
+        for owner in list(module.modules())[1:]:  # torch replicated its submodules' parameters: plain again
+            for pname, p in list(owner.named_parameters(recurse=False)):
+                owner.register_parameter(pname, nn.Parameter(p.to_local(), p.requires_grad))
+        return module
+
+
+def shared_inside(module: nn.Module, path: str, ep: int) -> str | None:
+    """Why ``ep`` > 1 cannot shard an experts module that runs a module with parameters of its own for every expert
+    (MuseSpark's ``post_expert_norm``), or None. Those parameters stay whole beside the sharded experts and are
+    data-parallel with them over edp; under ep > 1 each ep rank's gradient would cover only its experts' rows."""
+    inner = [n for n, m in module.named_modules() if n and any(True for _ in m.parameters(recurse=False))]
+    if ep == 1 or not inner:
+        return None
+    return (f"experts module {path} ({type(module).__name__}) runs {inner[0]} "
+            f"({type(module.get_submodule(inner[0])).__name__}, with parameters shared by every expert) inside it; "
+            f"with ep({ep}) > 1 its gradient would cover one ep rank's experts only; set layout.ep: 1")
 
 
 #: interface → (positional tensors the module takes, its signature)
@@ -188,13 +211,14 @@ def _weightless_once(inputs: tuple, computing: int, etp_group: Any) -> tuple:
     return (hidden, index, weights, *rest)
 
 
-def _swap_local(module: nn.Module, pending: list) -> None:
-    """During the forward the module's parameters are their local shards (gradients flow to the DTensors)."""
+def _swap_local(module: nn.Module, pending: list, once: set[str], first: bool) -> None:
+    """During the forward the module's parameters are their local shards (gradients flow to the DTensors); those
+    in ``once`` (model-side biases under etp) are added by the ``first`` etp rank only (:class:`EtpOnce`)."""
     held, slots = {}, module_parameters(module)
     for name, p in list(slots.items()):
         if isinstance(p, DTensor):
             held[name] = p
-            slots[name] = p.to_local()
+            slots[name] = EtpOnce.apply(p.to_local(), first) if name in once else p.to_local()
     if not held:
         raise PlanError(f"experts: {type(module).__name__} has no expert-sharded parameters")
     pending.append(held)

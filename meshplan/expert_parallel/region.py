@@ -36,7 +36,19 @@ import torch.nn as nn
 from meshplan.errors import PlanError
 from meshplan.tensor_parallel.layouts import Stream, placement
 
-__all__ = ["token_regions"]
+__all__ = ["token_regions", "layer_region_problem"]
+
+
+def layer_region_problem(blocks: Any, tp: int, etp: int) -> str | None:
+    """Why ``etp: 1`` under tp > 1 cannot cut the tokens of these MoE blocks, or None: a block that is a layer of
+    a list (Gemma 4's experts and router sit in the decoder layer, beside its attention) mixes tokens, so it cannot
+    run on each tp rank's own share of the sequence."""
+    layers = [b.region for b in blocks if b.region.rpartition(".")[2].isdigit()]
+    if tp == 1 or etp > 1 or not layers:
+        return None
+    return (f"MoE block {layers[0]} is a whole layer (its experts' parent is an element of a layer list, holding "
+            f"attention too), which with tp({tp}) and etp 1 would run on each tp rank's own tokens; set layout.etp: "
+            f"{tp} (= tp: the layer sees the tp group's whole token set)")
 
 
 def _input_hook(mesh: Any, stream: Stream, whole: bool):

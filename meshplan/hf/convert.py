@@ -120,12 +120,14 @@ def _hf_rules(model, cls, config, base: dict, model_type: str, sequence_parallel
     """``(tensor_parallel rules, expert_parallel rules)`` from transformers' plans and the model's structure."""
     import torch
 
-    from meshplan.hf.moe import MOE_STYLES, expert_rules, has_ep_plan, is_moe_plan
+    from meshplan.hf.moe import MOE_STYLES, expert_rules, experts_present, has_ep_plan, is_moe_plan, outside_blocks
     from meshplan.tensor_parallel.style_table import STYLES
     prefix = _base_prefix(model, cls)
     hf = {prefix + k: v for k, v in base.items()}
     hf.update(getattr(cls, "_tp_plan", None) or {})
     moe, rules, ep_rules = is_moe_plan(hf) or has_ep_plan(config), {}, {}
+    if moe and not experts_present(model, config, prefix, hf):  # Gemma 4 without enable_moe_block: dense
+        moe, hf = False, {k: v for k, v in hf.items() if v not in MOE_STYLES}
     hf = param_entries(model, hf)
     for k, v in hf.items():
         try:
@@ -140,6 +142,7 @@ def _hf_rules(model, cls, config, base: dict, model_type: str, sequence_parallel
         if isinstance(style, str) and STYLES[style].stream_module and not sequence_parallel:
             continue
         rules[path] = style  # lm_head: colwise_gather_output becomes meshplan's lm_head
+    rules = outside_blocks(model, ep_rules, rules) if ep_rules else rules  # no rule inside an MoE block
     from meshplan.hf.mla import latent_rules
     rules = latent_rules(model, rules)  # MLA: the latent path beside transformers' mla_kv_a_proj
     rules = per_head_rowwise(model, own_inputs(model, present(model, rules)))
@@ -185,6 +188,7 @@ def from_hf(source: str | Path, *, sequence_parallel: bool = True, loss_parallel
     except Exception as e:
         raise PlanError(f"{model_type}: cannot build a small {cls.__name__} to read its structure: "
                         f"{type(e).__name__}: {' '.join(str(e).split())[:300]}") from None
+    from meshplan.hf.moe import layer_blocks
     if not base:
         rules = dict(BUILTIN[model_type])
         origin = f"meshplan's built-in table (transformers ships no tp_plan for {model_type})"
@@ -194,7 +198,8 @@ def from_hf(source: str | Path, *, sequence_parallel: bool = True, loss_parallel
     plan: dict[str, Any] = {"version": 1}
     moe = bool(base) and ep_rules
     if tp is not None or ep is not None:
-        plan["layout"] = {k: v for k, v in (("tp", tp), ("ep", ep), ("etp", 1 if moe else None)) if v is not None}
+        etp = ((tp or 1) if layer_blocks(model, ep_rules) else 1) if moe else None  # a layer sees all its tokens
+        plan["layout"] = {k: v for k, v in (("tp", tp), ("ep", ep), ("etp", etp)) if v is not None}
     found = repeated_blocks(model)
     if found is not None:
         plan["blocks"] = {"pattern": found}

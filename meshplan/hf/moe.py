@@ -19,9 +19,10 @@ from __future__ import annotations
 from typing import Any
 
 from meshplan.errors import PlanError
-from meshplan.hf.styles import HF_UNSUPPORTED
+from meshplan.hf.styles import HF_UNSUPPORTED, resolve_alias
+from meshplan.plan_file.tensor_parallel import STYLE_NAMES
 
-__all__ = ["expert_rules", "has_ep_plan", "is_moe_plan", "MOE_STYLES"]
+__all__ = ["expert_rules", "experts_present", "layer_blocks", "outside_blocks", "has_ep_plan", "is_moe_plan", "MOE_STYLES", "EP_STYLES"]
 
 MOE_STYLES = {k for k, why in HF_UNSUPPORTED.items() if "expert" in why}
 
@@ -36,10 +37,30 @@ def has_ep_plan(config: Any) -> bool:
     return "ep_dispatch_experts" in (getattr(config, "base_model_ep_plan", None) or {}).values()
 
 
+def experts_present(model: Any, config: Any, prefix: str, hf_rules: dict[str, Any]) -> bool:
+    """Does the model built from this config hold a module that the tp_plan's expert entries or the
+    ``base_model_ep_plan``'s ``ep_dispatch_experts`` name? (Gemma 4 ships both plans, but its experts exist only
+    with ``enable_moe_block``; without them the model is dense.)"""
+    from meshplan.plan_file.patterns import match_rules
+    ep_plan = getattr(config, "base_model_ep_plan", None) or {}
+    named = [prefix + k for k, v in ep_plan.items() if v == "ep_dispatch_experts"]
+    named += [k for k, v in hf_rules.items() if v in MOE_STYLES]
+    return any(match_rules(model, {k: k}, "", errors=[]) for k in named)
+
+
 def _routes(child: Any, experts: int) -> bool:
     """Does ``child`` hold a weight with one row (or column) per expert, itself or in a submodule (HunYuan's
     ``gate.wg``)?"""
     return any(p.ndim == 2 and experts in p.shape for p in child.parameters())
+
+
+def _wider_router(parent: Any, block: str, experts: str, count: int) -> list[str]:
+    """The block's child named ``gate``/``router`` (or of a ``*Router``/``*Gate`` class) whose ``[n, dim]`` weight
+    scores more than the ``count`` routed experts: Inkling's ``gate.weight`` also scores its shared experts
+    (``[routed + shared, hidden]``)."""
+    return [n for n, c in parent.named_children() if f"{block}.{n}" != experts
+            and (n in ("gate", "router") or type(c).__name__.endswith(("Router", "Gate")))
+            and any(p.ndim == 2 and p.shape[0] > count for p in c.parameters(recurse=False))]
 
 
 def _router(model: Any, block: str, experts: str, count: int, model_type: str) -> str:
@@ -53,6 +74,7 @@ def _router(model: Any, block: str, experts: str, count: int, model_type: str) -
         named = [n for n in found if n in ("gate", "router") or
                  type(parent.get_submodule(n)).__name__.endswith(("Router", "Gate"))]
         found = named if named else found
+    found = found or _wider_router(parent, block, experts, count)
     if len(found) != 1:
         raise PlanError(f"{model_type}: MoE block {block} has {len(found)} router candidates {found}; expected one "
                         f"child besides {experts} holding a weight with {count} (the expert count) rows: write the "
@@ -79,6 +101,69 @@ def _derived_experts(model: Any, tp_rules: dict[str, Any], model_type: str) -> d
     return found
 
 
+#: transformers' ep styles meshplan's expert_parallel section holds (grouped_gemm: the experts' own parameters)
+EP_STYLES = ("ep_dispatch_experts", "ep_router", "grouped_gemm")
+
+
+def _ep_entries(model: Any, ep_plan: dict[str, str], prefix: str, tp_rules: dict[str, Any],
+                model_type: str) -> tuple[dict[str, str], dict[str, Any]]:
+    """``(expert entries, tensor-parallel rules)`` of a ``base_model_ep_plan`` (full paths).
+
+    transformers' ep plan may hold tp styles for the dense parts beside the experts (Gemma 4: ``mlp.gate_proj:
+    colwise``, run over the same ranks); they mean what they mean in a tp_plan. Those the tp_plan already rules are
+    left to it, those inside an experts module (MuseSpark's ``experts.post_expert_norm:
+    replicated_with_grad_allreduce``: a weight shared by the experts, its gradient summed) to the experts rule,
+    which keeps them whole; the rest become tensor-parallel rules.
+
+    Raises:
+        PlanError: a style that is neither an ep style nor a transformers tp style meshplan maps.
+    """
+    from meshplan.plan_file.patterns import match_rules
+    ep = {prefix + k: v for k, v in ep_plan.items() if v in EP_STYLES and v != "grouped_gemm"}
+    experts = tuple(k + "." for k, v in ep.items() if v == "ep_dispatch_experts")
+    dense: dict[str, Any] = {}
+    for key, style in ep_plan.items():
+        path = prefix + key
+        if style in EP_STYLES or path in tp_rules or path.startswith(experts):
+            continue
+        try:
+            data = resolve_alias(style)
+        except ValueError as e:
+            raise PlanError(f"{model_type}: base_model_ep_plan rule {key!r}: {e} (meshplan maps "
+                            f"{', '.join(EP_STYLES)} and transformers' tp styles)") from None
+        if data["style"] not in STYLE_NAMES:
+            raise PlanError(f"{model_type}: base_model_ep_plan rule {key!r}: transformers style {style!r} has no "
+                            f"meshplan equivalent (meshplan maps {', '.join(EP_STYLES)} and transformers' tp styles)")
+        if match_rules(model, {path: path}, "", errors=[]):
+            dense[path] = data["style"] if len(data) == 1 else data
+    return ep, dense
+
+
+def layer_blocks(model: Any, ep_rules: dict[str, Any]) -> bool:
+    """Are the MoE blocks whole layers (the experts' parent an element of a layer list: Gemma 4's decoder layer)?
+    Such a block mixes tokens, so under tp its experts split over etp = tp (:mod:`meshplan.expert_parallel.region`)."""
+    from meshplan.plan_file.patterns import match_rules
+    experts = {k: k for k, v in ep_rules.items() if v in ("ep_dispatch_experts", "experts")}
+    found = match_rules(model, experts, "base_model_ep_plan", errors=[]) if experts else {}
+    return any(p.rpartition(".")[0].rpartition(".")[2].isdigit() for p in found)
+
+
+def outside_blocks(model: Any, ep_rules: dict[str, Any], rules: dict[str, Any]) -> dict[str, Any]:
+    """``rules`` without those inside an MoE block's token region (read from ``ep_rules``' experts): the
+    structure's norm rules too (DiffusionGemma's MoE block is the whole decoder layer, its norms inside)."""
+    from meshplan.expert_parallel.apply import token_region_of
+    from meshplan.plan_file.patterns import match_rules
+    experts = {k: k for k, v in ep_rules.items() if v in ("ep_dispatch_experts", "experts")}
+    found = match_rules(model, experts, "base_model_ep_plan", errors=[]) if experts else {}
+    inside = tuple(r + "." for r in set(token_region_of({p.rpartition(".")[0] for p in found}).values()))
+    out = {}
+    for key, rule in rules.items():
+        hits = match_rules(model, {key: key}, "", errors=[])
+        if not inside or not hits or not any(h.startswith(inside) or h + "." in inside for h in hits):
+            out[key] = rule
+    return out
+
+
 def expert_rules(model: Any, config: Any, prefix: str, tp_rules: dict[str, Any],
                  model_type: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(tensor-parallel rules without the experts' entries, expert_parallel rules)`` for an MoE model.
@@ -93,14 +178,8 @@ def expert_rules(model: Any, config: Any, prefix: str, tp_rules: dict[str, Any],
     """
     from meshplan.plan_file.patterns import match_rules
     ep_plan = getattr(config, "base_model_ep_plan", None) or {}
-    rules: dict[str, Any] = {}
-    for key, style in ep_plan.items():
-        if style == "grouped_gemm":
-            continue  # the experts' bare parameters: the experts rule shards them
-        if style not in ("ep_dispatch_experts", "ep_router"):
-            raise PlanError(f"{model_type}: base_model_ep_plan rule {key!r}: transformers style {style!r} has no "
-                            f"meshplan equivalent (meshplan maps ep_dispatch_experts and ep_router)")
-        rules[prefix + key] = style
+    rules, dense = _ep_entries(model, ep_plan, prefix, tp_rules, model_type)
+    tp_rules = {**tp_rules, **dense}
     if not any(v == "ep_dispatch_experts" for v in rules.values()):
         rules = {**_derived_experts(model, tp_rules, model_type), **rules}
     experts = [k for k, v in rules.items() if v in ("ep_dispatch_experts", "experts")]

@@ -149,10 +149,11 @@ class TpGradSync:
     def install(self, model: nn.Module) -> "TpGradSync":
         """(Re)install the hooks on ``model``; call again after ``fully_shard``/``replicate``.
 
-        Without FSDP2 (or with tracked parameters outside every FSDP2 module) the root's outputs are hooked
-        (backward starts there; the grads' own placements say what is partial). Under FSDP2 each FSDP module's
-        outputs are hooked, and its gathered parameters (``Partial`` grads are relabelled there, before FSDP2
-        would redistribute each one)."""
+        Without FSDP2 only the root's outputs are hooked (backward starts there; the grads' own placements
+        say what is partial). Under FSDP2 each FSDP module's outputs are hooked, and its gathered parameters
+        (``Partial`` grads are relabelled there, before FSDP2 would redistribute each one); the root's too when
+        it is no FSDP module (FSDP2 on the experts only, over edp: a plain parameter's grad, MuseSpark's
+        ``post_expert_proj`` after the experts, arrives before the experts' output grad)."""
         from torch.distributed.fsdp import FSDPModule
         self.remove()
         self._raw = {_clean(n): n for n, _ in model.named_parameters() if _clean(n) in self.names}
@@ -163,10 +164,7 @@ class TpGradSync:
         for prefix, mod in fsdp:  # after FSDP2's own hooks: parameters gathered, its pre-backward hook set
             self._handles.append(mod.register_forward_pre_hook(functools.partial(self._hook_gathered, prefix)))
             self._handles.append(mod.register_forward_hook(self._hook_output))
-        inside = {_clean(f"{prefix}.{n}" if prefix else n) for prefix, mod in fsdp for n, _ in mod.named_parameters()}
-        if not fsdp or set(self._params) - inside:
-            # parameters outside every FSDP2 module (FSDP2 on the experts alone, over edp: a MoE block's shared
-            # expert) may get their grads before any FSDP2 output's: the root's output opens the backward first
+        if not isinstance(model, FSDPModule):  # also beside FSDP2 on the experts only: backward starts at the root
             self._handles.append(model.register_forward_hook(self._hook_output))
         return self
 

@@ -87,7 +87,10 @@ class VocabParallelEmbedding(ParallelStyle):
         self.use_local_output = use_local_output
 
     def _partition(self, name, module, mesh):
-        if name:  # a child of the embedding (MuseGlimmer's embed_norm): distribute_module replicates its parameters
+        if name:  # a child the embedding's own forward runs on the lookup (MuseGlimmer's embed_norm): whole
+            for pname, p in list(module.named_parameters(recurse=False)):
+                module.register_parameter(pname, nn.Parameter(distribute_tensor(
+                    p, mesh, [Replicate()], src_data_rank=self.src_data_rank), p.requires_grad))
             return
         if not isinstance(module, nn.Embedding):
             raise PlanError(f"style embedding needs an nn.Embedding, got {type(module).__name__}")

@@ -41,17 +41,18 @@ def hf_moe_case(arch, layout, sequence_parallel=True, **overrides):
     return _train_both(lambda: factory(**overrides), source, layout, sequence_parallel)
 
 
-def tiny_moe_case(model_type, layout, sequence_parallel=True):
-    """``meshplan.hf.tiny_models.tiny_model(model_type)`` (any transformers MoE; a base model without a head is
-    trained on :func:`hidden_loss`) under ``layout``, with the plan ``from_hf`` writes from its config, vs one
-    device."""
+def tiny_moe_case(model_type, layout, sequence_parallel=True, **overrides):
+    """``meshplan.hf.tiny_models.tiny_model(model_type, **overrides)`` (any transformers MoE; a base model without a
+    head is trained on :func:`hidden_loss`) under ``layout``, with the plan ``from_hf`` writes from its config, vs
+    one device."""
     from meshplan.hf.tiny_models import tiny_model
 
     def factory():
-        model, why = tiny_model(model_type, seed=0)
+        model, why = tiny_model(model_type, seed=0, **overrides)
         assert model is not None, why
         return model.train()
-    return _train_both(factory, _converted(model_type, layout, sequence_parallel)[0], layout, sequence_parallel)
+    source = _converted(model_type, layout, sequence_parallel, **overrides)[0]
+    return _train_both(factory, source, layout, sequence_parallel)
 
 
 def llama4_mixed_case(layout):
@@ -100,10 +101,10 @@ def gpt_oss_extras_case(layout):
     return {"worst": err, "shape": list(want.shape)}
 
 
-def _converted(model_type, layout, sequence_parallel):
+def _converted(model_type, layout, sequence_parallel, **overrides):
     """``(config.json folder, the plan from_hf writes for the tiny model_type under layout)``."""
     from meshplan.hf.tiny_models import tiny_model
-    model = tiny_model(model_type, seed=0)[0]
+    model = tiny_model(model_type, seed=0, **overrides)[0]
     folder = tempfile.mkdtemp(prefix="meshplan-ep-tiny-")
     data = {**model.config.to_dict(), "model_type": model.config.model_type, "architectures": [type(model).__name__]}
     with open(os.path.join(folder, "config.json"), "w") as f:
@@ -144,6 +145,9 @@ def _train_both(factory, source, layout, sequence_parallel):
     return _compare(model, ref, results, ref_losses, ref_norms)
 
 
+#: Gemma 4 with its MoE block (the tiny config has none: enable_moe_block is False by default)
+GEMMA4_MOE = {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 48}
+
 CASES = {
     2: {
         "mixtral_ep2": lambda: hf_moe_case("mixtral", {"ep": 2}),
@@ -155,6 +159,15 @@ CASES = {
         "llama4_text_tp2_etp1": lambda: tiny_moe_case("llama4_text", {"tp": 2, "etp": 1}),
         "longcat_flash_tp2": lambda: tiny_moe_case("longcat_flash", {"tp": 2}),
         "llama4_mixed_tp2": lambda: llama4_mixed_case({"tp": 2}),
+        # issue 24: gpt-oss's experts split over etp = tp (interleaved gate/up, 2-D biases, down bias added once);
+        # MuseSpark's post_expert_norm inside the experts (etp 1: whole, summed over tp); Gemma 4's experts beside
+        # its dense MLP in the decoder layer (the ep plan's tp entries), at tp 2 (etp 2) and ep 2
+        "gpt_oss_tp2_etp2": lambda: tiny_moe_case("gpt_oss", {"tp": 2, "etp": 2}, sequence_parallel=False),
+        "muse_spark_text_tp2_etp1": lambda: tiny_moe_case("muse_spark_text", {"tp": 2, "etp": 1},
+                                                          sequence_parallel=False),
+        "gemma4_moe_tp2_etp2": lambda: tiny_moe_case("gemma4_text", {"tp": 2, "etp": 2}, sequence_parallel=False,
+                                                     **GEMMA4_MOE),
+        "gemma4_moe_ep2": lambda: tiny_moe_case("gemma4_text", {"ep": 2}, sequence_parallel=False, **GEMMA4_MOE),
     },
     4: {
         "mixtral_ep4": lambda: hf_moe_case("mixtral", {"ep": 4}),
@@ -174,6 +187,8 @@ CASES = {
         "gpt_oss_ep2_edp2": lambda: tiny_moe_case("gpt_oss", {"ep": 2}, sequence_parallel=False),
         "gpt_oss_tp2_ep2": lambda: tiny_moe_case("gpt_oss", {"tp": 2, "ep": 2, "etp": 1}, sequence_parallel=False),
         "gpt_oss_extras_tp2_ep2": lambda: gpt_oss_extras_case({"tp": 2, "ep": 2, "etp": 1}),
+        "gpt_oss_tp2_ep2_etp2": lambda: tiny_moe_case("gpt_oss", {"tp": 2, "ep": 2, "etp": 2},
+                                                      sequence_parallel=False),
         "ernie_vl_tp2_ep2": lambda: tiny_moe_case("ernie4_5_vl_moe_text", {"tp": 2, "ep": 2, "etp": 1}),
         "ernie_vl_tp2_ep2_no_sp": lambda: tiny_moe_case("ernie4_5_vl_moe_text", {"tp": 2, "ep": 2, "etp": 1},
                                                         sequence_parallel=False),

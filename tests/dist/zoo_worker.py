@@ -38,6 +38,9 @@ ZOO = {
     ("hrm_text", "cp"): "attention in two block lists (H_module, L_module)",
     ("llama", "3d"): "pp 2 x tp 2 x dp_shard 2",
     ("qwen3_moe", "3d"): "tp 2 x ep 2 x dp_shard 4",
+    ("gemma4_text", "tp"): "ep plan with tp entries, per-layer inputs (plain)",
+    ("gpt_oss", "tp"): "experts over etp 2: interleaved gate/up, 2-D biases",
+    ("inkling_text", "tp"): "router scoring its shared expert, normed embedding",
 }
 
 
