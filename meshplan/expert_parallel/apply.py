@@ -17,6 +17,7 @@ from typing import Any
 import torch.nn as nn
 
 from meshplan.errors import PlanError
+from meshplan.expert_parallel.experts import shared_inside
 from meshplan.mesh.ranks import not_dividing
 from meshplan.plan_file.expert_parallel import ExpertParallel, ExpertsRule, RouterRule, etp_problem
 from meshplan.plan_file.patterns import match_rules
@@ -140,8 +141,7 @@ def _interface(module: nn.Module, rule: ExpertsRule, where: str) -> str:
         return rule.interface
     params = [p for p in inspect.signature(module.forward).parameters.values()
               if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    found = {1: "dense", 2: "sorted", 3: "topk"}.get(len(params))
-    if found is None:
+    if (found := {1: "dense", 2: "sorted", 3: "topk"}.get(len(params))) is None:
         raise PlanError(f"{where}: {type(module).__name__}.forward takes {len(params)} positional inputs; expected 1 "
                         f"(x, every token once per expert: interface dense), 2 (x_sorted, counts: interface sorted) "
                         f"or 3 (hidden, top_k_index, top_k_weights: interface topk); say `interface:` in the rule")
@@ -162,11 +162,9 @@ def _num_experts(module: nn.Module, path: str, layout: Any, where: str) -> int:
                         f"{shapes}; expected grouped weights [E, …] with one E to split over ep({layout.ep})"
                         + ("" if 0 in sizes else "; unequal counts (zero-computation experts without weights of "
                            "their own) cannot be split over ep: set layout.ep: 1"))
-    experts = max(sizes)
-    why = not_dividing("ep", layout.ep, "the {n} experts of " + path, experts)
-    if why:
+    if why := not_dividing("ep", layout.ep, "the {n} experts of " + path, max(sizes)):
         raise PlanError(f"{where}: {why}")
-    return experts
+    return max(sizes)
 
 
 def _top_k(block: nn.Module, router: nn.Module) -> int | None:
@@ -210,9 +208,8 @@ def check_expert_parallel(model: nn.Module, section: ExpertParallel, layout: Any
                             f"modules {mine}; expected exactly one (style: router)")
         claimed.update(mine)
         experts = _num_experts(module, path, layout, f"{where}.rules.{pattern!r}")
-        from meshplan.expert_parallel.experts import shared_inside
-        if shared_inside(module, path, layout.ep):
-            raise PlanError(f"{where}.rules.{pattern!r}: {shared_inside(module, path, layout.ep)}")
+        if why := shared_inside(module, path, layout.ep):
+            raise PlanError(f"{where}.rules.{pattern!r}: {why}")
         k = _top_k(model.get_submodule(parent), model.get_submodule(mine[0]))
         if k is not None and not 1 <= k <= experts:
             raise PlanError(f"{where}: MoE block {parent} routes each token to top_k({k}) of {experts} experts; "
