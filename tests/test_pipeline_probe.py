@@ -143,6 +143,14 @@ def test_a_forward_that_fails_on_a_hidden_state_is_refused_and_trace_is_suggeste
         probe_split(gpt2, plan_split(gpt2, SECTION, "transformer.h.*", 2))
 
 
+def test_trace_is_suggested_only_if_its_stages_run_with_autograd_on():
+    """GLM-MoE-DSA's stages, traced under no_grad, ran; traced with autograd on, as train_step traces, stage 0
+    fails (a placeholder torch.export leaves unfed): the probe used to suggest the trace, which then crashed."""
+    model = _model("glm_moe_dsa", layers=2)
+    with pytest.raises(PlanError, match=r"split_points \['model.layers.1'\] does not run it either .* use pp 1"):
+        probe_split(model, plan_split(model, SECTION, "model.layers.*", 2))
+
+
 class Twice(ValueMasked):
     def forward(self, ids):
         h = self.embed(ids)

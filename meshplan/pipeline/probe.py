@@ -132,14 +132,16 @@ def _instead(copy: nn.Module, split: StageSplit, ids: Any, whole: Any, real: boo
     if not real:
         return f"try {trace} (not verified: the model is too large to copy for real), else pp 1"
     from meshplan.pipeline.trace import traced_stages
-    try:
-        with torch.no_grad():
+    try:  # traced and run with autograd on, as train_step traces (under no_grad torch.export cuts other graphs:
+        # GLM-MoE-DSA's ran under no_grad, its stages failed with grad on: a suggestion that did not work)
+        with torch.enable_grad():
             traced = traced_stages(copying.deepcopy(copy), (ids,), points, split.num_stages,
                                    list(range(split.num_stages)))
             h: Any = (ids,)
             for module in traced.modules:
                 h = module(*h) if isinstance(h, tuple) else module(h)
-        ok = not _compare(whole, _output(h), True, split, "", "")
+        out = _output(h)
+        ok = not _compare(whole, out.detach() if isinstance(out, torch.Tensor) else out, True, split, "", "")
     except Exception:  # noqa: BLE001 - any failure means: do not suggest it
         ok = False
     if ok:
