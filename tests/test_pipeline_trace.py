@@ -135,6 +135,27 @@ def test_split_points_out_of_order_called_twice_or_cutting_an_empty_stage():
         traced_stages(model, (_x(),), ["layer3"], 2, [2])
 
 
+class _Strided(nn.Module):
+    """Its second stage's input is a slice of a wider tensor (strides of the wide one), as EmbeddingGemma 2's
+    hidden state at ``layers.1``."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 8), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.b(self.a(x)[..., :4])
+
+
+@pytest.mark.fast
+def test_a_stage_receiving_a_non_contiguous_tensor_is_refused():
+    """torch's stages receive into buffers of the traced strides and gloo/NCCL send and receive contiguous tensors
+    only: such a split hung on real gloo (each rank failed its send or receive); refused when tracing."""
+    with pytest.raises(PlanError, match=r"stage 1 \(from split point 'b'\) receives .* shape \(2, 4\) with strides "
+                                        r"\(8, 1\), not contiguous.*move the split point"):
+        traced_stages(_Strided(), (torch.randn(2, 4),), ["b"], 2, [0, 1])
+
+
 class _DataDependent(nn.Module):
     def __init__(self):
         super().__init__()

@@ -175,7 +175,22 @@ def _check_pipe(pipe: Any, split_points: Sequence[str], num_stages: int, where: 
                         f"({where_found}); expected {num_stages} stages, split point k starting stage k + 1: "
                         f"give split points in the order forward calls them, each a module forward calls exactly "
                         f"once")
+    _check_contiguous(modules, split_points, where)
     return modules
+
+
+def _check_contiguous(modules: list[nn.Module], split_points: Sequence[str], where: str) -> None:
+    """Every tensor a stage receives is contiguous: torch's stages receive into buffers of the traced strides and
+    send what the stage returns, and gloo's (and NCCL's) send/recv take contiguous tensors only (EmbeddingGemma 2's
+    hidden state at ``layers.1`` is a transpose: its stages hung, each rank failing its send or receive)."""
+    for k, module in enumerate(modules[1:], start=1):
+        for node in getattr(getattr(module, "graph", None), "nodes", ()):
+            val = node.meta.get("val") if node.op == "placeholder" else None
+            if isinstance(val, torch.Tensor) and not val.is_contiguous():
+                raise PlanError(f"{where}: stage {k} (from split point {split_points[k - 1]!r}) receives "
+                                f"{node.name} of shape {tuple(val.shape)} with strides {tuple(val.stride())}, not "
+                                f"contiguous; torch's pipeline sends and receives contiguous tensors only: move the "
+                                f"split point to a module whose input is contiguous, or use split: blocks")
 
 
 def traced_stages(model: nn.Module, example_args: tuple, split_points: Sequence[str], num_stages: int,
