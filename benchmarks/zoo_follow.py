@@ -13,11 +13,15 @@ suggestion in the refusal                           the plan that follows it
                                                     ``tensor_parallel``, ``data_parallel`` and ``blocks`` sections
                                                     dropped (what the suggestion says the traced split runs without)
 ``leave cp out of the layout (… dp_shard …)``       cp axis: ``layout: {dp_shard: 2}``, no ``context_parallel``
+``set layout.etp: N`` / ``set layout.ep: N``        that degree; ranks it frees go to ``dp_shard`` (same world size)
+``module M computes across … or leave the module    the ``tensor_parallel`` rules of M (every layer: indices as
+unsharded``                                         ``*``) and of its children dropped
 ``use pp 1 (no pipeline)``                          not run: pp 1 is the one-device model the zoo compares against
 ==================================================  ===================================================================
 
 Every other refusal offers no mechanical step (a rule to write by hand, a model that cannot be split); it is listed
-as ``not followed`` with its reason's first words.
+as ``not followed`` with its reason's first words. A 3-D refusal suggesting ``split: trace`` is the pp row's
+(traced stages run on pp ranks only, without the 3-D layout's other sections).
 
     python benchmarks/zoo_follow.py --json /tmp/meshplan-zoo.json [--add pp3d.json] [--doc docs/transformers-zoo.md]
 """
@@ -39,6 +43,8 @@ from zoo_plans import WORLD, axis_plan, build, short  # noqa: E402
 
 HEADING = "## Refusals' suggestions, followed"
 _TRACE = re.compile(r"use pipeline\.split: trace with split_points (\[[^\]]*\])")
+_LAYOUT = re.compile(r"set layout\.(etp|ep): (\d+)")
+_UNSHARDED = re.compile(r"module '([^']+)' computes across .* or leave the module unsharded")
 
 
 def follow(axis: str, reason: str, plan: dict) -> tuple[str, dict | None]:
@@ -49,9 +55,27 @@ def follow(axis: str, reason: str, plan: dict) -> tuple[str, dict | None]:
         rest = {k: v for k, v in plan.items() if k not in ("tensor_parallel", "data_parallel", "blocks")}
         return (f"split: trace at {points}",
                 {**rest, "pipeline": {**plan["pipeline"], "split": "trace", "split_points": points}})
+    if m:  # 3d: traced stages run on pp ranks only, without the layout's other degrees: the pp row
+        return "as the pp row: split: trace runs on pp ranks only", None
     if axis == "cp" and "leave cp out of the layout" in reason:
         rest = {k: v for k, v in plan.items() if k != "context_parallel"}
         return "layout dp_shard 2 (cp left out)", {**rest, "layout": {"dp_shard": 2}}
+    m = _LAYOUT.search(reason)
+    if m:
+        layout = {**plan["layout"], m.group(1): int(m.group(2))}
+        used = 1
+        for k in ("tp", "pp", "cp", "dp_replicate", "dp_shard"):
+            used *= layout.get(k, 1)
+        if used < WORLD[axis]:  # ep's ranks (data ranks folded) go to data parallelism
+            layout["dp_shard"] = layout.get("dp_shard", 1) * WORLD[axis] // used
+        return f"layout {layout}", {**plan, "layout": layout}
+    m = _UNSHARDED.search(reason)
+    if m and "tensor_parallel" in plan:
+        pattern = re.sub(r"\.\d+(?=\.|$)", ".*", m.group(1))
+        rules = {k: v for k, v in plan["tensor_parallel"]["rules"].items()
+                 if k != pattern and not k.startswith(pattern + ".")}
+        return (f"{pattern} left unsharded",
+                {**plan, "tensor_parallel": {**plan["tensor_parallel"], "rules": rules}})
     if "use pp 1 (no pipeline)" in reason:
         return "pp 1: the one-device model itself (the reference)", None
     return "not followed: no mechanical step offered", None
@@ -76,7 +100,8 @@ def prepare(found: list[tuple[str, str, str]], log=print) -> tuple[list[dict], l
                 model = build(model_type)[0]
                 models[model_type] = (model, is_moe(model))
             model, moe = models[model_type]
-            row["followed"], plan = follow(axis, reason, axis_plan(model, axis, moe))
+            plain = axis in ("tp", "ep", "3d")  # the zoo's plain plan: its refusal is the one recorded
+            row["followed"], plan = follow(axis, reason, axis_plan(model, axis, moe, sp=not plain))
         except Exception as e:  # noqa: BLE001 - a refusal at convert time: nothing to follow
             row["followed"], plan = f"not followed: {short(e, 100)}", None
         if plan is None:
@@ -98,7 +123,7 @@ def markdown(rows: list[dict]) -> str:
     lines = [HEADING, "",
              f"`python benchmarks/zoo_follow.py` reads the sweep's refusals and follows every suggestion a plan can "
              f"follow mechanically (see its docstring), checked and run on real gloo like the rows above. Of "
-             f"{len(rows)} refusals on pp and cp, {len(ran)} offer such a step; followed: "
+             f"{len(rows)} refusals, {len(ran)} offer such a step; followed: "
              + ", ".join(f"{v} {k}" for k, v in counts.items()) + ".", "",
              "| model | axis | suggestion followed | result |", "|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["class"] == "-", r["axis"], r["type"])):
@@ -123,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     for extra in args.add:
         with open(extra) as f:
             data["rows"], data["seconds"] = combine(data, json.load(f))
-    rows, items = prepare(refusals(data["rows"], ("pp", "cp")))
+    rows, items = prepare(refusals(data["rows"], ("tp", "pp", "cp", "ep", "3d")))
     for world in sorted({WORLD[t["axis"]] for t in items}):
         done = run_items([t for t in items if WORLD[t["axis"]] == world], world, args.timeout)
         for i, res in done.items():
