@@ -222,24 +222,6 @@ def _new_grad_sync(model: "nn.Module", topology: "Topology", sequence_parallel: 
     return TpGradSync.for_model(model, topology["tp"], sequence_parallel)
 
 
-def _shard_experts(model: "nn.Module", topology: "Topology", mode: str, policies: dict, reshard: Any) -> None:
-    """The expert-sharded modules of expert parallelism, data-parallel over ``edp`` on their own (before the
-    dense blocks and roots, which then leave their parameters alone): FSDP2 (DDP in ``ddp`` mode)."""
-    state = parallel_state(model)
-    if state is None or state.expert_parallel is None:
-        return
-    from torch.distributed.fsdp import fully_shard
-
-    from meshplan._torch import replicate
-    mesh = topology["edp"]
-    for b in state.expert_parallel.blocks:
-        experts = model.get_submodule(b.experts)
-        if mode == "ddp":
-            replicate(experts, mesh=mesh, **policies)
-        else:
-            fully_shard(experts, mesh=mesh, reshard_after_forward=reshard, **policies)
-
-
 def _shard(model, roots, blocks, section, topology, mode, axes) -> None:
     """FSDP2 (or DDP) on the experts over ``edp``, on each block, then on each root (the model, or each pipeline
     stage)."""
@@ -249,7 +231,8 @@ def _shard(model, roots, blocks, section, topology, mode, axes) -> None:
     mp = MixedPrecisionPolicy(param_dtype=dt[section.param_dtype], reduce_dtype=dt[section.reduce_dtype])
     offload = CPUOffloadPolicy() if section.cpu_offload else OffloadPolicy()
     shard_axes, rep_axes = axes
-    _shard_experts(model, topology, mode, dict(mp_policy=mp, offload_policy=offload), section.reshard_after_forward)
+    from meshplan.data_parallel.experts import shard_experts
+    shard_experts(model, topology, mode, dict(mp_policy=mp, offload_policy=offload), section.reshard_after_forward)
     if mode == "ddp":
         from meshplan._torch import replicate
         mesh = topology.span(rep_axes)
