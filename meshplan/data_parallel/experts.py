@@ -15,11 +15,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from meshplan.state import parallel_state
-
 if TYPE_CHECKING:
     import torch.nn as nn
-    from meshplan.mesh.topology import Topology
 
 __all__ = ["expert_shard_placement", "shard_experts"]
 
@@ -46,20 +43,14 @@ def expert_shard_placement(param: Any, edp: int) -> Any:
     return next((Shard(d) for d in range(1, len(local)) if d not in taken and local[d] % edp == 0), None)
 
 
-def shard_experts(model: "nn.Module", topology: "Topology", mode: str, policies: dict, reshard: Any) -> None:
-    """The expert-sharded modules of expert parallelism, data-parallel over ``edp`` on their own (before the
-    dense blocks and roots, which then leave their parameters alone): FSDP2 (DDP in ``ddp`` mode), each packed
-    etp parameter sharded on the dim :func:`expert_shard_placement` gives."""
-    state = parallel_state(model)
-    if state is None or state.expert_parallel is None:
-        return
+def shard_experts(modules: "list[nn.Module]", mesh: Any, mode: str, policies: dict, reshard: Any) -> None:
+    """FSDP2 (DDP in ``ddp`` mode) over the 1-D ``edp`` ``mesh`` on each expert-sharded module of ``modules``, each
+    packed etp parameter sharded on the dim :func:`expert_shard_placement` gives."""
     from torch.distributed.fsdp import fully_shard
 
     from meshplan._torch import replicate
-    mesh = topology["edp"]
     edp = mesh.size()
-    for b in state.expert_parallel.blocks:
-        experts = model.get_submodule(b.experts)
+    for experts in modules:
         if mode == "ddp":
             replicate(experts, mesh=mesh, **policies)
         else:

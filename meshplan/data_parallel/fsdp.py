@@ -222,6 +222,16 @@ def _new_grad_sync(model: "nn.Module", topology: "Topology", sequence_parallel: 
     return TpGradSync.for_model(model, topology["tp"], sequence_parallel)
 
 
+def _shard_experts(model: "nn.Module", topology: "Topology", mode: str, policies: dict, reshard: Any) -> None:
+    """The expert-sharded modules of expert parallelism, data-parallel over ``edp`` on their own (before the
+    dense blocks and roots, which then leave their parameters alone): :func:`~.experts.shard_experts`."""
+    from meshplan.data_parallel.experts import shard_experts
+    state = parallel_state(model)
+    if state is not None and state.expert_parallel is not None:
+        modules = [model.get_submodule(b.experts) for b in state.expert_parallel.blocks]
+        shard_experts(modules, topology["edp"], mode, policies, reshard)
+
+
 def _shard(model, roots, blocks, section, topology, mode, axes) -> None:
     """FSDP2 (or DDP) on the experts over ``edp``, on each block, then on each root (the model, or each pipeline
     stage)."""
@@ -231,8 +241,7 @@ def _shard(model, roots, blocks, section, topology, mode, axes) -> None:
     mp = MixedPrecisionPolicy(param_dtype=dt[section.param_dtype], reduce_dtype=dt[section.reduce_dtype])
     offload = CPUOffloadPolicy() if section.cpu_offload else OffloadPolicy()
     shard_axes, rep_axes = axes
-    from meshplan.data_parallel.experts import shard_experts
-    shard_experts(model, topology, mode, dict(mp_policy=mp, offload_policy=offload), section.reshard_after_forward)
+    _shard_experts(model, topology, mode, dict(mp_policy=mp, offload_policy=offload), section.reshard_after_forward)
     if mode == "ddp":
         from meshplan._torch import replicate
         mesh = topology.span(rep_axes)
