@@ -40,8 +40,9 @@ def test_zoo_axis_matches_one_device(results, model_type, axis):
 
 @pytest.mark.parametrize("model_type", list(ETP))
 def test_etp_with_edp_trains_and_checkpoints_like_one_device(results, model_type):
-    """tp 2 x ep 2 x etp 2 x dp_shard 4 (edp 2): 3 clipped SGD steps equal one device (loss, norm, every gradient
-    by ``full_tensor``, the parameters), and the checkpoint loads into a plain and a parallelized model."""
+    """tp 2 x ep 2 x etp 2 x dp_shard 4 (edp 2): 3 clipped SGD steps (momentum) equal one device (loss, norm, every
+    gradient by ``full_tensor``, the parameters), and the checkpoint loads into a plain model and into a
+    parallelized one with its optimizer (parameters and momentum buffers)."""
     value = case_result(results(8), f"{model_type}_etp", 8)
     for v in value.values():
         assert v["worst"] <= 1e-9 and v["loaded_worst"] <= 1e-9, value

@@ -64,14 +64,14 @@ def zoo_case(model_type, axis, topologies):
 # edp; the grads of a packed gate|up held (_StridedShard(0), Shard(0), _StridedShard(1)), which torch's
 # full_tensor could not gather (issue 24)
 ETP = {"mixtral": {"tp": 2, "ep": 2, "etp": 2, "dp_shard": 4}}
-STEPS, LR, MAX_NORM = 3, 0.5, 0.05
+STEPS, LR, MOMENTUM, MAX_NORM = 3, 0.5, 0.9, 0.05
 
 
 class SgdRecorder(torch.optim.SGD):
-    """SGD that keeps each step's (clipped) gradients, ``{id(param): grad}`` per step."""
+    """SGD with momentum that keeps each step's (clipped) gradients, ``{id(param): grad}`` per step."""
 
     def __init__(self, params):
-        super().__init__(params, lr=LR)
+        super().__init__(params, lr=LR, momentum=MOMENTUM)
         self.grads: list[dict] = []
 
     @torch.no_grad()
@@ -82,9 +82,9 @@ class SgdRecorder(torch.optim.SGD):
 
 
 def _one_device(model):
-    """``[(loss, norm, {name: clipped grad})]`` per step and the final ``{name: param}`` of plain SGD with torch's
-    clipping on the global batch."""
-    opt, out = torch.optim.SGD(model.parameters(), lr=LR), []
+    """``[(loss, norm, {name: clipped grad})]`` per step, the final ``{name: param}`` and ``{name: momentum}`` of
+    plain SGD with torch's clipping on the global batch."""
+    opt, out = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM), []
     for s in range(STEPS):
         x, y = batch(model, s)
         loss = loss_sum(model(x), y) / (y != -100).sum()
@@ -93,7 +93,8 @@ def _one_device(model):
         out.append((float(loss), norm, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return out, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return out, {n: p.detach().clone() for n, p in model.named_parameters()}, \
+        {n: opt.state[p]["momentum_buffer"] for n, p in model.named_parameters()}
 
 
 def _rel(got, want) -> float:
@@ -105,11 +106,12 @@ def _rel(got, want) -> float:
 def etp_train(model_type, layout):
     """3 SGD steps with clipping (``max_grad_norm`` below every step's norm) on ``layout`` vs one device: loss, norm,
     every clipped gradient (``full_tensor``) and the final parameters within ``TOL``; then ``meshplan.save`` and
-    ``meshplan.load`` into a plain model (every rank) and into a freshly parallelized one: the trained values."""
+    ``meshplan.load`` into a plain model (every rank) and into a freshly parallelized one with its optimizer: the
+    trained parameters and momentum buffers."""
     import meshplan
     with KeepFloat64():
         model, _ = build(model_type)
-        ref_steps, ref_params = _one_device(copy.deepcopy(model))
+        ref_steps, ref_params, ref_momentum = _one_device(copy.deepcopy(model))
         plan = {**axis_plan(model, "3d", True), "layout": layout}
         meshplan.check(model, plan, world_size=dist.get_world_size()).raise_if_errors()
         topo = meshplan.build_mesh(layout)
@@ -131,14 +133,16 @@ def etp_train(model_type, layout):
         root = [tempfile.mkdtemp(prefix="etp-", dir=os.environ.get("MESHPLAN_CASE_OUT"))
                 if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(root, src=0)
-        meshplan.save(Path(root[0]) / "step-3", pmodel, step=3)
+        meshplan.save(Path(root[0]) / "step-3", pmodel, opt, step=3)
         plain, _ = build(model_type, seed=1)
         meshplan.load(Path(root[0]) / "step-3", plain)
         fresh = meshplan.parallelize(build(model_type, seed=1)[0], plan, topo)
-        meshplan.load(Path(root[0]) / "step-3", fresh)
+        fresh_opt = torch.optim.SGD(fresh.parameters(), lr=LR, momentum=MOMENTUM)
+        meshplan.load(Path(root[0]) / "step-3", fresh, fresh_opt)
         loaded = [_rel(p, ref_params[n]) for n, p in plain.named_parameters()]
-        loaded += [_rel(p, ref_params[n.replace("_checkpoint_wrapped_module.", "")])
-                   for n, p in fresh.named_parameters()]
+        for n, p in fresh.named_parameters():
+            n = n.replace("_checkpoint_wrapped_module.", "")
+            loaded += [_rel(p, ref_params[n]), _rel(fresh_opt.state[p]["momentum_buffer"], ref_momentum[n])]
     return {"worst": max(errs), "compared": len(errs), "loaded_worst": max(loaded), "loaded": len(loaded),
             "placements": placements}
 
