@@ -531,3 +531,24 @@ def test_check_refuses_what_parallelize_refuses_before_changing_the_model(plan, 
     lay = p.layout.resolve(world)
     first = blocks_problem(model, p, lay) or data_parallel_problem(p, lay)  # what parallelize raises first
     assert str(first) == want
+
+
+def test_expert_shard_placement_avoids_a_second_strided_shard(fake_pg):
+    """FSDP2 over edp on a packed gate|up split over etp shards the model dim (torch cannot gather
+    ``(_StridedShard(0), Shard(0), _StridedShard(1))``); other expert parameters keep FSDP2's dim 0."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    from meshplan._torch import StridedShard
+    from meshplan.data_parallel.experts import expert_shard_placement
+    with fake_pg(8):
+        mesh = meshplan.build_mesh({"tp": 2, "ep": 2, "etp": 2, "dp_shard": 4}).expert["ep", "etp"]
+
+        def param(local, placements, shape):
+            return DTensor.from_local(torch.zeros(local), mesh, placements, run_check=False, shape=shape,
+                                      stride=torch.empty(shape).stride())
+        gate_up = param((2, 128, 64), [Shard(0), StridedShard(1, split_factor=2)], (4, 256, 64))
+        assert expert_shard_placement(gate_up, 2) == Shard(2)
+        assert expert_shard_placement(gate_up, 3) is None  # 64 % 3: no dim FSDP2 can shard evenly but 0
+        down = param((2, 64, 64), [Shard(0), Shard(2)], (4, 64, 128))
+        assert expert_shard_placement(down, 2) is None
+        assert expert_shard_placement(torch.zeros(4, 8), 2) is None

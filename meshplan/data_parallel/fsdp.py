@@ -224,20 +224,12 @@ def _new_grad_sync(model: "nn.Module", topology: "Topology", sequence_parallel: 
 
 def _shard_experts(model: "nn.Module", topology: "Topology", mode: str, policies: dict, reshard: Any) -> None:
     """The expert-sharded modules of expert parallelism, data-parallel over ``edp`` on their own (before the
-    dense blocks and roots, which then leave their parameters alone): FSDP2 (DDP in ``ddp`` mode)."""
+    dense blocks and roots, which then leave their parameters alone): :func:`~.experts.shard_experts`."""
+    from meshplan.data_parallel.experts import shard_experts
     state = parallel_state(model)
-    if state is None or state.expert_parallel is None:
-        return
-    from torch.distributed.fsdp import fully_shard
-
-    from meshplan._torch import replicate
-    mesh = topology["edp"]
-    for b in state.expert_parallel.blocks:
-        experts = model.get_submodule(b.experts)
-        if mode == "ddp":
-            replicate(experts, mesh=mesh, **policies)
-        else:
-            fully_shard(experts, mesh=mesh, reshard_after_forward=reshard, **policies)
+    if state is not None and state.expert_parallel is not None:
+        modules = [model.get_submodule(b.experts) for b in state.expert_parallel.blocks]
+        shard_experts(modules, topology["edp"], mode, policies, reshard)
 
 
 def _shard(model, roots, blocks, section, topology, mode, axes) -> None:
