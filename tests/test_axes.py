@@ -37,7 +37,7 @@ ALLOWED = {
 
 
 def test_axes_are_frozen_values_in_order():
-    assert [a.name for a in AXES] == ["cp"]
+    assert [a.name for a in AXES] == ["ep", "cp"]  # parallelize's order: tensor → expert → context
     for axis in AXES:
         assert isinstance(axis, Axis) and isinstance(axis.costs, AxisCosts)
         with pytest.raises(dataclasses.FrozenInstanceError):
