@@ -132,8 +132,8 @@ def _split_stages(model: nn.Module, p: Plan, topology: Topology) -> Any:
         return None
     from meshplan.pipeline import split_pipeline
     pattern = p.blocks.pattern if p.blocks is not None else "layers.*"
-    from meshplan.expert_parallel.apply import moe_blocks
-    opaque = tuple(sorted(moe_blocks(model, p.expert_parallel)))  # the split probe's stand-ins
+    from meshplan.axes import opaque_modules
+    opaque = opaque_modules(model, p)  # the split probe's stand-ins
     record, split = split_pipeline(model, p.pipeline, pattern, topology, where, opaque)
     attach_state(model, pipeline=record)
     return split

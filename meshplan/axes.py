@@ -14,7 +14,8 @@ from meshplan.axis import Axis
 from meshplan.context_parallel.unit import AXIS as _CONTEXT
 from meshplan.expert_parallel.unit import AXIS as _EXPERT
 
-__all__ = ["AXES", "check_axes", "prepare_axes", "apply_axes", "shard_batch", "shard_sequence", "report_lines"]
+__all__ = ["AXES", "check_axes", "prepare_axes", "apply_axes", "shard_batch", "shard_sequence", "report_lines",
+           "opaque_modules"]
 
 #: the axes that are units, in parallelize's order
 AXES: tuple[Axis, ...] = (_EXPERT, _CONTEXT)
@@ -85,3 +86,9 @@ def shard_sequence(model: Any, inputs: Any, targets: Any = None) -> tuple[Any, A
 def report_lines(report: Any) -> list[str]:
     """The text report's lines of every axis' summary."""
     return [line for axis in AXES for line in axis.report_lines(getattr(report, axis.report_key))]
+
+
+def opaque_modules(model: Any, plan: Any) -> tuple[str, ...]:
+    """The module paths of ``model`` a rehearsal on a throwaway copy replaces by a stand-in (every axis'
+    :attr:`~meshplan.axis.Axis.opaque`), sorted."""
+    return tuple(sorted({path for axis in AXES for path in axis.opaque(model, plan)}))

@@ -67,6 +67,9 @@ class Axis:
         example_plan: a plan file in ``plans/`` with its section, for messages.
         data_parallel: ``(layout) -> bool``: whether the applied axis needs the data-parallel step even without a
             ``data_parallel`` section (its gradients summed over data ranks of its own).
+        opaque: ``(model, plan) -> {module path}``: modules whose forward a rehearsal on a throwaway copy (the
+            pipeline split probe, the shadow run) cannot run (data-dependent routing, the axis' own collectives)
+            and replaces by :func:`~meshplan.model_copies.stand_in`.
     """
 
     name: str
@@ -84,6 +87,7 @@ class Axis:
     training: Callable[[Any], dict]
     example_plan: str
     data_parallel: Callable[[Any], bool] = lambda layout: False
+    opaque: Callable[[Any, Any], set] = lambda model, plan: set()
 
     def degree(self, layout: Any) -> int:
         """The axis' degree in ``layout`` (a resolved layout or a solver candidate)."""

@@ -45,6 +45,12 @@ def _data_parallel(layout: Any) -> bool:
     return layout.edp > 1
 
 
+def _opaque(model: Any, plan: Any) -> set:
+    """The MoE blocks (token regions): routing is data-dependent, with all-to-alls of its own."""
+    from meshplan.expert_parallel.apply import moe_blocks
+    return moe_blocks(model, plan.expert_parallel)
+
+
 #: expert parallelism: MoE experts split over ``ep`` (their FFN over ``etp``), tokens dispatched by all-to-all
 AXIS = Axis(name="ep", section="expert_parallel", title="expert parallelism", mesh_dims=("ep", "etp"),
             state_field="expert_parallel", report_key="experts", check=_check, prepare=_prepare, apply=_apply,
@@ -52,4 +58,5 @@ AXIS = Axis(name="ep", section="expert_parallel", title="expert parallelism", me
             costs=AxisCosts(collectives=ep_collectives, block_activations=ep_block_activations,
                             first_stage_activations=ep_first_stage_activations,
                             sequence_problem=ep_sequence_problem, run_problem=ep_run_problem),
-            training=lambda plan: {}, example_plan="plans/moe.yaml", data_parallel=_data_parallel)
+            training=lambda plan: {}, example_plan="plans/moe.yaml", data_parallel=_data_parallel,
+            opaque=_opaque)
