@@ -2,8 +2,10 @@
 
 :func:`meshplan.parallelize`, ``meshplan check``, :func:`meshplan.train_step`, explain and the solver iterate over
 :data:`AXES` instead of naming an axis. Expert and context parallelism are units so far; the others keep their
-own code paths and join the list one by one, at their place in parallelize's order (stage split → tensor → expert →
-context → blocks → stages → data). Torch-free.
+own code paths and join the list one by one, at their place in parallelize's order (stage split → tensor → context →
+expert → blocks → stages → data: context parallelism's hooks (root, attention modules) and expert parallelism's
+(experts, MoE blocks) touch different modules, and this order keeps ``meshplan check``'s lines and errors and the
+solver's sums in the order they had before expert parallelism joined). Torch-free.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ __all__ = ["AXES", "check_axes", "prepare_axes", "apply_axes", "shard_batch", "s
            "opaque_modules"]
 
 #: the axes that are units, in parallelize's order
-AXES: tuple[Axis, ...] = (_EXPERT, _CONTEXT)
+AXES: tuple[Axis, ...] = (_CONTEXT, _EXPERT)
 
 
 def check_axes(model: Any, plan: Any, layout: Any, report: Any) -> None:

@@ -72,7 +72,7 @@ def token_region_of(blocks: set[str] | list[str]) -> dict[str, str]:
             for b in blocks}
 
 
-@dataclass
+@dataclass(frozen=True)
 class EpApplied:
     """What :func:`apply_expert_parallel` did; recorded as :attr:`meshplan.state.ParallelState.expert_parallel`.
 
