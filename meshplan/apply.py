@@ -95,18 +95,11 @@ def _apply_sections(model: nn.Module, p: Plan, topology: Topology | None, tp_mes
     from meshplan.axes import apply_axes, prepare_axes
     prepared = prepare_axes(model, p, topology)  # the axes that are units, checked before anything changes
     split = _split_stages(model, p, topology) if pipelined else None
-    moe = _check_experts(model, p, topology, split)
     if p.tensor_parallel is not None:
         _tensor_parallel(model, p, tp_mesh, split)
-    if moe is not None:
-        from meshplan.expert_parallel.apply import apply_expert_parallel
-        state = attach_state(model)
-        attach_state(model, expert_parallel=apply_expert_parallel(model, moe[0], topology, moe[1],
-                                                                  state.tensor_parallel))
-        data_parallel = data_parallel or topology.layout.edp > 1  # expert gradients summed over edp
-    records = apply_axes(model, p, topology, prepared)
-    if records:
-        attach_state(model, **records)  # each axis' record, attached here alone
+    # each axis' record attached here alone, in parallelize's order (the next axis reads the record so far)
+    data_parallel = apply_axes(model, p, topology, prepared, lambda: attach_state(model),
+                               lambda **record: attach_state(model, **record)) or data_parallel
     attach_state(model, plan=p, topology=topology)  # train_step's topology, also without data parallelism
     if data_parallel:
         from meshplan.data_parallel.fsdp import check_data_parallel
@@ -126,27 +119,6 @@ def _apply_sections(model: nn.Module, p: Plan, topology: Topology | None, tp_mes
     return model
 
 
-def _check_experts(model: nn.Module, p: Plan, topology: Topology | None, split: Any) -> Any:
-    """The ``expert_parallel`` section (rules of pruned stages left out) and its MoE blocks, checked before
-    anything else changes the model; None without a section."""
-    where = f"{p.source}: expert_parallel" if p.source else "expert_parallel"
-    if topology is not None and topology.layout.ep > 1 and p.expert_parallel is None:
-        raise PlanError(f"{p.source or '<plan>'}: layout.ep({topology.layout.ep}) > 1 needs an expert_parallel "
-                        f"section (rules: experts, router)")
-    if p.expert_parallel is None:
-        return None
-    if topology is None:
-        raise PlanError(f"{where} needs a meshplan Topology (meshplan.init or build_mesh), not a bare DeviceMesh")
-    from meshplan.expert_parallel.apply import check_expert_parallel
-    section = p.expert_parallel
-    if split is not None:
-        from meshplan.pipeline import kept_rules
-        removed = {n for n, m in model.named_modules() if isinstance(m, nn.Identity)}
-        section = section.model_copy(update={"rules": kept_rules(model, section.rules, removed)})
-    tp_rules = p.tensor_parallel.rules if p.tensor_parallel is not None else None
-    return section, check_expert_parallel(model, section, topology.layout, where, tp_rules)
-
-
 def _split_stages(model: nn.Module, p: Plan, topology: Topology) -> Any:
     """The pipeline step's first half: stages assigned, the model pruned to this rank's (before anything else
     touches it), the record attached. ``split: trace``: checked and recorded only (None: no eager split)."""
@@ -160,8 +132,8 @@ def _split_stages(model: nn.Module, p: Plan, topology: Topology) -> Any:
         return None
     from meshplan.pipeline import split_pipeline
     pattern = p.blocks.pattern if p.blocks is not None else "layers.*"
-    from meshplan.expert_parallel.apply import moe_blocks
-    opaque = tuple(sorted(moe_blocks(model, p.expert_parallel)))  # the split probe's stand-ins
+    from meshplan.axes import opaque_modules
+    opaque = opaque_modules(model, p)  # the split probe's stand-ins
     record, split = split_pipeline(model, p.pipeline, pattern, topology, where, opaque)
     attach_state(model, pipeline=record)
     return split

@@ -1,9 +1,11 @@
 """The ordered parallelism axes that are units (:class:`~meshplan.axis.Axis`), and the loops over them.
 
 :func:`meshplan.parallelize`, ``meshplan check``, :func:`meshplan.train_step`, explain and the solver iterate over
-:data:`AXES` instead of naming an axis. Only context parallelism is a unit so far; the others keep their own code
-paths and join the list one by one, at their place in parallelize's order (stage split → tensor → expert →
-context → blocks → stages → data). Torch-free.
+:data:`AXES` instead of naming an axis. Expert and context parallelism are units so far; the others keep their
+own code paths and join the list one by one, at their place in parallelize's order (stage split → tensor → context →
+expert → blocks → stages → data: context parallelism's hooks (root, attention modules) and expert parallelism's
+(experts, MoE blocks) touch different modules, and this order keeps ``meshplan check``'s lines and errors and the
+solver's sums in the order they had before expert parallelism joined). Torch-free.
 """
 
 from __future__ import annotations
@@ -12,11 +14,13 @@ from typing import Any
 
 from meshplan.axis import Axis
 from meshplan.context_parallel.unit import AXIS as _CONTEXT
+from meshplan.expert_parallel.unit import AXIS as _EXPERT
 
-__all__ = ["AXES", "check_axes", "prepare_axes", "apply_axes", "shard_batch", "shard_sequence", "report_lines"]
+__all__ = ["AXES", "check_axes", "prepare_axes", "apply_axes", "shard_batch", "shard_sequence", "report_lines",
+           "opaque_modules"]
 
 #: the axes that are units, in parallelize's order
-AXES: tuple[Axis, ...] = (_CONTEXT,)
+AXES: tuple[Axis, ...] = (_CONTEXT, _EXPERT)
 
 
 def check_axes(model: Any, plan: Any, layout: Any, report: Any) -> None:
@@ -31,10 +35,17 @@ def prepare_axes(model: Any, plan: Any, topology: Any) -> dict[str, Any]:
     return {name: v for name, v in prepared.items() if v is not None}
 
 
-def apply_axes(model: Any, plan: Any, topology: Any, prepared: dict[str, Any]) -> dict[str, Any]:
-    """Apply the prepared axes in order: ``{state field: record}`` for ``parallelize`` to attach."""
-    return {axis.state_field: axis.apply(model, plan, topology, prepared[axis.name])
-            for axis in AXES if axis.name in prepared}
+def apply_axes(model: Any, plan: Any, topology: Any, prepared: dict[str, Any], state: Any,
+               attach: Any) -> bool:
+    """Apply the prepared axes in order, each record handed to ``attach(**{state field: record})`` (``parallelize``
+    owns the state module) before the next axis runs; ``state()`` gives the model's record so far. Returns whether
+    an applied axis needs the data-parallel step (:attr:`~meshplan.axis.Axis.data_parallel`)."""
+    data_parallel = False
+    for axis in AXES:
+        if axis.name in prepared:
+            attach(**{axis.state_field: axis.apply(model, plan, topology, prepared[axis.name], state())})
+            data_parallel = data_parallel or axis.data_parallel(topology.layout)
+    return data_parallel
 
 
 def shard_batch(state: Any, inputs: Any, targets: Any, shift: bool = False,
@@ -77,3 +88,9 @@ def shard_sequence(model: Any, inputs: Any, targets: Any = None) -> tuple[Any, A
 def report_lines(report: Any) -> list[str]:
     """The text report's lines of every axis' summary."""
     return [line for axis in AXES for line in axis.report_lines(getattr(report, axis.report_key))]
+
+
+def opaque_modules(model: Any, plan: Any) -> tuple[str, ...]:
+    """The module paths of ``model`` a rehearsal on a throwaway copy replaces by a stand-in (every axis'
+    :attr:`~meshplan.axis.Axis.opaque`), sorted."""
+    return tuple(sorted({path for axis in AXES for path in axis.opaque(model, plan)}))

@@ -1,6 +1,6 @@
 """The shape of a parallelism axis as a unit: :class:`Axis`, one frozen value each axis folder exports.
 
-An axis folder (one today, the others join one by one: :data:`meshplan.axes.AXES`) says
+An axis folder (two today, the others join one by one: :data:`meshplan.axes.AXES`) says
 everything the rest of meshplan needs to know about it in one :class:`Axis`: its name, its plan section, its mesh
 dims, its check, its apply (returning a frozen record that :func:`meshplan.parallelize` alone attaches to the
 model's :class:`~meshplan.state.ParallelState`), its share of a batch for :func:`meshplan.train_step`, its report
@@ -55,8 +55,9 @@ class Axis:
             warnings and the summary into ``report`` (the same functions ``prepare`` runs).
         prepare: ``(model, plan, topology) -> Any``: ``parallelize``'s check before anything changes; raises
             :class:`~meshplan.errors.PlanError`; None when the axis is not applied, else what ``apply`` takes.
-        apply: ``(model, plan, topology, prepared) -> record``: applies the axis and returns its frozen record
-            (the axis never touches the state module).
+        apply: ``(model, plan, topology, prepared, state) -> record``: applies the axis and returns its frozen
+            record (the axis never touches the state module: ``state`` is the model's record so far, read only,
+            handed in by ``parallelize``: the tensor-parallel record and its one gradient finaliser, say).
         shard_batch: ``(state, inputs, targets, shift, ignore_index) -> (inputs, targets, shift)``: this rank's
             share of a batch, called by ``train_step`` when the state holds the axis' record.
         report_lines: ``(summary) -> [str]``: the text report's lines for its summary (none when empty).
@@ -64,6 +65,11 @@ class Axis:
         training: ``(plan) -> {field: value}``: the solver's :class:`~meshplan.solver.candidate.Training` settings
             its section decides.
         example_plan: a plan file in ``plans/`` with its section, for messages.
+        data_parallel: ``(layout) -> bool``: whether the applied axis needs the data-parallel step even without a
+            ``data_parallel`` section (its gradients summed over data ranks of its own).
+        opaque: ``(model, plan) -> {module path}``: modules whose forward a rehearsal on a throwaway copy (the
+            pipeline split probe, the shadow run) cannot run (data-dependent routing, the axis' own collectives)
+            and replaces by :func:`~meshplan.model_copies.stand_in`.
     """
 
     name: str
@@ -74,12 +80,14 @@ class Axis:
     report_key: str
     check: Callable[[Any, Any, Any, Any], None]
     prepare: Callable[[Any, Any, Any], Any]
-    apply: Callable[[Any, Any, Any, Any], Any]
+    apply: Callable[[Any, Any, Any, Any, Any], Any]
     shard_batch: Callable[..., tuple]
     report_lines: Callable[[dict], list]
     costs: AxisCosts
     training: Callable[[Any], dict]
     example_plan: str
+    data_parallel: Callable[[Any], bool] = lambda layout: False
+    opaque: Callable[[Any, Any], set] = lambda model, plan: set()
 
     def degree(self, layout: Any) -> int:
         """The axis' degree in ``layout`` (a resolved layout or a solver candidate)."""

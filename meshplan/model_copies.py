@@ -4,7 +4,11 @@ torch-free ``hf.tiny_config``."""
 
 from __future__ import annotations
 
+import ast
 import copy
+import functools
+import inspect
+import textwrap
 from typing import Any
 
 import torch
@@ -12,7 +16,7 @@ import torch.nn as nn
 
 from meshplan.errors import PlanError
 
-__all__ = ["default_batch", "is_hf", "meta_copy", "small_copy", "vocab_size"]
+__all__ = ["default_batch", "is_hf", "meta_copy", "small_copy", "stand_in", "vocab_size"]
 
 
 def meta_copy(model: nn.Module) -> nn.Module:
@@ -83,3 +87,28 @@ def default_batch(model: nn.Module, tp: int, seed: int = 0) -> dict[str, Any]:
     labels = ids.clone() if hf else torch.randint(0, vocab, (2, 8 * tp), generator=g)
     labels[0, :3] = -100
     return {"input_ids" if hf else "tokens": ids, "labels": labels}
+
+
+def stand_in(module: nn.Module) -> None:
+    """Make ``module`` (a module an axis calls opaque, :func:`meshplan.axes.opaque_modules`: an MoE block, say, of a
+    THROWAWAY copy: the split probe's, the shadow run's) return a new tensor
+    shaped like its first input, without running: routing is data-dependent (no meta kernels, no DTensor rules)
+    and a block's contract is a residual branch's. A block whose forward returns an n-tuple (gpt-oss:
+    ``return hidden_states, router_scores``) returns that tensor and n - 1 empty ones, so its caller unpacks it."""
+    module.forward = functools.partial(_same_shape, _returns(type(module).forward))
+
+
+def _returns(forward: Any) -> int:
+    """How many values every ``return`` of ``forward`` gives (1 unless all are tuples of one length)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
+    except (OSError, TypeError, SyntaxError):
+        return 1
+    sizes = {len(r.value.elts) if isinstance(r.value, ast.Tuple) else 1
+             for r in ast.walk(tree) if isinstance(r, ast.Return) and r.value is not None}
+    return sizes.pop() if len(sizes) == 1 else 1
+
+
+def _same_shape(n: int, x: Any, *args: Any, **kwargs: Any) -> Any:
+    out = torch.empty_like(x)
+    return out if n == 1 else (out, *(x.new_empty(0) for _ in range(n - 1)))

@@ -12,15 +12,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from meshplan.blocks import AppliedBlocks
-    from meshplan.context_parallel.apply import CpApplied
-    from meshplan.expert_parallel.apply import EpApplied
-    from meshplan.data_parallel.fsdp import DataParallelState
     from meshplan.mesh.topology import Topology
-    from meshplan.pipeline.stages import PipelineApplied
     from meshplan.plan_file.document import Plan
-    from meshplan.tensor_parallel.apply import TpApplied
-    from meshplan.tensor_parallel.grad_sync import TpGradSync
 
 __all__ = ["ParallelState", "parallel_state", "attach_state", "DATA_AXES"]
 
@@ -32,6 +25,9 @@ DATA_AXES = ("dp_replicate", "dp_shard", "cp")
 @dataclass(frozen=True)
 class ParallelState:
     """What meshplan applied to a model; each step replaces the record with its own field set.
+
+    The record fields are typed ``Any``: this module imports no axis (the axes' records are theirs, named below),
+    so no import cycle runs through the one record (issue 26).
 
     Attributes:
         plan: the :class:`~meshplan.Plan` :func:`meshplan.parallelize` applied (None: steps applied one by one).
@@ -51,15 +47,15 @@ class ParallelState:
 
     plan: "Plan | None" = None
     topology: "Topology | None" = None
-    tensor_parallel: "TpApplied | None" = None
-    blocks: "AppliedBlocks | None" = None
-    data_parallel: "DataParallelState | None" = None
-    pipeline: "PipelineApplied | None" = None
-    context_parallel: "CpApplied | None" = None
-    expert_parallel: "EpApplied | None" = None
+    tensor_parallel: Any = None
+    blocks: Any = None
+    data_parallel: Any = None
+    pipeline: Any = None
+    context_parallel: Any = None
+    expert_parallel: Any = None
 
     @property
-    def grad_sync(self) -> "TpGradSync | None":
+    def grad_sync(self) -> Any:
         """The ONE :class:`~meshplan.tensor_parallel.grad_sync.TpGradSync` of the model: tensor parallelism's
         finaliser, else the one data parallelism made for DTensor parameters it found (tensor parallelism
         applied outside meshplan), else None."""

@@ -36,8 +36,29 @@ ALLOWED = {
 }
 
 
+EP_MENTION = re.compile(r"expert_parallel|expert parallel|\bep\b")
+#: files outside expert_parallel/ that may name it (47 before it became a unit, these 38 after; docs/house.md): the
+#: ordered list, the plan section and the ep/etp/edp degrees (layout, mesh, CLI flags, converters, the solver's
+#: enumeration, groups and the model's MoE terms), edp as a data axis (FSDP2 over the experts), the record's field,
+#: checkpoints' docstrings, transformers' MoE interop, explain's per-module totals, the tp token regions' checks
+EP_ALLOWED = {
+    "axes.py", "state.py",
+    "plan_file/document.py", "plan_file/expert_parallel.py", "plan_file/hf_aliases.py", "plan_file/layout.py",
+    "plan_file/stages.py",
+    "mesh/rank_table.py", "mesh/ranks.py", "mesh/topology.py", "viz/rank_grid.py", "viz/model_draw.py",
+    "cli/args.py", "cli/convert.py", "cli/solve.py",
+    "convert/accelerate.py", "convert/common.py", "convert/formats.py", "convert/hf_document.py",
+    "solver/candidate.py", "solver/compute.py", "solver/memory.py", "solver/placement.py", "solver/rules.py",
+    "solver/search.py",
+    "blocks.py", "data_parallel/fsdp.py", "tensor_parallel/grad_sync.py",
+    "checkpoint/chunks.py", "checkpoint/export.py", "checkpoint/load.py", "checkpoint/save.py",
+    "hf/checkpoint_keys.py", "hf/convert.py", "hf/moe.py",
+    "checks/explain.py", "checks/regions.py", "checks/validate.py",
+}
+
+
 def test_axes_are_frozen_values_in_order():
-    assert [a.name for a in AXES] == ["cp"]
+    assert [a.name for a in AXES] == ["cp", "ep"]  # parallelize's order: tensor → context → expert
     for axis in AXES:
         assert isinstance(axis, Axis) and isinstance(axis.costs, AxisCosts)
         with pytest.raises(dataclasses.FrozenInstanceError):
@@ -67,6 +88,34 @@ def test_context_parallelism_is_named_only_where_allowed():
     found = {str(f.relative_to(PKG)) for f in PKG.rglob("*.py")
              if not f.is_relative_to(PKG / "context_parallel") and MENTION.search(f.read_text())}
     assert found <= ALLOWED, f"context parallelism named outside its unit: {sorted(found - ALLOWED)}"
+
+
+def test_expert_parallelism_is_named_only_where_allowed():
+    """The same measure for the second unit: files outside ``expert_parallel/`` that mention it."""
+    found = {str(f.relative_to(PKG)) for f in PKG.rglob("*.py")
+             if not f.is_relative_to(PKG / "expert_parallel") and EP_MENTION.search(f.read_text())}
+    assert found <= EP_ALLOWED, f"expert parallelism named outside its unit: {sorted(found - EP_ALLOWED)}"
+
+
+def test_opaque_modules_are_the_moe_blocks_of_the_plan():
+    """What the split probe and the shadow run stand in for comes from the axes (ep: its MoE blocks)."""
+    import torch.nn as nn
+
+    from meshplan.axes import opaque_modules
+    from meshplan.plan_file.document import as_plan
+
+    class Moe(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.router, self.experts = nn.Linear(4, 2), nn.Linear(4, 4)
+
+    model = nn.Module()
+    model.layers = nn.ModuleList([nn.Module() for _ in range(2)])
+    for layer in model.layers:
+        layer.moe = Moe()
+    rules = {"layers.*.moe.experts": {"style": "experts"}, "layers.*.moe.router": {"style": "router"}}
+    assert opaque_modules(model, as_plan({"expert_parallel": {"rules": rules}})) == ("layers.0.moe", "layers.1.moe")
+    assert opaque_modules(model, as_plan({})) == ()
 
 
 def test_report_lines_empty_without_a_summary():

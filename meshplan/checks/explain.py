@@ -22,7 +22,6 @@ from typing import Any
 import torch.nn as nn
 
 from meshplan.axes import report_lines
-from meshplan.checks.experts import experts_lines
 from meshplan.checks.pipeline import stage_lines
 from meshplan.plan_file.patterns import wildcard
 from meshplan.tensor_parallel.layouts import Stream, redistribute_collectives
@@ -230,7 +229,6 @@ def summary_lines(report, unsharded: bool = True) -> list[str]:
         out.append(f"unsharded parameters ({len(report.unsharded)}, every tp rank holds them whole): {shown}")
     out += stage_lines(report.pipeline)
     out += report_lines(report)  # the axes that are units
-    out += experts_lines(report.experts)
     out += [f"warning: {w}" for w in report.warnings]
     out.append("ok" if report.ok else f"{len(report.errors)} error(s):")
     out += [f"  {i}. {e}" for i, e in enumerate(report.errors, 1)]

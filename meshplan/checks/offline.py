@@ -49,7 +49,6 @@ def check(model: nn.Module, plan: Plan | Mapping[str, Any] | str, world_size: in
     from meshplan.checks.explain import explain
     from meshplan.axes import check_axes
     from meshplan.checks.data import check_data
-    from meshplan.checks.experts import check_experts
     from meshplan.checks.pipeline import check_pipeline
     p = as_plan(plan)
     lay = Layout.model_validate(dict(layout)) if isinstance(layout, Mapping) else layout or p.layout or Layout()
@@ -72,7 +71,6 @@ def check(model: nn.Module, plan: Plan | Mapping[str, Any] | str, world_size: in
             checker.err(msg)
     check_pipeline(model, p, resolved, report)  # the schedule and the split (on a meta copy)
     check_axes(model, p, resolved, report)  # the sections of the axes that are units
-    check_experts(model, p, resolved, report)  # the expert_parallel section
     check_data(model, p, resolved, report)  # blocks and data_parallel, as parallelize checks them first
     applied = None
     if report.ok and p.tensor_parallel is not None and dry_run:

@@ -26,7 +26,8 @@ class Report:
             :mod:`meshplan.checks.pipeline`); empty without a section or when the split failed.
         context: the summary the context axis unit's check writes (its ``report_key``; :mod:`meshplan.axes`), or
             empty.
-        experts: the ``expert_parallel`` section's summary (see :mod:`meshplan.checks.experts`), or empty.
+        experts: the summary the expert axis unit's check writes (its ``report_key``; :mod:`meshplan.axes`), or
+            empty.
     """
 
     source: str

@@ -86,7 +86,8 @@ def cross_shard_errors(model: nn.Module, plan: Any, tp: int, where: str, notes: 
     from meshplan.checks.dry_run import fake_group
     from meshplan.model_copies import default_batch
     from meshplan.checks.regions import local_head_regions
-    from meshplan.expert_parallel.apply import moe_blocks, stand_in
+    from meshplan.axes import opaque_modules
+    from meshplan.model_copies import stand_in
     from meshplan.mesh.topology import build_mesh
     from meshplan.plan_file.patterns import match_rules
     from meshplan.tensor_parallel.apply import apply_tensor_parallel
@@ -114,7 +115,7 @@ def cross_shard_errors(model: nn.Module, plan: Any, tp: int, where: str, notes: 
             mesh = build_mesh({"tp": tp})["tp"]
             apply_tensor_parallel(meta, _shadow_section(section, local_rules), mesh, plan.source)
             modules = dict(meta.named_modules())
-            for path in moe_blocks(meta, plan.expert_parallel):  # routing: its own all-to-alls, not this run's
+            for path in opaque_modules(meta, plan):  # routing: its own all-to-alls, not this run's
                 stand_in(modules[path])
             for path in sorted(regions):
                 _track(modules[path] if path else meta, path, tracker, push=True)

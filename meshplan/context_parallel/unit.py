@@ -24,7 +24,7 @@ def _prepare(model: Any, plan: Any, topology: Any) -> str | None:
     return prepare_context(model, plan, topology)
 
 
-def _apply(model: Any, plan: Any, topology: Any, where: str) -> Any:
+def _apply(model: Any, plan: Any, topology: Any, where: str, state: Any = None) -> Any:
     from meshplan.context_parallel.check import apply_context
     return apply_context(model, plan, topology, where)
 

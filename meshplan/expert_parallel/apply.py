@@ -19,6 +19,7 @@ import torch.nn as nn
 from meshplan.errors import PlanError
 from meshplan.expert_parallel.experts import shared_inside
 from meshplan.mesh.ranks import not_dividing
+from meshplan.model_copies import stand_in
 from meshplan.plan_file.expert_parallel import ExpertParallel, ExpertsRule, RouterRule, etp_problem
 from meshplan.plan_file.patterns import match_rules
 
@@ -71,7 +72,7 @@ def token_region_of(blocks: set[str] | list[str]) -> dict[str, str]:
             for b in blocks}
 
 
-@dataclass
+@dataclass(frozen=True)
 class EpApplied:
     """What :func:`apply_expert_parallel` did; recorded as :attr:`meshplan.state.ParallelState.expert_parallel`.
 
@@ -106,34 +107,6 @@ def moe_blocks(model: nn.Module, section: ExpertParallel | None) -> set[str]:
     """The token regions of the MoE blocks ``section`` names (its experts modules' parents, or the module holding
     several: :func:`token_region_of`)."""
     return set(token_region_of({path.rpartition(".")[0] for path in expert_modules(model, section)}).values())
-
-
-def stand_in(module: nn.Module) -> None:
-    """Make ``module`` (an MoE block of a THROWAWAY copy: the split probe's, the shadow run's) return a new tensor
-    shaped like its first input, without running: routing is data-dependent (no meta kernels, no DTensor rules)
-    and a block's contract is a residual branch's. A block whose forward returns an n-tuple (gpt-oss:
-    ``return hidden_states, router_scores``) returns that tensor and n - 1 empty ones, so its caller unpacks it."""
-    import functools
-    module.forward = functools.partial(_same_shape, _returns(type(module).forward))
-
-
-def _returns(forward: Any) -> int:
-    """How many values every ``return`` of ``forward`` gives (1 unless all are tuples of one length)."""
-    import ast
-    import textwrap
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
-    except (OSError, TypeError, SyntaxError):
-        return 1
-    sizes = {len(r.value.elts) if isinstance(r.value, ast.Tuple) else 1
-             for r in ast.walk(tree) if isinstance(r, ast.Return) and r.value is not None}
-    return sizes.pop() if len(sizes) == 1 else 1
-
-
-def _same_shape(n: int, x: Any, *args: Any, **kwargs: Any) -> Any:
-    import torch
-    out = torch.empty_like(x)
-    return out if n == 1 else (out, *(x.new_empty(0) for _ in range(n - 1)))
 
 
 def _interface(module: nn.Module, rule: ExpertsRule, where: str) -> str:

@@ -172,7 +172,7 @@ def _probe_copy(model: nn.Module, where: str, seq: int, opaque: tuple[str, ...])
         copy = _own_copy(model)
     else:
         from meshplan.model_copies import meta_copy
-        from meshplan.expert_parallel.apply import stand_in
+        from meshplan.model_copies import stand_in
         copy = meta_copy(model)
         for path in opaque:
             stand_in(copy.get_submodule(path))  # the throwaway copy only

@@ -10,8 +10,8 @@ step recorded op by op; ``docs/tensor-parallel.md`` states the tensor-parallel o
   sequence parallelism all-reduces take their place. The embedding reduces its output, the head gathers its
   input; ``loss_parallel`` adds three small all-reduces; replicated parameters' gradients are summed once per
   step.
-* the axes that are units (:mod:`meshplan.axes`): each unit's ``costs.collectives``, under its own name.
-* **ep**: per MoE block, forward the all-to-alls of the counts, the dispatch and the combine; backward two.
+* the axes that are units (:mod:`meshplan.axes`): each unit's ``costs.collectives``, under its own name (the
+  all-to-alls of an MoE block, K|V's all-gathers: each unit's ``costs.py``).
 * **pp**: a send or receive per stage boundary a rank's stages touch, per microbatch and direction.
 * **dp**: FSDP2 per unit (each block, an MoE block's experts over edp, and the root): all-gathers before forward
   and, resharded, before backward; one reduce-scatter of its gradients (HSDP: then an all-reduce over the
@@ -84,19 +84,6 @@ def _tp(s: ModelShape, c: Candidate, tr: Training, place: Placement, pp_rank: in
     return out
 
 
-def _ep(s: ModelShape, c: Candidate, tr: Training, place: Placement, pp_rank: int,
-        memo: dict) -> list[Collective]:
-    g = place.groups["ep"]
-    tokens = c.rank_tokens(tr.seq) / (c.tp if c.etp == 1 else 1)
-    rows = tokens * s.top_k * s.hidden * tr.act_bytes
-    kinds = block_kinds(s, c, place, pp_rank, memo)
-    moe = sum(n for (is_moe, _), n in kinds.items() if is_moe)
-    ckpt, m = sum(n for (is_moe, ck), n in kinds.items() if is_moe and ck), c.microbatches
-    return [Collective("ep", "all_to_all", g, s.experts * 8, (moe + ckpt) * m, "tokens per expert (forward)"),
-            Collective("ep", "all_to_all", g, rows, (4 * moe + 2 * ckpt) * m, "token rows: dispatch and combine, "
-                                                                             "forward and backward")]
-
-
 def _pp(s: ModelShape, c: Candidate, tr: Training, place: Placement, pp_rank: int,
         memo: dict) -> list[Collective]:
     g = place.groups["pp"]
@@ -126,8 +113,6 @@ def step_collectives(s: ModelShape, c: Candidate, tr: Training, place: Placement
     for axis in AXES:  # the axes that are units (their own cost terms), in parallelize's order
         if axis.degree(c) > 1:
             out += axis.costs.collectives(s, c, tr, place, pp_rank, memo)
-    if c.ep > 1:
-        out += _ep(s, c, tr, place, pp_rank, memo)
     if c.pp > 1:
         out += _pp(s, c, tr, place, pp_rank, memo)
     out += _dp(s, c, tr, place, pp_rank, memo)

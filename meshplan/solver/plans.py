@@ -20,8 +20,7 @@ __all__ = ["candidate_from_plan", "plan_from_candidate", "plan_text"]
 def _sections(plan: Plan, lay, where: str) -> None:
     """A degree above 1 needs its section, as ``meshplan.parallelize`` says."""
     units = tuple((axis.degree(lay), axis.name, axis.section) for axis in AXES)  # in parallelize's order
-    for degree, name, key in ((lay.tp, "tp", "tensor_parallel"), *units, (lay.ep, "ep", "expert_parallel"),
-                              (lay.pp, "pp", "pipeline")):
+    for degree, name, key in ((lay.tp, "tp", "tensor_parallel"), *units, (lay.pp, "pp", "pipeline")):
         if degree > 1 and getattr(plan, key) is None:
             raise PlanError(f"{where}: layout.{name}({degree}) > 1 but the plan has no {key} section")
 
@@ -48,7 +47,7 @@ def candidate_from_plan(plan: Plan, world: int, seq: int, global_batch: int, *, 
     if global_batch % (data * m):
         raise PlanError(f"{where}: the global batch ({global_batch}) must split over dp({data}) × microbatches({m}); "
                         f"expected a multiple of {data * m}")
-    cand = Candidate(tp=lay.tp, **{axis.name: axis.degree(lay) for axis in AXES}, ep=lay.ep, etp=lay.etp,
+    cand = Candidate(tp=lay.tp, **{axis.name: axis.degree(lay) for axis in AXES}, etp=lay.etp,
                      pp=lay.pp, vpp=lay.vpp,
                      dp_replicate=lay.dp_replicate, dp_shard=lay.dp_shard, order=lay.order_str,
                      schedule=plan.pipeline.schedule if plan.pipeline and lay.pp > 1 else None,
@@ -73,7 +72,7 @@ def candidate_from_plan(plan: Plan, world: int, seq: int, global_batch: int, *, 
 def plan_from_candidate(cand: Candidate, train: Training, base: dict[str, Any] | None = None,
                         blocks_pattern: str = "layers.*") -> dict[str, Any]:
     """The plan (plain data) that runs ``cand``: its layout, blocks, pipeline and data-parallel settings, and the
-    rule sections of ``base`` (a plan's data: ``tensor_parallel``, each axis unit's section, ``expert_parallel``).
+    rule sections of ``base`` (a plan's data: ``tensor_parallel``, each axis unit's section).
 
     Raises:
         PlanError: the candidate needs a rule section ``base`` lacks, or the result does not validate.
@@ -81,7 +80,7 @@ def plan_from_candidate(cand: Candidate, train: Training, base: dict[str, Any] |
     base = dict(base or {})
     out: dict[str, Any] = {"version": 1, "layout": cand.layout_dict()}
     units = tuple((axis.degree(cand), axis.section) for axis in AXES)
-    for degree, key in ((cand.tp, "tensor_parallel"), *units, (cand.ep, "expert_parallel")):
+    for degree, key in ((cand.tp, "tensor_parallel"), *units):
         if key in base:
             out[key] = base[key]
         elif degree > 1:

@@ -1,6 +1,6 @@
 """One candidate's step: time, throughput, MFU and memory per rank. Torch-free.
 
-Step time = the pipeline (each microbatch's compute and exposed tp, axis-unit and ep communication on the slowest rank,
+Step time = the pipeline (each microbatch's compute and exposed tp and axis-unit communication on the slowest rank,
 times the microbatches, stretched by the schedule's idle fraction) + the exposed pipeline sends + the exposed
 data-parallel traffic (what does not hide behind compute, per the cluster's ``overlap``) + the optimizer step +
 the step's small all-reduces (with CPU offload the optimizer step and the parameter and gradient copies run at
@@ -26,8 +26,8 @@ from meshplan.solver.shape import ModelShape
 
 __all__ = ["Estimate", "evaluate", "idle_fraction", "peak_memory"]
 
-#: the collective axes exposed in each microbatch: tp, the axes that are units (in order), ep
-_PER_MICROBATCH = ("tp", *(axis.name for axis in AXES), "ep")
+#: the collective axes exposed in each microbatch: tp, the axes that are units (in order)
+_PER_MICROBATCH = ("tp", *(axis.name for axis in AXES))
 
 
 def idle_fraction(schedule: str | None, p: int, v: int, m: int) -> float:
@@ -51,7 +51,7 @@ class Estimate:
         candidate: the layout. step_time: seconds per optimizer step. tokens_per_s: over the whole job.
         tokens_per_s_device: per device. mfu: model FLOPs utilisation (of the compute dtype's peak).
         tflops_device: model TFLOP/s per device. memory: the most loaded rank's. memory_rank: its pipeline rank.
-        parts: seconds by part (``compute``, ``bubble``, ``tp``, each axis unit's name, ``ep``, ``pp``, ``dp``,
+        parts: seconds by part (``compute``, ``bubble``, ``tp``, each axis unit's name, ``pp``, ``dp``,
             ``optimizer``, ``step``).
         collectives: pipeline rank 0's collectives per step.
     """

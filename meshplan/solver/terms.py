@@ -17,7 +17,7 @@ class Collective:
     """``count`` calls of one collective per step.
 
     Attributes:
-        axis: ``tp``, an axis unit's name, ``ep``, ``pp``, ``dp`` or ``step``. kind: ``all_gather``, ``reduce_scatter``,
+        axis: ``tp``, an axis unit's name, ``pp``, ``dp`` or ``step``. kind: ``all_gather``, ``reduce_scatter``,
         ``all_reduce``, ``all_to_all``, ``send`` or ``recv``. group: the ranks it spans. nbytes: per call, the
         full buffer (as :meth:`meshplan.solver.cluster.Cluster.comm_time` takes it). count: calls per step.
         what: what it moves. hidden: data-parallel or pipeline traffic that can overlap compute.

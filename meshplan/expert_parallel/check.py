@@ -1,5 +1,6 @@
-"""The ``expert_parallel`` section in ``meshplan check``: checked against the layout and the model as
-:func:`meshplan.parallelize` checks it, and summarised in one line::
+"""The ``expert_parallel`` section in ``meshplan check`` and in :func:`meshplan.parallelize`: checked against the
+layout and the model by the same function (:func:`~meshplan.expert_parallel.apply.check_expert_parallel`), applied,
+and summarised in one line::
 
     expert parallel: ep 2 × etp 1, edp 2 (expert gradients summed over edp, FSDP2 over edp); experts:
     layers.*.moe.experts (2 blocks, 8 experts, 4 per rank, interface sorted); router: layers.*.moe.router;
@@ -14,10 +15,15 @@ from typing import Any
 import torch.nn as nn
 
 from meshplan.errors import PlanError
-from meshplan.expert_parallel.apply import check_expert_parallel
-from meshplan.plan_file.expert_parallel import ExpertsRule, RouterRule
+from meshplan.expert_parallel.apply import EpApplied, MoeBlock, apply_expert_parallel, check_expert_parallel
+from meshplan.plan_file.expert_parallel import ExpertParallel, ExpertsRule, RouterRule
 
-__all__ = ["check_experts", "experts_lines"]
+__all__ = ["check_experts", "experts_lines", "prepare_experts", "apply_experts"]
+
+
+def _needs_section(source: str | None, ep: int) -> PlanError:
+    return PlanError(f"{source or '<plan>'}: layout.ep({ep}) > 1 needs an expert_parallel section (rules: experts, "
+                     f"router)")
 
 
 def check_experts(model: nn.Module, plan: Any, layout: Any, report: Any) -> None:
@@ -27,8 +33,7 @@ def check_experts(model: nn.Module, plan: Any, layout: Any, report: Any) -> None
     where = f"{report.source}: expert_parallel"
     if section is None:
         if layout.ep > 1:
-            report.errors.append(PlanError(f"{report.source}: layout.ep({layout.ep}) > 1 needs an expert_parallel "
-                                           f"section (rules: experts, router)"))
+            report.errors.append(_needs_section(report.source, layout.ep))
         return
     try:
         tp_rules = plan.tensor_parallel.rules if plan.tensor_parallel is not None else None
@@ -66,3 +71,34 @@ def experts_lines(experts: dict) -> list[str]:
             f"{', '.join(e['experts'])} ({e['blocks']} blocks, {'/'.join(map(str, e['num_experts']))} experts, "
             f"{'/'.join(map(str, e['per_rank']))} per rank, interface {'/'.join(e['interface'])}); router: "
             f"{', '.join(e['router']) or 'none'}; per MoE block and step: {comm}{tp}"]
+
+
+def prepare_experts(model: nn.Module, p: Any, topology: Any) -> tuple[ExpertParallel, tuple[MoeBlock, ...]] | None:
+    """The ``expert_parallel`` section and its MoE blocks, checked on the whole model before
+    :func:`meshplan.parallelize` changes anything (the pipeline split included: ``meshplan check`` checks the same
+    whole model); None without a section.
+
+    Raises:
+        PlanError: ep > 1 without a section, a section on a bare ``DeviceMesh``, or what
+            :func:`~meshplan.expert_parallel.apply.check_expert_parallel` refuses.
+    """
+    where = f"{p.source}: expert_parallel" if p.source else "expert_parallel"
+    if topology is not None and topology.layout.ep > 1 and p.expert_parallel is None:
+        raise _needs_section(p.source, topology.layout.ep)
+    if p.expert_parallel is None:
+        return None
+    if topology is None:
+        raise PlanError(f"{where} needs a meshplan Topology (meshplan.init or build_mesh), not a bare DeviceMesh")
+    tp_rules = p.tensor_parallel.rules if p.tensor_parallel is not None else None
+    return p.expert_parallel, check_expert_parallel(model, p.expert_parallel, topology.layout, where, tp_rules)
+
+
+def apply_experts(model: nn.Module, p: Any, topology: Any, prepared: tuple, state: Any) -> EpApplied:
+    """The experts of the prepared MoE blocks this rank still holds (a pipeline split pruned the others' layers)
+    sharded over ep; ``state``: the model's record so far (its ``tensor_parallel``, the tp token regions' grad sync).
+    """
+    section, blocks = prepared
+    modules = dict(model.named_modules())
+    kept = tuple(b for b in blocks if b.experts in modules and not isinstance(modules[b.experts], nn.Identity))
+    tensor_parallel = state.tensor_parallel if state is not None else None
+    return apply_expert_parallel(model, section, topology, kept, tensor_parallel)

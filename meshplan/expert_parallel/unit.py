@@ -1,0 +1,62 @@
+"""Expert parallelism as a unit: :data:`AXIS`, the one value the rest of meshplan reaches it through.
+
+Torch-free (the solver imports it): each callable imports this folder's torch code when called.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from meshplan.axis import Axis, AxisCosts
+from meshplan.expert_parallel.costs import ep_block_activations, ep_collectives, ep_first_stage_activations, \
+    ep_run_problem, ep_sequence_problem
+
+__all__ = ["AXIS"]
+
+
+def _check(model: Any, plan: Any, layout: Any, report: Any) -> None:
+    from meshplan.expert_parallel.check import check_experts
+    check_experts(model, plan, layout, report)
+
+
+def _prepare(model: Any, plan: Any, topology: Any) -> Any:
+    from meshplan.expert_parallel.check import prepare_experts
+    return prepare_experts(model, plan, topology)
+
+
+def _apply(model: Any, plan: Any, topology: Any, prepared: Any, state: Any) -> Any:
+    from meshplan.expert_parallel.check import apply_experts
+    return apply_experts(model, plan, topology, prepared, state)
+
+
+def _shard_batch(state: Any, inputs: Any, targets: Any, shift: bool = False,
+                 ignore_index: int = -100) -> tuple[Any, Any, bool]:
+    """Every ep rank takes its own batch (ep ranks are data ranks of the dense layers): nothing to cut here."""
+    return inputs, targets, shift
+
+
+def _report_lines(summary: dict) -> list[str]:
+    from meshplan.expert_parallel.check import experts_lines
+    return experts_lines(summary)
+
+
+def _data_parallel(layout: Any) -> bool:
+    """Expert gradients are summed over ``edp`` (the data-parallel step runs for them)."""
+    return layout.edp > 1
+
+
+def _opaque(model: Any, plan: Any) -> set:
+    """The MoE blocks (token regions): routing is data-dependent, with all-to-alls of its own."""
+    from meshplan.expert_parallel.apply import moe_blocks
+    return moe_blocks(model, plan.expert_parallel)
+
+
+#: expert parallelism: MoE experts split over ``ep`` (their FFN over ``etp``), tokens dispatched by all-to-all
+AXIS = Axis(name="ep", section="expert_parallel", title="expert parallelism", mesh_dims=("ep", "etp"),
+            state_field="expert_parallel", report_key="experts", check=_check, prepare=_prepare, apply=_apply,
+            shard_batch=_shard_batch, report_lines=_report_lines,
+            costs=AxisCosts(collectives=ep_collectives, block_activations=ep_block_activations,
+                            first_stage_activations=ep_first_stage_activations,
+                            sequence_problem=ep_sequence_problem, run_problem=ep_run_problem),
+            training=lambda plan: {}, example_plan="plans/moe.yaml", data_parallel=_data_parallel,
+            opaque=_opaque)
