@@ -539,7 +539,7 @@ def test_expert_shard_placement_avoids_a_second_strided_shard(fake_pg):
     from torch.distributed.tensor import DTensor, Shard
 
     from meshplan._torch import StridedShard
-    from meshplan.data_parallel.experts import expert_shard_placement
+    from meshplan.expert_parallel.edp import expert_shard_placement
     with fake_pg(8):
         mesh = meshplan.build_mesh({"tp": 2, "ep": 2, "etp": 2, "dp_shard": 4}).expert["ep", "etp"]
 

@@ -225,7 +225,7 @@ def _new_grad_sync(model: "nn.Module", topology: "Topology", sequence_parallel: 
 def _shard_experts(model: "nn.Module", topology: "Topology", mode: str, policies: dict, reshard: Any) -> None:
     """The expert-sharded modules of expert parallelism, data-parallel over ``edp`` on their own (before the
     dense blocks and roots, which then leave their parameters alone): :func:`~.experts.shard_experts`."""
-    from meshplan.data_parallel.experts import shard_experts
+    from meshplan.expert_parallel.edp import shard_experts
     state = parallel_state(model)
     if state is not None and state.expert_parallel is not None:
         modules = [model.get_submodule(b.experts) for b in state.expert_parallel.blocks]
