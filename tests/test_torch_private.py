@@ -230,8 +230,14 @@ def test_group_timeouts_store_and_flight_recorder():
         from torch.distributed.device_mesh import init_device_mesh
         made = init_device_mesh("cpu", (1, 1), mesh_dim_names=("a", "b"), backend_override={"b": _torch.group_options(9.0)})
         dist.all_reduce(torch.ones(3), group=tp)
-        dump = _torch.flight_recorder_dump(stack_traces=True)
-        e = dump["entries"][-1]
+        import time
+        deadline = time.monotonic() + 60  # gloo retires the entry from its worker thread, after wait() returned
+        while True:
+            dump = _torch.flight_recorder_dump(stack_traces=True)
+            e = dump["entries"][-1]
+            if str(e["retired"]) == "True" or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
         print(json.dumps({"before": before, "after": timeout(tp), "made": timeout(made.get_group("b")), "store": isinstance(_torch.default_store(),
                           dist.Store), "entry": {k: str(e[k]) for k in ("process_group", "profiling_name",
                           "collective_seq_id", "retired", "pg_id")}, "frames": bool(e["frames"]),
@@ -240,7 +246,8 @@ def test_group_timeouts_store_and_flight_recorder():
         dist.destroy_process_group()
     """)
     env = {**os.environ, "TORCH_FR_BUFFER_SIZE": "50", "PYTHONPATH": os.pathsep.join(sys.path)}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip(), out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["before"] == [5.0, 1800.0] and got["after"] == 7.0 and got["made"] == 9.0 and got["store"], got
     entry = got["entry"]
