@@ -5,28 +5,14 @@ Gemma 4 and DiffusionGemma ship tp styles for the dense MLP in ``base_model_ep_p
 interleaves ``gate|up``; Inkling's router also scores its shared expert. Each converts, and ``meshplan check``
 accepts the plan or refuses it with a fix that checks. Real gloo runs: tests/dist/zoo_worker.py (tp 2)."""
 
-import json
-
 import pytest
 import torch
 
 import meshplan
 from meshplan import PlanError
-from meshplan.hf.convert import from_hf
+from test_hf_moe import _tiny_plan  # (tiny model, the plan from_hf writes); config= overrides the tiny config
 
 pytestmark = pytest.mark.fast
-
-
-def _tiny_plan(model_type, tmp_path, **kw):
-    """``(tiny model, the plan from_hf writes from its config)``; ``config=`` overrides the tiny config."""
-    from meshplan.hf.tiny_models import tiny_model
-    model, why = tiny_model(model_type, **kw.pop("config", {}))
-    assert model is not None, why
-    data = {**model.config.to_dict(), "model_type": model.config.model_type, "architectures": [type(model).__name__]}
-    (tmp_path / "config.json").write_text(json.dumps(data, default=str))
-    plan = from_hf(tmp_path, **kw)
-    plan.pop("_origin")
-    return model, plan
 
 
 def test_gemma4_without_experts_is_dense(tmp_path):

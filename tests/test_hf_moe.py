@@ -141,11 +141,11 @@ def test_cli_convert_writes_the_expert_section(capsys):
 
 
 def _tiny_plan(model_type, tmp_path, **kw):
-    """``(tiny meta-free model, the plan from_hf writes from its config)``."""
+    """``(tiny model, the plan from_hf writes from its config)``; ``config=`` overrides the tiny config."""
     import json
 
     from meshplan.hf.tiny_models import tiny_model
-    model, why = tiny_model(model_type)
+    model, why = tiny_model(model_type, **kw.pop("config", {}))
     assert model is not None, why
     data = {**model.config.to_dict(), "model_type": model.config.model_type, "architectures": [type(model).__name__]}
     (tmp_path / "config.json").write_text(json.dumps(data, default=str))

@@ -1,18 +1,9 @@
-"""Hugging Face ``tp_plan`` style strings as aliases of meshplan styles.
+"""Hugging Face ``tp_plan`` style strings as aliases of meshplan styles, both ways.
 
-transformers has renamed its tensor-parallel styles three times (4.50's
-``local_colwise``/``gather``/``local_packed_rowwise``, 4.54's
-``colwise_gather_output``/``packed_colwise``/``embedding_rowwise``, 5.x's
-``rowwise_split_input``/``replicated_with_grad_allreduce`` and the proposed
-``{kind}_{comm}`` names such as ``rowwise_reduce_scatter``). A plan file may
-use any of them wherever a meshplan style name is expected; :data:`HF_ALIASES`
-says what each becomes. Strings that name parameter-level or MoE styles, which
-meshplan does not express, are in :data:`HF_UNSUPPORTED` with the reason: they
-are rejected with that reason instead of "unknown style".
-
-The table and :func:`resolve_alias` live in the plan layer (:mod:`meshplan.plan_file.hf_aliases`, which plan
-loading reads) and are re-exported here; this module adds the way back (:func:`to_hf_style`, which reads the style
-table) and transformers' loss on sharded logits. It imports no torch at module level.
+The alias table (:data:`HF_ALIASES`, :data:`HF_UNSUPPORTED`) and :func:`resolve_alias` live in the plan layer
+(:mod:`meshplan.plan_file.hf_aliases`, which plan loading reads; it says which transformers names map to what) and
+are re-exported here; this module adds the way back (:func:`to_hf_style`, which reads the style table) and
+transformers' loss on sharded logits. It imports no torch at module level.
 """
 
 from __future__ import annotations
