@@ -16,7 +16,7 @@ from meshplan.axis import Axis
 from meshplan.context_parallel.unit import AXIS as _CONTEXT
 from meshplan.expert_parallel.unit import AXIS as _EXPERT
 
-__all__ = ["AXES", "check_axes", "prepare_axes", "apply_axes", "shard_batch", "shard_sequence", "report_lines",
+__all__ = ["AXES", "check_axes", "prepare_axes", "apply_axes", "finish_axes", "step_runner", "shard_batch", "shard_sequence", "report_lines",
            "opaque_modules"]
 
 #: the axes that are units, in parallelize's order
@@ -46,6 +46,25 @@ def apply_axes(model: Any, plan: Any, topology: Any, prepared: dict[str, Any], s
             attach(**{axis.state_field: axis.apply(model, plan, topology, prepared[axis.name], state())})
             data_parallel = data_parallel or axis.data_parallel(topology.layout)
     return data_parallel
+
+
+def finish_axes(model: Any, plan: Any, topology: Any, prepared: dict[str, Any], state: Any, attach: Any) -> None:
+    """The prepared axes' late phase (:attr:`~meshplan.axis.Axis.finish`), in order, after the ``blocks`` section;
+    a record returned is attached as in :func:`apply_axes`."""
+    for axis in AXES:
+        if axis.name in prepared:
+            record = axis.finish(model, plan, topology, prepared[axis.name], state())
+            if record is not None:
+                attach(**{axis.state_field: record})
+
+
+def step_runner(state: Any) -> Any:
+    """The :attr:`~meshplan.axis.Axis.run_step` of the first axis whose record ``state`` holds and that takes the
+    step over, else None (``train_step`` runs its own)."""
+    for axis in AXES:
+        if axis.run_step is not None and state is not None and getattr(state, axis.state_field) is not None:
+            return axis.run_step
+    return None
 
 
 def shard_batch(state: Any, inputs: Any, targets: Any, shift: bool = False,

@@ -70,6 +70,11 @@ class Axis:
         opaque: ``(model, plan) -> {module path}``: modules whose forward a rehearsal on a throwaway copy (the
             pipeline split probe, the shadow run) cannot run (data-dependent routing, the axis' own collectives)
             and replaces by :func:`~meshplan.model_copies.stand_in`.
+        finish: ``(model, plan, topology, prepared, state) -> record | None``: the axis' late phase, run in order
+            after every axis' ``apply`` and the ``blocks`` section (pipeline stages, FSDP2's wrapping); a record
+            returned replaces the one ``apply`` returned. Default: nothing.
+        run_step: ``(model, state, batch, loss_fn, optimizer, **options) -> StepResult``, or None: the axis takes
+            :func:`meshplan.train_step` over when the state holds its record (a pipeline's schedule).
     """
 
     name: str
@@ -88,6 +93,8 @@ class Axis:
     example_plan: str
     data_parallel: Callable[[Any], bool] = lambda layout: False
     opaque: Callable[[Any, Any], set] = lambda model, plan: set()
+    finish: Callable[[Any, Any, Any, Any, Any], Any] = lambda model, plan, topology, prepared, state: None
+    run_step: "Callable[..., Any] | None" = None
 
     def degree(self, layout: Any) -> int:
         """The axis' degree in ``layout`` (a resolved layout or a solver candidate)."""
