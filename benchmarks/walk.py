@@ -2,7 +2,7 @@
 
 Run: ``python benchmarks/walk.py [--plan plans/llama_3d.yaml] [--trace]``. The example Llama (4 layers, small
 shapes) is built on the meta device and parallelized with the plan on a ``fake`` process group (this process is
-rank 0 of the plan's world). A profiler follows control through the files under ``meshplan/`` (frames of other
+rank 0 of the plan's world), once to import what it imports, then again under a profiler. The profiler follows control through the files under ``meshplan/`` (frames of other
 packages are skipped: a call from torch back into meshplan counts as entering that meshplan file). Printed:
 
 * files: the distinct meshplan files the call passes through;
@@ -85,8 +85,11 @@ def main(argv=None) -> dict[str, int]:
     world = args.world
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     topo = meshplan.build_mesh(p.layout)
-    with torch.device("meta"):
-        model = Transformer(ModelArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=128, max_seq_len=32))
+    def build():
+        with torch.device("meta"):
+            return Transformer(ModelArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=128, max_seq_len=32))
+    meshplan.parallelize(build(), args.plan, topo)  # imports done: the walk counts calls, not module loads
+    model = build()
     pkg = os.path.dirname(os.path.abspath(meshplan.__file__))
     seq = walk(lambda: meshplan.parallelize(model, args.plan, topo), pkg)
     s = summary(seq)
