@@ -49,7 +49,7 @@ class Job:
         self.owns_process_group = owns_process_group
 
     def adopt_group(self, group: Any, axis: str) -> None:
-        """A process group meshplan made beside the meshes (the pipeline's embedding group): the watch gives it
+        """A process group meshplan made beside the meshes (an axis' own group): the watch gives it
         the plan's timeout and its reports name it ``axis``."""
         if self.watch is not None:
             self.watch.adopt(group, axis)
