@@ -1,5 +1,6 @@
 """Context parallelism's terms in the solver's cost model (torch-free; :mod:`meshplan.solver` reaches them through
-``TERMS`` (:data:`meshplan.solver.units.UNITS`), the unit through :data:`AXIS` of :mod:`meshplan.context_parallel.unit`).
+:data:`TERMS` (listed in :data:`meshplan.solver.units.UNITS`), the rest of meshplan through
+:data:`meshplan.context_parallel.unit.AXIS`).
 
 * collectives: ``allgather_kv``: one all-gather of K|V per attention forward (again in a recompute) and one
   reduce-scatter of dK|dV per backward, K|V of the whole sequence for this rank's heads; ``ring``: ``cp − 1``

@@ -1,5 +1,6 @@
 """Expert parallelism's terms in the solver's cost model (torch-free; :mod:`meshplan.solver` reaches them through
-``TERMS`` (:data:`meshplan.solver.units.UNITS`), the unit through :data:`AXIS` of :mod:`meshplan.expert_parallel.unit`).
+:data:`TERMS` (listed in :data:`meshplan.solver.units.UNITS`), the rest of meshplan through
+:data:`meshplan.expert_parallel.unit.AXIS`).
 
 * collectives: per MoE block and microbatch, one all-to-all of the token counts per expert (again in a recompute)
   and four of token rows (dispatch and combine, forward and backward; two more in a recompute); with etp 1 each

@@ -1,8 +1,9 @@
 """FaultWatch: the plan's timeouts on every process group, the heartbeat, and one translation of a failed
 collective into a :class:`~meshplan.errors.RankFailure`.
 
-``meshplan.init`` starts one per job (``topology.job.watch``: :class:`~meshplan.mesh.runtime.Job` owns it). Until the first ``meshplan.train_step`` has
-finished every group waits ``faults.init_timeout_s``, then ``faults.timeout_s`` (torchtitan's two timeouts).
+``meshplan.init`` starts one per job (``topology.job.watch``: :class:`~meshplan.mesh.runtime.Job` owns it). Until
+the first ``meshplan.train_step`` has finished every group waits ``faults.init_timeout_s``, then
+``faults.timeout_s`` (torchtitan's two timeouts).
 ``translating()`` wraps what meshplan runs (``init``'s exchange, ``parallelize``, ``train_step``, the end of
 ``with meshplan.init(...)``): a collective error there (gloo's ``Timed out waiting 20000ms`` or ``Connection
 closed by peer``, NCCL's watchdog, a ``DistError``) becomes one RankFailure saying which rank is silent and which

@@ -10,8 +10,8 @@ step recorded op by op; ``docs/tensor-parallel.md`` states the tensor-parallel o
   sequence parallelism all-reduces take their place. The embedding reduces its output, the head gathers its
   input; ``loss_parallel`` adds three small all-reduces; replicated parameters' gradients are summed once per
   step.
-* the axes that are units (:data:`meshplan.solver.units.UNITS`): each unit's ``costs.collectives``, under its own name (the
-  all-to-alls of an MoE block, K|V's all-gathers: each unit's ``costs.py``).
+* the axes that are units (:data:`meshplan.solver.units.UNITS`): each unit's ``costs.collectives``, under its own
+  name (the all-to-alls of an MoE block, K|V's all-gathers: each unit's ``costs.py``).
 * **pp**: a send or receive per stage boundary a rank's stages touch, per microbatch and direction.
 * **dp**: FSDP2 per unit (each block, an MoE block's experts over edp, and the root): all-gathers before forward
   and, resharded, before backward; one reduce-scatter of its gradients (HSDP: then an all-reduce over the

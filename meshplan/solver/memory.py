@@ -12,9 +12,9 @@ Activations are the tensors autograd keeps per microbatch, per token (``h`` hidd
 log-sum-exp and the norms' ``rstd`` in float32, and ``4f/t`` in a SwiGLU MLP (``2f/t`` for GELU). That is
 ``10h + 4f`` at ``norm_saved = 2`` and ``t = 1``, what ``meshplan.memory`` measures on the example Llama.
 Variants: without sequence parallelism the stream is whole; ``save_gathered_inputs`` keeps ``2h(1−1/t)`` more;
-each axis unit keeps its own terms (``costs.block_activations``, :data:`meshplan.solver.units.UNITS`); an MoE block keeps
-``top_k·(3h + 4·f_e/etp)`` per routed token plus the dispatch buffers; full checkpointing keeps the block input
-only; op-level checkpointing the matmul outputs. The pipeline schedule multiplies by the microbatches in flight
+each axis unit keeps its own terms (``costs.block_activations``, :data:`meshplan.solver.units.UNITS`); an MoE
+block keeps ``top_k·(3h + 4·f_e/etp)`` per routed token plus the dispatch buffers; full checkpointing keeps the
+block input only; op-level checkpointing the matmul outputs. The pipeline schedule multiplies by the microbatches in flight
 (``docs/pipeline.md``).
 """
 

@@ -17,7 +17,7 @@ from typing import Any, Callable, Mapping
 import torch.nn as nn
 from torch.distributed.tensor.parallel import ParallelStyle, PrepareModuleInput, PrepareModuleOutput
 
-from meshplan.plan_file.style_semantics import SEMANTICS, StyleSemantics, frozen, gives_local_shards
+from meshplan.plan_file.style_semantics import SEMANTICS, StyleSemantics, frozen
 from meshplan.tensor_parallel.layouts import StyleArgs, placement
 from meshplan.tensor_parallel.latent import LatentColwiseParallel, LatentParallel
 from meshplan.tensor_parallel.head_params import head_params_style
@@ -27,10 +27,11 @@ from meshplan.tensor_parallel.styles import ColwiseParallel, ReplicateParallel, 
 from meshplan.tensor_parallel.styles import TableWiseEmbedding
 from meshplan.tensor_parallel.vocab_embedding import VocabParallelEmbedding
 
-__all__ = ["StyleSpec", "StyleArgs", "STYLES", "gives_local_shards"]
+__all__ = ["StyleSpec", "StyleArgs", "STYLES"]
 
 
 def _untouched(a: StyleArgs) -> None:
+    """No torch style: the module is left as is (head_norm; the default)."""
     return None
 
 
