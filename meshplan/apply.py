@@ -71,7 +71,7 @@ def parallelize(model: nn.Module, plan: Plan | Mapping[str, Any] | str | Path | 
     from meshplan.mesh.runtime import check_same_plan
     # a rank with another plan, model or torch fails, not hangs
     check_same_plan(p, mesh if isinstance(mesh, Topology) else tp_mesh, model)
-    watch = getattr(mesh, "faults", None)
+    watch = getattr(getattr(mesh, "job", None), "watch", None)  # the job owns the watch (mesh.runtime.Job)
     with translating(watch):
         return _apply_sections(model, p, mesh if isinstance(mesh, Topology) else None, tp_mesh)
 

@@ -88,6 +88,48 @@ def imports(known: dict[str, Path] | None = None) -> list[Import]:
     return out
 
 
+def _type_checking_lines(tree: ast.AST) -> set[int]:
+    """Lines of the statements under ``if TYPE_CHECKING:`` (never run: annotations only)."""
+    out: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING":
+            for stmt in node.body:
+                out.update(range(stmt.lineno, stmt.end_lineno + 1))
+    return out
+
+
+def external(known: dict[str, Path] | None = None) -> dict[str, set[str]]:
+    """Module → the top-level names of the other packages it imports (``torch``, ``yaml``, …), at any depth
+    (inside functions too), but not under ``if TYPE_CHECKING:``, which never runs."""
+    known = modules() if known is None else known
+    out: dict[str, set[str]] = {}
+    for name, path in known.items():
+        tree = ast.parse(path.read_text(), str(path))
+        skip = _type_checking_lines(tree)
+        found = set()
+        for node, _ in _walk(tree):
+            if getattr(node, "lineno", None) in skip:
+                continue
+            if isinstance(node, ast.Import):
+                found.update(a.name.split(".")[0] for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                found.add(node.module.split(".")[0])
+        out[name] = found - {ROOT}
+    return out
+
+
+def closure(g: dict[str, set[str]], start: str) -> set[str]:
+    """Every module ``start`` imports, directly or not (not ``start`` itself unless in a cycle)."""
+    seen: set[str] = set()
+    todo = [start]
+    while todo:
+        for m in g.get(todo.pop(), ()):
+            if m not in seen:
+                seen.add(m)
+                todo.append(m)
+    return seen
+
+
 def _packages(mod: str, known: dict[str, Path]) -> list[str]:
     """``mod`` and the packages above it that importing it runs (not the root)."""
     parts = mod.split(".")

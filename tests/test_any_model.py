@@ -164,7 +164,7 @@ def test_numerics_flags_per_head_norm_grads_not_summed(monkeypatch):
 
 def test_numerics_reports_a_crash_with_torchs_message(monkeypatch):
     """Head counts divided although the module sees global (DTensor) heads: torch's view fails."""
-    from meshplan.tensor_parallel import style_table as tp
+    from meshplan.plan_file import style_semantics as tp
     from meshplan.checks import validate
     monkeypatch.setattr(tp, "gives_local_shards", lambda o: True)
     monkeypatch.setattr(validate, "region_errors", lambda *a, **k: [])

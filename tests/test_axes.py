@@ -24,7 +24,7 @@ MENTION = re.compile(r"context_parallel|context parallel|\bcp\b")
 #: of the layout and the mesh (rank math, data axes, the solver's enumeration and groups, CLI flags, converters),
 #: the ParallelState field that owns its record, and torch's private APIs (pinned in _torch.py)
 ALLOWED = {
-    "axes.py",  # the ordered list
+    "axes.py", "solver/units.py",  # the ordered list, and its torch-free half that the solver reads (spec layer)
     "plan_file/context_parallel.py", "plan_file/document.py", "plan_file/layout.py", "plan_file/stages.py",
     "plan_file/data_parallel.py",  # the plan as data
     "mesh/ranks.py", "mesh/topology.py", "mesh/rank_table.py", "viz/rank_grid.py", "faults/watch.py",  # mesh dims
@@ -42,7 +42,7 @@ EP_MENTION = re.compile(r"expert_parallel|expert parallel|\bep\b")
 #: enumeration, groups and the model's MoE terms), edp as a data axis (FSDP2 over the experts), the record's field,
 #: checkpoints' docstrings, transformers' MoE interop, explain's per-module totals, the tp token regions' checks
 EP_ALLOWED = {
-    "axes.py", "state.py",
+    "axes.py", "solver/units.py", "state.py",
     "plan_file/document.py", "plan_file/expert_parallel.py", "plan_file/hf_aliases.py", "plan_file/layout.py",
     "plan_file/stages.py",
     "mesh/rank_table.py", "mesh/ranks.py", "mesh/topology.py", "viz/rank_grid.py", "viz/model_draw.py",
@@ -130,3 +130,16 @@ def test_shard_batch_is_identity_without_records():
     x, y = object(), object()
     assert shard_batch(None, x, y, True, -100) == (x, y, True)
     assert shard_batch(ParallelState(), x, y) == (x, y, False)
+
+
+def test_the_solver_sees_the_same_units_torch_free():
+    """The solver (spec layer: never imports the runtime) reads each unit's torch-free half, ``TERMS`` of its
+    folder's ``costs.py`` (:data:`meshplan.solver.units.UNITS`): the same axes, order, sections, cost terms, solver
+    settings and example plans as :data:`AXES`."""
+    from meshplan.plan_file.document import as_plan
+    from meshplan.solver.units import UNITS
+    assert [(u.name, u.section, u.costs, u.example_plan) for u in UNITS] == \
+        [(a.name, a.section, a.costs, a.example_plan) for a in AXES]
+    plans = [as_plan({}), as_plan({"context_parallel": {"method": "ring", "attention": "layers.*.attention"}}), as_plan({"expert_parallel": {"rules": {
+        "layers.*.moe.experts": {"style": "experts"}, "layers.*.moe.router": {"style": "router"}}}})]
+    assert [[u.training(p) for u in UNITS] for p in plans] == [[a.training(p) for a in AXES] for p in plans]

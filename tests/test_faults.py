@@ -69,6 +69,39 @@ def test_init_timeout_argument_sets_both_timeouts_and_names_itself():
         _fault_settings(plan, 0)
 
 
+
+class _Watch:
+    """What a Job asks of its FaultWatch, recorded."""
+
+    def __init__(self):
+        self.calls = []
+
+    def adopt(self, group, axis):
+        self.calls.append(("adopt", group, axis))
+
+    def ending(self, exc):
+        self.calls.append(("ending", exc))
+
+    def close(self):
+        self.calls.append(("close",))
+
+
+def test_the_job_owns_the_watch_and_the_topology_knows_no_faults():
+    """meshplan.init's Job holds the fault watch; a Topology holds its job only to end it (issue 26)."""
+    from meshplan.mesh.runtime import Job, watch_of
+    from meshplan.mesh.topology import Topology
+    w = _Watch()
+    topo = Topology.__new__(Topology)  # the meshes do not matter here: a topology without them
+    topo.job, topo._tokens = Job(w, owns_process_group=False), []
+    assert watch_of(topo) is w and topo.faults is w  # topology.faults: the public alias of job.watch
+    topo.adopt_group("group", "pp_embedding")
+    assert w.calls == [("adopt", "group", "pp_embedding")]
+    topo.close()  # ends the job once: the watch stops; no process group to shut down (init did not make it)
+    topo.close()
+    assert w.calls[1:] == [("ending", None), ("close",)]
+    assert topo.job is None and watch_of(topo) is None and topo.faults is None
+    assert watch_of(object()) is None  # a bare DeviceMesh, say
+
 # ---------------------------------------------------------------- the flight recorder
 
 

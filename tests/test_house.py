@@ -8,9 +8,13 @@
 * runtime state lives in ONE record on the model (``_meshplan_state``); no other ``_meshplan_*`` attribute;
 * torch's private APIs are touched in ``meshplan/_torch.py`` only: no ``torch.*._module`` import elsewhere, and no
   ``obj._name`` access to a private name that meshplan does not define itself;
-* a style's meaning lives in the style table: no comparison with a style name anywhere else;
+* a style's meaning lives in the style table (its torch-free semantics and its torch builds: two files): no
+  comparison with a style name anywhere else;
 * one divisors helper (:func:`meshplan.mesh.ranks.divisors`), one module-path pattern matcher
-  (:mod:`meshplan.plan_file.patterns`).
+  (:mod:`meshplan.plan_file.patterns`);
+* floors (issue 26, :data:`FLOORS`): the torch-free spec layer imports nothing above it and no torch, at any depth;
+  model helpers on the ground floor; the rehearsals above apply; nothing imports upwards; no axis folder imports
+  ``meshplan/state.py`` (but :data:`STATE_IMPORTERS_LEFT`).
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ pytestmark = pytest.mark.fast
 PKG = Path(__file__).resolve().parents[1] / "meshplan"
 MAX_MODULE_LINES = 300
 MAX_FUNCTION_LINES = 60
-STYLE_TABLE = PKG / "tensor_parallel" / "style_table.py"
+#: the style table, in two files: what a style name means (torch-free, the spec layer) and its torch builds
+STYLE_TABLE = (PKG / "plan_file" / "style_semantics.py", PKG / "tensor_parallel" / "style_table.py")
 PRIVATE_TORCH = PKG / "_torch.py"
 #: Private names of other libraries (not torch) meshplan uses, each where and why; nothing else may use them.
 OTHER_LIBRARY_PRIVATE = {
@@ -234,7 +239,7 @@ def test_style_names_are_compared_only_in_the_style_table():
         return isinstance(node, ast.Attribute) and node.attr == "style"
 
     for name, tree in TREES.items():
-        if MODULES[name] == STYLE_TABLE:
+        if MODULES[name] in STYLE_TABLE:
             continue
         for node in ast.walk(tree):
             if isinstance(node, ast.Compare) and any(is_style(x) for x in [node.left, *node.comparators]):
@@ -255,3 +260,95 @@ def test_one_divisors_helper_and_one_pattern_matcher():
         if matcher.search(text) and name != "meshplan.plan_file.patterns":
             found.append(f"{_rel(name)}: a module-path matcher (use meshplan.plan_file.patterns)")
     assert found == []
+
+
+# ------------------------------------------------------------------ floors (issue 26): who may import whom
+
+def _under(mod: str, names: tuple[str, ...]) -> bool:
+    return any(mod == n or mod.startswith(n + ".") for n in names)
+
+
+#: The spec layer (docs/house.md): the plan as data, rank math, what a style name means, transformers' aliases, the
+#: solver, the errors and the version, the Axis shape and the axes' torch-free halves (the solver's terms). It never
+#: imports the runtime: no module outside it and no torch, at any depth (function-level imports counted).
+SPEC_LAYER = ("meshplan.plan_file", "meshplan.solver", "meshplan.mesh.ranks", "meshplan.errors", "meshplan.version",
+              "meshplan.axis", "meshplan.context_parallel.costs", "meshplan.context_parallel.chunks",
+              "meshplan.expert_parallel.costs")
+#: modules under SPEC_LAYER's names that are not in it, and why
+NOT_SPEC = {"meshplan.solver.api": "meshplan.estimate/solve read a built model (checks/model_shape): the runtime's "
+                                   "door to the solver, above it"}
+#: other packages that are the runtime: never imported by the spec layer
+RUNTIME_PACKAGES = {"torch", "transformers", "safetensors"}
+#: The floors, lowest first. A module imports (at any depth) only modules on its own floor or below. The floors not
+#: listed by name hold the rest: "runtime" (parallelize, the axes, training, checkpoints, faults, …) sits between the
+#: ground floor and the rehearsals. A package whose __init__ imports nothing belongs to every floor.
+FLOORS: dict[str, tuple[str, ...]] = {
+    "spec": SPEC_LAYER,
+    # model helpers below everything that handles a model: copies, default batches, model shape, factories, the
+    # call order of a small copy, the check report, private torch
+    "ground": ("meshplan._torch", "meshplan.model_copies", "meshplan.checks.model_shape",
+               "meshplan.checks.model_factory", "meshplan.checks.call_order", "meshplan.checks.report",
+               "meshplan.hf.tiny_config"),
+    "runtime": (),
+    # the rehearsals sit above what they rehearse (apply): dry run, shadow run, numerics, memory, meshplan.check
+    "rehearsal": ("meshplan.checks.dry_run", "meshplan.checks.shadow", "meshplan.checks.numerics",
+                  "meshplan.checks.memory", "meshplan.checks.offline"),
+    # the command line, and the root package itself (``meshplan``: the public names, its lazy loaders)
+    "entry": ("meshplan.cli", "meshplan.__main__"),
+}
+#: (importer, imported) pairs allowed against the floors, each with why (none today; the list may only shrink)
+FLOOR_EXCEPTIONS: dict[tuple[str, str], str] = {}
+#: the axis folders (the units' and those joining: their records are attached by parallelize alone)
+AXIS_FOLDERS = ("meshplan.context_parallel", "meshplan.expert_parallel", "meshplan.tensor_parallel",
+                "meshplan.pipeline", "meshplan.data_parallel")
+#: axis modules still importing meshplan/state.py until their axis is a unit (issue 26; may only shrink)
+STATE_IMPORTERS_LEFT = {
+    "meshplan.tensor_parallel.grad_sync": "the tp gradient finaliser finds the model's record itself; to move to "
+                                          "a neutral module handed to the axes",
+    "meshplan.data_parallel.fsdp": "data parallelism reads the tp record and runs the blocks step from the model's "
+                                   "record; to take them from parallelize when dp is a unit",
+}
+
+
+def _floor(mod: str, graph: dict[str, set[str]]) -> int:
+    names = list(FLOORS)
+    if mod == "meshplan":
+        return names.index("entry")
+    for i in reversed(range(len(names))):
+        if _under(mod, FLOORS[names[i]]) and mod not in NOT_SPEC:
+            return i
+    if MODULES[mod].name == "__init__.py" and not graph[mod]:
+        return 0  # an empty package
+    return names.index("runtime")
+
+
+def test_the_spec_layer_never_imports_the_runtime():
+    """In-process, from the import graph (every import at any depth): what the spec layer reaches is the spec layer
+    (or an empty package), and none of it imports torch, transformers or safetensors."""
+    graph, external = _graph.graph(), _graph.external()
+    spec = {m for m in MODULES if _floor(m, graph) == 0}
+    assert {"meshplan.plan_file.style_semantics", "meshplan.plan_file.hf_aliases", "meshplan.solver.search",
+            "meshplan.solver.units", "meshplan.mesh.ranks"} <= spec
+    outside = {m: sorted(_graph.closure(graph, m) - spec) for m in sorted(spec)}
+    assert {m: v for m, v in outside.items() if v} == {}
+    runtime = {m: sorted(external[m] & RUNTIME_PACKAGES) for m in sorted(spec)}
+    assert {m: v for m, v in runtime.items() if v} == {}
+
+
+def test_floors_import_downwards():
+    """Rehearsals above apply, model helpers on the ground floor, the spec layer below all: no import goes up."""
+    graph = _graph.graph()
+    names = list(FLOORS)
+    up = {}
+    for mod, targets in graph.items():
+        for t in targets:
+            if _floor(t, graph) > _floor(mod, graph) and (mod, t) not in FLOOR_EXCEPTIONS:
+                up.setdefault(mod, []).append(f"{t} ({names[_floor(t, graph)]})")
+    assert up == {}, "imports going up a floor (tests/test_house.py FLOORS)"
+    assert {names[_floor(m, graph)] for m in MODULES} == set(names)  # every floor holds modules
+
+
+def test_no_axis_folder_imports_the_state_module():
+    """``parallelize`` alone attaches the records; the axes never import meshplan/state.py (but the ones left)."""
+    found = {i.source for i in _graph.imports() if i.target == "meshplan.state" and _under(i.source, AXIS_FOLDERS)}
+    assert found == set(STATE_IMPORTERS_LEFT), f"axis modules importing meshplan.state: {sorted(found)}"

@@ -24,7 +24,7 @@ import torch.nn as nn
 from meshplan.axes import report_lines
 from meshplan.checks.pipeline import stage_lines
 from meshplan.plan_file.patterns import wildcard
-from meshplan.tensor_parallel.layouts import Stream, redistribute_collectives
+from meshplan.plan_file.layout_text import Stream, redistribute_collectives
 from meshplan.tensor_parallel.style_table import STYLES
 
 __all__ = ["explain", "render_table", "summary_lines"]

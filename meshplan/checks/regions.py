@@ -36,7 +36,7 @@ def is_norm(mod: nn.Module) -> bool:
 
 def local_head_regions(matched: dict[str, tuple[str, Any]], modules: dict[str, nn.Module] | None = None) -> set[str]:
     """Parents of colwise rules whose local outputs they see (see
-    :func:`meshplan.tensor_parallel.style_table.gives_local_shards`)."""
+    :func:`meshplan.plan_file.style_semantics.gives_local_shards`)."""
     return {path.rpartition(".")[0] for path, (_, rule) in matched.items()
             if STYLES[rule.style].gives_local_heads(rule.overrides())
             and (modules is None or features(modules[path]) is not None or isinstance(modules[path], nn.Embedding))}

@@ -32,7 +32,7 @@ from meshplan.plan_file.layout import Layout
 from meshplan.plan_file.patterns import match_rules, wildcard
 from meshplan.tensor_parallel.generate import rules_where
 from meshplan.tensor_parallel.heads import head_count_errors, safe_attr, sees_heads
-from meshplan.tensor_parallel.layouts import residual_stream
+from meshplan.plan_file.layout_text import residual_stream
 from meshplan.tensor_parallel.style_table import STYLES, StyleSpec
 
 __all__ = ["Report", "validate_plan", "static_checks", "smallest_world"]

@@ -1,5 +1,6 @@
 """Context parallelism's terms in the solver's cost model (torch-free; :mod:`meshplan.solver` reaches them through
-the unit, :mod:`meshplan.context_parallel.unit`).
+:data:`TERMS` (listed in :data:`meshplan.solver.units.UNITS`), the rest of meshplan through
+:data:`meshplan.context_parallel.unit.AXIS`).
 
 * collectives: ``allgather_kv``: one all-gather of K|V per attention forward (again in a recompute) and one
   reduce-scatter of dK|dV per backward, K|V of the whole sequence for this rank's heads; ``ring``: ``cp − 1``
@@ -13,9 +14,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from meshplan.axis import AxisCosts
 from meshplan.context_parallel.chunks import check_seq_len
+from meshplan.solver.terms import AxisTerms
 
-__all__ = ["cp_collectives", "cp_block_activations", "cp_first_stage_activations", "cp_sequence_problem",
+__all__ = ["TERMS", "cp_collectives", "cp_block_activations", "cp_first_stage_activations", "cp_sequence_problem",
            "cp_run_problem"]
 
 
@@ -60,3 +63,15 @@ def cp_run_problem(c: Any, tr: Any, device: str) -> tuple[str, str] | None:
     if device == "cpu" and tr.cp_method == "ring" and c.cp > 1:
         return "device", "context_parallel.method: ring runs torch's ring attention, CUDA only in torch 2.13"
     return None
+
+
+def cp_training(plan: Any) -> dict:
+    """The solver's settings the section decides: its method."""
+    return {"cp_method": plan.context_parallel.method if plan.context_parallel else "allgather_kv"}
+
+
+#: the unit as the solver sees it (the same terms as :data:`meshplan.context_parallel.unit.AXIS`)
+TERMS = AxisTerms(name="cp", section="context_parallel", training=cp_training, example_plan="plans/llama_cp.yaml",
+                  costs=AxisCosts(collectives=cp_collectives, block_activations=cp_block_activations,
+                                  first_stage_activations=cp_first_stage_activations,
+                                  sequence_problem=cp_sequence_problem, run_problem=cp_run_problem))

@@ -71,9 +71,9 @@ def layout_overrides(layout: Any, held: set[str], target: str, notes: Notes) -> 
 
 def rule_data(style: str, overrides: Mapping[str, Any], stream: Any) -> str | dict:
     """A plan rule (a style name, or a mapping) keeping only the overrides meshplan would not generate itself for
-    ``stream`` (a :class:`~meshplan.tensor_parallel.layouts.Stream`)."""
-    from meshplan.tensor_parallel.style_table import STYLES
-    spec = STYLES[style]
+    ``stream`` (a :class:`~meshplan.plan_file.layout_text.Stream`)."""
+    from meshplan.plan_file.style_semantics import SEMANTICS
+    spec = SEMANTICS[style]
     generated = spec.layouts({}, stream)
     kept = {k: v for k, v in overrides.items() if v is not None and generated.get(k, object()) != v}
     return {"style": style, **kept} if kept else style

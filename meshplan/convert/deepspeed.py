@@ -35,9 +35,9 @@ _PARTITION = {"colwise": "column", "rowwise": "row", "lm_head": "column", "repli
 
 def _spec(pattern: str, rule: Any, notes: Notes) -> dict | None:
     from meshplan.plan_file.patterns import pattern_regex
-    from meshplan.tensor_parallel.style_table import STYLES
+    from meshplan.plan_file.style_semantics import SEMANTICS
     kind, o = _PARTITION.get(rule.style), rule.overrides()
-    spec = STYLES[rule.style]
+    spec = SEMANTICS[rule.style]
     if kind is None:
         notes.drop(f"rule {pattern!r} ({rule.style})", "AutoTP has no sequence parallelism" if spec.stream_module
                    else "DeepSpeed AutoTP's layer_specs shard Linear weights only; the module stays whole on every "

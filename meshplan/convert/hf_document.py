@@ -153,7 +153,7 @@ def _param_entries(tp_plan: dict, modules: dict | None, notes: Notes) -> dict:
 def _rules(tp_plan: dict, modules: dict | None, notes: Notes) -> tuple[dict, bool]:
     """meshplan rules of a transformers tp_plan and whether it has norms on the stream (sequence parallelism)."""
     from meshplan.hf.styles import HF_UNSUPPORTED, resolve_alias
-    from meshplan.tensor_parallel.style_table import STYLES
+    from meshplan.plan_file.style_semantics import SEMANTICS
     rules, sp = {}, False
     heads = set((modules or {}).get("(output)", "").split(",")) - {""}
     tp_plan = _param_entries(tp_plan, modules, notes)
@@ -165,7 +165,7 @@ def _rules(tp_plan: dict, modules: dict | None, notes: Notes) -> tuple[dict, boo
             notes.drop(f"tp_plan {key!r} ({value})", HF_UNSUPPORTED[value])
             continue
         rule = resolve_alias(value)
-        spec = STYLES.get(rule["style"])
+        spec = SEMANTICS.get(rule["style"])
         if spec is None:
             raise PlanError(f"tp_plan {key!r}: {value!r} is not a transformers style meshplan knows")
         sp = sp or spec.stream_module

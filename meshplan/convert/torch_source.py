@@ -54,8 +54,8 @@ def _call(cls: str, kwargs: dict) -> str:
 
 
 def _torch_rule(pattern: str, rule: Any, stream: Any, notes: Notes) -> str | None:
-    from meshplan.tensor_parallel.style_table import STYLES
-    spec, o = STYLES[rule.style], rule.overrides()
+    from meshplan.plan_file.style_semantics import SEMANTICS
+    spec, o = SEMANTICS[rule.style], rule.overrides()
     cls = TORCH_STYLES.get(rule.style)
     if (o.get("packed") or 1) > 1:
         raise PlanError(f"tensor_parallel.rules.{pattern!r}: packed: {o['packed']} has no torch style (torch's "
@@ -78,7 +78,7 @@ def _torch_rule(pattern: str, rule: Any, stream: Any, notes: Notes) -> str | Non
 
 def write_torch(plan: Any, notes: Notes) -> str:
     """The plan's tensor_parallel section as a Python module defining ``parallelize_plan``."""
-    from meshplan.tensor_parallel.layouts import Stream
+    from meshplan.plan_file.layout_text import Stream
     unheld_sections(plan, {"tensor_parallel"}, "a torch parallelize_module plan", notes)
     layout_overrides(plan.layout, set(), "a torch parallelize_module plan (the DeviceMesh you pass holds the "
                      "degrees)", notes)
@@ -89,8 +89,8 @@ def write_torch(plan: Any, notes: Notes) -> str:
         text = _torch_rule(pattern, rule, stream, notes)
         if text is not None:
             entries.append(f"    {pattern!r}: {text},")
-    from meshplan.tensor_parallel.style_table import STYLES
-    if section is not None and not stream.local and any(STYLES[r.style].parent_converts_input(r.overrides())
+    from meshplan.plan_file.style_semantics import SEMANTICS
+    if section is not None and not stream.local and any(SEMANTICS[r.style].parent_converts_input(r.overrides())
                                                         for r in section.rules.values()):
         notes.drop("the one input conversion per block (colwise parents)", "torch's PrepareModuleInput needs the "
                    "parent's argument layout; each colwise layer all-gathers its own input instead (same values)")
@@ -124,7 +124,7 @@ def _kind(key: str, modules: dict[str, str] | None, names: tuple[str, ...], cls:
 
 
 def _stream(styles: dict[str, tuple[str, dict]]) -> Any:
-    from meshplan.tensor_parallel.layouts import Stream
+    from meshplan.plan_file.layout_text import Stream
     dims = {kw.get("sequence_dim", 1) for cls, kw in styles.values() if cls == "SequenceParallel"}
     sp = "batch" if dims == {0} else bool(dims)
     heads = [kw for cls, kw in styles.values() if cls == "ColwiseParallel" and kw.get("use_local_output") is False

@@ -1,5 +1,6 @@
 """Expert parallelism's terms in the solver's cost model (torch-free; :mod:`meshplan.solver` reaches them through
-the unit, :mod:`meshplan.expert_parallel.unit`).
+:data:`TERMS` (listed in :data:`meshplan.solver.units.UNITS`), the rest of meshplan through
+:data:`meshplan.expert_parallel.unit.AXIS`).
 
 * collectives: per MoE block and microbatch, one all-to-all of the token counts per expert (again in a recompute)
   and four of token rows (dispatch and combine, forward and backward; two more in a recompute); with etp 1 each
@@ -12,7 +13,10 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["ep_collectives", "ep_block_activations", "ep_first_stage_activations", "ep_sequence_problem",
+from meshplan.axis import AxisCosts
+from meshplan.solver.terms import AxisTerms
+
+__all__ = ["TERMS", "ep_collectives", "ep_block_activations", "ep_first_stage_activations", "ep_sequence_problem",
            "ep_run_problem"]
 
 
@@ -49,3 +53,10 @@ def ep_sequence_problem(seq: int, ep: int, tp_sequence: int) -> str | None:
 def ep_run_problem(c: Any, tr: Any, device: str) -> tuple[str, str] | None:
     """None: the all-to-alls run on every device (gloo included)."""
     return None
+
+
+#: the unit as the solver sees it (the same terms as :data:`meshplan.expert_parallel.unit.AXIS`)
+TERMS = AxisTerms(name="ep", section="expert_parallel", training=lambda plan: {}, example_plan="plans/moe.yaml",
+                  costs=AxisCosts(collectives=ep_collectives, block_activations=ep_block_activations,
+                                  first_stage_activations=ep_first_stage_activations,
+                                  sequence_problem=ep_sequence_problem, run_problem=ep_run_problem))

@@ -1,8 +1,9 @@
 """FaultWatch: the plan's timeouts on every process group, the heartbeat, and one translation of a failed
 collective into a :class:`~meshplan.errors.RankFailure`.
 
-``meshplan.init`` starts one per topology (``topology.faults``). Until the first ``meshplan.train_step`` has
-finished every group waits ``faults.init_timeout_s``, then ``faults.timeout_s`` (torchtitan's two timeouts).
+``meshplan.init`` starts one per job (``topology.job.watch``: :class:`~meshplan.mesh.runtime.Job` owns it). Until
+the first ``meshplan.train_step`` has finished every group waits ``faults.init_timeout_s``, then
+``faults.timeout_s`` (torchtitan's two timeouts).
 ``translating()`` wraps what meshplan runs (``init``'s exchange, ``parallelize``, ``train_step``, the end of
 ``with meshplan.init(...)``): a collective error there (gloo's ``Timed out waiting 20000ms`` or ``Connection
 closed by peer``, NCCL's watchdog, a ``DistError``) becomes one RankFailure saying which rank is silent and which
@@ -57,7 +58,7 @@ def collective_cause(exc: BaseException) -> BaseException | None:
 
 
 class FaultWatch:
-    """The fault handling of one topology (made by ``meshplan.init``; ``topology.faults``).
+    """The fault handling of one job (made by ``meshplan.init``; ``topology.job.watch``).
 
     Args:
         settings: the plan's ``faults`` section (defaults without one).

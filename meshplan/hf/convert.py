@@ -121,7 +121,7 @@ def _hf_rules(model, cls, config, base: dict, model_type: str, sequence_parallel
     import torch
 
     from meshplan.hf.moe import MOE_STYLES, expert_rules, experts_present, has_ep_plan, is_moe_plan, outside_blocks
-    from meshplan.tensor_parallel.style_table import STYLES
+    from meshplan.plan_file.style_semantics import SEMANTICS
     prefix = _base_prefix(model, cls)
     hf = {prefix + k: v for k, v in base.items()}
     hf.update(getattr(cls, "_tp_plan", None) or {})
@@ -139,7 +139,7 @@ def _hf_rules(model, cls, config, base: dict, model_type: str, sequence_parallel
         hf = {k: v for k, v in hf.items() if k in rules}
     found, order = structure_rules(model, hf)
     for path, style in found.items():
-        if isinstance(style, str) and STYLES[style].stream_module and not sequence_parallel:
+        if isinstance(style, str) and SEMANTICS[style].stream_module and not sequence_parallel:
             continue
         rules[path] = style  # lm_head: colwise_gather_output becomes meshplan's lm_head
     rules = outside_blocks(model, ep_rules, rules) if ep_rules else rules  # no rule inside an MoE block
@@ -225,7 +225,7 @@ def to_hf(plan) -> dict[str, str]:
         PlanError: a rule has no transformers equivalent.
     """
     from meshplan.plan_file.document import as_plan
-    from meshplan.tensor_parallel.style_table import STYLES
+    from meshplan.plan_file.style_semantics import SEMANTICS
     p = as_plan(plan)
     if p.tensor_parallel is None:
         return {}
@@ -237,7 +237,7 @@ def to_hf(plan) -> dict[str, str]:
             out[pattern] = to_hf_style(rule, pattern)
         except ValueError as e:
             raise PlanError(f"{p.source or '<plan>'}: tensor_parallel.rules.{pattern!r}: {e}") from None
-        if STYLES[rule.style].head_params:  # transformers shards a bare parameter by its own entry
+        if SEMANTICS[rule.style].head_params:  # transformers shards a bare parameter by its own entry
             if rule.summed:
                 raise PlanError(f"{p.source or '<plan>'}: tensor_parallel.rules.{pattern!r}: head_params 'summed' "
                                 f"({', '.join(rule.summed)}) has no transformers equivalent (its gradient sum hooks "

@@ -19,10 +19,10 @@ __all__ = ["latent_rules", "latent_misfits"]
 
 def _spec(rule: Any) -> Any:
     """The style table's entry of a rule (a style name, a mapping with ``style``, a rule model), or None."""
-    from meshplan.tensor_parallel.style_table import STYLES
+    from meshplan.plan_file.style_semantics import SEMANTICS
     name = rule if isinstance(rule, str) else rule.get("style") if isinstance(rule, dict) else getattr(
         rule, "style", None)
-    return STYLES.get(name) if isinstance(name, str) else None
+    return SEMANTICS.get(name) if isinstance(name, str) else None
 
 
 def _is(rule: Any, flag: str) -> bool:

@@ -47,7 +47,7 @@ def own_inputs(model, rules: dict[str, Any]) -> dict[str, Any]:
     those projections (lara_mini's ``linear_attn.out_proj``; see :func:`meshplan.checks.regions.region_errors`)."""
     from meshplan.plan_file.patterns import wildcard
     from meshplan.tensor_parallel.packed import features
-    from meshplan.tensor_parallel.style_table import STYLES
+    from meshplan.plan_file.style_semantics import SEMANTICS
     kids: dict[str, set[str]] = {}
     for path, mod in model.named_modules():
         if path and features(mod) is not None:
@@ -55,7 +55,7 @@ def own_inputs(model, rules: dict[str, Any]) -> dict[str, Any]:
     out = dict(rules)
     for k, rule in rules.items():
         data = {"style": rule} if isinstance(rule, str) else rule
-        spec = STYLES.get(data["style"])
+        spec = SEMANTICS.get(data["style"])
         if spec is None or spec.latent or not spec.parent_converts_input(data) or spec.gives_local_heads(data):
             continue  # latent rules take no input_layouts: the latent path converts its own input
         if any(c not in rules for c in kids.get(k.rpartition(".")[0], ())):
@@ -69,10 +69,10 @@ def structure_rules(model, hf_rules: dict[str, str]) -> tuple[dict[str, str], li
     from meshplan.checks.head_params import split_own_params, suggested_rule
     from meshplan.checks.regions import is_norm, summable_on_shards, whole_projection_norm
     from meshplan.plan_file.patterns import wildcard
-    from meshplan.tensor_parallel.style_table import STYLES
+    from meshplan.plan_file.style_semantics import SEMANTICS
     names = {id(m): n for n, m in model.named_modules()}
     aliases = {k: resolve_alias(v) if isinstance(v, str) else v for k, v in hf_rules.items()}
-    specs = {k: STYLES[a["style"]] for k, a in aliases.items() if a["style"] in STYLES}  # unknown: no meaning
+    specs = {k: SEMANTICS[a["style"]] for k, a in aliases.items() if a["style"] in SEMANTICS}  # unknown: no meaning
     parents = {k.rpartition(".")[0] for k, spec in specs.items() if spec.column_parallel}
     out: dict[str, str] = {}
     emb = model.get_input_embeddings()
@@ -118,16 +118,16 @@ def per_head_rowwise(model, rules: dict[str, Any]) -> dict[str, Any]:
     :func:`meshplan.checks.head_params.per_head_rowwise_errors`)."""
     from meshplan.checks.head_params import PER_HEAD_ROWWISE, per_head_outputs
     from meshplan.plan_file.patterns import wildcard
-    from meshplan.tensor_parallel.style_table import STYLES
+    from meshplan.plan_file.style_semantics import SEMANTICS
     data = {k: {"style": r} if isinstance(r, str) else r for k, r in rules.items()}
-    local = {k.rpartition(".")[0] for k, d in data.items() if d["style"] in STYLES and
-             STYLES[d["style"]].gives_local_heads(d)}
+    local = {k.rpartition(".")[0] for k, d in data.items() if d["style"] in SEMANTICS and
+             SEMANTICS[d["style"]].gives_local_heads(d)}
     modules = dict(model.named_modules())
     out = dict(rules)
     for path, mod in modules.items():
         k, parent = wildcard(path), path.rpartition(".")[0]
         d = data.get(k)
-        if d is None or d["style"] not in STYLES or not STYLES[d["style"]].row_parallel or \
+        if d is None or d["style"] not in SEMANTICS or not SEMANTICS[d["style"]].row_parallel or \
                 wildcard(parent) not in local or per_head_outputs(model, modules[parent], mod) is None:
             continue
         out[k] = {**d, **PER_HEAD_ROWWISE}

@@ -27,12 +27,12 @@ def to_hf_style(rule: Any, pattern: str | None = None) -> str:
     Raises:
         ValueError: the rule has no transformers equivalent (e.g. ``embedding_tables``).
     """
-    from meshplan.tensor_parallel.style_table import STYLES  # the spelling is part of a style's meaning
+    from meshplan.plan_file.style_semantics import SEMANTICS  # the spelling is part of a style's meaning
     data = rule if isinstance(rule, dict) else rule.model_dump(exclude_none=True)
     style, packed = data["style"], data.get("packed") or 1
     if packed > 2:
         raise ValueError(f"packed: {packed} has no transformers equivalent (its packed styles split 2 ways)")
-    spec = STYLES.get(style)
+    spec = SEMANTICS.get(style)
     name = spec.hf_style(data) if spec is not None else None
     if name is None:
         raise ValueError(f"meshplan style {style!r} has no transformers tp_plan equivalent")
@@ -45,9 +45,9 @@ def to_hf_style(rule: Any, pattern: str | None = None) -> str:
 def hf_rule_free(rule: Any, pattern: str | None) -> bool:
     """Does transformers run the module of this rule with no tp_plan entry? MLA's latent modules but
     ``kv_a_proj_with_mqa`` (``q_a_proj``, the norms): :func:`to_hf_style` has no string for them."""
-    from meshplan.tensor_parallel.style_table import STYLES
+    from meshplan.plan_file.style_semantics import SEMANTICS
     style = rule.get("style") if isinstance(rule, dict) else rule.style
-    spec = STYLES.get(style)
+    spec = SEMANTICS.get(style)
     return spec is not None and spec.latent and (pattern or "").rpartition(".")[2] != "kv_a_proj_with_mqa"
 
 

@@ -29,13 +29,15 @@ from meshplan.plan_file.reading import pydantic_message
 from meshplan.mesh.elastic import restart_store
 from meshplan.mesh.topology import Topology, build_mesh
 
-__all__ = ["init", "plan_fingerprint", "check_same_plan", "Job"]
+__all__ = ["init", "plan_fingerprint", "check_same_plan", "Job", "watch_of"]
 
 
 class Job:
-    """What :func:`init` started and the end of its topology stops: the fault watch and, when ``init`` created
-    it, the process group. The topology holds its job (``topology.job``); the watch, not the topology, knows
-    about faults.
+    """What :func:`init` started beside the meshes, and what ends with them: the fault watch and, when ``init``
+    created it, the process group. The topology stays plain data and meshes: it holds its job
+    (``topology.job``) only to end it at the end of ``with meshplan.init(...)`` (or ``topology.close()``); the
+    job, not the topology, knows about faults. meshplan reads the watch as ``topology.job.watch``
+    (:func:`watch_of`); ``topology.faults`` is kept as the public alias of it.
 
     Args:
         watch: the :class:`~meshplan.faults.watch.FaultWatch` (None for one rank or simulated ranks).
@@ -45,6 +47,12 @@ class Job:
     def __init__(self, watch: Any, owns_process_group: bool):
         self.watch = watch
         self.owns_process_group = owns_process_group
+
+    def adopt_group(self, group: Any, axis: str) -> None:
+        """A process group meshplan made beside the meshes (an axis' own group): the watch gives it
+        the plan's timeout and its reports name it ``axis``."""
+        if self.watch is not None:
+            self.watch.adopt(group, axis)
 
     def end(self, process_groups: Any, exc: BaseException | None) -> None:
         """The end of ``with meshplan.init``: a failed collective escaping the block becomes a RankFailure (any
@@ -68,6 +76,14 @@ class Job:
                 watch.close()
         if failure is not None:
             raise failure from exc
+
+
+def watch_of(mesh: Any) -> Any:
+    """The fault watch of the job that started ``mesh`` (a :class:`Topology` from :func:`init`), else None: a
+    topology built alone, a bare ``DeviceMesh``, or a job that has ended."""
+    job = getattr(mesh, "job", None)
+    return job.watch if job is not None else None
+
 
 def _env_int(name: str) -> int:
     value = os.environ.get(name)
@@ -125,8 +141,7 @@ def check_same_plan(plan: Any, mesh: Topology | Any, model: Any = None) -> None:
     claims = {"software": software(), "plan": json.loads(_canonical(plan)) if plan is not None else None}
     if model is not None:
         claims["model"] = model_signature(model)
-    watch = getattr(mesh, "faults", None)
-    with translating(watch):
+    with translating(watch_of(mesh)):
         agree(claims, group, "meshplan.parallelize", getattr(mesh, "plan_fingerprint", None))
 
 
@@ -174,7 +189,8 @@ def init(layout_or_plan: Any = None, *, backend: str | None = None, timeout_s: f
     process group, DeviceMesh sub-groups included, waits at most the plan's ``faults.init_timeout_s`` until the
     first ``meshplan.train_step`` has finished, then ``faults.timeout_s``; a heartbeat thread lets a rank whose
     peer died or stopped name it (:class:`~meshplan.errors.RankFailure`, :mod:`meshplan.faults`).
-    The plan's hash is kept as ``topology.plan_fingerprint``, the fault handling as ``topology.faults``.
+    The plan's hash is kept as ``topology.plan_fingerprint``; the fault watch and the shutdown belong to the
+    :class:`Job` the topology holds (``topology.job``; ``topology.job.watch``, alias ``topology.faults``).
 
     Args:
         layout_or_plan: a :class:`Layout`, a plan (path, dict or ``Plan``), a layout dict, or None (pure dp).
@@ -184,8 +200,10 @@ def init(layout_or_plan: Any = None, *, backend: str | None = None, timeout_s: f
         device_type: ``"cpu"`` or ``"cuda"``; default from the backend.
 
     Returns:
-        The :class:`Topology`. Use it as a context manager to make it active; on
-        exit the process group that ``init`` created is destroyed.
+        The :class:`Topology` (as before the job existed: ``with meshplan.init(...) as topo`` yields it, and
+        ``meshplan.parallelize``/``train_step`` take it), holding its :class:`Job` as ``topology.job``. Use it as
+        a context manager to make it active; on exit the job ends: the watch stops and the process group that
+        ``init`` created is destroyed.
 
     Raises:
         PlanError: not under torchrun, a layout that does not fit, or ranks that disagree.

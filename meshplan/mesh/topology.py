@@ -62,10 +62,10 @@ class Topology:
         rank: this process's global rank.
         plan_fingerprint: hash of the plan given to ``meshplan.init`` (every rank had the same), else None;
             ``meshplan.parallelize`` names ranks that pass another plan.
-        faults: the :class:`~meshplan.faults.watch.FaultWatch` ``meshplan.init`` started (timeouts, heartbeat,
-            failed collectives reported as :class:`~meshplan.errors.RankFailure`), else None; the job owns it.
         job: the :class:`~meshplan.mesh.runtime.Job` ``meshplan.init`` started (its fault watch, the process
-            group it made), ended with the topology; None for a topology made by :func:`build_mesh` alone.
+            group it made), ended with the topology; None for a topology made by :func:`build_mesh` alone. The
+            topology itself is plain data and meshes: it knows nothing of faults.
+        faults: the public alias of ``job.watch`` (the :class:`~meshplan.faults.watch.FaultWatch`), else None.
 
     ``topo["tp"]``, ``topo["dp_shard_cp"]``, … return the (flattened where
     needed) 1-D meshes; see :data:`MESH_KEYS`. ``with topo:`` makes it the
@@ -165,7 +165,8 @@ class Topology:
 
     @property
     def faults(self) -> Any:
-        """The fault watch of the job ``meshplan.init`` started, else None (also once the job has ended)."""
+        """``job.watch``: the fault watch of the job ``meshplan.init`` started, else None (also once the job has
+        ended). The public alias kept from before the job; meshplan reads the job's."""
         return self.job.watch if self.job is not None else None
 
     def _end(self, exc: BaseException | None) -> None:
@@ -183,10 +184,10 @@ class Topology:
         return [*groups.values(), world]
 
     def adopt_group(self, group: Any, axis: str) -> None:
-        """A process group meshplan made beside the meshes (the pipeline's embedding group): reports name it
-        ``axis`` and it gets the plan's timeout."""
-        if self.faults is not None:
-            self.faults.adopt(group, axis)
+        """A process group meshplan made beside the meshes (the pipeline's embedding group): the job's watch gives
+        it the plan's timeout and its reports name it ``axis`` (:meth:`~meshplan.mesh.runtime.Job.adopt_group`)."""
+        if self.job is not None:
+            self.job.adopt_group(group, axis)
 
     def __repr__(self) -> str:
         s = self.layout

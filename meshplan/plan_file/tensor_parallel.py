@@ -15,20 +15,9 @@ from pydantic import Field, field_validator, model_validator
 from meshplan.plan_file.hf_aliases import resolve_alias
 from meshplan.plan_file.strict import Strict
 
-__all__ = ["TensorParallel", "Rule", "STYLE_NAMES", "parse_layout", "layout_kind", "LayoutText"]
+__all__ = ["TensorParallel", "Rule", "STYLE_NAMES", "layout_kind", "LayoutText"]
 
 _LAYOUT_RE = re.compile(r"^(replicate|partial|shard\((-?\d+)\))$")
-
-
-def parse_layout(text: str | None):
-    """``"shard(1)"`` → ``Shard(1)`` (``None`` stays ``None``: a non-tensor argument)."""
-    if text is None:
-        return None
-    from torch.distributed.tensor import Partial, Replicate, Shard
-    m = _LAYOUT_RE.match(text)
-    assert m, text  # validated by LayoutText
-    kind = layout_kind(text)
-    return Replicate() if kind == "R" else Partial() if kind == "P" else Shard(int(m.group(2)))
 
 
 def layout_kind(text: Any) -> str:

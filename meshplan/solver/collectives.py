@@ -10,8 +10,8 @@ step recorded op by op; ``docs/tensor-parallel.md`` states the tensor-parallel o
   sequence parallelism all-reduces take their place. The embedding reduces its output, the head gathers its
   input; ``loss_parallel`` adds three small all-reduces; replicated parameters' gradients are summed once per
   step.
-* the axes that are units (:mod:`meshplan.axes`): each unit's ``costs.collectives``, under its own name (the
-  all-to-alls of an MoE block, K|V's all-gathers: each unit's ``costs.py``).
+* the axes that are units (:data:`meshplan.solver.units.UNITS`): each unit's ``costs.collectives``, under its own
+  name (the all-to-alls of an MoE block, K|V's all-gathers: each unit's ``costs.py``).
 * **pp**: a send or receive per stage boundary a rank's stages touch, per microbatch and direction.
 * **dp**: FSDP2 per unit (each block, an MoE block's experts over edp, and the root): all-gathers before forward
   and, resharded, before backward; one reduce-scatter of its gradients (HSDP: then an all-reduce over the
@@ -23,7 +23,7 @@ step recorded op by op; ``docs/tensor-parallel.md`` states the tensor-parallel o
 
 from __future__ import annotations
 
-from meshplan.axes import AXES
+from meshplan.solver.units import UNITS
 from meshplan.solver.candidate import DTYPE_BYTES, Candidate, Training
 from meshplan.solver.memory import _block_tensors, _end_tensors, shard_sizes
 from meshplan.solver.placement import Group, Placement
@@ -110,7 +110,7 @@ def step_collectives(s: ModelShape, c: Candidate, tr: Training, place: Placement
     memo = {} if memo is None else memo
     if c.tp > 1:
         out += _tp(s, c, tr, place, pp_rank, memo)
-    for axis in AXES:  # the axes that are units (their own cost terms), in parallelize's order
+    for axis in UNITS:  # the axes that are units (their own cost terms), in parallelize's order
         if axis.degree(c) > 1:
             out += axis.costs.collectives(s, c, tr, place, pp_rank, memo)
     if c.pp > 1:

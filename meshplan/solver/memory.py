@@ -12,9 +12,9 @@ Activations are the tensors autograd keeps per microbatch, per token (``h`` hidd
 log-sum-exp and the norms' ``rstd`` in float32, and ``4f/t`` in a SwiGLU MLP (``2f/t`` for GELU). That is
 ``10h + 4f`` at ``norm_saved = 2`` and ``t = 1``, what ``meshplan.memory`` measures on the example Llama.
 Variants: without sequence parallelism the stream is whole; ``save_gathered_inputs`` keeps ``2h(1−1/t)`` more;
-each axis unit keeps its own terms (``costs.block_activations``, :mod:`meshplan.axes`); an MoE block keeps
-``top_k·(3h + 4·f_e/etp)`` per routed token plus the dispatch buffers; full checkpointing keeps the block input
-only; op-level checkpointing the matmul outputs. The pipeline schedule multiplies by the microbatches in flight
+each axis unit keeps its own terms (``costs.block_activations``, :data:`meshplan.solver.units.UNITS`); an MoE
+block keeps ``top_k·(3h + 4·f_e/etp)`` per routed token plus the dispatch buffers; full checkpointing keeps the
+block input only; op-level checkpointing the matmul outputs. The pipeline schedule multiplies by the microbatches in flight
 (``docs/pipeline.md``).
 """
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshplan.axes import AXES
+from meshplan.solver.units import UNITS
 from meshplan.solver.candidate import Candidate, Training
 from meshplan.solver.placement import Placement
 from meshplan.solver.shape import ModelShape
@@ -153,7 +153,7 @@ def block_activations(s: ModelShape, c: Candidate, tr: Training, moe: bool, chec
     per = (2 * s.norm_saved + 2) * h / sh * b + 2 * 4 / sh + (2 * s.q_width + 2 * kvw) / t * b + s.heads / t * 4
     if tr.save_gathered_inputs and sh > 1:
         per += (1 if moe and c.etp == 1 else 2) * h * (1 - 1 / t) * b
-    for axis in AXES:  # the axes that are units: what they keep beyond the dense block
+    for axis in UNITS:  # the axes that are units: what they keep beyond the dense block
         per += axis.costs.block_activations(s, c, tr, kvw)
     if not moe:
         return tokens * (per + (4 if s.mlp == "swiglu" else 2) * s.ffn / t * b)
@@ -179,7 +179,7 @@ def _end_activations(s: ModelShape, c: Candidate, tr: Training, first: bool, las
     tokens = c.rank_tokens(tr.seq)
     out = 0.0
     if first:
-        extra = sum(axis.costs.first_stage_activations(c) for axis in AXES)
+        extra = sum(axis.costs.first_stage_activations(c) for axis in UNITS)
         out += tokens * ((9 if t > 1 else 8) + extra + h / sh * b)
     if last:
         gathered = sh > 1

@@ -8,7 +8,7 @@ from typing import Any
 
 import yaml
 
-from meshplan.axes import AXES
+from meshplan.solver.units import UNITS
 from meshplan.errors import PlanError
 from meshplan.plan_file.document import Plan
 from meshplan.plan_file.layout import Layout
@@ -19,7 +19,7 @@ __all__ = ["candidate_from_plan", "plan_from_candidate", "plan_text"]
 
 def _sections(plan: Plan, lay, where: str) -> None:
     """A degree above 1 needs its section, as ``meshplan.parallelize`` says."""
-    units = tuple((axis.degree(lay), axis.name, axis.section) for axis in AXES)  # in parallelize's order
+    units = tuple((axis.degree(lay), axis.name, axis.section) for axis in UNITS)  # in parallelize's order
     for degree, name, key in ((lay.tp, "tp", "tensor_parallel"), *units, (lay.pp, "pp", "pipeline")):
         if degree > 1 and getattr(plan, key) is None:
             raise PlanError(f"{where}: layout.{name}({degree}) > 1 but the plan has no {key} section")
@@ -47,7 +47,7 @@ def candidate_from_plan(plan: Plan, world: int, seq: int, global_batch: int, *, 
     if global_batch % (data * m):
         raise PlanError(f"{where}: the global batch ({global_batch}) must split over dp({data}) × microbatches({m}); "
                         f"expected a multiple of {data * m}")
-    cand = Candidate(tp=lay.tp, **{axis.name: axis.degree(lay) for axis in AXES}, etp=lay.etp,
+    cand = Candidate(tp=lay.tp, **{axis.name: axis.degree(lay) for axis in UNITS}, etp=lay.etp,
                      pp=lay.pp, vpp=lay.vpp,
                      dp_replicate=lay.dp_replicate, dp_shard=lay.dp_shard, order=lay.order_str,
                      schedule=plan.pipeline.schedule if plan.pipeline and lay.pp > 1 else None,
@@ -65,7 +65,7 @@ def candidate_from_plan(plan: Plan, world: int, seq: int, global_batch: int, *, 
         save_gathered_inputs=bool(tp_sec is not None and tp_sec.save_gathered_inputs),
         reshard_after_forward=reshard is not False,
         cpu_offload=bool(dp_sec and dp_sec.cpu_offload),
-        **{k: v for axis in AXES for k, v in axis.training(plan).items()})
+        **{k: v for axis in UNITS for k, v in axis.training(plan).items()})
     return cand, train
 
 
@@ -79,12 +79,12 @@ def plan_from_candidate(cand: Candidate, train: Training, base: dict[str, Any] |
     """
     base = dict(base or {})
     out: dict[str, Any] = {"version": 1, "layout": cand.layout_dict()}
-    units = tuple((axis.degree(cand), axis.section) for axis in AXES)
+    units = tuple((axis.degree(cand), axis.section) for axis in UNITS)
     for degree, key in ((cand.tp, "tensor_parallel"), *units):
         if key in base:
             out[key] = base[key]
         elif degree > 1:
-            examples = ", ".join(f"{axis.example_plan} for {axis.section}" for axis in AXES)
+            examples = ", ".join(f"{axis.example_plan} for {axis.section}" for axis in UNITS)
             raise PlanError(f"the chosen layout needs a {key} section; pass --plan with one (e.g. plans/llama.yaml "
                             f"for tensor_parallel, {examples})")
     if "tensor_parallel" in out:

@@ -17,7 +17,7 @@ with, so a layout ``meshplan solve`` rejects fails ``parallelize`` the same way:
 
 from __future__ import annotations
 
-from meshplan.axes import AXES
+from meshplan.solver.units import UNITS
 from meshplan.errors import PlanError
 from meshplan.mesh.ranks import divisors_text, not_dividing
 from meshplan.plan_file.expert_parallel import etp_problem
@@ -74,7 +74,7 @@ def sequence_problem(c: Candidate, tr: Training) -> Problem:
     """Why the sequence cannot be split as ``c``'s axes that are units split it, then over tp for sequence
     parallelism."""
     tp_seq = c.tp if tr.sequence_parallel and c.tp > 1 else 1
-    for axis in AXES:
+    for axis in UNITS:
         why = axis.costs.sequence_problem(tr.seq, axis.degree(c), tp_seq)
         if why:
             return "sequence", why
@@ -103,7 +103,7 @@ def run_problem(s: ModelShape, c: Candidate, tr: Training, device: str = "cuda")
     if c.micro_batch * c.microbatches != local:
         return "batch", (f"microbatches({c.microbatches}) × micro batch({c.micro_batch}) != this rank's batch "
                          f"size ({local}); valid microbatches: {divisors_text(local)}")
-    for axis in AXES:
+    for axis in UNITS:
         problem = axis.costs.run_problem(c, tr, device)
         if problem:
             return problem

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from meshplan.axes import AXES
+from meshplan.solver.units import UNITS
 from meshplan.solver.candidate import Candidate, Training
 from meshplan.solver.cluster import Cluster
 from meshplan.solver.collectives import Collective, step_collectives
@@ -27,7 +27,7 @@ from meshplan.solver.shape import ModelShape
 __all__ = ["Estimate", "evaluate", "idle_fraction", "peak_memory"]
 
 #: the collective axes exposed in each microbatch: tp, the axes that are units (in order)
-_PER_MICROBATCH = ("tp", *(axis.name for axis in AXES))
+_PER_MICROBATCH = ("tp", *(axis.name for axis in UNITS))
 
 
 def idle_fraction(schedule: str | None, p: int, v: int, m: int) -> float:

@@ -1,15 +1,18 @@
 """The solver's shared cost vocabulary, below every term module and every axis unit's ``costs``: a collective
-(:class:`Collective`) and the blocks a pipeline rank holds (:func:`block_kinds`). Torch-free."""
+(:class:`Collective`), the blocks a pipeline rank holds (:func:`block_kinds`) and an axis unit as the solver sees
+it (:class:`AxisTerms`). Torch-free."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Callable
 
+from meshplan.axis import AxisCosts
 from meshplan.solver.candidate import Candidate
 from meshplan.solver.placement import Group, Placement
 from meshplan.solver.shape import ModelShape
 
-__all__ = ["Collective", "block_kinds"]
+__all__ = ["Collective", "block_kinds", "AxisTerms"]
 
 
 @dataclass(frozen=True)
@@ -52,3 +55,27 @@ def block_kinds(s: ModelShape, c: Candidate, place: Placement, pp_rank: int,
                 if n:
                     out[key] = out.get(key, 0) + n
     return out
+
+
+@dataclass(frozen=True)
+class AxisTerms:
+    """An axis unit as the solver sees it: the torch-free half of its :class:`~meshplan.axis.Axis` (the same
+    name, section, cost terms, solver settings and example plan), exported by the folder's ``costs.py`` as
+    ``TERMS`` and listed in :data:`meshplan.solver.units.UNITS`. The solver reads these, never the unit itself,
+    whose callables reach the runtime (``tests/test_axes.py`` holds the two in step).
+
+    Attributes:
+        name: the layout key of its degree. section: its plan key. costs: its :class:`~meshplan.axis.AxisCosts`.
+        training: ``(plan) -> {field: value}``: the :class:`~meshplan.solver.candidate.Training` settings its
+        section decides. example_plan: a plan file in ``plans/`` with its section, for messages.
+    """
+
+    name: str
+    section: str
+    costs: AxisCosts
+    training: Callable[[Any], dict]
+    example_plan: str
+
+    def degree(self, layout: Any) -> int:
+        """The axis' degree in ``layout`` (a resolved layout or a solver candidate)."""
+        return getattr(layout, self.name)

@@ -1,7 +1,7 @@
 """Stored head counts of modules that see this rank's heads: checked against tp and divided by it.
 
 Models reshape with the head counts they store (``n_heads``, ``num_key_value_heads``, …). A module whose colwise
-children hand it local shards (:func:`meshplan.tensor_parallel.style_table.gives_local_shards`) sees
+children hand it local shards (:func:`meshplan.plan_file.style_semantics.gives_local_shards`) sees
 ``heads / tp`` heads, so its counts are divided (and those of its own ``config``: Phi-3 splits its fused qkv at
 ``config.num_attention_heads · head_dim``); modules fed gathered or DTensor outputs keep the global counts.
 """

@@ -155,7 +155,7 @@ def _fault_watch(model: nn.Module, topology: Any) -> Any:
     from meshplan.mesh.topology import current_topology
     state = parallel_state(model)
     topo = topology or (state.topology if state is not None else None) or current_topology()
-    return getattr(topo, "faults", None)
+    return getattr(getattr(topo, "job", None), "watch", None)  # the job owns the watch (mesh.runtime.Job)
 
 
 def _step(model: nn.Module, batch: Any, loss_fn: Callable | None, optimizer: torch.optim.Optimizer, topology: Any,

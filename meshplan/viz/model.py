@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from meshplan.plan_file.patterns import wildcard
-from meshplan.tensor_parallel.layouts import Stream
-from meshplan.tensor_parallel.style_table import STYLES
+from meshplan.plan_file.layout_text import Stream
+from meshplan.plan_file.style_semantics import SEMANTICS
 
 __all__ = ["Item", "model_items", "describe", "STYLE_COLOURS", "CONVERSION"]
 
@@ -60,7 +60,7 @@ class Item:
 def _layouts(row: dict, rule: Any, stream: Stream) -> tuple[Any, Any]:
     if row["style"] == CONVERSION:
         return stream.layout, "replicate"
-    spec = STYLES[row["style"]]
+    spec = SEMANTICS[row["style"]]
     lay = spec.layouts(rule.overrides() if rule is not None else {}, stream)
     fallback = stream.layout if spec.stream_module else "shard(-1)" if spec.on_local_heads else "replicate"
     inp = lay.get("input_layouts", lay.get("desired_input_layouts")) or fallback
@@ -71,7 +71,7 @@ def _layouts(row: dict, rule: Any, stream: Stream) -> tuple[Any, Any]:
 def _input_side(row: dict) -> bool:
     if row["style"] == CONVERSION:
         return True
-    spec = STYLES[row["style"]]
+    spec = SEMANTICS[row["style"]]
     return spec.takes_stream or (spec.column_parallel and bool(row["forward"]))
 
 
@@ -108,7 +108,7 @@ def _colwise_first(rows: list[dict]) -> list[dict]:
         while j < len(rows) and rows[j]["pattern"].startswith(prefix):
             j += 1
         inside = rows[i + 1:j]
-        first = [r for r in inside if r["style"] != CONVERSION and STYLES[r["style"]].column_parallel]
+        first = [r for r in inside if r["style"] != CONVERSION and SEMANTICS[r["style"]].column_parallel]
         out += first + [r for r in inside if r not in first]
         i = j
     return out
@@ -124,7 +124,7 @@ def _block_prefix(plan: Any, rows: list[dict]) -> str | None:
 def _joins(prev: Item, row: dict, regions: list[str], depth: int) -> bool:
     """Is ``row`` a colwise sibling of the colwise row ``prev`` (same region): drawn side by side."""
     def colwise(r: dict) -> bool:
-        return r["style"] != CONVERSION and STYLES[r["style"]].column_parallel
+        return r["style"] != CONVERSION and SEMANTICS[r["style"]].column_parallel
     return colwise(row) and all(colwise(r) for r in prev.rows) and prev.depth == depth and \
         prev.region == (regions[-1] if regions else None)
 

@@ -1,16 +1,16 @@
 """The collectives each tensor-parallel style costs, forward and backward, given its layouts.
 
 Each function takes the style's resolved layouts (``lay``) and the rule's own overrides (``o``) and returns
-``(forward collectives, backward collectives)``; :data:`meshplan.tensor_parallel.style_table.STYLES` names one per
-style (the explain table of ``meshplan check`` and the solver read them).
+``(forward collectives, backward collectives)``; :data:`meshplan.plan_file.style_semantics.SEMANTICS` names one
+per style (the explain table of ``meshplan check`` and the converters read them). Torch-free (the spec layer).
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable, Mapping
 
-from meshplan.tensor_parallel.layouts import backward_collectives as back, conversions_collectives
-from meshplan.tensor_parallel.layouts import redistribute_collectives as redist
+from meshplan.plan_file.layout_text import backward_collectives as back, conversions_collectives
+from meshplan.plan_file.layout_text import redistribute_collectives as redist
 
 Costs = tuple[list[str], list[str]]
 
