@@ -58,7 +58,7 @@ EP_ALLOWED = {
 
 
 def test_axes_are_frozen_values_in_order():
-    assert [a.name for a in AXES] == ["cp", "ep"]  # parallelize's order: tensor → context → expert
+    assert [a.name for a in AXES] == ["pp", "cp", "ep"]  # parallelize's order: split → (tensor) → context → expert
     for axis in AXES:
         assert isinstance(axis, Axis) and isinstance(axis.costs, AxisCosts)
         with pytest.raises(dataclasses.FrozenInstanceError):
