@@ -107,7 +107,7 @@ def _apply_sections(model: nn.Module, p: Plan, topology: Topology | None, tp_mes
     if data_parallel or p.blocks is not None:
         from meshplan.blocks import apply_blocks
         apply_blocks(model, p.blocks)  # checkpointing, compile per block
-    finish_axes(model, p, topology, prepared, state, attach)  # their late phase: the pipeline's stages
+    finish_axes(model, p, topology, prepared, state, attach)  # each axis' late phase (Axis.finish), in order
     if data_parallel:
         from meshplan.data_parallel.fsdp import apply_data_parallel
         apply_data_parallel(model, section, topology)  # fully_shard each block, then the root (each stage)
@@ -116,7 +116,7 @@ def _apply_sections(model: nn.Module, p: Plan, topology: Topology | None, tp_mes
 
 def _tensor_parallel(model: nn.Module, p: Plan, tp_mesh: DeviceMesh) -> None:
     """Tensor parallelism on the (pruned) model: the rules the axes applied before it keep
-    (:func:`meshplan.axes.tp_rules`: a pipeline leaves out the rules naming only other stages' modules)."""
+    (:func:`meshplan.axes.tp_rules`: an axis that pruned modules leaves out the rules naming only those)."""
     from meshplan.axes import tp_rules
     from meshplan.tensor_parallel.apply import apply_tensor_parallel
     section = p.tensor_parallel

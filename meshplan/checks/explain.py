@@ -213,7 +213,7 @@ def render_table(report) -> str:
 
 def summary_lines(report, unsharded: bool = True) -> list[str]:
     """The report's lines after the table (the model picture shows them too): parameters, collectives per
-    forward and backward, unsharded parameters, the axis units' lines (pipeline stages, context, experts), warnings,
+    forward and backward, unsharded parameters, each axis unit's lines, warnings,
     then ``ok`` or the numbered errors."""
     t = report.totals
     out = [f"parameters: {t.get('parameters', 0):,} global, {_per_rank(t)}; unsharded "

@@ -167,7 +167,7 @@ def _step(model: nn.Module, batch: Any, loss_fn: Callable | None, optimizer: tor
         loss_fn = functools.partial(cross_entropy, reduction="sum", ignore_index=ignore_index)
     state = parallel_state(model)
     from meshplan.axes import shard_batch, step_runner
-    runner = step_runner(state)  # an axis that takes the step over (a pipeline's schedule)
+    runner = step_runner(state)  # an axis that takes the step over (Axis.run_step)
     if runner is not None:
         return runner(model, state, batch, loss_fn, optimizer, topology=topology, max_grad_norm=max_grad_norm,
                       ignore_index=ignore_index, shard_batch=shard_batch)
