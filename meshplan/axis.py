@@ -87,8 +87,10 @@ class Axis:
             returned replaces the one ``apply`` returned. Default: nothing.
         run_step: ``(model, state, batch, loss_fn, optimizer, **options) -> StepResult``, or None: the axis takes
             :func:`meshplan.train_step` over when the state holds its record (a pipeline's schedule); ``options``:
-            ``topology``, ``max_grad_norm``, ``ignore_index`` and ``shard_batch`` (:func:`meshplan.axes.shard_batch`,
-            every axis' share of a batch, handed in: a folder never imports the loop over the axes).
+            ``topology``, ``max_grad_norm``, ``ignore_index``, ``shard_batch`` (:func:`meshplan.axes.shard_batch`,
+            every axis' share of a batch, handed in: a folder never imports the loop over the axes) and ``attach``
+            (``attach(**{state field: record})`` attaches a record the step made, returns the state: the pipeline's
+            traced stages, made on the first step).
         tp_rules: ``(model, rules, record) -> rules``: the ``tensor_parallel`` rules still to apply once the axis'
             record is attached (a pipeline leaves out the rules that name only other stages' modules, which its
             apply pruned). Default: ``rules``.

@@ -61,9 +61,11 @@ def _last_copies(model: nn.Module, state: Any) -> list[nn.Parameter]:
 
 def pipeline_step(model: nn.Module, state: Any, batch: tuple[Any, torch.Tensor], loss_fn: Callable | None,
                   optimizer: torch.optim.Optimizer, *, topology: Any = None, max_grad_norm: float | None = None,
-                  ignore_index: int = -100, shard_batch: Callable) -> Any:
+                  ignore_index: int = -100, shard_batch: Callable, attach: Callable) -> Any:
     """:func:`meshplan.train_step` for a model with pipeline stages (see there): the unit's ``run_step``; returns
-    its ``StepResult``. ``shard_batch``: every axis' share of a batch (:func:`meshplan.axes.shard_batch`).
+    its ``StepResult``. ``shard_batch``: every axis' share of a batch (:func:`meshplan.axes.shard_batch`);
+    ``attach(pipeline=record)``: attaches a new record (``split: trace``'s stages, traced on the first step) and
+    returns the model's state.
 
     Raises:
         PlanError: ``loss_fn=None`` (a pipelined model's last stage has no labels of its own), or
@@ -79,7 +81,9 @@ def pipeline_step(model: nn.Module, state: Any, batch: tuple[Any, torch.Tensor],
     record = state.pipeline
     _check_batch(inputs, record.section.microbatches)
     from meshplan.pipeline.traced import prepare_traced
-    prepare_traced(model, record, inputs, optimizer, topology)  # split: trace: stages traced on the first step
+    traced = prepare_traced(model, record, inputs, optimizer, topology)  # split: trace: traced on the first step
+    if traced is not record:  # a new record, attached by train_step (the owner of the state)
+        state, record = attach(pipeline=traced), traced
     lay = topology.layout
     world = dist.get_world_size()
     data = math.prod(getattr(lay, a) for a in state.data_axes)

@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from meshplan.faults.watch import translating
 from meshplan.errors import PlanError
 from meshplan.mesh.ranks import divisors_text
-from meshplan.state import DATA_AXES, ParallelState, parallel_state
+from meshplan.state import DATA_AXES, ParallelState, attach_state, parallel_state
 from meshplan.training.clip import clip_grad_norm_, clip_with, comm_device
 from meshplan.training.result import StepResult
 
@@ -170,7 +170,8 @@ def _step(model: nn.Module, batch: Any, loss_fn: Callable | None, optimizer: tor
     runner = step_runner(state)  # an axis that takes the step over (Axis.run_step)
     if runner is not None:
         return runner(model, state, batch, loss_fn, optimizer, topology=topology, max_grad_norm=max_grad_norm,
-                      ignore_index=ignore_index, shard_batch=shard_batch)
+                      ignore_index=ignore_index, shard_batch=shard_batch,
+                      attach=lambda **record: attach_state(model, **record))
     batch, loss_fn, shift = _own_loss(model, batch, loss_fn)
     distributed, replicas = _data_ranks(model, state, topology, sequence_parallel)
     inputs, targets = batch
