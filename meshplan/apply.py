@@ -13,7 +13,7 @@ from meshplan.faults.watch import translating
 from meshplan.mesh.topology import Topology, build_mesh, current_topology
 from meshplan.plan_file.data_parallel import DataParallel
 from meshplan.plan_file.document import Plan, as_plan
-from meshplan.state import attach_state
+from meshplan.state import attach_state, parallel_state
 
 __all__ = ["parallelize"]
 
@@ -79,10 +79,9 @@ def parallelize(model: nn.Module, plan: Plan | Mapping[str, Any] | str | Path | 
 def _apply_sections(model: nn.Module, p: Plan, topology: Topology | None, tp_mesh: DeviceMesh) -> nn.Module:
     """:func:`parallelize` once the plan and the mesh are settled and every rank agrees."""
     data_parallel = p.data_parallel is not None or (topology is not None and topology.layout.dp * topology.layout.cp > 1)
-    pipelined = p.pipeline is not None or (topology is not None and topology.layout.pp > 1)
-    if (data_parallel or pipelined) and topology is None:
-        raise PlanError(f"the {'data_parallel' if data_parallel else 'pipeline'} section needs a meshplan Topology "
-                        f"(meshplan.init or build_mesh), not a bare DeviceMesh")
+    if data_parallel and topology is None:
+        raise PlanError("the data_parallel section needs a meshplan Topology (meshplan.init or build_mesh), not a "
+                        "bare DeviceMesh")
     if p.tensor_parallel is not None:
         from meshplan.checks.validate import validate_plan
         validate_plan(model, p, tp_mesh.size())  # what `meshplan check` checks, before anything changes
@@ -92,14 +91,14 @@ def _apply_sections(model: nn.Module, p: Plan, topology: Topology | None, tp_mes
     problem = blocks_problem(model, p, lay, p.source) or (data_parallel_problem(p, lay) if lay is not None else None)
     if problem is not None:  # `meshplan check` reports the same (checks/data.py); raised before anything changes
         raise problem
-    from meshplan.axes import apply_axes, prepare_axes
-    prepared = prepare_axes(model, p, topology)  # the axes that are units, checked before anything changes
-    split = _split_stages(model, p, topology) if pipelined else None
-    if p.tensor_parallel is not None:
-        _tensor_parallel(model, p, tp_mesh, split)
+    from meshplan.axes import AXES, TP_AT, apply_axes, finish_axes, prepare_axes
+    prepared = prepare_axes(model, p, topology)  # the axes that are units, resolved before anything changes
+    state, attach = (lambda: attach_state(model)), (lambda **record: attach_state(model, **record))
     # each axis' record attached here alone, in parallelize's order (the next axis reads the record so far)
-    data_parallel = apply_axes(model, p, topology, prepared, lambda: attach_state(model),
-                               lambda **record: attach_state(model, **record)) or data_parallel
+    data_parallel = apply_axes(model, p, topology, prepared, state, attach, AXES[:TP_AT]) or data_parallel
+    if p.tensor_parallel is not None:
+        _tensor_parallel(model, p, tp_mesh)
+    data_parallel = apply_axes(model, p, topology, prepared, state, attach, AXES[TP_AT:]) or data_parallel
     attach_state(model, plan=p, topology=topology)  # train_step's topology, also without data parallelism
     if data_parallel:
         from meshplan.data_parallel.fsdp import check_data_parallel
@@ -108,45 +107,22 @@ def _apply_sections(model: nn.Module, p: Plan, topology: Topology | None, tp_mes
     if data_parallel or p.blocks is not None:
         from meshplan.blocks import apply_blocks
         apply_blocks(model, p.blocks)  # checkpointing, compile per block
-    if split is not None:
-        from meshplan.pipeline import build_stages
-        state = attach_state(model)
-        build_stages(model, state.pipeline, split, topology, state.sequence_parallel,
-                     tensor_parallel=state.tensor_parallel is not None)
+    finish_axes(model, p, topology, prepared, state, attach)  # each axis' late phase (Axis.finish), in order
     if data_parallel:
         from meshplan.data_parallel.fsdp import apply_data_parallel
         apply_data_parallel(model, section, topology)  # fully_shard each block, then the root (each stage)
     return model
 
 
-def _split_stages(model: nn.Module, p: Plan, topology: Topology) -> Any:
-    """The pipeline step's first half: stages assigned, the model pruned to this rank's (before anything else
-    touches it), the record attached. ``split: trace``: checked and recorded only (None: no eager split)."""
-    if p.pipeline is None:
-        raise PlanError(f"{p.source or '<plan>'}: layout.pp({topology.layout.pp}) > 1 needs a pipeline section "
-                        f"(schedule, microbatches)")
-    where = f"{p.source}: pipeline" if p.source else "pipeline"
-    if p.pipeline.split == "trace":  # traced on the first train_step (shapes); nothing else to build here
-        from meshplan.pipeline.traced import plan_traced
-        attach_state(model, pipeline=plan_traced(model, p, topology, where))
-        return None
-    from meshplan.pipeline import split_pipeline
-    pattern = p.blocks.pattern if p.blocks is not None else "layers.*"
-    from meshplan.axes import opaque_modules
-    opaque = opaque_modules(model, p)  # the split probe's stand-ins
-    record, split = split_pipeline(model, p.pipeline, pattern, topology, where, opaque)
-    attach_state(model, pipeline=record)
-    return split
-
-
-def _tensor_parallel(model: nn.Module, p: Plan, tp_mesh: DeviceMesh, split: Any) -> None:
-    """Tensor parallelism on the (pruned) model: rules that name only other stages' modules are left out."""
+def _tensor_parallel(model: nn.Module, p: Plan, tp_mesh: DeviceMesh) -> None:
+    """Tensor parallelism on the (pruned) model: the rules the axes applied before it keep
+    (:func:`meshplan.axes.tp_rules`: an axis that pruned modules leaves out the rules naming only those)."""
+    from meshplan.axes import tp_rules
     from meshplan.tensor_parallel.apply import apply_tensor_parallel
     section = p.tensor_parallel
-    if split is not None:
-        from meshplan.pipeline import kept_rules
-        removed = {n for n, m in model.named_modules() if isinstance(m, nn.Identity)}
-        section = section.model_copy(update={"rules": kept_rules(model, section.rules, removed)})
+    rules = tp_rules(model, section.rules, parallel_state(model))
+    if rules is not section.rules:
+        section = section.model_copy(update={"rules": rules})
     applied = apply_tensor_parallel(model, section, tp_mesh, p.source)
     attach_state(model, tensor_parallel=applied)  # the finaliser and RNG hooks live as long as the model
     from meshplan.hf.styles import install_hf_loss

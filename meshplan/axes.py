@@ -1,10 +1,11 @@
 """The ordered parallelism axes that are units (:class:`~meshplan.axis.Axis`), and the loops over them.
 
 :func:`meshplan.parallelize`, ``meshplan check``, :func:`meshplan.train_step`, explain and the solver iterate over
-:data:`AXES` instead of naming an axis. Expert and context parallelism are units so far; the others keep their
-own code paths and join the list one by one, at their place in parallelize's order (stage split → tensor → context →
-expert → blocks → stages → data: context parallelism's hooks (root, attention modules) and expert parallelism's
-(experts, MoE blocks) touch different modules, and this order keeps ``meshplan check``'s lines and errors and the
+:data:`AXES` instead of naming an axis. Pipeline, context and expert parallelism are units so far; the others keep
+their own code paths and join the list one by one, at their place in parallelize's order (stage split → tensor →
+context → expert → blocks → stages → data: the pipeline first (its apply prunes the model to this rank's
+stages, its finish builds them after the blocks section); context parallelism's hooks (root, attention modules)
+and expert parallelism's (experts, MoE blocks) touch different modules, and this order keeps ``meshplan check``'s lines and errors and the
 solver's sums in the order they had before expert parallelism joined). Torch-free.
 """
 
@@ -15,12 +16,16 @@ from typing import Any
 from meshplan.axis import Axis
 from meshplan.context_parallel.unit import AXIS as _CONTEXT
 from meshplan.expert_parallel.unit import AXIS as _EXPERT
+from meshplan.pipeline.unit import AXIS as _PIPELINE
 
 __all__ = ["AXES", "check_axes", "prepare_axes", "apply_axes", "finish_axes", "step_runner", "shard_batch", "shard_sequence", "report_lines",
-           "opaque_modules"]
+           "opaque_modules", "tp_rules", "TP_AT"]
 
 #: the axes that are units, in parallelize's order
-AXES: tuple[Axis, ...] = (_CONTEXT, _EXPERT)
+AXES: tuple[Axis, ...] = (_PIPELINE, _CONTEXT, _EXPERT)
+#: where in :data:`AXES` parallelize's tensor-parallel step runs until tensor parallelism is a unit (after the
+#: pipeline's split, before context parallelism)
+TP_AT = 1
 
 
 def check_axes(model: Any, plan: Any, layout: Any, report: Any) -> None:
@@ -30,18 +35,25 @@ def check_axes(model: Any, plan: Any, layout: Any, report: Any) -> None:
 
 
 def prepare_axes(model: Any, plan: Any, topology: Any) -> dict[str, Any]:
-    """``parallelize``'s checks before anything changes: ``{axis name: prepared}`` for the axes it applies."""
-    prepared = {axis.name: axis.prepare(model, plan, topology) for axis in AXES}
+    """``parallelize``'s checks before anything changes: ``{axis name: prepared}`` for the axes it applies (the
+    static checks first, then the axes whose prepare rehearses on a throwaway copy:
+    :attr:`~meshplan.axis.Axis.rehearses`)."""
+    def opaque() -> tuple[str, ...]:  # asked for only by a rehearsal that runs
+        return opaque_modules(model, plan)
+    # the static checks first, then the axes that rehearse on a throwaway copy (the pipeline's split probe)
+    prepared = {axis.name: axis.prepare(model, plan, topology, **({"opaque": opaque} if axis.rehearses else {}))
+                for axis in sorted(AXES, key=lambda axis: axis.rehearses)}
     return {name: v for name, v in prepared.items() if v is not None}
 
 
 def apply_axes(model: Any, plan: Any, topology: Any, prepared: dict[str, Any], state: Any,
-               attach: Any) -> bool:
-    """Apply the prepared axes in order, each record handed to ``attach(**{state field: record})`` (``parallelize``
-    owns the state module) before the next axis runs; ``state()`` gives the model's record so far. Returns whether
-    an applied axis needs the data-parallel step (:attr:`~meshplan.axis.Axis.data_parallel`)."""
+               attach: Any, axes: tuple[Axis, ...] = AXES) -> bool:
+    """Apply the prepared ``axes`` (default: all) in order, each record handed to ``attach(**{state field:
+    record})`` (``parallelize`` owns the state module) before the next axis runs; ``state()`` gives the model's
+    record so far. Returns whether an applied axis needs the data-parallel step
+    (:attr:`~meshplan.axis.Axis.data_parallel`)."""
     data_parallel = False
-    for axis in AXES:
+    for axis in axes:
         if axis.name in prepared:
             attach(**{axis.state_field: axis.apply(model, plan, topology, prepared[axis.name], state())})
             data_parallel = data_parallel or axis.data_parallel(topology.layout)
@@ -56,6 +68,16 @@ def finish_axes(model: Any, plan: Any, topology: Any, prepared: dict[str, Any], 
             record = axis.finish(model, plan, topology, prepared[axis.name], state())
             if record is not None:
                 attach(**{axis.state_field: record})
+
+
+def tp_rules(model: Any, rules: dict, state: Any) -> dict:
+    """The ``tensor_parallel`` rules to apply to ``model`` once the axes before tensor parallelism applied: each
+    axis whose record ``state`` holds keeps its own (:attr:`~meshplan.axis.Axis.tp_rules`)."""
+    for axis in AXES:
+        record = getattr(state, axis.state_field) if state is not None else None
+        if record is not None:
+            rules = axis.tp_rules(model, rules, record)
+    return rules
 
 
 def step_runner(state: Any) -> Any:

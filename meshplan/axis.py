@@ -1,6 +1,6 @@
 """The shape of a parallelism axis as a unit: :class:`Axis`, one frozen value each axis folder exports.
 
-An axis folder (two today, the others join one by one: :data:`meshplan.axes.AXES`) says
+An axis folder (three today, the others join one by one: :data:`meshplan.axes.AXES`) says
 everything the rest of meshplan needs to know about it in one :class:`Axis`: its name, its plan section, its mesh
 dims, its check, its apply (returning a frozen record that :func:`meshplan.parallelize` alone attaches to the
 model's :class:`~meshplan.state.ParallelState`), its share of a batch for :func:`meshplan.train_step`, its report
@@ -31,6 +31,14 @@ class AxisCosts:
         sequence_problem: ``(seq, degree, tp_sequence) -> str | None``: why ``seq`` cannot be split ``degree``
             ways (times tp for sequence parallelism), with the lengths that can; None when it can.
         run_problem: ``(candidate, training, device) -> (key, reason) | None``: why the axis cannot run there.
+        per_microbatch: whether its collectives are exposed in each microbatch (inside the pipeline's compute);
+            False: they are the axis' own exposed time (:attr:`exposed`). Default True.
+        exposed: ``(collectives, cluster, candidate) -> float``: seconds of its collectives not hidden behind
+            compute, an estimate part of its own (the pipeline's sends); None: none. Default None.
+        idle_fraction: ``(candidate) -> float``: the fraction of a step a rank idles (the pipeline's bubble).
+            Default 0.
+        in_flight: ``(candidate, pp_rank) -> float``: microbatches' worth of activations a rank keeps at once (a
+            pipeline schedule's). Default 1.
     """
 
     collectives: Callable[..., list]
@@ -38,6 +46,10 @@ class AxisCosts:
     first_stage_activations: Callable[[Any], float]
     sequence_problem: Callable[[int, int, int], "str | None"]
     run_problem: Callable[[Any, Any, str], "tuple[str, str] | None"]
+    per_microbatch: bool = True
+    exposed: "Callable[[list, Any, Any], float] | None" = None
+    idle_fraction: Callable[[Any], float] = lambda c: 0.0
+    in_flight: Callable[[Any, int], float] = lambda c, pp_rank: 1.0
 
 
 @dataclass(frozen=True)
@@ -74,7 +86,21 @@ class Axis:
             after every axis' ``apply`` and the ``blocks`` section (pipeline stages, FSDP2's wrapping); a record
             returned replaces the one ``apply`` returned. Default: nothing.
         run_step: ``(model, state, batch, loss_fn, optimizer, **options) -> StepResult``, or None: the axis takes
-            :func:`meshplan.train_step` over when the state holds its record (a pipeline's schedule).
+            :func:`meshplan.train_step` over when the state holds its record (a pipeline's schedule); ``options``:
+            ``topology``, ``max_grad_norm``, ``ignore_index``, ``shard_batch`` (:func:`meshplan.axes.shard_batch`,
+            every axis' share of a batch, handed in: a folder never imports the loop over the axes) and ``attach``
+            (``attach(**{state field: record})`` attaches a record the step made, returns the state: the pipeline's
+            traced stages, made on the first step).
+        tp_rules: ``(model, rules, record) -> rules``: the ``tensor_parallel`` rules still to apply once the axis'
+            record is attached (a pipeline leaves out the rules that name only other stages' modules, which its
+            apply pruned). Default: ``rules``.
+        written: ``(candidate, base section) -> section | None``: the section ``meshplan solve --write`` writes
+            for a chosen candidate (the pipeline's schedule and microbatches over the base plan's), None when the
+            candidate needs none; None (default): a rule section, copied from the base plan.
+        rehearses: its ``prepare`` runs a rehearsal on a throwaway copy of the model (the pipeline's split probe)
+            and takes ``opaque=``, a callable giving every axis' :attr:`opaque` modules
+            (:func:`meshplan.axes.opaque_modules`), called only when the rehearsal runs.
+            Default False.
     """
 
     name: str
@@ -95,6 +121,9 @@ class Axis:
     opaque: Callable[[Any, Any], set] = lambda model, plan: set()
     finish: Callable[[Any, Any, Any, Any, Any], Any] = lambda model, plan, topology, prepared, state: None
     run_step: "Callable[..., Any] | None" = None
+    tp_rules: Callable[[Any, dict, Any], dict] = lambda model, rules, record: rules
+    written: "Callable[[Any, Any], Any] | None" = None
+    rehearses: bool = False
 
     def degree(self, layout: Any) -> int:
         """The axis' degree in ``layout`` (a resolved layout or a solver candidate)."""

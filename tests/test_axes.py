@@ -56,9 +56,32 @@ EP_ALLOWED = {
     "checks/explain.py", "checks/regions.py", "checks/validate.py",
 }
 
+PP_MENTION = re.compile(r"pipeline|\bpp\b")
+#: files outside pipeline/ that may name it (57 on ac64207 before it became a unit, these 51 after; docs/house.md):
+#: the ordered list and the unit's shape, the plan section and the pp/vpp degrees (layout, stage arithmetic, rank
+#: math, the mesh, CLI flags, converters, the solver's enumeration, groups and per-rank reports), the record's field
+#: and its readers (loading, materialize, FSDP2's stage roots, clipping's stage weights, train_step's pp > 1 without
+#: stages), the other units naming the pipeline (cp refuses split: trace; costs per pipeline rank), checkpoints' and
+#: faults' docstrings and the p2p group the fault watch names, the check report's JSON key, the schedule timeline
+PP_ALLOWED = {
+    "axes.py", "axis.py", "state.py", "_torch.py",
+    "plan_file/document.py", "plan_file/layout.py", "plan_file/pipeline.py", "plan_file/stages.py",
+    "mesh/rank_table.py", "mesh/ranks.py", "mesh/topology.py", "viz/rank_grid.py",
+    "cli/args.py", "cli/plans.py", "cli/solve.py", "convert/accelerate.py", "convert/hf_document.py",
+    "solver/candidate.py", "solver/cluster.py", "solver/collectives.py", "solver/memory.py", "solver/placement.py",
+    "solver/plans.py", "solver/report.py", "solver/rules.py", "solver/search.py", "solver/step.py", "solver/terms.py",
+    "weights/load.py", "weights/materialize.py", "data_parallel/fsdp.py", "training/clip.py", "training/step.py",
+    "context_parallel/apply.py", "context_parallel/check.py", "context_parallel/costs.py",
+    "context_parallel/runtime.py", "expert_parallel/__init__.py", "expert_parallel/check.py",
+    "expert_parallel/costs.py",
+    "checkpoint/export.py", "checkpoint/load.py", "checkpoint/save.py", "checkpoint/state.py",
+    "faults/report.py", "faults/watch.py",
+    "checks/report.py", "checks/validate.py", "viz/__init__.py", "viz/model_draw.py", "viz/timeline.py",
+}
+
 
 def test_axes_are_frozen_values_in_order():
-    assert [a.name for a in AXES] == ["cp", "ep"]  # parallelize's order: tensor → context → expert
+    assert [a.name for a in AXES] == ["pp", "cp", "ep"]  # parallelize's order: split → (tensor) → context → expert
     for axis in AXES:
         assert isinstance(axis, Axis) and isinstance(axis.costs, AxisCosts)
         with pytest.raises(dataclasses.FrozenInstanceError):
@@ -95,6 +118,32 @@ def test_expert_parallelism_is_named_only_where_allowed():
     found = {str(f.relative_to(PKG)) for f in PKG.rglob("*.py")
              if not f.is_relative_to(PKG / "expert_parallel") and EP_MENTION.search(f.read_text())}
     assert found <= EP_ALLOWED, f"expert parallelism named outside its unit: {sorted(found - EP_ALLOWED)}"
+
+
+def test_pipeline_parallelism_is_named_only_where_allowed():
+    """The same measure for the pipeline unit: files outside ``pipeline/`` that mention it."""
+    found = {str(f.relative_to(PKG)) for f in PKG.rglob("*.py")
+             if not f.is_relative_to(PKG / "pipeline") and PP_MENTION.search(f.read_text())}
+    assert found <= PP_ALLOWED, f"pipeline parallelism named outside its unit: {sorted(found - PP_ALLOWED)}"
+
+
+def test_the_pipeline_unit_takes_the_step_and_keeps_tp_rules_of_its_stages():
+    """A pipeline record hands train_step to the unit's schedule; its tp rule pruning keeps only this rank's."""
+    import torch.nn as nn
+
+    from meshplan.axes import step_runner, tp_rules
+    from meshplan.pipeline.stages import PipelineApplied
+    from meshplan.pipeline.unit import AXIS
+    from meshplan.plan_file.pipeline import Pipeline
+    from meshplan.state import ParallelState
+    assert step_runner(ParallelState()) is None and step_runner(None) is None
+    record = PipelineApplied(section=Pipeline(microbatches=2), stage_ids=[1], num_stages=2)
+    assert step_runner(ParallelState(pipeline=record)) is AXIS.run_step
+    model = nn.Module()
+    model.layers = nn.ModuleList([nn.Identity(), nn.Linear(2, 2)])  # layer 0 pruned: another stage's
+    rules = {"layers.0": "colwise", "layers.*": "rowwise"}
+    assert tp_rules(model, rules, ParallelState(pipeline=record)) == {"layers.*": "rowwise"}
+    assert tp_rules(model, rules, ParallelState()) is rules
 
 
 def test_opaque_modules_are_the_moe_blocks_of_the_plan():

@@ -22,7 +22,6 @@ from typing import Any
 import torch.nn as nn
 
 from meshplan.axes import report_lines
-from meshplan.checks.pipeline import stage_lines
 from meshplan.plan_file.patterns import wildcard
 from meshplan.plan_file.layout_text import Stream, redistribute_collectives
 from meshplan.tensor_parallel.style_table import STYLES
@@ -214,7 +213,7 @@ def render_table(report) -> str:
 
 def summary_lines(report, unsharded: bool = True) -> list[str]:
     """The report's lines after the table (the model picture shows them too): parameters, collectives per
-    forward and backward, unsharded parameters, the pipeline stages, context and expert parallelism, warnings,
+    forward and backward, unsharded parameters, each axis unit's lines, warnings,
     then ``ok`` or the numbered errors."""
     t = report.totals
     out = [f"parameters: {t.get('parameters', 0):,} global, {_per_rank(t)}; unsharded "
@@ -227,7 +226,6 @@ def summary_lines(report, unsharded: bool = True) -> list[str]:
             folded.setdefault(re.sub(r"\.\d+(?=\.)", ".*", k), v)
         shown = "; ".join(f"{k} ({v})" for k, v in folded.items())
         out.append(f"unsharded parameters ({len(report.unsharded)}, every tp rank holds them whole): {shown}")
-    out += stage_lines(report.pipeline)
     out += report_lines(report)  # the axes that are units
     out += [f"warning: {w}" for w in report.warnings]
     out.append("ok" if report.ok else f"{len(report.errors)} error(s):")

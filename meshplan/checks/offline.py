@@ -4,8 +4,8 @@ The static checks are :mod:`meshplan.checks.validate`'s (the ones ``meshplan.par
 rehearsals apply the plan: the cross-shard shadow run (:mod:`meshplan.checks.shadow`, simulated ranks) and, when
 all of that passes, the plan applied for real to a meta-device copy under a ``fake`` process group (nothing
 allocated, nothing communicated), which gives the local parameter shapes of the explain table
-(:mod:`meshplan.checks.explain`). A ``pipeline`` section is checked against the layout and split on a meta copy
-(:mod:`meshplan.checks.pipeline`). This module sits above ``meshplan.parallelize``: parallelize never imports it.
+(:mod:`meshplan.checks.explain`). The axes that are units check their own sections (:func:`meshplan.axes.check_axes`,
+in parallelize's order). This module sits above ``meshplan.parallelize``: parallelize never imports it.
 """
 
 from __future__ import annotations
@@ -49,7 +49,6 @@ def check(model: nn.Module, plan: Plan | Mapping[str, Any] | str, world_size: in
     from meshplan.checks.explain import explain
     from meshplan.axes import check_axes
     from meshplan.checks.data import check_data
-    from meshplan.checks.pipeline import check_pipeline
     p = as_plan(plan)
     lay = Layout.model_validate(dict(layout)) if isinstance(layout, Mapping) else layout or p.layout or Layout()
     report = Report(source=p.source or "<plan>", model=type(model).__name__, tp=lay.tp, world_size=world_size or 0)
@@ -69,8 +68,7 @@ def check(model: nn.Module, plan: Plan | Mapping[str, Any] | str, world_size: in
         from meshplan.checks.shadow import cross_shard_errors
         for msg in cross_shard_errors(model, p, resolved.tp, checker.where, report.warnings):
             checker.err(msg)
-    check_pipeline(model, p, resolved, report)  # the schedule and the split (on a meta copy)
-    check_axes(model, p, resolved, report)  # the sections of the axes that are units
+    check_axes(model, p, resolved, report)  # the sections of the axes that are units (a split: on a meta copy)
     check_data(model, p, resolved, report)  # blocks and data_parallel, as parallelize checks them first
     applied = None
     if report.ok and p.tensor_parallel is not None and dry_run:

@@ -23,7 +23,7 @@ class Report:
         unsharded: ``{parameter: reason}`` for parameters every tp rank holds whole.
         totals: parameter counts/bytes and collectives per forward/backward.
         pipeline: the ``pipeline`` section's schedule and one row per stage (see
-            :mod:`meshplan.checks.pipeline`); empty without a section or when the split failed.
+            :mod:`meshplan.pipeline.check`, the unit's ``report_key``); empty without a section or when the split failed.
         context: the summary the context axis unit's check writes (its ``report_key``; :mod:`meshplan.axes`), or
             empty.
         experts: the summary the expert axis unit's check writes (its ``report_key``; :mod:`meshplan.axes`), or

@@ -14,7 +14,7 @@ __all__ = ["Notes", "unheld_sections", "acts", "layout_overrides", "rule_data", 
 #: what each plan section is, for the dropped lines
 SECTION_NAMES = {"blocks": "the blocks section (activation checkpointing, compile)",
                  "data_parallel": "the data_parallel section (FSDP2/HSDP/DDP settings)",
-                 "pipeline": "the pipeline section", **{axis.section: f"the {axis.section} section" for axis in AXES},
+                 **{axis.section: f"the {axis.section} section" for axis in AXES},
                  "expert_parallel": "the expert_parallel section", "tensor_parallel": "the tensor_parallel rules"}
 
 

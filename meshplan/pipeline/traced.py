@@ -3,7 +3,7 @@
 :func:`plan_traced` runs in :func:`meshplan.parallelize`: it refuses what traced stages do not support yet, checks
 the schedule and the split points (no tracing) and records this rank's stages in a :class:`TracedPipeline`.
 Tracing specialises shapes, so the stages are made on the first :func:`meshplan.train_step`
-(:func:`prepare_traced`), from ONE microbatch of its batch (``batch[0]`` chunked by ``microbatches``):
+(:func:`prepare_traced`, which returns a new record that ``train_step`` attaches), from ONE microbatch of its batch (``batch[0]`` chunked by ``microbatches``):
 
 * every rank traces the whole model (:func:`~meshplan.pipeline.trace.traced_stages`) and keeps its stages; their
   parameters are the model's tensors (shared, not copied), so the gradients land on the model's parameters;
@@ -21,6 +21,7 @@ Every later step must bring microbatches of the traced shapes.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -160,7 +161,8 @@ def _check_shapes(record: TracedPipeline, example: tuple[torch.Tensor, ...]) -> 
                         f"{shapes}; expected every step to bring batches of the first step's shape")
 
 
-def prepare_traced(model: nn.Module, record: PipelineApplied, inputs: Any, optimizer: Any, topology: Any) -> None:
+def prepare_traced(model: nn.Module, record: PipelineApplied, inputs: Any, optimizer: Any,
+                   topology: Any) -> PipelineApplied:
     """Trace and build this rank's stages on the first step (nothing for an eager split, or once built).
 
     Args:
@@ -170,17 +172,21 @@ def prepare_traced(model: nn.Module, record: PipelineApplied, inputs: Any, optim
         optimizer: the step's optimizer (the pruned tensors leave its param groups).
         topology: the model's topology (device, pp group).
 
+    Returns:
+        ``record`` itself (an eager split, or stages already traced), else a new record holding the traced views,
+        stages and shapes (the caller attaches it; ``record`` is not changed).
+
     Raises:
         PlanError: inputs that are not tensors, an untraceable model or split points that cut other stages than
             asked (see :func:`~meshplan.pipeline.trace.traced_stages`), or, on a later step, microbatches of
             another shape than the traced ones.
     """
     if not isinstance(record, TracedPipeline):
-        return
+        return record
     example = _microbatch(inputs, record.section.microbatches, record.where)
     if record.shapes is not None:
         _check_shapes(record, example)
-        return
+        return record
     n = record.num_stages
     traced = traced_stages(model, example, record.section.split_points or (), n, list(range(n)),
                            where=f"{record.where}.split_points")
@@ -192,6 +198,5 @@ def prepare_traced(model: nn.Module, record: PipelineApplied, inputs: Any, optim
     _prune_optimizer(optimizer, removed)
     traced.modules = [traced.modules[s] for s in record.stage_ids]
     traced.stage_indices = list(record.stage_ids)
-    record.views = traced.modules
-    record.stages = traced.build(_device(topology), topology["pp"].get_group())
-    record.shapes = [tuple(a.shape) for a in example]
+    return dataclasses.replace(record, views=traced.modules, shapes=[tuple(a.shape) for a in example],
+                               stages=traced.build(_device(topology), topology["pp"].get_group()))

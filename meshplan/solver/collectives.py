@@ -11,8 +11,7 @@ step recorded op by op; ``docs/tensor-parallel.md`` states the tensor-parallel o
   input; ``loss_parallel`` adds three small all-reduces; replicated parameters' gradients are summed once per
   step.
 * the axes that are units (:data:`meshplan.solver.units.UNITS`): each unit's ``costs.collectives``, under its own
-  name (the all-to-alls of an MoE block, K|V's all-gathers: each unit's ``costs.py``).
-* **pp**: a send or receive per stage boundary a rank's stages touch, per microbatch and direction.
+  name (the stage boundaries' sends, the all-to-alls of an MoE block, K|V's all-gathers: each unit's ``costs.py``).
 * **dp**: FSDP2 per unit (each block, an MoE block's experts over edp, and the root): all-gathers before forward
   and, resharded, before backward; one reduce-scatter of its gradients (HSDP: then an all-reduce over the
   replicas); parameters stay gathered between accumulated microbatches (``accumulate_unsharded``). Under a
@@ -84,24 +83,6 @@ def _tp(s: ModelShape, c: Candidate, tr: Training, place: Placement, pp_rank: in
     return out
 
 
-def _pp(s: ModelShape, c: Candidate, tr: Training, place: Placement, pp_rank: int,
-        memo: dict) -> list[Collective]:
-    g = place.groups["pp"]
-    sh = c.tp if tr.sequence_parallel and c.tp > 1 else 1
-    act = c.rank_tokens(tr.seq) * s.hidden / sh * tr.act_bytes
-    last = c.pp * c.vpp - 1
-    sends = recvs = 0
-    for st in place.stages_of(pp_rank):
-        sends += (st < last) + (st > 0)  # forward to the next, gradient to the previous
-        recvs += (st > 0) + (st < last)
-    out = [Collective("pp", "send", g, act, sends * c.microbatches, "activations and their gradients", True),
-           Collective("pp", "recv", g, act, recvs * c.microbatches, "activations and their gradients", True)]
-    if s.tied_embeddings and c.pp > 1 and any(place.ends_of(pp_rank)):
-        out.append(Collective("pp", "all_reduce", place.groups["embd"], s.vocab * s.hidden / c.tp * 4, 1,
-                              "tied embedding gradient (first and last stage)"))
-    return out
-
-
 def step_collectives(s: ModelShape, c: Candidate, tr: Training, place: Placement, pp_rank: int = 0,
                      memo: dict | None = None) -> list[Collective]:
     """The collectives of pipeline rank ``pp_rank`` in one step (its peers in the other axes issue the same); ``memo``
@@ -113,8 +94,6 @@ def step_collectives(s: ModelShape, c: Candidate, tr: Training, place: Placement
     for axis in UNITS:  # the axes that are units (their own cost terms), in parallelize's order
         if axis.degree(c) > 1:
             out += axis.costs.collectives(s, c, tr, place, pp_rank, memo)
-    if c.pp > 1:
-        out += _pp(s, c, tr, place, pp_rank, memo)
     out += _dp(s, c, tr, place, pp_rank, memo)
     world = place.groups["world"]
     if world.size > 1:

@@ -20,6 +20,7 @@ block input only; op-level checkpointing the matmul outputs. The pipeline schedu
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from meshplan.solver.units import UNITS
@@ -28,7 +29,7 @@ from meshplan.solver.placement import Placement
 from meshplan.solver.shape import ModelShape
 from meshplan.solver.terms import block_kinds
 
-__all__ = ["Memory", "rank_memory", "block_activations", "in_flight", "rank_tensors", "block_kinds"]
+__all__ = ["Memory", "rank_memory", "block_activations", "rank_tensors", "block_kinds"]
 
 GiB = float(1 << 30)
 
@@ -123,22 +124,6 @@ def shard_sizes(c: Candidate, place: Placement) -> tuple[int, int]:
     return dense, (edp if edp > 1 and mode != "ddp" else 1)
 
 
-def in_flight(c: Candidate, pp_rank: int) -> float:
-    """Microbatches' worth of a pipeline rank's blocks kept at once (``docs/pipeline.md``'s table)."""
-    p, v, m, s = c.pp, c.vpp, c.microbatches, c.schedule
-    if p == 1:
-        return 1.0
-    if s in ("gpipe", "looped_bfs"):
-        return float(m)
-    if s == "1f1b":
-        return float(min(m, p - pp_rank))
-    if s == "interleaved_1f1b":
-        return min(float(m), p + (p - 1) / v)
-    if s == "dualpipev":
-        return min(float(m), p + 0.5)
-    return float(min(m, p))  # the zero-bubble schedules
-
-
 def block_activations(s: ModelShape, c: Candidate, tr: Training, moe: bool, checkpointed: bool) -> float:
     """Bytes one block (an MoE one or not, checkpointed or not) keeps for backward per microbatch on one rank."""
     t, h, b = c.tp, s.hidden, tr.act_bytes
@@ -222,7 +207,7 @@ def rank_memory(s: ModelShape, c: Candidate, tr: Training, place: Placement, pp_
     params = grads = numel * mb
     optimizer = tr.optimizer_states * numel * mb + 4 * tensors
     first, last = place.ends_of(pp_rank)
-    acts = (acts + _end_activations(s, c, tr, first, last)) * in_flight(c, pp_rank)
+    acts = (acts + _end_activations(s, c, tr, first, last)) * math.prod(axis.costs.in_flight(c, pp_rank) for axis in UNITS)
     gathered, transient = _fsdp_buffers(s, c, tr, kinds, ends, d_dense > 1 or d_expert > 1, memo)
     if last:
         transient += c.rank_tokens(tr.seq) * s.vocab / c.tp * 4  # the loss's float32 logits gradient

@@ -20,7 +20,7 @@ __all__ = ["candidate_from_plan", "plan_from_candidate", "plan_text"]
 def _sections(plan: Plan, lay, where: str) -> None:
     """A degree above 1 needs its section, as ``meshplan.parallelize`` says."""
     units = tuple((axis.degree(lay), axis.name, axis.section) for axis in UNITS)  # in parallelize's order
-    for degree, name, key in ((lay.tp, "tp", "tensor_parallel"), *units, (lay.pp, "pp", "pipeline")):
+    for degree, name, key in ((lay.tp, "tp", "tensor_parallel"), *units):
         if degree > 1 and getattr(plan, key) is None:
             raise PlanError(f"{where}: layout.{name}({degree}) > 1 but the plan has no {key} section")
 
@@ -47,8 +47,7 @@ def candidate_from_plan(plan: Plan, world: int, seq: int, global_batch: int, *, 
     if global_batch % (data * m):
         raise PlanError(f"{where}: the global batch ({global_batch}) must split over dp({data}) × microbatches({m}); "
                         f"expected a multiple of {data * m}")
-    cand = Candidate(tp=lay.tp, **{axis.name: axis.degree(lay) for axis in UNITS}, etp=lay.etp,
-                     pp=lay.pp, vpp=lay.vpp,
+    cand = Candidate(tp=lay.tp, **{axis.name: axis.degree(lay) for axis in UNITS}, etp=lay.etp, vpp=lay.vpp,
                      dp_replicate=lay.dp_replicate, dp_shard=lay.dp_shard, order=lay.order_str,
                      schedule=plan.pipeline.schedule if plan.pipeline and lay.pp > 1 else None,
                      micro_batch=global_batch // (data * m), microbatches=m,
@@ -79,12 +78,12 @@ def plan_from_candidate(cand: Candidate, train: Training, base: dict[str, Any] |
     """
     base = dict(base or {})
     out: dict[str, Any] = {"version": 1, "layout": cand.layout_dict()}
-    units = tuple((axis.degree(cand), axis.section) for axis in UNITS)
-    for degree, key in ((cand.tp, "tensor_parallel"), *units):
+    rules = tuple(axis for axis in UNITS if axis.written is None)  # the rule sections: copied from base
+    for degree, key in ((cand.tp, "tensor_parallel"), *((axis.degree(cand), axis.section) for axis in rules)):
         if key in base:
             out[key] = base[key]
         elif degree > 1:
-            examples = ", ".join(f"{axis.example_plan} for {axis.section}" for axis in UNITS)
+            examples = ", ".join(f"{axis.example_plan} for {axis.section}" for axis in rules)
             raise PlanError(f"the chosen layout needs a {key} section; pass --plan with one (e.g. plans/llama.yaml "
                             f"for tensor_parallel, {examples})")
     if "tensor_parallel" in out:
@@ -95,8 +94,10 @@ def plan_from_candidate(cand: Candidate, train: Training, base: dict[str, Any] |
         ac = {"mode": "selective", **({"ops": ["aten.mm.default"]} if cand.ac_ops else {"every": cand.ac_every})}
     blocks = dict(base.get("blocks") or {"pattern": blocks_pattern})
     out["blocks"] = {**blocks, "activation_checkpointing": ac}
-    if cand.pp > 1:
-        out["pipeline"] = {**(base.get("pipeline") or {}), "schedule": cand.schedule, "microbatches": cand.microbatches}
+    for axis in UNITS:  # the sections a candidate decides (the pipeline's schedule)
+        written = axis.written(cand, base.get(axis.section)) if axis.written is not None else None
+        if written is not None:
+            out[axis.section] = written
     dp = dict(base.get("data_parallel") or {})
     if train.dtype != train.master_dtype:
         dp.update(param_dtype=train.dtype, reduce_dtype=train.reduce_dtype)

@@ -24,23 +24,11 @@ from meshplan.solver.memory import Memory, block_kinds, rank_memory
 from meshplan.solver.placement import Placement
 from meshplan.solver.shape import ModelShape
 
-__all__ = ["Estimate", "evaluate", "idle_fraction", "peak_memory"]
+__all__ = ["Estimate", "evaluate", "peak_memory"]
 
-#: the collective axes exposed in each microbatch: tp, the axes that are units (in order)
-_PER_MICROBATCH = ("tp", *(axis.name for axis in UNITS))
-
-
-def idle_fraction(schedule: str | None, p: int, v: int, m: int) -> float:
-    """The fraction of a step a pipeline rank idles (0 without pipelining)."""
-    if p == 1 or schedule is None:
-        return 0.0
-    if schedule in ("gpipe", "1f1b"):
-        return (p - 1) / (m + p - 1)
-    if schedule in ("interleaved_1f1b", "looped_bfs"):
-        return (p - 1) / (v * m + p - 1)
-    if schedule == "zbv_zero_bubble" and m < 2 * p - 1:
-        return (p - 1) / (v * m + p - 1)  # laid out for 2p-1 microbatches: fewer run with an interleaved bubble
-    return (p - 1) / (3 * v * m + p - 1)
+#: the collective axes exposed in each microbatch: tp, the axes that are units (in order) but those with a part of
+#: their own (:attr:`~meshplan.axis.AxisCosts.exposed`)
+_PER_MICROBATCH = ("tp", *(axis.name for axis in UNITS if axis.costs.per_microbatch))
 
 
 @dataclass(frozen=True)
@@ -114,15 +102,6 @@ def _ranks(s: ModelShape, c: Candidate, place: Placement, memo: dict) -> list[in
     return ranks
 
 
-def _exposed_pp(colls: list[Collective], cl: Cluster, c: Candidate) -> float:
-    """Pipeline sends not hidden: all of them without overlap; with it, the fill and drain hops."""
-    hops = [x for x in colls if x.axis == "pp" and x.kind in ("send", "recv")]
-    if not hops:
-        return 0.0
-    hop = cl.comm_time("send", 2, hops[0].group.nodes, hops[0].nbytes)
-    return (1 - cl.overlap) * hop * sum(x.count for x in hops) + cl.overlap * 2 * (c.pp - 1) * hop
-
-
 def peak_memory(s: ModelShape, c: Candidate, tr: Training, place: Placement,
                 memo: dict | None = None) -> tuple[Memory, int]:
     """``(memory, pipeline rank)`` of the most loaded rank (cheaper than :func:`evaluate`: the search rejects
@@ -149,12 +128,12 @@ def evaluate(s: ModelShape, c: Candidate, tr: Training, cl: Cluster, place: Plac
     slow = max(t_mb, key=t_mb.get)
     m = c.microbatches
     busy = m * t_mb[slow]
-    busy_share = 1 - idle_fraction(c.schedule, c.pp, c.vpp, m)
+    busy_share = 1 - sum(axis.costs.idle_fraction(c) for axis in UNITS)  # the axes' bubbles
     pipeline = busy / min(1.0, busy_share * cl.oversubscription)  # idle ranks' cores go to the busy ones
     colls = per_rank[slow][2]["colls"]
-    comm = _comm(colls, cl, ("pp", "dp", "step"), times)
+    comm = _comm(colls, cl, ("dp", "step"), times)
     compute = m * per_rank[slow][0]
-    pp_exposed = _exposed_pp(colls, cl, c)
+    own = {axis.name: axis.costs.exposed(colls, cl, c) for axis in UNITS if axis.costs.exposed is not None}
     dp_calls = sum(x.count for x in colls if x.axis == "dp")
     ends = 2 * comm["dp"] / dp_calls if dp_calls else 0.0  # the first gather and the last reduction stay exposed
     dp_exposed = (1 - cl.overlap) * comm["dp"] + cl.overlap * max(ends, comm["dp"] - compute)
@@ -163,11 +142,11 @@ def evaluate(s: ModelShape, c: Candidate, tr: Training, cl: Cluster, place: Plac
     optimizer = mem.numel * tr.master_bytes * (3 * tr.optimizer_states + 4) / cl.memory_rate(per_tensor)
     if tr.cpu_offload:  # the step on the host; parameters in and gradients out over PCIe, once each per step
         optimizer = mem.numel * tr.master_bytes * (3 * tr.optimizer_states + 6) / cl.host_bandwidth
-    step = pipeline + pp_exposed + dp_exposed + optimizer + comm["step"]
+    step = pipeline + sum(own.values()) + dp_exposed + optimizer + comm["step"]
     tokens = tr.tokens / step
     model = model_flops_per_token(s, tr.seq) * tokens / c.world
     parts = {"compute": compute, "bubble": pipeline - busy, **{a: m * per_rank[slow][2][a] for a in _PER_MICROBATCH},
-             "pp": pp_exposed, "dp": dp_exposed, "optimizer": optimizer, "step": comm["step"]}
+             **own, "dp": dp_exposed, "optimizer": optimizer, "step": comm["step"]}
     colls0 = per_rank[0][2]["colls"] if 0 in per_rank else step_collectives(s, c, tr, place, 0, memo)
     return Estimate(c, step, tokens, tokens / c.world, model / cl.peak(tr.dtype), model / 1e12, mem, worst,
                     parts, colls0)

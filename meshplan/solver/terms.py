@@ -68,6 +68,8 @@ class AxisTerms:
         name: the layout key of its degree. section: its plan key. costs: its :class:`~meshplan.axis.AxisCosts`.
         training: ``(plan) -> {field: value}``: the :class:`~meshplan.solver.candidate.Training` settings its
         section decides. example_plan: a plan file in ``plans/`` with its section, for messages.
+        written: ``(candidate, base section) -> section | None``: the section ``meshplan solve --write`` writes
+        for a candidate (the pipeline's schedule); None: the section is rules, copied from the base plan.
     """
 
     name: str
@@ -75,6 +77,7 @@ class AxisTerms:
     costs: AxisCosts
     training: Callable[[Any], dict]
     example_plan: str
+    written: "Callable[[Any, Any], Any] | None" = None
 
     def degree(self, layout: Any) -> int:
         """The axis' degree in ``layout`` (a resolved layout or a solver candidate)."""

@@ -10,10 +10,11 @@ cost terms and example plans equal ``AXES``'.
 from __future__ import annotations
 
 from meshplan.context_parallel.costs import TERMS as _CONTEXT
+from meshplan.pipeline.costs import TERMS as _PIPELINE
 from meshplan.expert_parallel.costs import TERMS as _EXPERT
 from meshplan.solver.terms import AxisTerms
 
 __all__ = ["UNITS"]
 
 #: parallelize's order (:data:`meshplan.axes.AXES`)
-UNITS: tuple[AxisTerms, ...] = (_CONTEXT, _EXPERT)
+UNITS: tuple[AxisTerms, ...] = (_PIPELINE, _CONTEXT, _EXPERT)

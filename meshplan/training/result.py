@@ -1,4 +1,5 @@
-"""What one training step returns; below both :mod:`meshplan.training.step` and its pipelined form."""
+"""What one training step returns; below :mod:`meshplan.training.step` and the axes' own steps
+(:attr:`meshplan.axis.Axis.run_step`)."""
 
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from meshplan.faults.watch import translating
 from meshplan.errors import PlanError
 from meshplan.mesh.ranks import divisors_text
-from meshplan.state import DATA_AXES, ParallelState, parallel_state
+from meshplan.state import DATA_AXES, ParallelState, attach_state, parallel_state
 from meshplan.training.clip import clip_grad_norm_, clip_with, comm_device
 from meshplan.training.result import StepResult
 
@@ -166,14 +166,15 @@ def _step(model: nn.Module, batch: Any, loss_fn: Callable | None, optimizer: tor
     if loss_fn is cross_entropy:  # its default is "mean"; the contract here is a sum
         loss_fn = functools.partial(cross_entropy, reduction="sum", ignore_index=ignore_index)
     state = parallel_state(model)
-    if state is not None and state.pipeline is not None:
-        from meshplan.training.pipeline_step import pipeline_step
-        return pipeline_step(model, state, batch, loss_fn, optimizer, topology=topology,
-                             max_grad_norm=max_grad_norm, ignore_index=ignore_index)
+    from meshplan.axes import shard_batch, step_runner
+    runner = step_runner(state)  # an axis that takes the step over (Axis.run_step)
+    if runner is not None:
+        return runner(model, state, batch, loss_fn, optimizer, topology=topology, max_grad_norm=max_grad_norm,
+                      ignore_index=ignore_index, shard_batch=shard_batch,
+                      attach=lambda **record: attach_state(model, **record))
     batch, loss_fn, shift = _own_loss(model, batch, loss_fn)
     distributed, replicas = _data_ranks(model, state, topology, sequence_parallel)
     inputs, targets = batch
-    from meshplan.axes import shard_batch
     inputs, targets, shift = shard_batch(state, inputs, targets, shift, ignore_index)  # each axis' share
     n = int(microbatches)
     if n < 1:

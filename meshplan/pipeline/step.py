@@ -19,7 +19,6 @@ import torch.nn as nn
 
 from meshplan.errors import PlanError
 from meshplan.mesh.ranks import divisors_text
-from meshplan.state import ParallelState
 from meshplan.training.clip import clip_with, comm_device
 from meshplan.training.result import StepResult
 
@@ -33,7 +32,7 @@ def _check_batch(inputs: Any, m: int) -> None:
                         f"valid microbatches: {divisors_text(n)}")
 
 
-def _run(state: ParallelState, inputs: Any, targets: torch.Tensor) -> torch.Tensor:
+def _run(state: Any, inputs: Any, targets: torch.Tensor) -> torch.Tensor:
     """The schedule's step: the first stage feeds the inputs, the last takes the targets.
 
     Returns:
@@ -54,33 +53,37 @@ def _run(state: ParallelState, inputs: Any, targets: torch.Tensor) -> torch.Tens
     return torch.tensor([total], dtype=torch.float64)
 
 
-def _last_copies(model: nn.Module, state: ParallelState) -> list[nn.Parameter]:
+def _last_copies(model: nn.Module, state: Any) -> list[nn.Parameter]:
     """The last stage's copies of tied parameters: clipped, but counted in the norm by the first stage."""
     record = state.pipeline
     return [model.get_parameter(n) for n in record.tied] if record.has_last and not record.has_first else []
 
 
-def pipeline_step(model: nn.Module, state: ParallelState, batch: tuple[Any, torch.Tensor], loss_fn: Callable | None,
+def pipeline_step(model: nn.Module, state: Any, batch: tuple[Any, torch.Tensor], loss_fn: Callable | None,
                   optimizer: torch.optim.Optimizer, *, topology: Any = None, max_grad_norm: float | None = None,
-                  ignore_index: int = -100) -> Any:
-    """:func:`meshplan.train_step` for a model with pipeline stages (see there); returns its ``StepResult``.
+                  ignore_index: int = -100, shard_batch: Callable, attach: Callable) -> Any:
+    """:func:`meshplan.train_step` for a model with pipeline stages (see there): the unit's ``run_step``; returns
+    its ``StepResult``. ``shard_batch``: every axis' share of a batch (:func:`meshplan.axes.shard_batch`);
+    ``attach(pipeline=record)``: attaches a new record (``split: trace``'s stages, traced on the first step) and
+    returns the model's state.
 
     Raises:
         PlanError: ``loss_fn=None`` (a pipelined model's last stage has no labels of its own), or
             ``pipeline.microbatches`` not dividing the batch.
     """
-    from meshplan.pipeline import sync_tied
+    from meshplan.pipeline.apply import sync_tied
     if loss_fn is None:
         raise PlanError("train_step: a pipelined model needs a loss_fn (e.g. meshplan.cross_entropy): its last "
                         "stage computes the loss on the schedule's microbatches")
     topology = topology or state.topology
     inputs, targets = batch
-    from meshplan.axes import shard_batch
     inputs, targets, _ = shard_batch(state, inputs, targets, ignore_index=ignore_index)  # each axis' share
     record = state.pipeline
     _check_batch(inputs, record.section.microbatches)
     from meshplan.pipeline.traced import prepare_traced
-    prepare_traced(model, record, inputs, optimizer, topology)  # split: trace: stages traced on the first step
+    traced = prepare_traced(model, record, inputs, optimizer, topology)  # split: trace: traced on the first step
+    if traced is not record:  # a new record, attached by train_step (the owner of the state)
+        state, record = attach(pipeline=traced), traced
     lay = topology.layout
     world = dist.get_world_size()
     data = math.prod(getattr(lay, a) for a in state.data_axes)

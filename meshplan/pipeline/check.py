@@ -25,7 +25,7 @@ from meshplan.model_copies import meta_copy
 from meshplan.errors import PlanError
 from meshplan.pipeline.probe import probe_split
 from meshplan.pipeline.split import StageSplit, local_stage_ids, plan_split, stage_view
-from meshplan.pipeline.stages import check_schedule
+from meshplan.plan_file.stages import check_schedule
 from meshplan.plan_file.stages import other_degrees
 
 __all__ = ["check_pipeline", "stage_rows", "stage_lines"]
