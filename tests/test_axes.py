@@ -64,7 +64,7 @@ PP_MENTION = re.compile(r"pipeline|\bpp\b")
 #: stages), the other units naming the pipeline (cp refuses split: trace; costs per pipeline rank), checkpoints' and
 #: faults' docstrings and the p2p group the fault watch names, the check report's JSON key, the schedule timeline
 PP_ALLOWED = {
-    "axes.py", "axis.py", "state.py", "_torch.py",
+    "axes.py", "solver/units.py", "axis.py", "state.py", "_torch.py",
     "plan_file/document.py", "plan_file/layout.py", "plan_file/pipeline.py", "plan_file/stages.py",
     "mesh/rank_table.py", "mesh/ranks.py", "mesh/topology.py", "viz/rank_grid.py",
     "cli/args.py", "cli/plans.py", "cli/solve.py", "convert/accelerate.py", "convert/hf_document.py",
@@ -187,8 +187,8 @@ def test_the_solver_sees_the_same_units_torch_free():
     settings and example plans as :data:`AXES`."""
     from meshplan.plan_file.document import as_plan
     from meshplan.solver.units import UNITS
-    assert [(u.name, u.section, u.costs, u.example_plan) for u in UNITS] == \
-        [(a.name, a.section, a.costs, a.example_plan) for a in AXES]
+    assert [(u.name, u.section, u.costs, u.example_plan, u.written) for u in UNITS] == \
+        [(a.name, a.section, a.costs, a.example_plan, a.written) for a in AXES]
     plans = [as_plan({}), as_plan({"context_parallel": {"method": "ring", "attention": "layers.*.attention"}}), as_plan({"expert_parallel": {"rules": {
         "layers.*.moe.experts": {"style": "experts"}, "layers.*.moe.router": {"style": "router"}}}})]
     assert [[u.training(p) for u in UNITS] for p in plans] == [[a.training(p) for a in AXES] for p in plans]
