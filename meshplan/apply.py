@@ -11,7 +11,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from meshplan.errors import PlanError
 from meshplan.faults.watch import translating
 from meshplan.mesh.topology import Topology, build_mesh, current_topology
-from meshplan.plan_file.data_parallel import DataParallel
 from meshplan.plan_file.document import Plan, as_plan
 from meshplan.state import attach_state
 
@@ -36,7 +35,7 @@ def parallelize(model: nn.Module, plan: Plan | Mapping[str, Any] | str | Path | 
     """Turn ``model`` into a parallel model as ``plan`` says, in place; returns it.
 
     Order as torchtitan found right: tensor parallelism (``tensor_parallel``), then the ``blocks`` section
-    (activation checkpointing, compile per block), then FSDP2 (``data_parallel``: each block, then the root).
+    (activation checkpointing, compile per block), then each axis' late phase (FSDP2: each block, then the root).
     What was applied is recorded in the model's :func:`~meshplan.parallel_state`.
 
     Args:
@@ -78,44 +77,35 @@ def parallelize(model: nn.Module, plan: Plan | Mapping[str, Any] | str | Path | 
 
 def _apply_sections(model: nn.Module, p: Plan, topology: Topology | None, tp_mesh: DeviceMesh) -> nn.Module:
     """:func:`parallelize` once the plan and the mesh are settled and every rank agrees."""
-    data_parallel = p.data_parallel is not None or (topology is not None and topology.layout.dp * topology.layout.cp > 1)
     pipelined = p.pipeline is not None or (topology is not None and topology.layout.pp > 1)
-    if (data_parallel or pipelined) and topology is None:
-        raise PlanError(f"the {'data_parallel' if data_parallel else 'pipeline'} section needs a meshplan Topology "
-                        f"(meshplan.init or build_mesh), not a bare DeviceMesh")
+    if pipelined and topology is None:
+        raise PlanError("the pipeline section needs a meshplan Topology (meshplan.init or build_mesh), not a bare "
+                        "DeviceMesh")
     if p.tensor_parallel is not None:
         from meshplan.checks.validate import validate_plan
         validate_plan(model, p, tp_mesh.size())  # what `meshplan check` checks, before anything changes
     from meshplan.blocks import blocks_problem
-    from meshplan.data_parallel.fsdp import data_parallel_problem
-    lay = topology.layout if topology is not None else None
-    problem = blocks_problem(model, p, lay, p.source) or (data_parallel_problem(p, lay) if lay is not None else None)
+    problem = blocks_problem(model, p, topology.layout if topology is not None else None, p.source)
     if problem is not None:  # `meshplan check` reports the same (checks/data.py); raised before anything changes
         raise problem
-    from meshplan.axes import apply_axes, prepare_axes
+    from meshplan.axes import apply_axes, finish_axes, prepare_axes
     prepared = prepare_axes(model, p, topology)  # the axes that are units, checked before anything changes
     split = _split_stages(model, p, topology) if pipelined else None
     if p.tensor_parallel is not None:
         _tensor_parallel(model, p, tp_mesh, split)
     # each axis' record attached here alone, in parallelize's order (the next axis reads the record so far)
-    data_parallel = apply_axes(model, p, topology, prepared, lambda: attach_state(model),
-                               lambda **record: attach_state(model, **record)) or data_parallel
-    attach_state(model, plan=p, topology=topology)  # train_step's topology, also without data parallelism
-    if data_parallel:
-        from meshplan.data_parallel.fsdp import check_data_parallel
-        section = p.data_parallel or DataParallel()
-        check_data_parallel(model, section, topology)  # before the blocks step changes the model
-    if data_parallel or p.blocks is not None:
-        from meshplan.blocks import apply_blocks
-        apply_blocks(model, p.blocks)  # checkpointing, compile per block
+    state, attach = (lambda: attach_state(model)), (lambda **record: attach_state(model, **record))
+    apply_axes(model, p, topology, prepared, state, attach)
+    attach_state(model, plan=p, topology=topology)  # train_step's topology, also when no axis records one
+    from meshplan.blocks import apply_blocks, blocks_reason
+    if blocks_reason(p, topology.layout if topology is not None else None):
+        apply_blocks(model, p.blocks)  # checkpointing, compile per block: once, between the axes' apply and finish
     if split is not None:
         from meshplan.pipeline import build_stages
-        state = attach_state(model)
-        build_stages(model, state.pipeline, split, topology, state.sequence_parallel,
-                     tensor_parallel=state.tensor_parallel is not None)
-    if data_parallel:
-        from meshplan.data_parallel.fsdp import apply_data_parallel
-        apply_data_parallel(model, section, topology)  # fully_shard each block, then the root (each stage)
+        record = attach_state(model)
+        build_stages(model, record.pipeline, split, topology, record.sequence_parallel,
+                     tensor_parallel=record.tensor_parallel is not None)
+    finish_axes(model, p, topology, prepared, state, attach)  # the late phase: FSDP2 on each block, then each root
     return model
 
 

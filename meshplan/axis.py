@@ -1,6 +1,6 @@
 """The shape of a parallelism axis as a unit: :class:`Axis`, one frozen value each axis folder exports.
 
-An axis folder (two today, the others join one by one: :data:`meshplan.axes.AXES`) says
+An axis folder (three today, the others join one by one: :data:`meshplan.axes.AXES`) says
 everything the rest of meshplan needs to know about it in one :class:`Axis`: its name, its plan section, its mesh
 dims, its check, its apply (returning a frozen record that :func:`meshplan.parallelize` alone attaches to the
 model's :class:`~meshplan.state.ParallelState`), its share of a batch for :func:`meshplan.train_step`, its report
@@ -75,6 +75,16 @@ class Axis:
             returned replaces the one ``apply`` returned. Default: nothing.
         run_step: ``(model, state, batch, loss_fn, optimizer, **options) -> StepResult``, or None: the axis takes
             :func:`meshplan.train_step` over when the state holds its record (a pipeline's schedule).
+        data_axis: the data-parallel axis (last): its ``check`` and ``prepare`` get one more argument, the other
+            axes whose sections the plan has (their :attr:`data_parallel` and :attr:`dtensor` decide with it).
+        dtensor: its apply makes DTensor parameters (what FSDP2's integer ``reshard_after_forward`` refuses).
+        blocks_reason: ``(plan, layout) -> str``: why the axis needs the blocks (``parallelize`` then runs the
+            ``blocks`` section even without one; the text a pattern that matches nothing is refused with), or "".
+        accumulate: ``(model, state, i, n) -> None``, or None: its knobs for microbatch ``i`` of ``n`` in
+            :func:`meshplan.train_step` (``i == n`` restores the defaults), when the state holds its record.
+        data_dims: the mesh dims whose ranks hold different data (``train_step`` counts the tokens over them).
+        in_solver: the solver's per-microbatch loops take it (its degree a ``Candidate`` field); data parallelism's
+            collectives run once per step, in the solver's own terms.
     """
 
     name: str
@@ -95,6 +105,12 @@ class Axis:
     opaque: Callable[[Any, Any], set] = lambda model, plan: set()
     finish: Callable[[Any, Any, Any, Any, Any], Any] = lambda model, plan, topology, prepared, state: None
     run_step: "Callable[..., Any] | None" = None
+    data_axis: bool = False
+    dtensor: bool = False
+    blocks_reason: Callable[[Any, Any], str] = lambda plan, layout: ""
+    accumulate: "Callable[[Any, Any, int, int], None] | None" = None
+    data_dims: tuple[str, ...] = ()
+    in_solver: bool = True
 
     def degree(self, layout: Any) -> int:
         """The axis' degree in ``layout`` (a resolved layout or a solver candidate)."""

@@ -23,7 +23,7 @@ step recorded op by op; ``docs/tensor-parallel.md`` states the tensor-parallel o
 
 from __future__ import annotations
 
-from meshplan.axes import AXES
+from meshplan.axes import COST_AXES as AXES  # the units the per-microbatch terms take (Axis.in_solver)
 from meshplan.solver.candidate import DTYPE_BYTES, Candidate, Training
 from meshplan.solver.memory import _block_tensors, _end_tensors, shard_sizes
 from meshplan.solver.placement import Group, Placement

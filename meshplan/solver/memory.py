@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshplan.axes import AXES
+from meshplan.axes import COST_AXES as AXES  # the units the per-microbatch terms take (Axis.in_solver)
 from meshplan.solver.candidate import Candidate, Training
 from meshplan.solver.placement import Placement
 from meshplan.solver.shape import ModelShape

@@ -8,7 +8,7 @@ from typing import Any
 
 import yaml
 
-from meshplan.axes import AXES
+from meshplan.axes import COST_AXES as AXES  # the units the per-microbatch terms take (Axis.in_solver)
 from meshplan.errors import PlanError
 from meshplan.plan_file.document import Plan
 from meshplan.plan_file.layout import Layout

@@ -17,7 +17,7 @@ with, so a layout ``meshplan solve`` rejects fails ``parallelize`` the same way:
 
 from __future__ import annotations
 
-from meshplan.axes import AXES
+from meshplan.axes import COST_AXES as AXES  # the units the per-microbatch terms take (Axis.in_solver)
 from meshplan.errors import PlanError
 from meshplan.mesh.ranks import divisors_text, not_dividing
 from meshplan.plan_file.expert_parallel import etp_problem

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from meshplan.axes import AXES
+from meshplan.axes import COST_AXES as AXES  # the units the per-microbatch terms take (Axis.in_solver)
 from meshplan.solver.candidate import Candidate, Training
 from meshplan.solver.cluster import Cluster
 from meshplan.solver.collectives import Collective, step_collectives
