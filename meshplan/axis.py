@@ -31,6 +31,9 @@ class AxisCosts:
         sequence_problem: ``(seq, degree, tp_sequence) -> str | None``: why ``seq`` cannot be split ``degree``
             ways (times tp for sequence parallelism), with the lengths that can; None when it can.
         run_problem: ``(candidate, training, device) -> (key, reason) | None``: why the axis cannot run there.
+        step_collectives: ``(candidate, training, placement, units) -> [Collective]``, or None: what the axis issues
+            once per step over the parameter units of one pipeline rank (``(kind, parameters, shard degree,
+            count)``; data parallelism's gradient reduction), after the per-microbatch terms.
     """
 
     collectives: Callable[..., list]
@@ -38,6 +41,7 @@ class AxisCosts:
     first_stage_activations: Callable[[Any], float]
     sequence_problem: Callable[[int, int, int], "str | None"]
     run_problem: Callable[[Any, Any, str], "tuple[str, str] | None"]
+    step_collectives: "Callable[[Any, Any, Any, list], list] | None" = None
 
 
 @dataclass(frozen=True)

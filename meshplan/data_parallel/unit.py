@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from meshplan.axis import Axis, AxisCosts
+from meshplan.data_parallel.costs import dp_step_collectives
 from meshplan.data_parallel.mode import check_data_parallel, data_parallel_problem, needed
 from meshplan.errors import PlanError
 from meshplan.plan_file.data_parallel import DataParallel
@@ -96,10 +97,10 @@ def _no_share(state: Any, inputs: Any, targets: Any, shift: bool = False,
     return inputs, targets, shift
 
 
-#: the solver counts data parallelism's collectives once per step in its own terms (not per microbatch)
+#: data parallelism's collectives run once per step (:mod:`.costs`), none per microbatch
 _COSTS = AxisCosts(collectives=lambda *a: [], block_activations=lambda *a: 0.0,
                    first_stage_activations=lambda c: 0.0, sequence_problem=lambda seq, d, t: None,
-                   run_problem=lambda c, tr, device: None)
+                   run_problem=lambda c, tr, device: None, step_collectives=dp_step_collectives)
 
 #: data parallelism: FSDP2/HSDP/DDP over ``dp_replicate × dp_shard`` (× ``cp``: cp ranks hold different tokens)
 AXIS = Axis(name="dp", section="data_parallel", title="data parallelism", mesh_dims=("dp_replicate", "dp_shard"),
