@@ -185,3 +185,24 @@ def test_shard_batch_is_identity_without_records():
     x, y = object(), object()
     assert shard_batch(None, x, y, True, -100) == (x, y, True)
     assert shard_batch(ParallelState(), x, y) == (x, y, False)
+
+
+def test_data_axis_hears_the_other_axes_of_the_plan():
+    """dp's check and prepare get the plan's other axes (Axis.data_axis): ep's DTensor experts refuse an integer
+    reshard_after_forward as tp's parameters do, and ep's edp > 1 applies data parallelism without dp ranks."""
+    from meshplan.axes import _others
+    from meshplan.checks.report import Report
+    from meshplan.data_parallel.mode import needed
+    from meshplan.plan_file.document import as_plan
+    from meshplan.plan_file.layout import Layout
+    dp, ep = AXES[-1], next(a for a in AXES if a.section == "expert_parallel")
+    moe = {"expert_parallel": {"rules": {"layers.*.moe.experts": {"style": "experts"}}}}
+    plan = as_plan({**moe, "data_parallel": {"reshard_after_forward": 2}})
+    assert _others(dp, plan) == ((ep,),) and _others(ep, plan) == ()
+    report = Report(source="p", model="m", tp=1, world_size=4)
+    dp.check(None, plan, Layout(ep=2).resolve(4), report, *_others(dp, plan))
+    assert [str(e) for e in report.errors] == [
+        "data_parallel.reshard_after_forward: 2 (an int) does not work with tensor-parallel (DTensor) parameters in "
+        "torch 2.13; use true or false"]
+    lay = Layout(tp=4, ep=2, etp=1).resolve(4)  # dp 1, edp 2
+    assert not needed(as_plan(moe), lay) and needed(as_plan(moe), lay, asked=ep.data_parallel(lay))
