@@ -2,8 +2,8 @@
 
 Last in :data:`meshplan.axes.AXES`: ``prepare`` resolves it (whether it applies, the mode, every check that needs no
 model change), ``apply`` checks the parameters the axes before it made (DTensors) before the blocks section changes
-the model, and ``finish`` wraps FSDP2/HSDP/DDP after the blocks and the stages (each axis' finish before it), returning the frozen record
-:func:`meshplan.parallelize` attaches. Its ``accumulate`` sets FSDP2's knobs per microbatch for ``train_step``.
+the model, and ``finish`` wraps FSDP2/HSDP/DDP after the blocks and the stages (each axis' finish before it),
+returning the frozen record :func:`meshplan.parallelize` attaches. Its ``accumulate`` sets FSDP2's knobs per microbatch for ``train_step``.
 Torch-free (the solver imports it): each callable imports this folder's torch code when called.
 """
 
