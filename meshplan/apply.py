@@ -11,7 +11,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from meshplan.errors import PlanError
 from meshplan.faults.watch import translating
 from meshplan.mesh.topology import Topology, build_mesh, current_topology
-from meshplan.plan_file.data_parallel import DataParallel
 from meshplan.plan_file.document import Plan, as_plan
 from meshplan.state import attach_state, parallel_state
 
@@ -36,7 +35,7 @@ def parallelize(model: nn.Module, plan: Plan | Mapping[str, Any] | str | Path | 
     """Turn ``model`` into a parallel model as ``plan`` says, in place; returns it.
 
     Order as torchtitan found right: tensor parallelism (``tensor_parallel``), then the ``blocks`` section
-    (activation checkpointing, compile per block), then FSDP2 (``data_parallel``: each block, then the root).
+    (activation checkpointing, compile per block), then each axis' late phase (FSDP2: each block, then the root).
     What was applied is recorded in the model's :func:`~meshplan.parallel_state`.
 
     Args:
@@ -78,39 +77,26 @@ def parallelize(model: nn.Module, plan: Plan | Mapping[str, Any] | str | Path | 
 
 def _apply_sections(model: nn.Module, p: Plan, topology: Topology | None, tp_mesh: DeviceMesh) -> nn.Module:
     """:func:`parallelize` once the plan and the mesh are settled and every rank agrees."""
-    data_parallel = p.data_parallel is not None or (topology is not None and topology.layout.dp * topology.layout.cp > 1)
-    if data_parallel and topology is None:
-        raise PlanError("the data_parallel section needs a meshplan Topology (meshplan.init or build_mesh), not a "
-                        "bare DeviceMesh")
     if p.tensor_parallel is not None:
         from meshplan.checks.validate import validate_plan
         validate_plan(model, p, tp_mesh.size())  # what `meshplan check` checks, before anything changes
     from meshplan.blocks import blocks_problem
-    from meshplan.data_parallel.fsdp import data_parallel_problem
-    lay = topology.layout if topology is not None else None
-    problem = blocks_problem(model, p, lay, p.source) or (data_parallel_problem(p, lay) if lay is not None else None)
+    problem = blocks_problem(model, p, topology.layout if topology is not None else None, p.source)
     if problem is not None:  # `meshplan check` reports the same (checks/data.py); raised before anything changes
         raise problem
     from meshplan.axes import AXES, TP_AT, apply_axes, finish_axes, prepare_axes
     prepared = prepare_axes(model, p, topology)  # the axes that are units, resolved before anything changes
     state, attach = (lambda: attach_state(model)), (lambda **record: attach_state(model, **record))
     # each axis' record attached here alone, in parallelize's order (the next axis reads the record so far)
-    data_parallel = apply_axes(model, p, topology, prepared, state, attach, AXES[:TP_AT]) or data_parallel
+    apply_axes(model, p, topology, prepared, state, attach, AXES[:TP_AT])
     if p.tensor_parallel is not None:
         _tensor_parallel(model, p, tp_mesh)
-    data_parallel = apply_axes(model, p, topology, prepared, state, attach, AXES[TP_AT:]) or data_parallel
-    attach_state(model, plan=p, topology=topology)  # train_step's topology, also without data parallelism
-    if data_parallel:
-        from meshplan.data_parallel.fsdp import check_data_parallel
-        section = p.data_parallel or DataParallel()
-        check_data_parallel(model, section, topology)  # before the blocks step changes the model
-    if data_parallel or p.blocks is not None:
-        from meshplan.blocks import apply_blocks
-        apply_blocks(model, p.blocks)  # checkpointing, compile per block
-    finish_axes(model, p, topology, prepared, state, attach)  # each axis' late phase (Axis.finish), in order
-    if data_parallel:
-        from meshplan.data_parallel.fsdp import apply_data_parallel
-        apply_data_parallel(model, section, topology)  # fully_shard each block, then the root (each stage)
+    apply_axes(model, p, topology, prepared, state, attach, AXES[TP_AT:])
+    attach_state(model, plan=p, topology=topology)  # train_step's topology, also when no axis records one
+    from meshplan.blocks import apply_blocks, blocks_reason
+    if blocks_reason(p, topology.layout if topology is not None else None):
+        apply_blocks(model, p.blocks)  # checkpointing, compile per block: once, between the axes' apply and finish
+    finish_axes(model, p, topology, prepared, state, attach)  # the late phase: stages, then FSDP2 on each block
     return model
 
 

@@ -1,12 +1,13 @@
 """The ordered parallelism axes that are units (:class:`~meshplan.axis.Axis`), and the loops over them.
 
 :func:`meshplan.parallelize`, ``meshplan check``, :func:`meshplan.train_step`, explain and the solver iterate over
-:data:`AXES` instead of naming an axis. Pipeline, context and expert parallelism are units so far; the others keep
-their own code paths and join the list one by one, at their place in parallelize's order (stage split → tensor →
-context → expert → blocks → stages → data: the pipeline first (its apply prunes the model to this rank's
-stages, its finish builds them after the blocks section); context parallelism's hooks (root, attention modules)
-and expert parallelism's (experts, MoE blocks) touch different modules, and this order keeps ``meshplan check``'s lines and errors and the
-solver's sums in the order they had before expert parallelism joined). Torch-free.
+:data:`AXES` instead of naming an axis. Pipeline, context, expert and data parallelism are units so far; tensor
+parallelism keeps its own code path (:data:`TP_AT`) until it joins, at its place in parallelize's order (stage split
+→ tensor → context → expert → blocks → stages → data: the pipeline first (its apply prunes the model to this rank's
+stages, its finish builds them after the blocks section); context parallelism's hooks (root, attention modules) and
+expert parallelism's (experts, MoE blocks) touch different modules, and this order keeps ``meshplan check``'s lines
+and errors and the solver's sums in the order they had before expert parallelism joined; data parallelism is last:
+its ``finish`` wraps FSDP2 after the blocks section and the stages). Torch-free.
 """
 
 from __future__ import annotations
@@ -15,23 +16,35 @@ from typing import Any
 
 from meshplan.axis import Axis
 from meshplan.context_parallel.unit import AXIS as _CONTEXT
+from meshplan.data_parallel.unit import AXIS as _DATA
 from meshplan.expert_parallel.unit import AXIS as _EXPERT
 from meshplan.pipeline.unit import AXIS as _PIPELINE
 
-__all__ = ["AXES", "check_axes", "prepare_axes", "apply_axes", "finish_axes", "step_runner", "shard_batch", "shard_sequence", "report_lines",
-           "opaque_modules", "tp_rules", "TP_AT"]
+__all__ = ["AXES", "COST_AXES", "check_axes", "prepare_axes", "apply_axes", "finish_axes", "step_runner",
+           "shard_batch", "shard_sequence", "report_lines", "opaque_modules", "tp_rules", "TP_AT", "blocks_reason",
+           "accumulate", "data_dims"]
 
 #: the axes that are units, in parallelize's order
-AXES: tuple[Axis, ...] = (_PIPELINE, _CONTEXT, _EXPERT)
+AXES: tuple[Axis, ...] = (_PIPELINE, _CONTEXT, _EXPERT, _DATA)
 #: where in :data:`AXES` parallelize's tensor-parallel step runs until tensor parallelism is a unit (after the
 #: pipeline's split, before context parallelism)
 TP_AT = 1
+#: the axes the solver's per-microbatch loops take (:attr:`~meshplan.axis.Axis.in_solver`)
+COST_AXES: tuple[Axis, ...] = tuple(axis for axis in AXES if axis.in_solver)
+
+
+def _others(axis: Axis, plan: Any) -> tuple:
+    """What the data axis' check and prepare get besides the usual (:attr:`~meshplan.axis.Axis.data_axis`): the
+    other axes whose sections ``plan`` has."""
+    if not axis.data_axis:
+        return ()
+    return (tuple(a for a in AXES if a is not axis and getattr(plan, a.section, None) is not None),)
 
 
 def check_axes(model: Any, plan: Any, layout: Any, report: Any) -> None:
     """``meshplan check``: every axis' check of its section against ``layout`` (resolved) and ``model``."""
     for axis in AXES:
-        axis.check(model, plan, layout, report)
+        axis.check(model, plan, layout, report, *_others(axis, plan))
 
 
 def prepare_axes(model: Any, plan: Any, topology: Any) -> dict[str, Any]:
@@ -41,7 +54,8 @@ def prepare_axes(model: Any, plan: Any, topology: Any) -> dict[str, Any]:
     def opaque() -> tuple[str, ...]:  # asked for only by a rehearsal that runs
         return opaque_modules(model, plan)
     # the static checks first, then the axes that rehearse on a throwaway copy (the pipeline's split probe)
-    prepared = {axis.name: axis.prepare(model, plan, topology, **({"opaque": opaque} if axis.rehearses else {}))
+    prepared = {axis.name: axis.prepare(model, plan, topology, *_others(axis, plan),
+                                        **({"opaque": opaque} if axis.rehearses else {}))
                 for axis in sorted(AXES, key=lambda axis: axis.rehearses)}
     return {name: v for name, v in prepared.items() if v is not None}
 
@@ -78,6 +92,26 @@ def tp_rules(model: Any, rules: dict, state: Any) -> dict:
         if record is not None:
             rules = axis.tp_rules(model, rules, record)
     return rules
+
+
+def blocks_reason(plan: Any, layout: Any) -> str:
+    """Why ``plan`` on the resolved ``layout`` (None: a bare DeviceMesh) needs the blocks for an axis
+    (:attr:`~meshplan.axis.Axis.blocks_reason`), or "": the last axis' reason first (data parallelism wraps the
+    blocks; an axis that asks it for its gradients names its own reason when nothing else applies it)."""
+    return next((why for axis in reversed(AXES) if (why := axis.blocks_reason(plan, layout))), "")
+
+
+def accumulate(model: Any, state: Any, i: int, n: int) -> None:
+    """``train_step``'s knobs for microbatch ``i`` of ``n`` (``i == n``: the defaults back) of every axis whose record
+    ``state`` holds (:attr:`~meshplan.axis.Axis.accumulate`)."""
+    for axis in AXES:
+        if axis.accumulate is not None and state is not None and getattr(state, axis.state_field) is not None:
+            axis.accumulate(model, state, i, n)
+
+
+def data_dims() -> tuple[str, ...]:
+    """The mesh dims whose ranks hold different data (:attr:`~meshplan.axis.Axis.data_dims`), in order."""
+    return tuple(d for axis in AXES for d in axis.data_dims)
 
 
 def step_runner(state: Any) -> Any:

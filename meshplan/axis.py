@@ -39,6 +39,9 @@ class AxisCosts:
             Default 0.
         in_flight: ``(candidate, pp_rank) -> float``: microbatches' worth of activations a rank keeps at once (a
             pipeline schedule's). Default 1.
+        step_collectives: ``(candidate, training, placement, units) -> [Collective]``, or None: what the axis issues
+            once per step over the parameter units of one pipeline rank (``(kind, parameters, shard degree,
+            count)``; data parallelism's gradient reduction), after the per-microbatch terms.
     """
 
     collectives: Callable[..., list]
@@ -50,6 +53,7 @@ class AxisCosts:
     exposed: "Callable[[list, Any, Any], float] | None" = None
     idle_fraction: Callable[[Any], float] = lambda c: 0.0
     in_flight: Callable[[Any, int], float] = lambda c, pp_rank: 1.0
+    step_collectives: "Callable[[Any, Any, Any, list], list] | None" = None
 
 
 @dataclass(frozen=True)
@@ -101,6 +105,16 @@ class Axis:
             and takes ``opaque=``, a callable giving every axis' :attr:`opaque` modules
             (:func:`meshplan.axes.opaque_modules`), called only when the rehearsal runs.
             Default False.
+        data_axis: the data-parallel axis (last): its ``check`` and ``prepare`` get one more argument, the other
+            axes whose sections the plan has (their :attr:`data_parallel` and :attr:`dtensor` decide with it).
+        dtensor: its apply makes DTensor parameters (what FSDP2's integer ``reshard_after_forward`` refuses).
+        blocks_reason: ``(plan, layout) -> str``: why the axis needs the blocks (``parallelize`` then runs the
+            ``blocks`` section even without one; the text a pattern that matches nothing is refused with), or "".
+        accumulate: ``(model, state, i, n) -> None``, or None: its knobs for microbatch ``i`` of ``n`` in
+            :func:`meshplan.train_step` (``i == n`` restores the defaults), when the state holds its record.
+        data_dims: the mesh dims whose ranks hold different data (``train_step`` counts the tokens over them).
+        in_solver: the solver's per-microbatch loops take it (its degree a ``Candidate`` field); data parallelism's
+            collectives run once per step, in the solver's own terms.
     """
 
     name: str
@@ -124,6 +138,12 @@ class Axis:
     tp_rules: Callable[[Any, dict, Any], dict] = lambda model, rules, record: rules
     written: "Callable[[Any, Any], Any] | None" = None
     rehearses: bool = False
+    data_axis: bool = False
+    dtensor: bool = False
+    blocks_reason: Callable[[Any, Any], str] = lambda plan, layout: ""
+    accumulate: "Callable[[Any, Any, int, int], None] | None" = None
+    data_dims: tuple[str, ...] = ()
+    in_solver: bool = True
 
     def degree(self, layout: Any) -> int:
         """The axis' degree in ``layout`` (a resolved layout or a solver candidate)."""

@@ -54,18 +54,13 @@ def as_blocks(section: Blocks | Mapping[str, Any] | None) -> Blocks:
 
 def blocks_reason(plan: Any, layout: Any) -> str:
     """Why :func:`meshplan.parallelize` runs the blocks step for ``plan`` on the resolved ``layout`` (the text
-    its error names), or "" when it does not: a ``blocks`` or ``data_parallel`` section, data or context ranks
-    (FSDP2 shards each block), expert gradients summed over ``edp``. ``meshplan check`` asks the same question,
-    so a plan it passes finds its blocks."""
+    its error names), or "" when it does not: a ``blocks`` section, else an axis that wraps the blocks
+    (:func:`meshplan.axes.blocks_reason`: FSDP2 wraps each block).
+    ``meshplan check`` asks the same question, so a plan it passes finds its blocks."""
     if plan.blocks is not None:
         return "the blocks section"
-    if layout is not None and layout.dp * layout.cp > 1:
-        return f"data parallelism over dp({layout.dp}) x cp({layout.cp}) shards each block"
-    if plan.data_parallel is not None:
-        return "the data_parallel section shards each block"
-    if layout is not None and plan.expert_parallel is not None and layout.edp > 1:
-        return f"expert gradients are summed over edp({layout.edp}) by FSDP2/DDP, which wraps each block"
-    return ""
+    from meshplan.axes import blocks_reason as axes_reason
+    return axes_reason(plan, layout)
 
 
 def blocks_problem(model: "nn.Module", plan: Any, layout: Any, source: str | None = None) -> PlanError | None:
@@ -99,7 +94,7 @@ def block_paths(model: "nn.Module", section: Blocks | Mapping[str, Any] | None, 
     """The module paths of the blocks ``section`` names (default ``layers.*``), in model order.
 
     Args:
-        why: what needs the blocks, for the message (e.g. ``data parallelism (dp 2) shards each block``).
+        why: what needs the blocks, for the message (an axis' :attr:`~meshplan.axis.Axis.blocks_reason`).
 
     Raises:
         PlanError: the pattern matches no module; names the pattern, the model, its top-level children and the

@@ -28,8 +28,8 @@ ALLOWED = {
     "plan_file/context_parallel.py", "plan_file/document.py", "plan_file/layout.py", "plan_file/stages.py",
     "plan_file/data_parallel.py",  # the plan as data
     "mesh/ranks.py", "mesh/topology.py", "mesh/rank_table.py", "viz/rank_grid.py", "faults/watch.py",  # mesh dims
-    "data_parallel/__init__.py", "data_parallel/fsdp.py", "blocks.py", "apply.py", "checks/validate.py",
-    "training/step.py",  # cp as a data axis (dp·cp ranks hold different tokens)
+    "data_parallel/mode.py", "data_parallel/unit.py", "data_parallel/wrap.py",  # cp as a data axis, in dp's unit
+    "checks/validate.py",
     "solver/candidate.py", "solver/placement.py", "solver/search.py", "solver/rules.py",  # the degree searched
     "cli/args.py", "cli/solve.py", "convert/accelerate.py",  # flags and other formats' keys
     "state.py", "_torch.py",
@@ -50,7 +50,7 @@ EP_ALLOWED = {
     "convert/accelerate.py", "convert/common.py", "convert/formats.py", "convert/hf_document.py",
     "solver/candidate.py", "solver/compute.py", "solver/memory.py", "solver/placement.py", "solver/rules.py",
     "solver/search.py",
-    "blocks.py", "data_parallel/fsdp.py", "tensor_parallel/grad_sync.py",
+    "data_parallel/wrap.py", "tensor_parallel/grad_sync.py",  # edp: FSDP2 over the experts
     "checkpoint/chunks.py", "checkpoint/export.py", "checkpoint/load.py", "checkpoint/save.py",
     "hf/checkpoint_keys.py", "hf/convert.py", "hf/moe.py",
     "checks/explain.py", "checks/regions.py", "checks/validate.py",
@@ -70,7 +70,7 @@ PP_ALLOWED = {
     "cli/args.py", "cli/plans.py", "cli/solve.py", "convert/accelerate.py", "convert/hf_document.py",
     "solver/candidate.py", "solver/cluster.py", "solver/collectives.py", "solver/memory.py", "solver/placement.py",
     "solver/plans.py", "solver/report.py", "solver/rules.py", "solver/search.py", "solver/step.py", "solver/terms.py",
-    "weights/load.py", "weights/materialize.py", "data_parallel/fsdp.py", "training/clip.py", "training/step.py",
+    "weights/load.py", "weights/materialize.py", "data_parallel/wrap.py", "data_parallel/costs.py", "training/clip.py", "training/step.py",
     "context_parallel/apply.py", "context_parallel/check.py", "context_parallel/costs.py",
     "context_parallel/runtime.py", "expert_parallel/__init__.py", "expert_parallel/check.py",
     "expert_parallel/costs.py",
@@ -80,8 +80,29 @@ PP_ALLOWED = {
 }
 
 
+DP_MENTION = re.compile(r"data_parallel|DataParallel|data parallel")
+#: files outside data_parallel/ that name data parallelism (32 at ac64207, these 29 since it became a unit; the
+#: regex counts the section, its record and the words, not the dp degrees every layout names nor FSDP2 in docstrings):
+#: the ordered list and the Axis shape (its data_parallel field), the plan as data (section, its legacy spellings, the
+#: stage arithmetic), the mesh's data dims, the record's field and the one public entry that attaches it outside
+#: parallelize (standalone.py), the solver's own dp terms (once per step, not a unit's per-microbatch terms),
+#: converters and transformers' interop, the tp gradient finaliser it re-installs, train_step's public docstring,
+#: the other units that ask it for their gradients (ep's edp, cp's data ranks)
+DP_ALLOWED = {
+    "axes.py", "solver/units.py", "axis.py", "state.py", "standalone.py", "_torch.py",
+    "plan_file/blocks.py", "plan_file/data_parallel.py", "plan_file/document.py", "plan_file/pipeline.py",
+    "plan_file/stages.py",
+    "mesh/runtime.py", "mesh/topology.py", "viz/rank_grid.py",
+    "solver/candidate.py", "solver/cluster.py", "solver/plans.py", "solver/rules.py", "cli/solve.py",
+    "convert/common.py", "convert/deepspeed.py", "hf/convert.py", "context_parallel/hf_check.py",
+    "expert_parallel/unit.py", "pipeline/probe.py", "pipeline/traced.py",
+    "tensor_parallel/apply.py", "tensor_parallel/dropout/single_device.py", "tensor_parallel/grad_sync.py",
+    "training/step.py",
+}
+
+
 def test_axes_are_frozen_values_in_order():
-    assert [a.name for a in AXES] == ["pp", "cp", "ep"]  # parallelize's order: split → (tensor) → context → expert
+    assert [a.name for a in AXES] == ["pp", "cp", "ep", "dp"]  # parallelize's order: split → (tensor) → context → expert → data
     for axis in AXES:
         assert isinstance(axis, Axis) and isinstance(axis.costs, AxisCosts)
         with pytest.raises(dataclasses.FrozenInstanceError):
@@ -146,6 +167,40 @@ def test_the_pipeline_unit_takes_the_step_and_keeps_tp_rules_of_its_stages():
     assert tp_rules(model, rules, ParallelState()) is rules
 
 
+def test_data_parallelism_is_named_only_where_allowed():
+    """The same measure for the third unit: files outside ``data_parallel/`` that name it (not apply.py, blocks.py,
+    checks/data.py, checks/offline.py any more: parallelize, the blocks step and check reach it through AXES)."""
+    found = {str(f.relative_to(PKG)) for f in PKG.rglob("*.py")
+             if not f.is_relative_to(PKG / "data_parallel") and DP_MENTION.search(f.read_text())}
+    assert found <= DP_ALLOWED, f"data parallelism named outside its unit: {sorted(found - DP_ALLOWED)}"
+
+
+def test_data_parallelism_is_the_last_unit_with_a_late_phase():
+    """dp resolves in prepare, wraps in finish (after the blocks and the stages), owns train_step's microbatch knobs
+    and the data dims; the solver's per-microbatch loops leave it to their own dp terms."""
+    from meshplan.axes import COST_AXES, data_dims
+    dp = AXES[-1]
+    assert dp.section == "data_parallel" and dp.data_axis and dp.accumulate is not None and not dp.in_solver
+    assert [a.data_axis for a in AXES].count(True) == 1 and dp not in COST_AXES
+    assert sorted(data_dims()) == ["cp", "dp_replicate", "dp_shard"]
+
+
+def test_blocks_reason_comes_from_the_axes():
+    """The blocks step runs for data ranks, the section, or expert gradients over edp (the axes' own reasons)."""
+    from meshplan.blocks import blocks_reason
+    from meshplan.plan_file.document import as_plan
+    from meshplan.plan_file.layout import Layout
+    moe = {"expert_parallel": {"rules": {"layers.*.moe.experts": {"style": "experts"}}}}
+    assert blocks_reason(as_plan({}), Layout().resolve(1)) == ""
+    assert blocks_reason(as_plan({}), Layout().resolve(2)) == "data parallelism over dp(2) x cp(1) shards each block"
+    assert blocks_reason(as_plan({"data_parallel": {}}), None) == "the data_parallel section shards each block"
+    assert blocks_reason(as_plan({"blocks": {}}), Layout().resolve(2)) == "the blocks section"
+    lay = Layout(ep=2).resolve(4)
+    assert blocks_reason(as_plan(moe), lay) == f"data parallelism over dp({lay.dp}) x cp(1) shards each block"
+    lay = Layout(tp=4, ep=2, etp=1).resolve(4)  # dp 1, edp 2: expert parallelism's own reason
+    assert blocks_reason(as_plan(moe), lay) == "expert gradients are summed over edp(2) by FSDP2/DDP, which wraps each block"
+
+
 def test_opaque_modules_are_the_moe_blocks_of_the_plan():
     """What the split probe and the shadow run stand in for comes from the axes (ep: its MoE blocks)."""
     import torch.nn as nn
@@ -187,8 +242,29 @@ def test_the_solver_sees_the_same_units_torch_free():
     settings and example plans as :data:`AXES`."""
     from meshplan.plan_file.document import as_plan
     from meshplan.solver.units import UNITS
-    assert [(u.name, u.section, u.costs, u.example_plan, u.written) for u in UNITS] == \
-        [(a.name, a.section, a.costs, a.example_plan, a.written) for a in AXES]
+    assert [(u.name, u.section, u.costs, u.example_plan, u.written, u.in_solver) for u in UNITS] == \
+        [(a.name, a.section, a.costs, a.example_plan, a.written, a.in_solver) for a in AXES]
     plans = [as_plan({}), as_plan({"context_parallel": {"method": "ring", "attention": "layers.*.attention"}}), as_plan({"expert_parallel": {"rules": {
         "layers.*.moe.experts": {"style": "experts"}, "layers.*.moe.router": {"style": "router"}}}})]
     assert [[u.training(p) for u in UNITS] for p in plans] == [[a.training(p) for a in AXES] for p in plans]
+
+
+def test_data_axis_hears_the_other_axes_of_the_plan():
+    """dp's check and prepare get the plan's other axes (Axis.data_axis): ep's DTensor experts refuse an integer
+    reshard_after_forward as tp's parameters do, and ep's edp > 1 applies data parallelism without dp ranks."""
+    from meshplan.axes import _others
+    from meshplan.checks.report import Report
+    from meshplan.data_parallel.mode import needed
+    from meshplan.plan_file.document import as_plan
+    from meshplan.plan_file.layout import Layout
+    dp, ep = AXES[-1], next(a for a in AXES if a.section == "expert_parallel")
+    moe = {"expert_parallel": {"rules": {"layers.*.moe.experts": {"style": "experts"}}}}
+    plan = as_plan({**moe, "data_parallel": {"reshard_after_forward": 2}})
+    assert _others(dp, plan) == ((ep,),) and _others(ep, plan) == ()
+    report = Report(source="p", model="m", tp=1, world_size=4)
+    dp.check(None, plan, Layout(ep=2).resolve(4), report, *_others(dp, plan))
+    assert [str(e) for e in report.errors] == [
+        "data_parallel.reshard_after_forward: 2 (an int) does not work with tensor-parallel (DTensor) parameters in "
+        "torch 2.13; use true or false"]
+    lay = Layout(tp=4, ep=2, etp=1).resolve(4)  # dp 1, edp 2
+    assert not needed(as_plan(moe), lay) and needed(as_plan(moe), lay, asked=ep.data_parallel(lay))

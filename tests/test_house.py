@@ -273,7 +273,8 @@ def _under(mod: str, names: tuple[str, ...]) -> bool:
 #: imports the runtime: no module outside it and no torch, at any depth (function-level imports counted).
 SPEC_LAYER = ("meshplan.plan_file", "meshplan.solver", "meshplan.mesh.ranks", "meshplan.errors", "meshplan.version",
               "meshplan.axis", "meshplan.context_parallel.costs", "meshplan.context_parallel.chunks",
-              "meshplan.expert_parallel.costs", "meshplan.pipeline.costs")
+              "meshplan.expert_parallel.costs", "meshplan.pipeline.costs",
+              "meshplan.data_parallel.costs")
 #: modules under SPEC_LAYER's names that are not in it, and why
 NOT_SPEC = {"meshplan.solver.api": "meshplan.estimate/solve read a built model (checks/model_shape): the runtime's "
                                    "door to the solver, above it"}
@@ -305,8 +306,6 @@ AXIS_FOLDERS = ("meshplan.context_parallel", "meshplan.expert_parallel", "meshpl
 STATE_IMPORTERS_LEFT = {
     "meshplan.tensor_parallel.grad_sync": "the tp gradient finaliser finds the model's record itself; to move to "
                                           "a neutral module handed to the axes",
-    "meshplan.data_parallel.fsdp": "data parallelism reads the tp record and runs the blocks step from the model's "
-                                   "record; to take them from parallelize when dp is a unit",
 }
 
 

@@ -1,7 +1,6 @@
-"""The ``blocks`` and ``data_parallel`` sections in ``meshplan check``: the functions :func:`meshplan.parallelize`
-runs before it changes the model (:func:`meshplan.blocks.blocks_problem`,
-:func:`meshplan.data_parallel.fsdp.data_parallel_problem`), so a plan ``check`` passes finds its blocks and a mode
-that fits the layout, dp > 1 included."""
+"""The ``blocks`` section in ``meshplan check``: the function :func:`meshplan.parallelize` runs before it changes the
+model (:func:`meshplan.blocks.blocks_problem`), so a plan ``check`` passes finds its blocks, dp > 1 included. The
+axes' sections are their units' checks (:func:`meshplan.axes.check_axes`)."""
 
 from __future__ import annotations
 
@@ -13,9 +12,9 @@ __all__ = ["check_data"]
 
 
 def check_data(model: nn.Module, plan: Any, layout: Any, report: Any) -> None:
-    """Add to ``report.errors`` what parallelize would refuse in ``plan``'s blocks and data parallelism on the
-    resolved ``layout``."""
+    """Add to ``report.errors`` what parallelize would refuse in ``plan``'s blocks on the resolved ``layout``, before
+    the axes' checks (parallelize's order)."""
     from meshplan.blocks import blocks_problem
-    from meshplan.data_parallel.fsdp import data_parallel_problem
-    found = [blocks_problem(model, plan, layout, report.source), data_parallel_problem(plan, layout)]
-    report.errors += [e for e in found if e is not None]
+    problem = blocks_problem(model, plan, layout, report.source)
+    if problem is not None:
+        report.errors.append(problem)

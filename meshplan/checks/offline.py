@@ -68,8 +68,8 @@ def check(model: nn.Module, plan: Plan | Mapping[str, Any] | str, world_size: in
         from meshplan.checks.shadow import cross_shard_errors
         for msg in cross_shard_errors(model, p, resolved.tp, checker.where, report.warnings):
             checker.err(msg)
+    check_data(model, p, resolved, report)  # the blocks section, as parallelize checks it before the axes
     check_axes(model, p, resolved, report)  # the sections of the axes that are units (a split: on a meta copy)
-    check_data(model, p, resolved, report)  # blocks and data_parallel, as parallelize checks them first
     applied = None
     if report.ok and p.tensor_parallel is not None and dry_run:
         applied = meta_dry_run(model, p, resolved.tp, report)

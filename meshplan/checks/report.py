@@ -28,6 +28,7 @@ class Report:
             empty.
         experts: the summary the expert axis unit's check writes (its ``report_key``; :mod:`meshplan.axes`), or
             empty.
+        data: the data axis unit's ``report_key``: empty (its check adds errors only, no summary lines).
     """
 
     source: str
@@ -42,6 +43,7 @@ class Report:
     pipeline: dict[str, Any] = field(default_factory=dict)
     context: dict[str, Any] = field(default_factory=dict)
     experts: dict[str, Any] = field(default_factory=dict)
+    data: dict[str, Any] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:

@@ -11,11 +11,13 @@ from meshplan.axes import AXES
 
 __all__ = ["Notes", "unheld_sections", "acts", "layout_overrides", "rule_data", "is_replicate", "SECTION_NAMES", "HEAD_NAMES"]
 
-#: what each plan section is, for the dropped lines
-SECTION_NAMES = {"blocks": "the blocks section (activation checkpointing, compile)",
-                 "data_parallel": "the data_parallel section (FSDP2/HSDP/DDP settings)",
-                 **{axis.section: f"the {axis.section} section" for axis in AXES},
-                 "expert_parallel": "the expert_parallel section", "tensor_parallel": "the tensor_parallel rules"}
+#: what each plan section is, for the dropped lines (in this order; an axis unit's section without its own words:
+#: "the <section> section")
+_DESCRIBED = {"blocks": "the blocks section (activation checkpointing, compile)",
+              "data_parallel": "the data_parallel section (FSDP2/HSDP/DDP settings)",
+              "tensor_parallel": "the tensor_parallel rules"}
+SECTION_NAMES = {k: _DESCRIBED.get(k, f"the {k} section")
+                 for k in ("blocks", "data_parallel", *(axis.section for axis in AXES), "tensor_parallel")}
 
 
 #: the last path segment of common output heads (a name is all a source without a model says)

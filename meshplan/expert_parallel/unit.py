@@ -45,6 +45,13 @@ def _data_parallel(layout: Any) -> bool:
     return layout.edp > 1
 
 
+def _blocks_reason(plan: Any, layout: Any) -> str:
+    """Expert gradients summed over ``edp`` by the data-parallel step, which wraps each block."""
+    if layout is not None and plan.expert_parallel is not None and layout.edp > 1:
+        return f"expert gradients are summed over edp({layout.edp}) by FSDP2/DDP, which wraps each block"
+    return ""
+
+
 def _opaque(model: Any, plan: Any) -> set:
     """The MoE blocks (token regions): routing is data-dependent, with all-to-alls of its own."""
     from meshplan.expert_parallel.apply import moe_blocks
@@ -59,4 +66,4 @@ AXIS = Axis(name="ep", section="expert_parallel", title="expert parallelism", me
                             first_stage_activations=ep_first_stage_activations,
                             sequence_problem=ep_sequence_problem, run_problem=ep_run_problem),
             training=lambda plan: {}, example_plan="plans/moe.yaml", data_parallel=_data_parallel,
-            opaque=_opaque)
+            opaque=_opaque, dtensor=True, blocks_reason=_blocks_reason)

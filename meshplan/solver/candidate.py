@@ -118,7 +118,7 @@ class Candidate:
 
     @property
     def mode(self) -> str:
-        """The data-parallel mode, as ``data_parallel.mode``'s default (:func:`meshplan.data_parallel.resolve_mode`)."""
+        """The data-parallel mode, as ``data_parallel.mode``'s default (:func:`meshplan.data_parallel.mode.resolve_mode`)."""
         if self.dp_mode is not None:
             return self.dp_mode
         rep, shard = self.dp_replicate, self.dp_shard

@@ -22,7 +22,7 @@ step recorded op by op; ``docs/tensor-parallel.md`` states the tensor-parallel o
 
 from __future__ import annotations
 
-from meshplan.solver.units import UNITS
+from meshplan.solver.units import COST_UNITS, UNITS
 from meshplan.solver.candidate import DTYPE_BYTES, Candidate, Training
 from meshplan.solver.memory import _block_tensors, _end_tensors, shard_sizes
 from meshplan.solver.placement import Group, Placement
@@ -91,10 +91,10 @@ def step_collectives(s: ModelShape, c: Candidate, tr: Training, place: Placement
     memo = {} if memo is None else memo
     if c.tp > 1:
         out += _tp(s, c, tr, place, pp_rank, memo)
-    for axis in UNITS:  # the axes that are units (their own cost terms), in parallelize's order
+    for axis in COST_UNITS:  # the axes that are units (their own cost terms), in parallelize's order
         if axis.degree(c) > 1:
             out += axis.costs.collectives(s, c, tr, place, pp_rank, memo)
-    out += _dp(s, c, tr, place, pp_rank, memo)
+    out += _per_step(s, c, tr, place, pp_rank, memo)
     world = place.groups["world"]
     if world.size > 1:
         out += [Collective("step", "all_reduce", world, 8, 1, "global token count"),
@@ -129,32 +129,10 @@ def _moe_counts(kinds: dict) -> dict[bool, int]:
     return out
 
 
-def _dp(s: ModelShape, c: Candidate, tr: Training, place: Placement, pp_rank: int, memo: dict) -> list[Collective]:
-    mode, m = c.mode, c.microbatches
-    red, gat = DTYPE_BYTES[tr.reduce_dtype], tr.act_bytes
+def _per_step(s: ModelShape, c: Candidate, tr: Training, place: Placement, pp_rank: int,
+              memo: dict) -> list[Collective]:
+    """The collectives the axes issue once per step over this rank's parameter units (FSDP2/DDP's gradient
+    reduction: :attr:`~meshplan.axis.AxisCosts.step_collectives`)."""
     units = _units(s, c, place, pp_rank, memo)
-    if mode == "ddp":
-        grads = sum(n * k for _, n, _, k in units)
-        syncs = 1 if c.accumulate_unsharded or c.pp > 1 else m
-        return [Collective("dp", "all_reduce", place.groups["dp"], grads * red, syncs, "gradients (DDP)", True)]
-    out = []
-    accumulate = m > 1 and c.pp == 1
-    for kind, n, d, k in units:
-        if d == 1:
-            continue
-        g = place.groups["edp" if kind == "experts" else "dp_shard"]
-        reshard = tr.reshard_after_forward and kind != "root"
-        if accumulate and c.accumulate_unsharded:
-            gathers, syncs = 1, 1
-        elif accumulate:
-            gathers, syncs = m * (1 + reshard), m
-        elif c.pp > 1:  # forwards gather, the first backward after them too; kept until the step's last backward
-            gathers, syncs = (m + 1 if reshard else 1), 1
-        else:
-            gathers, syncs = 1 + reshard, 1
-        out += [Collective("dp", "all_gather", g, n * gat, gathers * k, f"{kind} parameters", True),
-                Collective("dp", "reduce_scatter", g, n * red, syncs * k, f"{kind} gradients", True)]
-        if mode == "hsdp" and kind != "experts":
-            out.append(Collective("dp", "all_reduce", place.groups["dp_replicate"], n / d * red, syncs * k,
-                                  f"{kind} gradients over replicas (HSDP)", True))
-    return out
+    return [x for axis in UNITS if axis.costs.step_collectives is not None
+            for x in axis.costs.step_collectives(c, tr, place, units)]

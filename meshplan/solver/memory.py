@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from meshplan.solver.units import UNITS
+from meshplan.solver.units import COST_UNITS as UNITS  # the units the per-microbatch terms take (in_solver)
 from meshplan.solver.candidate import Candidate, Training
 from meshplan.solver.placement import Placement
 from meshplan.solver.shape import ModelShape

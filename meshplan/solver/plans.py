@@ -8,7 +8,7 @@ from typing import Any
 
 import yaml
 
-from meshplan.solver.units import UNITS
+from meshplan.solver.units import COST_UNITS as UNITS  # the units the per-microbatch terms take (in_solver)
 from meshplan.errors import PlanError
 from meshplan.plan_file.document import Plan
 from meshplan.plan_file.layout import Layout

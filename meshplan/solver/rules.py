@@ -17,7 +17,7 @@ with, so a layout ``meshplan solve`` rejects fails ``parallelize`` the same way:
 
 from __future__ import annotations
 
-from meshplan.solver.units import UNITS
+from meshplan.solver.units import COST_UNITS as UNITS  # the units the per-microbatch terms take (in_solver)
 from meshplan.errors import PlanError
 from meshplan.mesh.ranks import divisors_text, not_dividing
 from meshplan.plan_file.expert_parallel import etp_problem

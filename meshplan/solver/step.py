@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from meshplan.solver.units import UNITS
+from meshplan.solver.units import COST_UNITS as UNITS  # the units the per-microbatch terms take (in_solver)
 from meshplan.solver.candidate import Candidate, Training
 from meshplan.solver.cluster import Cluster
 from meshplan.solver.collectives import Collective, step_collectives

@@ -70,6 +70,8 @@ class AxisTerms:
         section decides. example_plan: a plan file in ``plans/`` with its section, for messages.
         written: ``(candidate, base section) -> section | None``: the section ``meshplan solve --write`` writes
         for a candidate (the pipeline's schedule); None: the section is rules, copied from the base plan.
+        in_solver: the solver's per-microbatch loops take it (its degree a ``Candidate`` field); data
+        parallelism's collectives run once per step (``costs.step_collectives``), its degrees enumerated apart.
     """
 
     name: str
@@ -78,6 +80,7 @@ class AxisTerms:
     training: Callable[[Any], dict]
     example_plan: str
     written: "Callable[[Any, Any], Any] | None" = None
+    in_solver: bool = True
 
     def degree(self, layout: Any) -> int:
         """The axis' degree in ``layout`` (a resolved layout or a solver candidate)."""

@@ -10,11 +10,14 @@ cost terms and example plans equal ``AXES``'.
 from __future__ import annotations
 
 from meshplan.context_parallel.costs import TERMS as _CONTEXT
+from meshplan.data_parallel.costs import TERMS as _DATA
 from meshplan.pipeline.costs import TERMS as _PIPELINE
 from meshplan.expert_parallel.costs import TERMS as _EXPERT
 from meshplan.solver.terms import AxisTerms
 
-__all__ = ["UNITS"]
+__all__ = ["UNITS", "COST_UNITS"]
 
 #: parallelize's order (:data:`meshplan.axes.AXES`)
-UNITS: tuple[AxisTerms, ...] = (_PIPELINE, _CONTEXT, _EXPERT)
+UNITS: tuple[AxisTerms, ...] = (_PIPELINE, _CONTEXT, _EXPERT, _DATA)
+#: the units the solver's per-microbatch loops take (:attr:`~meshplan.solver.terms.AxisTerms.in_solver`)
+COST_UNITS: tuple[AxisTerms, ...] = tuple(unit for unit in UNITS if unit.in_solver)

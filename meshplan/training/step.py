@@ -5,7 +5,7 @@ losses over this rank's valid targets (``targets != ignore_index``), e.g.
 ``F.cross_entropy(out.flatten(0, 1), tgt.flatten(), reduction="sum")`` or
 ``meshplan.cross_entropy(..., reduction="sum")``. :func:`train_step` counts the
 valid tokens of every microbatch, sums the count over every rank that holds
-different data (dp_replicate, dp_shard, cp; + tp in smp's batch mode) with
+different data (the axes' data dims, :func:`meshplan.axes.data_dims`; + tp in smp's batch mode) with
 ONE all-reduce, and divides: the gradient is that of the mean over ALL valid
 tokens of the global batch, not a mean of per-rank or per-microbatch means.
 Gradients are therefore SUMMED over the data axes (the ``data_parallel``
@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from meshplan.faults.watch import translating
 from meshplan.errors import PlanError
 from meshplan.mesh.ranks import divisors_text
-from meshplan.state import DATA_AXES, ParallelState, attach_state, parallel_state
+from meshplan.state import ParallelState, attach_state, parallel_state
 from meshplan.training.clip import clip_grad_norm_, clip_with, comm_device
 from meshplan.training.result import StepResult
 
@@ -62,25 +62,6 @@ def _scalar(loss: torch.Tensor) -> torch.Tensor:
     if isinstance(loss, DTensor):
         loss = loss.full_tensor()
     return loss.double().reshape(())
-
-
-def _accumulation_knobs(model: nn.Module, state: ParallelState, i: int, n: int) -> None:
-    """FSDP2 knobs for microbatch ``i`` of ``n`` (i == n restores the defaults)."""
-    sec, last, ddp = state.data_parallel.section, i >= n - 1, state.data_parallel.mode == "ddp"
-    keep_fwd = sec.accumulate_unsharded and not ddp and (sec.reshard_after_forward is None
-                                                          or isinstance(sec.reshard_after_forward, bool))
-    if sec.accumulate_unsharded:
-        model.set_requires_gradient_sync(last)
-        if not ddp:
-            model.set_reshard_after_backward(last)
-    model.set_is_last_backward(last)
-    if keep_fwd and i == 0:
-        model.set_reshard_after_forward(False)  # no re-gather in backward nor in the next microbatch
-    if keep_fwd and i == n:
-        for path in state.blocks.paths:
-            model.get_submodule(path).set_reshard_after_forward(sec.reshard_after_forward is not False,
-                                                                recurse=False)
-        model.set_reshard_after_forward(False, recurse=False)  # torch's root default
 
 
 def _own_loss(model: nn.Module, batch: Any, loss_fn: Callable | None) -> tuple[tuple, Callable, bool]:
@@ -218,7 +199,8 @@ def _data_ranks(model: nn.Module, state: ParallelState | None, topology: Any,
         raise PlanError(f"train_step: pp({lay.pp}) > 1 but the model has no pipeline stages; parallelize it with "
                         f"a plan that has a pipeline section")
     batch = "batch" in (sequence_parallel, state.sequence_parallel if state is not None else False)
-    axes = DATA_AXES + (("tp",) if batch else ())
+    from meshplan.axes import data_dims
+    axes = data_dims() + (("tp",) if batch else ())
     return True, dist.get_world_size() // math.prod(getattr(lay, a) for a in axes)
 
 
@@ -233,16 +215,14 @@ def _accumulate(model: nn.Module, state: ParallelState | None, loss_fn: Callable
     Returns:
         ``(sum of the microbatch losses (a tensor on the loss's device, or 0.0), global token count)``.
     """
+    from meshplan.axes import accumulate  # each axis' knobs per microbatch (FSDP2's: keep the gathered parameters)
     n = len(xs)
-    dp = state.data_parallel if state is not None else None
-    root = model if dp is not None and dp.mode != "none" and n > 1 else None  # an FSDPModule (ddp: replicate)
     sync = state.grad_sync if state is not None else None  # one tp collective per step, after all microbatches
     loss_sum, num_tokens = 0.0, 0
     with sync.deferred() if sync is not None else contextlib.nullcontext():
         try:
             for i, (x, y) in enumerate(zip(xs, ys)):
-                if root is not None:
-                    _accumulation_knobs(root, state, i, n)
+                accumulate(model, state, i, n)
                 loss = loss_fn(_call(model, x), y)
                 if i == 0:
                     if work is not None:
@@ -251,8 +231,7 @@ def _accumulate(model: nn.Module, state: ParallelState | None, loss_fn: Callable
                 (loss / max(num_tokens, 1)).backward()
                 loss_sum = loss_sum + _scalar(loss)  # stays on the loss's device
         finally:
-            if root is not None:
-                _accumulation_knobs(root, state, n, n)
+            accumulate(model, state, n, n)
         if sync is not None:
             sync.finish()
     return loss_sum, num_tokens

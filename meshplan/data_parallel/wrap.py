@@ -1,0 +1,96 @@
+"""FSDP2 / HSDP / DDP wrapped around a model whose other axes and blocks are applied: the unit's late phase
+(:attr:`meshplan.axis.Axis.finish`), in torchtitan's order: the experts over ``edp``, each block, then each root (the
+model, or each pipeline stage). Reads the model's record as handed in; returns its own (:class:`.mode.DataParallelState`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from meshplan.data_parallel.mode import DataParallelState
+from meshplan.plan_file.data_parallel import DataParallel
+
+if TYPE_CHECKING:
+    import torch.nn as nn
+    from meshplan.mesh.topology import Topology
+
+__all__ = ["wrap"]
+
+
+def wrap(model: "nn.Module", section: DataParallel, topology: "Topology", resolved: tuple, state: Any,
+         grad_sync: Any) -> DataParallelState:
+    """Shard ``model`` as :func:`.mode.check_data_parallel` resolved it (``resolved``: mode, shard axes, replicate
+    axes); the checks ran before anything changed.
+
+    Args:
+        state: the model's record so far (read only): the blocks' paths, the pipeline's stage views, the expert
+            modules, the sequence-parallel mode.
+        grad_sync: the model's one gradient finaliser (tensor parallelism's), or None: one is made here for
+            DTensor parameters that tensor parallelism outside meshplan left (or smp's batch mode).
+
+    Returns:
+        The record; its ``grad_sync`` is the finaliser made here, else None (the model's is re-installed on
+        FSDP2's parameters).
+    """
+    mode, shard_axes, rep_axes = resolved
+    sync = grad_sync or _new_grad_sync(model, topology, state.sequence_parallel)
+    if mode != "none" or (state.expert_parallel is not None and topology.layout.edp > 1):
+        roots = state.pipeline.views if state.pipeline is not None else [model]  # a stage runs as its own root
+        _shard(model, state, roots, state.blocks.paths, section, topology, mode, (shard_axes, rep_axes))
+    if sync is not None:
+        sync.install(model)  # on FSDP2's parameters: the ones tensor parallelism made are gone
+    return DataParallelState(mode=mode, section=section, grad_sync=sync if sync is not grad_sync else None)
+
+
+def _new_grad_sync(model: "nn.Module", topology: "Topology", sequence_parallel: bool | str) -> Any:
+    """A grad sync for DTensor parameters (or smp batch mode) that no meshplan tensor parallelism recorded."""
+    from torch.distributed.tensor import DTensor
+
+    from meshplan.tensor_parallel.grad_sync import TpGradSync
+    batch = sequence_parallel == "batch" and topology.layout.tp > 1
+    if not batch and not any(isinstance(p, DTensor) for p in model.parameters()):
+        return None
+    return TpGradSync.for_model(model, topology["tp"], sequence_parallel)
+
+
+def _shard_experts(model: "nn.Module", state: Any, topology: "Topology", mode: str, policies: dict,
+                   reshard: Any) -> None:
+    """The expert-sharded modules of expert parallelism, data-parallel over ``edp`` on their own (before the
+    dense blocks and roots, which then leave their parameters alone): :func:`~.experts.shard_experts`."""
+    from meshplan.expert_parallel.edp import shard_experts
+    if state.expert_parallel is not None:
+        modules = [model.get_submodule(b.experts) for b in state.expert_parallel.blocks]
+        shard_experts(modules, topology["edp"], mode, policies, reshard)
+
+
+def _shard(model, state, roots, blocks, section, topology, mode, axes) -> None:
+    """FSDP2 (or DDP) on the experts over ``edp``, on each block, then on each root (the model, or each pipeline
+    stage)."""
+    import torch
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+    dt = {None: None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    mp = MixedPrecisionPolicy(param_dtype=dt[section.param_dtype], reduce_dtype=dt[section.reduce_dtype])
+    offload = CPUOffloadPolicy() if section.cpu_offload else OffloadPolicy()
+    shard_axes, rep_axes = axes
+    _shard_experts(model, state, topology, mode, dict(mp_policy=mp, offload_policy=offload), section.reshard_after_forward)
+    if mode == "ddp":
+        from meshplan._torch import replicate
+        mesh = topology.span(rep_axes)
+        for root in roots:
+            replicate(root, mesh=mesh, mp_policy=mp, offload_policy=offload)
+    elif mode != "none":
+        if mode == "hsdp":  # torch's 2-D (replicate, shard) mesh
+            mesh = topology.dense["dp_replicate", "dp_shard_cp" if topology.layout.cp > 1 else "dp_shard"]
+        else:
+            mesh = topology.span(shard_axes)
+        kw = dict(mesh=mesh, mp_policy=mp, offload_policy=offload)
+        for path in blocks:
+            fully_shard(model.get_submodule(path), reshard_after_forward=section.reshard_after_forward, **kw)
+        for root in roots:
+            fully_shard(root, **kw)  # the root: torch keeps its parameters gathered after forward
+    from torch.distributed.fsdp import FSDPModule
+    for m in {id(m): m for r in [model, *roots] for m in r.modules()}.values():
+        if isinstance(m, FSDPModule):
+            if section.gradient_reduction == "sum":
+                m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)  # gloo lacks AVG/PREMUL_SUM; "mean" post-divides
