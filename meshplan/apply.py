@@ -10,25 +10,13 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from meshplan.errors import PlanError
 from meshplan.faults.watch import translating
+from meshplan.gradients import GradFinalizer
 from meshplan.mesh.topology import Topology, build_mesh, current_topology
 from meshplan.plan_file.data_parallel import DataParallel
 from meshplan.plan_file.document import Plan, as_plan
 from meshplan.state import attach_state
 
 __all__ = ["parallelize"]
-
-
-def _tp_mesh(mesh: Topology | DeviceMesh) -> DeviceMesh:
-    if isinstance(mesh, Topology):
-        return mesh["tp"]
-    if isinstance(mesh, DeviceMesh):
-        names = mesh.mesh_dim_names or ()
-        if mesh.ndim == 1 and (not names or names == ("tp",)):
-            return mesh
-        if "tp" in names:
-            return mesh["tp"]
-        raise PlanError(f"the mesh has dims {names}; meshplan needs a 'tp' dim (or pass a meshplan Topology)")
-    raise PlanError(f"mesh must be a meshplan Topology or a torch DeviceMesh, got {type(mesh).__name__}")
 
 
 def parallelize(model: nn.Module, plan: Plan | Mapping[str, Any] | str | Path | None = None,
@@ -67,36 +55,33 @@ def parallelize(model: nn.Module, plan: Plan | Mapping[str, Any] | str | Path | 
     p = as_plan(plan)
     if mesh is None:
         mesh = current_topology() or build_mesh(p.layout or {})
-    tp_mesh = _tp_mesh(mesh)
+    from meshplan.axes import axis_meshes
+    meshes = axis_meshes(mesh)  # the axes' own meshes (a bare DeviceMesh: its tp dim); PlanError for a bad mesh
     from meshplan.mesh.runtime import check_same_plan
-    # a rank with another plan, model or torch fails, not hangs
-    check_same_plan(p, mesh if isinstance(mesh, Topology) else tp_mesh, model)
+    # a rank with another plan, model or torch fails, not hangs (a bare DeviceMesh: over its axis' ranks)
+    check_same_plan(p, mesh if isinstance(mesh, Topology) else next(iter(meshes.values())), model)
     watch = getattr(mesh, "faults", None)
     with translating(watch):
-        return _apply_sections(model, p, mesh if isinstance(mesh, Topology) else None, tp_mesh)
+        return _apply_sections(model, p, mesh if isinstance(mesh, Topology) else None, meshes)
 
 
-def _apply_sections(model: nn.Module, p: Plan, topology: Topology | None, tp_mesh: DeviceMesh) -> nn.Module:
+def _apply_sections(model: nn.Module, p: Plan, topology: Topology | None, meshes: dict[str, Any]) -> nn.Module:
     """:func:`parallelize` once the plan and the mesh are settled and every rank agrees."""
     data_parallel = p.data_parallel is not None or (topology is not None and topology.layout.dp * topology.layout.cp > 1)
     pipelined = p.pipeline is not None or (topology is not None and topology.layout.pp > 1)
     if (data_parallel or pipelined) and topology is None:
         raise PlanError(f"the {'data_parallel' if data_parallel else 'pipeline'} section needs a meshplan Topology "
                         f"(meshplan.init or build_mesh), not a bare DeviceMesh")
-    if p.tensor_parallel is not None:
-        from meshplan.checks.validate import validate_plan
-        validate_plan(model, p, tp_mesh.size())  # what `meshplan check` checks, before anything changes
+    from meshplan.axes import apply_axes, prepare_axes
+    prepared = prepare_axes(model, p, topology, meshes)  # every axis' check and resolution, before anything changes
     from meshplan.blocks import blocks_problem
     from meshplan.data_parallel.fsdp import data_parallel_problem
     lay = topology.layout if topology is not None else None
     problem = blocks_problem(model, p, lay, p.source) or (data_parallel_problem(p, lay) if lay is not None else None)
     if problem is not None:  # `meshplan check` reports the same (checks/data.py); raised before anything changes
         raise problem
-    from meshplan.axes import apply_axes, prepare_axes
-    prepared = prepare_axes(model, p, topology)  # the axes that are units, checked before anything changes
     split = _split_stages(model, p, topology) if pipelined else None
-    if p.tensor_parallel is not None:
-        _tensor_parallel(model, p, tp_mesh, split)
+    attach_state(model, gradients=GradFinalizer())  # the model's one gradient finaliser, handed to the axes
     # each axis' record attached here alone, in parallelize's order (the next axis reads the record so far)
     data_parallel = apply_axes(model, p, topology, prepared, lambda: attach_state(model),
                                lambda **record: attach_state(model, **record)) or data_parallel
@@ -137,17 +122,3 @@ def _split_stages(model: nn.Module, p: Plan, topology: Topology) -> Any:
     record, split = split_pipeline(model, p.pipeline, pattern, topology, where, opaque)
     attach_state(model, pipeline=record)
     return split
-
-
-def _tensor_parallel(model: nn.Module, p: Plan, tp_mesh: DeviceMesh, split: Any) -> None:
-    """Tensor parallelism on the (pruned) model: rules that name only other stages' modules are left out."""
-    from meshplan.tensor_parallel.apply import apply_tensor_parallel
-    section = p.tensor_parallel
-    if split is not None:
-        from meshplan.pipeline import kept_rules
-        removed = {n for n, m in model.named_modules() if isinstance(m, nn.Identity)}
-        section = section.model_copy(update={"rules": kept_rules(model, section.rules, removed)})
-    applied = apply_tensor_parallel(model, section, tp_mesh, p.source)
-    attach_state(model, tensor_parallel=applied)  # the finaliser and RNG hooks live as long as the model
-    from meshplan.hf.styles import install_hf_loss
-    install_hf_loss(model, p.tensor_parallel)  # transformers' own loss on vocab-sharded logits

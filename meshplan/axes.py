@@ -1,8 +1,8 @@
 """The ordered parallelism axes that are units (:class:`~meshplan.axis.Axis`), and the loops over them.
 
 :func:`meshplan.parallelize`, ``meshplan check``, :func:`meshplan.train_step`, explain and the solver iterate over
-:data:`AXES` instead of naming an axis. Expert and context parallelism are units so far; the others keep their
-own code paths and join the list one by one, at their place in parallelize's order (stage split → tensor → context →
+:data:`AXES` instead of naming an axis. Tensor, context and expert parallelism are units so far; the others keep
+their own code paths and join the list one by one, at their place in parallelize's order (stage split → tensor → context →
 expert → blocks → stages → data: context parallelism's hooks (root, attention modules) and expert parallelism's
 (experts, MoE blocks) touch different modules, and this order keeps ``meshplan check``'s lines and errors and the
 solver's sums in the order they had before expert parallelism joined). Torch-free.
@@ -15,12 +15,19 @@ from typing import Any
 from meshplan.axis import Axis
 from meshplan.context_parallel.unit import AXIS as _CONTEXT
 from meshplan.expert_parallel.unit import AXIS as _EXPERT
+from meshplan.tensor_parallel.unit import AXIS as _TENSOR
 
-__all__ = ["AXES", "check_axes", "prepare_axes", "apply_axes", "finish_axes", "step_runner", "shard_batch", "shard_sequence", "report_lines",
+__all__ = ["AXES", "axis_meshes", "check_axes", "prepare_axes", "apply_axes", "finish_axes", "step_runner", "shard_batch", "shard_sequence", "report_lines",
            "opaque_modules"]
 
 #: the axes that are units, in parallelize's order
-AXES: tuple[Axis, ...] = (_CONTEXT, _EXPERT)
+AXES: tuple[Axis, ...] = (_TENSOR, _CONTEXT, _EXPERT)
+
+
+def axis_meshes(given: Any) -> dict[str, Any]:
+    """``{axis name: its mesh}`` for the axes with a :attr:`~meshplan.axis.Axis.mesh` of their own, from what
+    ``parallelize`` was given (a Topology or a torch ``DeviceMesh``); raises the PlanError of a mesh they refuse."""
+    return {axis.name: axis.mesh(given) for axis in AXES if axis.mesh is not None}
 
 
 def check_axes(model: Any, plan: Any, layout: Any, report: Any) -> None:
@@ -29,9 +36,11 @@ def check_axes(model: Any, plan: Any, layout: Any, report: Any) -> None:
         axis.check(model, plan, layout, report)
 
 
-def prepare_axes(model: Any, plan: Any, topology: Any) -> dict[str, Any]:
-    """``parallelize``'s checks before anything changes: ``{axis name: prepared}`` for the axes it applies."""
-    prepared = {axis.name: axis.prepare(model, plan, topology) for axis in AXES}
+def prepare_axes(model: Any, plan: Any, topology: Any, meshes: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``parallelize``'s checks before anything changes: ``{axis name: prepared}`` for the axes it applies
+    (``meshes``: :func:`axis_meshes`, handed to those axes' ``prepare`` in place of the topology)."""
+    meshes = meshes or {}
+    prepared = {axis.name: axis.prepare(model, plan, meshes.get(axis.name, topology)) for axis in AXES}
     return {name: v for name, v in prepared.items() if v is not None}
 
 
@@ -44,7 +53,7 @@ def apply_axes(model: Any, plan: Any, topology: Any, prepared: dict[str, Any], s
     for axis in AXES:
         if axis.name in prepared:
             attach(**{axis.state_field: axis.apply(model, plan, topology, prepared[axis.name], state())})
-            data_parallel = data_parallel or axis.data_parallel(topology.layout)
+            data_parallel = data_parallel or (topology is not None and axis.data_parallel(topology.layout))
     return data_parallel
 
 

@@ -1,6 +1,6 @@
 """The shape of a parallelism axis as a unit: :class:`Axis`, one frozen value each axis folder exports.
 
-An axis folder (two today, the others join one by one: :data:`meshplan.axes.AXES`) says
+An axis folder (three today, the others join one by one: :data:`meshplan.axes.AXES`) says
 everything the rest of meshplan needs to know about it in one :class:`Axis`: its name, its plan section, its mesh
 dims, its check, its apply (returning a frozen record that :func:`meshplan.parallelize` alone attaches to the
 model's :class:`~meshplan.state.ParallelState`), its share of a batch for :func:`meshplan.train_step`, its report
@@ -75,6 +75,10 @@ class Axis:
             returned replaces the one ``apply`` returned. Default: nothing.
         run_step: ``(model, state, batch, loss_fn, optimizer, **options) -> StepResult``, or None: the axis takes
             :func:`meshplan.train_step` over when the state holds its record (a pipeline's schedule).
+        mesh: ``(given) -> mesh``, or None: the axis' own mesh from what ``parallelize`` was given (a Topology or
+            a torch ``DeviceMesh``; raises :class:`~meshplan.errors.PlanError` for one it cannot use); when set,
+            ``prepare`` gets it in place of the topology, which is None for a bare ``DeviceMesh`` (tensor
+            parallelism: a ``DeviceMesh`` with a ``tp`` dim).
     """
 
     name: str
@@ -95,6 +99,7 @@ class Axis:
     opaque: Callable[[Any, Any], set] = lambda model, plan: set()
     finish: Callable[[Any, Any, Any, Any, Any], Any] = lambda model, plan, topology, prepared, state: None
     run_step: "Callable[..., Any] | None" = None
+    mesh: "Callable[[Any], Any] | None" = None
 
     def degree(self, layout: Any) -> int:
         """The axis' degree in ``layout`` (a resolved layout or a solver candidate)."""

@@ -15,7 +15,7 @@ from typing import Any, Mapping
 import torch.nn as nn
 
 from meshplan.checks.report import Report, fold_errors
-from meshplan.checks.validate import smallest_world, static_checks
+from meshplan.checks.validate import smallest_world
 from meshplan.errors import PlanError
 from meshplan.plan_file.document import Plan, as_plan
 from meshplan.plan_file.layout import Layout
@@ -64,17 +64,18 @@ def check(model: nn.Module, plan: Plan | Mapping[str, Any] | str, world_size: in
                                f"nothing is sharded; add `layout: {{tp: N}}` (CLI: --tp N)")
     import torch.distributed as dist
     shadow = dry_run and (not dist.is_initialized() or dist.get_backend() == "fake")  # as the dry run
-    matched, checker = static_checks(model, p, resolved.tp, report)
-    if checker is not None and report.ok and shadow:  # the shadow run needs a plan that applies
+    check_pipeline(model, p, resolved, report)  # the schedule and the split (on a meta copy)
+    check_axes(model, p, resolved, report)  # the sections of the axes that are units, their static checks
+    static = report.sharding  # the tensor axis' resolution: the rehearsals below apply it
+    checker = static.get("checker")
+    if checker is not None and static["ok"] and shadow:  # the shadow run needs a plan that applies
         from meshplan.checks.shadow import cross_shard_errors
         for msg in cross_shard_errors(model, p, resolved.tp, checker.where, report.warnings):
             checker.err(msg)
-    check_pipeline(model, p, resolved, report)  # the schedule and the split (on a meta copy)
-    check_axes(model, p, resolved, report)  # the sections of the axes that are units
     check_data(model, p, resolved, report)  # blocks and data_parallel, as parallelize checks them first
     applied = None
     if report.ok and p.tensor_parallel is not None and dry_run:
         applied = meta_dry_run(model, p, resolved.tp, report)
-    explain(report, model, p, resolved.tp, matched, getattr(checker, "fanout", set()), applied)
+    explain(report, model, p, resolved.tp, static.get("matched", {}), getattr(checker, "fanout", set()), applied)
     report.errors = fold_errors(report.errors)
     return report

@@ -28,6 +28,8 @@ class Report:
             empty.
         experts: the summary the expert axis unit's check writes (its ``report_key``; :mod:`meshplan.axes`), or
             empty.
+        sharding: the resolution the tensor axis unit's check writes (its ``report_key``): matched rules, the
+            checker the rehearsals add their errors to, whether its static checks passed; not in :meth:`to_dict`.
     """
 
     source: str
@@ -42,6 +44,7 @@ class Report:
     pipeline: dict[str, Any] = field(default_factory=dict)
     context: dict[str, Any] = field(default_factory=dict)
     experts: dict[str, Any] = field(default_factory=dict)
+    sharding: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def ok(self) -> bool:

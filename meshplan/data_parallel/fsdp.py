@@ -39,9 +39,9 @@ class DataParallelState:
     Attributes:
         mode: ``fsdp``, ``hsdp``, ``ddp`` or ``none``.
         section: the validated section.
-        grad_sync: a :class:`meshplan.tensor_parallel.grad_sync.TpGradSync` this step made itself for DTensor
-            parameters that tensor parallelism outside meshplan left (else None: the model's one is tensor
-            parallelism's, re-installed on FSDP2's parameters). Read the model's one as
+        grad_sync: a :class:`meshplan.gradients.GradFinalizer` this step made itself for DTensor
+            parameters that tensor parallelism outside meshplan left (else None: the model's one, which
+            ``parallelize`` handed to the axes, is re-installed on FSDP2's parameters). Read the model's one as
             :attr:`meshplan.state.ParallelState.grad_sync`.
     """
 
@@ -215,11 +215,11 @@ def _new_grad_sync(model: "nn.Module", topology: "Topology", sequence_parallel: 
     """A grad sync for DTensor parameters (or smp batch mode) that no meshplan tensor parallelism recorded."""
     from torch.distributed.tensor import DTensor
 
-    from meshplan.tensor_parallel.grad_sync import TpGradSync
+    from meshplan.gradients import finalizer_for
     batch = sequence_parallel == "batch" and topology.layout.tp > 1
     if not batch and not any(isinstance(p, DTensor) for p in model.parameters()):
         return None
-    return TpGradSync.for_model(model, topology["tp"], sequence_parallel)
+    return finalizer_for(model, topology["tp"], sequence_parallel)
 
 
 def _shard_experts(model: "nn.Module", topology: "Topology", mode: str, policies: dict, reshard: Any) -> None:

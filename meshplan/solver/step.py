@@ -26,8 +26,8 @@ from meshplan.solver.shape import ModelShape
 
 __all__ = ["Estimate", "evaluate", "idle_fraction", "peak_memory"]
 
-#: the collective axes exposed in each microbatch: tp, the axes that are units (in order)
-_PER_MICROBATCH = ("tp", *(axis.name for axis in AXES))
+#: the collective axes exposed in each microbatch: the axes that are units (in order)
+_PER_MICROBATCH = tuple(axis.name for axis in AXES)
 
 
 def idle_fraction(schedule: str | None, p: int, v: int, m: int) -> float:
