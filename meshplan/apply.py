@@ -81,11 +81,11 @@ def _apply_sections(model: nn.Module, p: Plan, topology: Topology | None, meshes
     if problem is not None:  # `meshplan check` reports the same (checks/data.py); raised before anything changes
         raise problem
     split = _split_stages(model, p, topology) if pipelined else None
-    attach_state(model, gradients=GradFinalizer())  # the model's one gradient finaliser, handed to the axes
+    # train_step's topology (also without data parallelism); the model's one gradient finaliser, handed to the axes
+    attach_state(model, plan=p, topology=topology, gradients=GradFinalizer())
     # each axis' record attached here alone, in parallelize's order (the next axis reads the record so far)
     data_parallel = apply_axes(model, p, topology, prepared, lambda: attach_state(model),
                                lambda **record: attach_state(model, **record)) or data_parallel
-    attach_state(model, plan=p, topology=topology)  # train_step's topology, also without data parallelism
     if data_parallel:
         from meshplan.data_parallel.fsdp import check_data_parallel
         section = p.data_parallel or DataParallel()

@@ -123,7 +123,7 @@ class GradFinalizer:
     Attributes:
         tp_group: the tp process group plain parameters reduce over (None until the first :meth:`track`).
         names: paths of the tracked parameters (checkpoint-wrapper segments ignored); ``plain``: those reduced
-            as plain tensors (batch mode, head norms, MoE token regions).
+            as plain tensors (batch mode, head norms, MoE token regions); ``active``: whether any is tracked.
 
     Example::
 
@@ -136,6 +136,7 @@ class GradFinalizer:
         self.tp_group: Any = None
         self.plain: set[str] = set()
         self.names: set[str] = set()
+        self.active = False  # an attribute, not a property: state.grad_sync reads it without a call
         self.collectives = 0  # all-reduces issued so far (diagnostics)
         self._params: dict[str, torch.Tensor] = {}  # clean name -> the parameter that holds the final grad
         self._raw: dict[str, str] = {}  # clean name -> its path in the model
@@ -145,7 +146,6 @@ class GradFinalizer:
         self._hooked: dict[int, Any] = {}  # id(tensor) -> hook handle (no weakrefs: they block swap_tensors)
         self._handles: list = []
 
-    active = property(lambda self: bool(self.names), doc="Whether any parameter is tracked (else nothing to do).")
 
     def track(self, tp_group: Any, names: Iterable[str] = (), plain: Iterable[str] = ()) -> "GradFinalizer":
         """Also sum the gradients of ``names`` (their ``Partial`` placements say over what) and of the plain
@@ -155,6 +155,7 @@ class GradFinalizer:
         added = {_clean(n) for n in plain}
         self.plain |= added
         self.names |= {_clean(n) for n in names} | added
+        self.active = bool(self.names)
         return self
 
     # ------------------------------------------------------------------ installation
