@@ -47,10 +47,12 @@ def _check(model: Any, plan: Any, layout: Any, report: Any) -> None:
 
 
 def _prepare(model: Any, plan: Any, mesh: Any) -> Any:
-    """``(tp mesh, section)`` after the checks ``meshplan check`` runs (before anything changes), or None."""
+    """``(tp mesh, section)`` after the checks ``meshplan check`` runs (before anything changes), or None; ``mesh``:
+    the unit's own (:func:`tp_mesh`, handed by ``parallelize``), or a Topology."""
     if plan.tensor_parallel is None:
         return None
     from meshplan.checks.validate import validate_plan
+    mesh = tp_mesh(mesh)
     validate_plan(model, plan, mesh.size())  # what `meshplan check` checks, before anything changes
     return mesh, plan.tensor_parallel
 
