@@ -104,7 +104,7 @@ def main() -> None:
             print(f"{world:>2} {str(reshard):>8} {root_col:>5} {r['psi']:>10} {r['bytes']:>11.0f} "
                   f"{theory:>11.0f} {r['ratio']:>6.3f}  {r['calls']}")
     print("\ntp all-reduces per step for norm-weight grads (5 norm weights: 2 per block + final), SP, tp=2"
-          "\n(before meshplan's TpGradSync covered FSDP2, a hand-written loop got FSDP2's own path: 5 per backward)")
+          "\n(before meshplan's gradient finaliser (GradFinalizer) covered FSDP2, a hand-written loop got FSDP2's own path: 5 per backward)")
     print(f"{'loop':>10} {'layout':>15} {'microbatches':>12} {'tp all-reduces':>14}  all all-reduces")
     for mode, mb, no_sync, layout in (("tp_only", 1, False, "tp2"), ("loop", 1, False, "tp2 x dp_shard2"),
                                       ("loop", 2, False, "tp2 x dp_shard2"), ("loop", 2, True, "tp2 x dp_shard2"),

@@ -10,24 +10,12 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from meshplan.errors import PlanError
 from meshplan.faults.watch import translating
+from meshplan.gradients import GradFinalizer
 from meshplan.mesh.topology import Topology, build_mesh, current_topology
 from meshplan.plan_file.document import Plan, as_plan
 from meshplan.state import attach_state, parallel_state
 
 __all__ = ["parallelize"]
-
-
-def _tp_mesh(mesh: Topology | DeviceMesh) -> DeviceMesh:
-    if isinstance(mesh, Topology):
-        return mesh["tp"]
-    if isinstance(mesh, DeviceMesh):
-        names = mesh.mesh_dim_names or ()
-        if mesh.ndim == 1 and (not names or names == ("tp",)):
-            return mesh
-        if "tp" in names:
-            return mesh["tp"]
-        raise PlanError(f"the mesh has dims {names}; meshplan needs a 'tp' dim (or pass a meshplan Topology)")
-    raise PlanError(f"mesh must be a meshplan Topology or a torch DeviceMesh, got {type(mesh).__name__}")
 
 
 def parallelize(model: nn.Module, plan: Plan | Mapping[str, Any] | str | Path | None = None,
@@ -66,50 +54,31 @@ def parallelize(model: nn.Module, plan: Plan | Mapping[str, Any] | str | Path | 
     p = as_plan(plan)
     if mesh is None:
         mesh = current_topology() or build_mesh(p.layout or {})
-    tp_mesh = _tp_mesh(mesh)
+    from meshplan.axes import axis_meshes
+    meshes = axis_meshes(mesh)  # the axes' own meshes (a bare DeviceMesh: its tp dim); PlanError for a bad mesh
     from meshplan.mesh.runtime import check_same_plan
-    # a rank with another plan, model or torch fails, not hangs
-    check_same_plan(p, mesh if isinstance(mesh, Topology) else tp_mesh, model)
+    # a rank with another plan, model or torch fails, not hangs (a bare DeviceMesh: over its axis' ranks)
+    check_same_plan(p, mesh if isinstance(mesh, Topology) else next(iter(meshes.values())), model)
     watch = getattr(getattr(mesh, "job", None), "watch", None)  # the job owns the watch (mesh.runtime.Job)
     with translating(watch):
-        return _apply_sections(model, p, mesh if isinstance(mesh, Topology) else None, tp_mesh)
+        return _apply_sections(model, p, mesh if isinstance(mesh, Topology) else None, meshes)
 
 
-def _apply_sections(model: nn.Module, p: Plan, topology: Topology | None, tp_mesh: DeviceMesh) -> nn.Module:
+def _apply_sections(model: nn.Module, p: Plan, topology: Topology | None, meshes: dict[str, Any]) -> nn.Module:
     """:func:`parallelize` once the plan and the mesh are settled and every rank agrees."""
-    if p.tensor_parallel is not None:
-        from meshplan.checks.validate import validate_plan
-        validate_plan(model, p, tp_mesh.size())  # what `meshplan check` checks, before anything changes
     from meshplan.blocks import blocks_problem
     problem = blocks_problem(model, p, topology.layout if topology is not None else None, p.source)
     if problem is not None:  # `meshplan check` reports the same (checks/data.py); raised before anything changes
         raise problem
-    from meshplan.axes import AXES, TP_AT, apply_axes, finish_axes, prepare_axes
-    prepared = prepare_axes(model, p, topology)  # the axes that are units, resolved before anything changes
+    from meshplan.axes import apply_axes, finish_axes, prepare_axes
+    prepared = prepare_axes(model, p, topology, meshes)  # every axis resolved and checked, before anything changes
+    # train_step's topology (also without data parallelism); the model's one gradient finaliser, handed to the axes
+    attach_state(model, plan=p, topology=topology, gradients=GradFinalizer())
     state, attach = (lambda: attach_state(model)), (lambda **record: attach_state(model, **record))
     # each axis' record attached here alone, in parallelize's order (the next axis reads the record so far)
-    apply_axes(model, p, topology, prepared, state, attach, AXES[:TP_AT])
-    if p.tensor_parallel is not None:
-        _tensor_parallel(model, p, tp_mesh)
-    apply_axes(model, p, topology, prepared, state, attach, AXES[TP_AT:])
-    attach_state(model, plan=p, topology=topology)  # train_step's topology, also when no axis records one
+    apply_axes(model, p, topology, prepared, state, attach)
     from meshplan.blocks import apply_blocks, blocks_reason
     if blocks_reason(p, topology.layout if topology is not None else None):
         apply_blocks(model, p.blocks)  # checkpointing, compile per block: once, between the axes' apply and finish
     finish_axes(model, p, topology, prepared, state, attach)  # the late phase: stages, then FSDP2 on each block
     return model
-
-
-def _tensor_parallel(model: nn.Module, p: Plan, tp_mesh: DeviceMesh) -> None:
-    """Tensor parallelism on the (pruned) model: the rules the axes applied before it keep
-    (:func:`meshplan.axes.tp_rules`: an axis that pruned modules leaves out the rules naming only those)."""
-    from meshplan.axes import tp_rules
-    from meshplan.tensor_parallel.apply import apply_tensor_parallel
-    section = p.tensor_parallel
-    rules = tp_rules(model, section.rules, parallel_state(model))
-    if rules is not section.rules:
-        section = section.model_copy(update={"rules": rules})
-    applied = apply_tensor_parallel(model, section, tp_mesh, p.source)
-    attach_state(model, tensor_parallel=applied)  # the finaliser and RNG hooks live as long as the model
-    from meshplan.hf.styles import install_hf_loss
-    install_hf_loss(model, p.tensor_parallel)  # transformers' own loss on vocab-sharded logits

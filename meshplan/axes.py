@@ -1,13 +1,12 @@
 """The ordered parallelism axes that are units (:class:`~meshplan.axis.Axis`), and the loops over them.
 
 :func:`meshplan.parallelize`, ``meshplan check``, :func:`meshplan.train_step`, explain and the solver iterate over
-:data:`AXES` instead of naming an axis. Pipeline, context, expert and data parallelism are units so far; tensor
-parallelism keeps its own code path (:data:`TP_AT`) until it joins, at its place in parallelize's order (stage split
-→ tensor → context → expert → blocks → stages → data: the pipeline first (its apply prunes the model to this rank's
-stages, its finish builds them after the blocks section); context parallelism's hooks (root, attention modules) and
-expert parallelism's (experts, MoE blocks) touch different modules, and this order keeps ``meshplan check``'s lines
-and errors and the solver's sums in the order they had before expert parallelism joined; data parallelism is last:
-its ``finish`` wraps FSDP2 after the blocks section and the stages). Torch-free.
+:data:`AXES` instead of naming an axis. Every axis is a unit, in parallelize's order: the pipeline first (its apply
+prunes the model to this rank's stages, its finish builds them after the blocks section), then tensor parallelism
+(the rules the split kept), context parallelism's hooks (root, attention modules) and expert parallelism's (experts,
+MoE blocks), which touch different modules (this order keeps ``meshplan check``'s lines and errors and the
+solver's sums in the order they had before expert parallelism joined), and data parallelism last: its ``finish``
+wraps FSDP2 after the blocks section and the stages. Torch-free.
 """
 
 from __future__ import annotations
@@ -19,18 +18,22 @@ from meshplan.context_parallel.unit import AXIS as _CONTEXT
 from meshplan.data_parallel.unit import AXIS as _DATA
 from meshplan.expert_parallel.unit import AXIS as _EXPERT
 from meshplan.pipeline.unit import AXIS as _PIPELINE
+from meshplan.tensor_parallel.unit import AXIS as _TENSOR
 
-__all__ = ["AXES", "COST_AXES", "check_axes", "prepare_axes", "apply_axes", "finish_axes", "step_runner",
-           "shard_batch", "shard_sequence", "report_lines", "opaque_modules", "tp_rules", "TP_AT", "blocks_reason",
-           "accumulate", "data_dims"]
+__all__ = ["AXES", "COST_AXES", "axis_meshes", "check_axes", "prepare_axes", "apply_axes", "finish_axes",
+           "step_runner", "shard_batch", "shard_sequence", "report_lines", "opaque_modules",
+           "blocks_reason", "accumulate", "data_dims"]
 
 #: the axes that are units, in parallelize's order
-AXES: tuple[Axis, ...] = (_PIPELINE, _CONTEXT, _EXPERT, _DATA)
-#: where in :data:`AXES` parallelize's tensor-parallel step runs until tensor parallelism is a unit (after the
-#: pipeline's split, before context parallelism)
-TP_AT = 1
+AXES: tuple[Axis, ...] = (_PIPELINE, _TENSOR, _CONTEXT, _EXPERT, _DATA)
 #: the axes the solver's per-microbatch loops take (:attr:`~meshplan.axis.Axis.in_solver`)
 COST_AXES: tuple[Axis, ...] = tuple(axis for axis in AXES if axis.in_solver)
+
+
+def axis_meshes(given: Any) -> dict[str, Any]:
+    """``{axis name: its mesh}`` for the axes with a :attr:`~meshplan.axis.Axis.mesh` of their own, from what
+    ``parallelize`` was given (a Topology or a torch ``DeviceMesh``); raises the PlanError of a mesh they refuse."""
+    return {axis.name: axis.mesh(given) for axis in AXES if axis.mesh is not None}
 
 
 def _others(axis: Axis, plan: Any) -> tuple:
@@ -47,14 +50,17 @@ def check_axes(model: Any, plan: Any, layout: Any, report: Any) -> None:
         axis.check(model, plan, layout, report, *_others(axis, plan))
 
 
-def prepare_axes(model: Any, plan: Any, topology: Any) -> dict[str, Any]:
+def prepare_axes(model: Any, plan: Any, topology: Any, meshes: dict[str, Any] | None = None) -> dict[str, Any]:
     """``parallelize``'s checks before anything changes: ``{axis name: prepared}`` for the axes it applies (the
     static checks first, then the axes whose prepare rehearses on a throwaway copy:
-    :attr:`~meshplan.axis.Axis.rehearses`)."""
+    :attr:`~meshplan.axis.Axis.rehearses`; ``meshes``: :func:`axis_meshes`, handed to those axes' ``prepare`` in
+    place of the topology)."""
+    meshes = meshes or {}
+
     def opaque() -> tuple[str, ...]:  # asked for only by a rehearsal that runs
         return opaque_modules(model, plan)
     # the static checks first, then the axes that rehearse on a throwaway copy (the pipeline's split probe)
-    prepared = {axis.name: axis.prepare(model, plan, topology, *_others(axis, plan),
+    prepared = {axis.name: axis.prepare(model, plan, meshes.get(axis.name, topology), *_others(axis, plan),
                                         **({"opaque": opaque} if axis.rehearses else {}))
                 for axis in sorted(AXES, key=lambda axis: axis.rehearses)}
     return {name: v for name, v in prepared.items() if v is not None}
@@ -69,8 +75,10 @@ def apply_axes(model: Any, plan: Any, topology: Any, prepared: dict[str, Any], s
     data_parallel = False
     for axis in axes:
         if axis.name in prepared:
-            attach(**{axis.state_field: axis.apply(model, plan, topology, prepared[axis.name], state())})
-            data_parallel = data_parallel or axis.data_parallel(topology.layout)
+            record = axis.apply(model, plan, topology, prepared[axis.name], state())
+            attach(**{axis.state_field: record})
+            plan = axis.narrow(model, plan, record)  # what the next axes apply (a split: its stages' rules)
+            data_parallel = data_parallel or (topology is not None and axis.data_parallel(topology.layout))
     return data_parallel
 
 
@@ -82,16 +90,6 @@ def finish_axes(model: Any, plan: Any, topology: Any, prepared: dict[str, Any], 
             record = axis.finish(model, plan, topology, prepared[axis.name], state())
             if record is not None:
                 attach(**{axis.state_field: record})
-
-
-def tp_rules(model: Any, rules: dict, state: Any) -> dict:
-    """The ``tensor_parallel`` rules to apply to ``model`` once the axes before tensor parallelism applied: each
-    axis whose record ``state`` holds keeps its own (:attr:`~meshplan.axis.Axis.tp_rules`)."""
-    for axis in AXES:
-        record = getattr(state, axis.state_field) if state is not None else None
-        if record is not None:
-            rules = axis.tp_rules(model, rules, record)
-    return rules
 
 
 def blocks_reason(plan: Any, layout: Any) -> str:

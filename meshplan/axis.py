@@ -95,9 +95,9 @@ class Axis:
             every axis' share of a batch, handed in: a folder never imports the loop over the axes) and ``attach``
             (``attach(**{state field: record})`` attaches a record the step made, returns the state: the pipeline's
             traced stages, made on the first step).
-        tp_rules: ``(model, rules, record) -> rules``: the ``tensor_parallel`` rules still to apply once the axis'
-            record is attached (a pipeline leaves out the rules that name only other stages' modules, which its
-            apply pruned). Default: ``rules``.
+        narrow: ``(model, plan, record) -> plan``: the plan the axes after it apply, once its record is attached (a
+            pipeline leaves out the ``tensor_parallel`` rules that name only other stages' modules, which its apply
+            pruned). Default: ``plan``.
         written: ``(candidate, base section) -> section | None``: the section ``meshplan solve --write`` writes
             for a chosen candidate (the pipeline's schedule and microbatches over the base plan's), None when the
             candidate needs none; None (default): a rule section, copied from the base plan.
@@ -115,6 +115,10 @@ class Axis:
         data_dims: the mesh dims whose ranks hold different data (``train_step`` counts the tokens over them).
         in_solver: the solver's per-microbatch loops take it (its degree a ``Candidate`` field); data parallelism's
             collectives run once per step, in the solver's own terms.
+        mesh: ``(given) -> mesh``, or None: the axis' own mesh from what ``parallelize`` was given (a Topology or
+            a torch ``DeviceMesh``; raises :class:`~meshplan.errors.PlanError` for one it cannot use); when set,
+            ``prepare`` gets it in place of the topology, which is None for a bare ``DeviceMesh`` (tensor
+            parallelism: a ``DeviceMesh`` with a ``tp`` dim).
     """
 
     name: str
@@ -135,7 +139,7 @@ class Axis:
     opaque: Callable[[Any, Any], set] = lambda model, plan: set()
     finish: Callable[[Any, Any, Any, Any, Any], Any] = lambda model, plan, topology, prepared, state: None
     run_step: "Callable[..., Any] | None" = None
-    tp_rules: Callable[[Any, dict, Any], dict] = lambda model, rules, record: rules
+    narrow: Callable[[Any, Any, Any], Any] = lambda model, plan, record: plan
     written: "Callable[[Any, Any], Any] | None" = None
     rehearses: bool = False
     data_axis: bool = False
@@ -144,6 +148,7 @@ class Axis:
     accumulate: "Callable[[Any, Any, int, int], None] | None" = None
     data_dims: tuple[str, ...] = ()
     in_solver: bool = True
+    mesh: "Callable[[Any], Any] | None" = None
 
     def degree(self, layout: Any) -> int:
         """The axis' degree in ``layout`` (a resolved layout or a solver candidate)."""

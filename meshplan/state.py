@@ -43,6 +43,9 @@ class ParallelState:
             runtime routing attention), or None.
         expert_parallel: the :class:`~meshplan.expert_parallel.apply.EpApplied` (MoE blocks, expert-sharded
             parameters, the parameters summed over tp), or None.
+        gradients: the model's one :class:`~meshplan.gradients.GradFinalizer`, created by
+            :func:`meshplan.parallelize` before any axis applies and handed to the axes through this record (tensor
+            and expert parallelism track parameters in it, data parallelism re-installs it), or None.
     """
 
     plan: "Plan | None" = None
@@ -53,15 +56,15 @@ class ParallelState:
     pipeline: Any = None
     context_parallel: Any = None
     expert_parallel: Any = None
+    gradients: Any = None
 
     @property
     def grad_sync(self) -> Any:
-        """The ONE :class:`~meshplan.tensor_parallel.grad_sync.TpGradSync` of the model: tensor parallelism's
-        finaliser, else the one data parallelism made for DTensor parameters it found (tensor parallelism
-        applied outside meshplan), else None."""
-        tp = self.tensor_parallel.finalizer if self.tensor_parallel is not None else None
-        if tp is not None:
-            return tp
+        """The ONE :class:`~meshplan.gradients.GradFinalizer` of the model when it tracks anything: the one
+        ``parallelize`` handed to the axes, else the one data parallelism made for DTensor parameters it found
+        (tensor parallelism applied outside meshplan), else None."""
+        if self.gradients is not None and self.gradients.active:
+            return self.gradients
         return self.data_parallel.grad_sync if self.data_parallel is not None else None
 
     @property

@@ -49,8 +49,8 @@ EP_ALLOWED = {
     "cli/args.py", "cli/convert.py", "cli/solve.py",
     "convert/accelerate.py", "convert/common.py", "convert/formats.py", "convert/hf_document.py",
     "solver/candidate.py", "solver/compute.py", "solver/memory.py", "solver/placement.py", "solver/rules.py",
-    "solver/search.py",
-    "data_parallel/wrap.py", "tensor_parallel/grad_sync.py",  # edp: FSDP2 over the experts
+    "solver/search.py", "solver/terms.py",  # the blocks' local tensors (moved from memory.py: tp's costs read them)
+    "data_parallel/wrap.py",  # edp: FSDP2 over the experts
     "checkpoint/chunks.py", "checkpoint/export.py", "checkpoint/load.py", "checkpoint/save.py",
     "hf/checkpoint_keys.py", "hf/convert.py", "hf/moe.py",
     "checks/explain.py", "checks/regions.py", "checks/validate.py",
@@ -73,7 +73,7 @@ PP_ALLOWED = {
     "weights/load.py", "weights/materialize.py", "data_parallel/wrap.py", "data_parallel/costs.py", "training/clip.py", "training/step.py",
     "context_parallel/apply.py", "context_parallel/check.py", "context_parallel/costs.py",
     "context_parallel/runtime.py", "expert_parallel/__init__.py", "expert_parallel/check.py",
-    "expert_parallel/costs.py",
+    "expert_parallel/costs.py", "tensor_parallel/costs.py",
     "checkpoint/export.py", "checkpoint/load.py", "checkpoint/save.py", "checkpoint/state.py",
     "faults/report.py", "faults/watch.py",
     "checks/report.py", "checks/validate.py", "viz/__init__.py", "viz/model_draw.py", "viz/timeline.py",
@@ -96,13 +96,13 @@ DP_ALLOWED = {
     "solver/candidate.py", "solver/cluster.py", "solver/plans.py", "solver/rules.py", "cli/solve.py",
     "convert/common.py", "convert/deepspeed.py", "hf/convert.py", "context_parallel/hf_check.py",
     "expert_parallel/unit.py", "pipeline/probe.py", "pipeline/traced.py",
-    "tensor_parallel/apply.py", "tensor_parallel/dropout/single_device.py", "tensor_parallel/grad_sync.py",
+    "tensor_parallel/apply.py", "tensor_parallel/dropout/single_device.py", "gradients.py",
     "training/step.py",
 }
 
 
 def test_axes_are_frozen_values_in_order():
-    assert [a.name for a in AXES] == ["pp", "cp", "ep", "dp"]  # parallelize's order: split → (tensor) → context → expert → data
+    assert [a.name for a in AXES] == ["pp", "tp", "cp", "ep", "dp"]  # parallelize's order: split → tensor → context → expert → data
     for axis in AXES:
         assert isinstance(axis, Axis) and isinstance(axis.costs, AxisCosts)
         with pytest.raises(dataclasses.FrozenInstanceError):
@@ -148,11 +148,12 @@ def test_pipeline_parallelism_is_named_only_where_allowed():
     assert found <= PP_ALLOWED, f"pipeline parallelism named outside its unit: {sorted(found - PP_ALLOWED)}"
 
 
-def test_the_pipeline_unit_takes_the_step_and_keeps_tp_rules_of_its_stages():
+def test_the_pipeline_unit_takes_the_step_and_narrows_tp_rules_to_its_stages():
     """A pipeline record hands train_step to the unit's schedule; its tp rule pruning keeps only this rank's."""
     import torch.nn as nn
 
-    from meshplan.axes import step_runner, tp_rules
+    from meshplan.axes import step_runner
+    from meshplan.plan_file.document import as_plan
     from meshplan.pipeline.stages import PipelineApplied
     from meshplan.pipeline.unit import AXIS
     from meshplan.plan_file.pipeline import Pipeline
@@ -162,9 +163,9 @@ def test_the_pipeline_unit_takes_the_step_and_keeps_tp_rules_of_its_stages():
     assert step_runner(ParallelState(pipeline=record)) is AXIS.run_step
     model = nn.Module()
     model.layers = nn.ModuleList([nn.Identity(), nn.Linear(2, 2)])  # layer 0 pruned: another stage's
-    rules = {"layers.0": "colwise", "layers.*": "rowwise"}
-    assert tp_rules(model, rules, ParallelState(pipeline=record)) == {"layers.*": "rowwise"}
-    assert tp_rules(model, rules, ParallelState()) is rules
+    plan = as_plan({"tensor_parallel": {"rules": {"layers.0": "colwise", "layers.*": "rowwise"}}})
+    assert list(AXIS.narrow(model, plan, record).tensor_parallel.rules) == ["layers.*"]
+    assert AXIS.narrow(model, as_plan({}), record) == as_plan({})
 
 
 def test_data_parallelism_is_named_only_where_allowed():

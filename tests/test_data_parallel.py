@@ -408,12 +408,12 @@ def _assert_final_grads(model):
 def test_hand_written_loop_one_tp_all_reduce_under_fsdp(fake_pg, no_sync):
     """FSDP×TP+SP, plain ``loss.backward()``: all 5 norm grads in ONE tp all-reduce (FSDP2 alone: 5)."""
     from benchmarks._comm import CommLog
-    from meshplan.tensor_parallel.grad_sync import grad_sync
     with fake_pg(4):
         topo = meshplan.build_mesh({"dp_shard": 2, "tp": 2})
         model = meshplan.parallelize(build(tiny_args()), {"tensor_parallel": {
             "sequence_parallel": True, "loss_parallel": False, "rules": _TP_RULES}, "data_parallel": {}}, topo)
-        sync, state = grad_sync(model), meshplan.parallel_state(model)
+        state = meshplan.parallel_state(model)
+        sync = state.gradients  # the one finaliser parallelize made and handed to the axes
         assert sync is state.tensor_parallel.finalizer is state.grad_sync
         x = torch.randint(0, 128, (2, 16))
         per_backward = []

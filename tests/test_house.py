@@ -274,7 +274,7 @@ def _under(mod: str, names: tuple[str, ...]) -> bool:
 SPEC_LAYER = ("meshplan.plan_file", "meshplan.solver", "meshplan.mesh.ranks", "meshplan.errors", "meshplan.version",
               "meshplan.axis", "meshplan.context_parallel.costs", "meshplan.context_parallel.chunks",
               "meshplan.expert_parallel.costs", "meshplan.pipeline.costs",
-              "meshplan.data_parallel.costs")
+              "meshplan.data_parallel.costs", "meshplan.tensor_parallel.costs")
 #: modules under SPEC_LAYER's names that are not in it, and why
 NOT_SPEC = {"meshplan.solver.api": "meshplan.estimate/solve read a built model (checks/model_shape): the runtime's "
                                    "door to the solver, above it"}
@@ -302,11 +302,8 @@ FLOOR_EXCEPTIONS: dict[tuple[str, str], str] = {}
 #: the axis folders (the units' and those joining: their records are attached by parallelize alone)
 AXIS_FOLDERS = ("meshplan.context_parallel", "meshplan.expert_parallel", "meshplan.tensor_parallel",
                 "meshplan.pipeline", "meshplan.data_parallel")
-#: axis modules still importing meshplan/state.py until their axis is a unit (issue 26; may only shrink)
-STATE_IMPORTERS_LEFT = {
-    "meshplan.tensor_parallel.grad_sync": "the tp gradient finaliser finds the model's record itself; to move to "
-                                          "a neutral module handed to the axes",
-}
+#: axis modules still importing meshplan/state.py (issue 26: none left; may only shrink)
+STATE_IMPORTERS_LEFT: dict[str, str] = {}
 
 
 def _floor(mod: str, graph: dict[str, set[str]]) -> int:

@@ -15,7 +15,7 @@ from typing import Any, Mapping
 import torch.nn as nn
 
 from meshplan.checks.report import Report, fold_errors
-from meshplan.checks.validate import smallest_world, static_checks
+from meshplan.checks.validate import smallest_world
 from meshplan.errors import PlanError
 from meshplan.plan_file.document import Plan, as_plan
 from meshplan.plan_file.layout import Layout
@@ -63,16 +63,18 @@ def check(model: nn.Module, plan: Plan | Mapping[str, Any] | str, world_size: in
                                f"nothing is sharded; add `layout: {{tp: N}}` (CLI: --tp N)")
     import torch.distributed as dist
     shadow = dry_run and (not dist.is_initialized() or dist.get_backend() == "fake")  # as the dry run
-    matched, checker = static_checks(model, p, resolved.tp, report)
-    if checker is not None and report.ok and shadow:  # the shadow run needs a plan that applies
+    check_data(model, p, resolved, report)  # the blocks section, as parallelize checks it before the axes
+    check_axes(model, p, resolved, report)  # every axis' section: its static checks and resolution (a split: on a
+    # meta copy)
+    static = report.sharding  # the tensor axis' resolution: the rehearsals below apply it
+    checker = static.get("checker")
+    if checker is not None and static["ok"] and shadow:  # the shadow run needs a plan that applies
         from meshplan.checks.shadow import cross_shard_errors
         for msg in cross_shard_errors(model, p, resolved.tp, checker.where, report.warnings):
             checker.err(msg)
-    check_data(model, p, resolved, report)  # the blocks section, as parallelize checks it before the axes
-    check_axes(model, p, resolved, report)  # the sections of the axes that are units (a split: on a meta copy)
     applied = None
     if report.ok and p.tensor_parallel is not None and dry_run:
         applied = meta_dry_run(model, p, resolved.tp, report)
-    explain(report, model, p, resolved.tp, matched, getattr(checker, "fanout", set()), applied)
+    explain(report, model, p, resolved.tp, static.get("matched", {}), getattr(checker, "fanout", set()), applied)
     report.errors = fold_errors(report.errors)
     return report

@@ -29,6 +29,8 @@ class Report:
         experts: the summary the expert axis unit's check writes (its ``report_key``; :mod:`meshplan.axes`), or
             empty.
         data: the data axis unit's ``report_key``: empty (its check adds errors only, no summary lines).
+        sharding: the resolution the tensor axis unit's check writes (its ``report_key``): matched rules, the
+            checker the rehearsals add their errors to, whether its static checks passed; not in :meth:`to_dict`.
     """
 
     source: str
@@ -44,6 +46,7 @@ class Report:
     context: dict[str, Any] = field(default_factory=dict)
     experts: dict[str, Any] = field(default_factory=dict)
     data: dict[str, Any] = field(default_factory=dict)
+    sharding: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def ok(self) -> bool:

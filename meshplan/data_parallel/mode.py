@@ -32,9 +32,9 @@ class DataParallelState:
     Attributes:
         mode: ``fsdp``, ``hsdp``, ``ddp`` or ``none``.
         section: the validated section.
-        grad_sync: a :class:`meshplan.tensor_parallel.grad_sync.TpGradSync` this step made itself for DTensor
-            parameters that tensor parallelism outside meshplan left (else None: the model's one is tensor
-            parallelism's, re-installed on FSDP2's parameters). Read the model's one as
+        grad_sync: a :class:`meshplan.gradients.GradFinalizer` this step made itself for DTensor
+            parameters that tensor parallelism outside meshplan left (else None: the model's one, which
+            ``parallelize`` handed to the axes, is re-installed on FSDP2's parameters). Read the model's one as
             :attr:`meshplan.state.ParallelState.grad_sync`.
     """
 

@@ -25,7 +25,8 @@ def wrap(model: "nn.Module", section: DataParallel, topology: "Topology", resolv
     Args:
         state: the model's record so far (read only): the blocks' paths, the pipeline's stage views, the expert
             modules, the sequence-parallel mode.
-        grad_sync: the model's one gradient finaliser (tensor parallelism's), or None: one is made here for
+        grad_sync: the model's one gradient finaliser (:class:`meshplan.gradients.GradFinalizer`, which
+            ``parallelize`` handed to the axes) when it tracks anything, or None: one is made here for
             DTensor parameters that tensor parallelism outside meshplan left (or smp's batch mode).
 
     Returns:
@@ -46,11 +47,11 @@ def _new_grad_sync(model: "nn.Module", topology: "Topology", sequence_parallel: 
     """A grad sync for DTensor parameters (or smp batch mode) that no meshplan tensor parallelism recorded."""
     from torch.distributed.tensor import DTensor
 
-    from meshplan.tensor_parallel.grad_sync import TpGradSync
+    from meshplan.gradients import finalizer_for
     batch = sequence_parallel == "batch" and topology.layout.tp > 1
     if not batch and not any(isinstance(p, DTensor) for p in model.parameters()):
         return None
-    return TpGradSync.for_model(model, topology["tp"], sequence_parallel)
+    return finalizer_for(model, topology["tp"], sequence_parallel)
 
 
 def _shard_experts(model: "nn.Module", state: Any, topology: "Topology", mode: str, policies: dict,

@@ -241,12 +241,14 @@ def _no_tp_inside(model: nn.Module, blocks: list[MoeBlock], tp_rules: Any, where
 
 
 def apply_expert_parallel(model: nn.Module, section: ExpertParallel, topology: Any, blocks: tuple[MoeBlock, ...],
-                          tensor_parallel: Any = None) -> EpApplied:
+                          tensor_parallel: Any = None, finalizer: Any = None) -> EpApplied:
     """Shard the experts of ``blocks`` (from :func:`check_expert_parallel`) over ``topology["ep"]``; under tp > 1
     each block runs on its tp rank's tokens and its other parameters' gradients are summed over tp.
 
     Args:
         tensor_parallel: the model's :class:`~meshplan.tensor_parallel.apply.TpApplied` (needed when tp > 1).
+        finalizer: the model's :class:`~meshplan.gradients.GradFinalizer` (handed by :func:`meshplan.parallelize`),
+            which the token regions add their tp sums to.
 
     Raises:
         PlanError: tp > 1 without a tensor_parallel section, a tensor-parallel rule inside an MoE block.
@@ -269,5 +271,5 @@ def apply_expert_parallel(model: nn.Module, section: ExpertParallel, topology: A
     replicated = []
     if lay.tp > 1 or tensor_parallel is not None:  # a tensor_parallel section makes the stream a DTensor, even at tp 1
         from meshplan.expert_parallel.region import token_regions
-        replicated = token_regions(model, blocks, topology, tensor_parallel, set(expert_params))
+        replicated = token_regions(model, blocks, topology, tensor_parallel, set(expert_params), finalizer)
     return EpApplied(section, blocks, lay.ep, lay.etp, lay.edp, tuple(expert_params), tuple(replicated), adjusted)

@@ -95,10 +95,12 @@ def prepare_experts(model: nn.Module, p: Any, topology: Any) -> tuple[ExpertPara
 
 def apply_experts(model: nn.Module, p: Any, topology: Any, prepared: tuple, state: Any) -> EpApplied:
     """The experts of the prepared MoE blocks this rank still holds (a pipeline split pruned the others' layers)
-    sharded over ep; ``state``: the model's record so far (its ``tensor_parallel``, the tp token regions' grad sync).
+    sharded over ep; ``state``: the model's record so far (its ``tensor_parallel``; its ``gradients``: the model's
+    one gradient finaliser, where the tp token regions add their sums).
     """
     section, blocks = prepared
     modules = dict(model.named_modules())
     kept = tuple(b for b in blocks if b.experts in modules and not isinstance(modules[b.experts], nn.Identity))
     tensor_parallel = state.tensor_parallel if state is not None else None
-    return apply_expert_parallel(model, section, topology, kept, tensor_parallel)
+    finalizer = state.gradients if state is not None else None
+    return apply_expert_parallel(model, section, topology, kept, tensor_parallel, finalizer)

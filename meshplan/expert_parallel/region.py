@@ -139,15 +139,15 @@ def _output_hook(path: str, mesh: Any, stream: Stream, whole: bool):
 
 
 def token_regions(model: nn.Module, blocks: tuple, topology: Any, tensor_parallel: Any,
-                  expert_params: set[str]) -> list[str]:
+                  expert_params: set[str], finalizer: Any = None) -> list[str]:
     """Make the token region of every MoE block of ``blocks`` (its ``region`` module: the block, or the module
     holding several blocks) run on ``topology["tp"]``; returns the paths of their parameters outside the experts,
-    added to the tp sum of ``tensor_parallel.finalizer``.
+    added to the tp sum of ``finalizer`` (the model's one :class:`~meshplan.gradients.GradFinalizer`, which
+    :func:`meshplan.parallelize` handed over).
 
     Raises:
         PlanError: tp > 1 without a tensor_parallel section.
     """
-    from meshplan.tensor_parallel.grad_sync import TpGradSync
     tp = topology.layout.tp
     if tensor_parallel is None:
         raise PlanError(f"expert_parallel: layout.tp({tp}) > 1 needs a tensor_parallel section (the dense layers' "
@@ -166,10 +166,6 @@ def token_regions(model: nn.Module, blocks: tuple, topology: Any, tensor_paralle
         names += [f"{path}.{n}" for n, p in block.named_parameters()
                   if p.requires_grad and f"{path}.{n}" not in expert_params and not whole and tp > 1]
     if names:
-        sync = tensor_parallel.finalizer
-        if sync is None:
-            sync = tensor_parallel.finalizer = TpGradSync(topology["tp"].get_group(), (), (),
-                                                          tensor_parallel.sequence_parallel)
-        sync.add_plain(names)
-        sync.install(model)
+        assert finalizer is not None, "parallelize hands every axis the model's gradient finaliser"
+        finalizer.track(topology["tp"].get_group(), plain=names).install(model)
     return names

@@ -38,9 +38,14 @@ def _finish(model: Any, plan: Any, topology: Any, prepared: Any, state: Any) -> 
     return finish_pipeline(model, topology, prepared, state)
 
 
-def _tp_rules(model: Any, rules: dict, record: Any) -> dict:
+def _narrow(model: Any, plan: Any, record: Any) -> Any:
+    """The plan the later axes apply: tensor-parallel rules naming only other stages' (pruned) modules left out."""
     from meshplan.pipeline.apply import tp_rules
-    return tp_rules(model, rules, record)
+    section = plan.tensor_parallel
+    rules = tp_rules(model, section.rules, record) if section is not None else None
+    if section is None or rules is section.rules:
+        return plan
+    return plan.model_copy(update={"tensor_parallel": section.model_copy(update={"rules": rules})})
 
 
 def _run_step(*args: Any, **options: Any) -> Any:
@@ -63,4 +68,4 @@ AXIS = Axis(name="pp", section="pipeline", title="pipeline parallelism", mesh_di
             report_key="pipeline", check=_check, prepare=_prepare, apply=_apply, shard_batch=_shard_batch,
             report_lines=_report_lines,
             costs=TERMS.costs, training=TERMS.training, example_plan=TERMS.example_plan, finish=_finish,
-            run_step=_run_step, tp_rules=_tp_rules, written=TERMS.written, rehearses=True)
+            run_step=_run_step, narrow=_narrow, written=TERMS.written, rehearses=True)

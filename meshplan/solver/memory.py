@@ -28,6 +28,7 @@ from meshplan.solver.candidate import Candidate, Training
 from meshplan.solver.placement import Placement
 from meshplan.solver.shape import ModelShape
 from meshplan.solver.terms import block_kinds
+from meshplan.solver.terms import block_tensors as _block_tensors
 
 __all__ = ["Memory", "rank_memory", "block_activations", "rank_tensors", "block_kinds"]
 
@@ -65,25 +66,6 @@ class Memory:
                  ("activations", self.activations), ("gathered", self.gathered), ("transient", self.transient)]
         text = ", ".join(f"{k} {v / GiB:.2f}" for k, v in parts)
         return text + (f"; {self.host / GiB:.2f} GiB on the host (cpu_offload)" if self.host else "")
-
-
-def _block_tensors(s: ModelShape, moe: bool, c: Candidate) -> tuple[list, list]:
-    """``(dense, expert)`` local tensors of one block after tp/ep: ``(rows, elements per row)`` each."""
-    t, h, q, kv = c.tp, s.hidden, s.q_width, s.kv_width
-    dense = [(q // t, h), (kv // t, h), (kv // t, h), (h, q // t)] + [(h, 1)] * (2 if s.norm == "rmsnorm" else 4)
-    if s.bias or s.qkv_bias:
-        dense += [(q // t, 1), (kv // t, 1), (kv // t, 1)] + ([(h, 1)] if s.bias else [])
-    expert: list = []
-    if not moe:
-        f = s.ffn // t
-        dense += [(f, h)] * (s.mlp_matrices - 1) + [(h, f)] + ([(f, 1)] * (s.mlp_matrices - 1) + [(h, 1)] if s.bias else [])
-        return dense, expert
-    e, fe = s.experts // c.ep, s.expert_width // c.etp
-    expert = [(e, fe * h)] * (s.mlp_matrices - 1) + [(e, h * fe)]
-    dense.append((s.experts, h))  # the router, whole on every tp rank
-    if s.shared_ffn:
-        dense += [(s.shared_ffn, h)] * (s.mlp_matrices - 1) + [(h, s.shared_ffn)]
-    return dense, expert
 
 
 def _end_tensors(s: ModelShape, c: Candidate, place: Placement, pp_rank: int) -> list:

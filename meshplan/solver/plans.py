@@ -20,7 +20,7 @@ __all__ = ["candidate_from_plan", "plan_from_candidate", "plan_text"]
 def _sections(plan: Plan, lay, where: str) -> None:
     """A degree above 1 needs its section, as ``meshplan.parallelize`` says."""
     units = tuple((axis.degree(lay), axis.name, axis.section) for axis in UNITS)  # in parallelize's order
-    for degree, name, key in ((lay.tp, "tp", "tensor_parallel"), *units):
+    for degree, name, key in units:
         if degree > 1 and getattr(plan, key) is None:
             raise PlanError(f"{where}: layout.{name}({degree}) > 1 but the plan has no {key} section")
 
@@ -40,14 +40,13 @@ def candidate_from_plan(plan: Plan, world: int, seq: int, global_batch: int, *, 
     where = plan.source or "<plan>"
     lay = (plan.layout or Layout()).resolve(world)
     _sections(plan, lay, where)
-    tp_sec, dp_sec, ac = plan.tensor_parallel, plan.data_parallel, (plan.blocks.activation_checkpointing
-                                                                    if plan.blocks else None)
+    dp_sec, ac = plan.data_parallel, (plan.blocks.activation_checkpointing if plan.blocks else None)
     m = plan.pipeline.microbatches if plan.pipeline is not None else microbatches
     data = lay.dp_replicate * lay.dp_shard
     if global_batch % (data * m):
         raise PlanError(f"{where}: the global batch ({global_batch}) must split over dp({data}) × microbatches({m}); "
                         f"expected a multiple of {data * m}")
-    cand = Candidate(tp=lay.tp, **{axis.name: axis.degree(lay) for axis in UNITS}, etp=lay.etp, vpp=lay.vpp,
+    cand = Candidate(**{axis.name: axis.degree(lay) for axis in UNITS}, etp=lay.etp, vpp=lay.vpp,
                      dp_replicate=lay.dp_replicate, dp_shard=lay.dp_shard, order=lay.order_str,
                      schedule=plan.pipeline.schedule if plan.pipeline and lay.pp > 1 else None,
                      micro_batch=global_batch // (data * m), microbatches=m,
@@ -59,9 +58,6 @@ def candidate_from_plan(plan: Plan, world: int, seq: int, global_batch: int, *, 
     train = Training(
         seq=seq, global_batch=global_batch, dtype=compute, master_dtype=dtype,
         reduce_dtype=(dp_sec.reduce_dtype if dp_sec else None) or compute,
-        sequence_parallel=bool(tp_sec is not None and tp_sec.sequence_parallel is True and lay.tp > 1),
-        loss_parallel=bool(tp_sec is not None and tp_sec.loss_parallel),
-        save_gathered_inputs=bool(tp_sec is not None and tp_sec.save_gathered_inputs),
         reshard_after_forward=reshard is not False,
         cpu_offload=bool(dp_sec and dp_sec.cpu_offload),
         **{k: v for axis in UNITS for k, v in axis.training(plan).items()})
@@ -79,13 +75,12 @@ def plan_from_candidate(cand: Candidate, train: Training, base: dict[str, Any] |
     base = dict(base or {})
     out: dict[str, Any] = {"version": 1, "layout": cand.layout_dict()}
     rules = tuple(axis for axis in UNITS if axis.written is None)  # the rule sections: copied from base
-    for degree, key in ((cand.tp, "tensor_parallel"), *((axis.degree(cand), axis.section) for axis in rules)):
+    for degree, key in ((axis.degree(cand), axis.section) for axis in rules):
         if key in base:
             out[key] = base[key]
         elif degree > 1:
             examples = ", ".join(f"{axis.example_plan} for {axis.section}" for axis in rules)
-            raise PlanError(f"the chosen layout needs a {key} section; pass --plan with one (e.g. plans/llama.yaml "
-                            f"for tensor_parallel, {examples})")
+            raise PlanError(f"the chosen layout needs a {key} section; pass --plan with one (e.g. {examples})")
     if "tensor_parallel" in out:
         out["tensor_parallel"] = {**out["tensor_parallel"], "sequence_parallel": train.sequence_parallel,
                                   "loss_parallel": train.loss_parallel}

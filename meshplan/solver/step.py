@@ -26,9 +26,9 @@ from meshplan.solver.shape import ModelShape
 
 __all__ = ["Estimate", "evaluate", "peak_memory"]
 
-#: the collective axes exposed in each microbatch: tp, the axes that are units (in order) but those with a part of
-#: their own (:attr:`~meshplan.axis.AxisCosts.exposed`)
-_PER_MICROBATCH = ("tp", *(axis.name for axis in UNITS if axis.costs.per_microbatch))
+#: the collective axes exposed in each microbatch: the axes that are units (in order) but those with a part of their
+#: own (:attr:`~meshplan.axis.AxisCosts.exposed`)
+_PER_MICROBATCH = tuple(axis.name for axis in UNITS if axis.costs.per_microbatch)
 
 
 @dataclass(frozen=True)

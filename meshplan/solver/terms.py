@@ -12,7 +12,7 @@ from meshplan.solver.candidate import Candidate
 from meshplan.solver.placement import Group, Placement
 from meshplan.solver.shape import ModelShape
 
-__all__ = ["Collective", "block_kinds", "AxisTerms"]
+__all__ = ["block_tensors", "Collective", "block_kinds", "AxisTerms"]
 
 
 @dataclass(frozen=True)
@@ -85,3 +85,22 @@ class AxisTerms:
     def degree(self, layout: Any) -> int:
         """The axis' degree in ``layout`` (a resolved layout or a solver candidate)."""
         return getattr(layout, self.name)
+
+
+def block_tensors(s: ModelShape, moe: bool, c: Candidate) -> tuple[list, list]:
+    """``(dense, expert)`` local tensors of one block after tp/ep: ``(rows, elements per row)`` each."""
+    t, h, q, kv = c.tp, s.hidden, s.q_width, s.kv_width
+    dense = [(q // t, h), (kv // t, h), (kv // t, h), (h, q // t)] + [(h, 1)] * (2 if s.norm == "rmsnorm" else 4)
+    if s.bias or s.qkv_bias:
+        dense += [(q // t, 1), (kv // t, 1), (kv // t, 1)] + ([(h, 1)] if s.bias else [])
+    expert: list = []
+    if not moe:
+        f = s.ffn // t
+        dense += [(f, h)] * (s.mlp_matrices - 1) + [(h, f)] + ([(f, 1)] * (s.mlp_matrices - 1) + [(h, 1)] if s.bias else [])
+        return dense, expert
+    e, fe = s.experts // c.ep, s.expert_width // c.etp
+    expert = [(e, fe * h)] * (s.mlp_matrices - 1) + [(e, h * fe)]
+    dense.append((s.experts, h))  # the router, whole on every tp rank
+    if s.shared_ffn:
+        dense += [(s.shared_ffn, h)] * (s.mlp_matrices - 1) + [(h, s.shared_ffn)]
+    return dense, expert

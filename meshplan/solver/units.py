@@ -14,10 +14,11 @@ from meshplan.data_parallel.costs import TERMS as _DATA
 from meshplan.pipeline.costs import TERMS as _PIPELINE
 from meshplan.expert_parallel.costs import TERMS as _EXPERT
 from meshplan.solver.terms import AxisTerms
+from meshplan.tensor_parallel.costs import TERMS as _TENSOR
 
 __all__ = ["UNITS", "COST_UNITS"]
 
 #: parallelize's order (:data:`meshplan.axes.AXES`)
-UNITS: tuple[AxisTerms, ...] = (_PIPELINE, _CONTEXT, _EXPERT, _DATA)
+UNITS: tuple[AxisTerms, ...] = (_PIPELINE, _TENSOR, _CONTEXT, _EXPERT, _DATA)
 #: the units the solver's per-microbatch loops take (:attr:`~meshplan.solver.terms.AxisTerms.in_solver`)
 COST_UNITS: tuple[AxisTerms, ...] = tuple(unit for unit in UNITS if unit.in_solver)

@@ -12,30 +12,30 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import parallelize_module
 
 from meshplan.errors import PlanError
+from meshplan.gradients import GradFinalizer, finalizer_for
 from meshplan.plan_file.tensor_parallel import TensorParallel
 from meshplan.tensor_parallel.dropout.attach import attach_rng
 from meshplan.tensor_parallel.dropout.per_shard import TpRng
 from meshplan.tensor_parallel.dropout.single_device import SingleDeviceDropout
 from meshplan.tensor_parallel.generate import generate_tp_plan, rules_where
-from meshplan.tensor_parallel.grad_sync import TpGradSync
 from meshplan.tensor_parallel.heads import adjust_heads
 from meshplan.tensor_parallel.style_table import STYLES
 
 __all__ = ["apply_tensor_parallel", "TpApplied", "tied_parameters", "retie"]
 
 
-@dataclass
+@dataclass(frozen=True)
 class TpApplied:
     """What :func:`apply_tensor_parallel` did: the torch plan, adjusted head counts, the grad finaliser.
 
-    ``finalizer`` is the live :class:`~meshplan.tensor_parallel.grad_sync.TpGradSync` (coalesced tp reduction of
-    replicated grads; :func:`~meshplan.data_parallel.fsdp.apply_data_parallel` re-installs it on FSDP2's
-    parameters); ``sequence_parallel`` the section's mode (``"batch"``: tp ranks hold different samples).
+    ``finalizer`` is the model's live :class:`~meshplan.gradients.GradFinalizer` (coalesced tp reduction of
+    replicated grads) when tensor parallelism tracked parameters in it, else None; ``sequence_parallel`` the
+    section's mode (``"batch"``: tp ranks hold different samples).
     """
 
     plan: dict[str, Any]
     head_counts: dict[str, dict[str, tuple[int, int]]] = field(default_factory=dict)
-    finalizer: TpGradSync | None = None
+    finalizer: GradFinalizer | None = None
     rng: TpRng | SingleDeviceDropout | None = None
     sequence_parallel: bool | str = False
 
@@ -69,7 +69,7 @@ def retie(model: nn.Module, tied: list[list[tuple[str, str]]], where: str) -> No
 
 
 def apply_tensor_parallel(model: nn.Module, section: TensorParallel, tp_mesh: DeviceMesh,
-                          source: str | None = None) -> TpApplied:
+                          source: str | None = None, finalizer: GradFinalizer | None = None) -> TpApplied:
     """Parallelize ``model`` in place over the 1-D ``tp_mesh`` as ``section`` says.
 
     Beyond ``parallelize_module``: stored head counts divided by tp, one
@@ -81,6 +81,8 @@ def apply_tensor_parallel(model: nn.Module, section: TensorParallel, tp_mesh: De
         section: the plan's ``tensor_parallel`` section.
         tp_mesh: the 1-D tensor-parallel mesh.
         source: the plan file, for error messages.
+        finalizer: the model's gradient finaliser, handed by :func:`meshplan.parallelize` (default: a new one
+            when there is anything to sum: the rehearsals' throwaway copies).
 
     Returns:
         A :class:`TpApplied` (keep it alive with the model: it holds the hooks' state).
@@ -109,9 +111,10 @@ def apply_tensor_parallel(model: nn.Module, section: TensorParallel, tp_mesh: De
     retie(model, tied, where)
     summed = [f"{p}.{n}" if p else n for p in meta["head_norms"] for n, _ in modules[p].named_parameters()]
     summed += meta["summed_params"]  # head_params' shared parameters: each rank's heads' part of the gradient
-    finalizer = TpGradSync.for_model(model, tp_mesh, section.sequence_parallel, summed=summed)
-    if finalizer is not None:
+    finalizer = finalizer_for(model, tp_mesh, section.sequence_parallel, summed, into=finalizer)
+    tracked = finalizer is not None and finalizer.active
+    if tracked:
         finalizer.install(model)
-    return TpApplied(plan=plan, head_counts=heads, finalizer=finalizer,
+    return TpApplied(plan=plan, head_counts=heads, finalizer=finalizer if tracked else None,
                      rng=attach_rng(model, modules, meta, section, tp_mesh, where),
                      sequence_parallel=section.sequence_parallel)

@@ -128,7 +128,7 @@ def generate_tp_plan(model: nn.Module, section: TensorParallel, tp: int, source:
         if spec.stream_module and isinstance(mod, DropoutNd):
             norm_dropouts.append(path)
         if spec.on_local_heads:
-            head_norms.append(path)  # runs unchanged on local heads; its grads join TpGradSync's tp sum
+            head_norms.append(path)  # runs unchanged on local heads; its grads join the gradient finaliser's tp sum
         if spec.head_params:
             own = {n for n, _ in mod.named_parameters(recurse=False)}  # a wildcard may match layers without one
             summed_params += [f"{path}.{n}" if path else n for n in o.get("summed", ()) if n in own]

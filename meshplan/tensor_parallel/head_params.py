@@ -6,7 +6,7 @@ holds one entry per head (``sinks``: one learned logit per head, shape ``[num_he
 shows the forward this rank's slice as a plain tensor (``to_local``: its gradient flows back to the DTensor
 parameter as that slice's gradient, no communication). Parameters shared by every head (DiffLlama's
 ``lambda_q1``) are the ``summed`` names of the same rule; they stay plain and join the tp gradient sum
-(:class:`~meshplan.tensor_parallel.grad_sync.TpGradSync`), nothing here.
+(:class:`~meshplan.gradients.GradFinalizer`), nothing here.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ the gradient and the latent's forward values agree on every rank, so the partial
 replicated latent modules unchanged, reaches the block input as a ``Partial`` DTensor beside the other colwise
 projections' gradients, and is reduced there by the block's one input conversion (a reduce-scatter under sequence
 parallelism, an all-reduce without). The latent modules' parameter gradients, partial as well, join the one
-coalesced tp sum of :class:`~meshplan.tensor_parallel.grad_sync.TpGradSync`. Nothing needs the rope split.
+coalesced tp sum of :class:`~meshplan.gradients.GradFinalizer`. Nothing needs the rope split.
 
 Per layer that is the collectives of any attention block (one conversion in, one rowwise reduction out) and no more.
 """

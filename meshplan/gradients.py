@@ -1,32 +1,36 @@
-"""Final gradients after backward: every tp reduction of a step in ONE collective, in any training loop.
+"""The model's ONE gradient finaliser: every tp reduction of a step in ONE collective, in any training loop.
+
+A neutral module (it imports no axis folder and not the state module): :func:`meshplan.parallelize` creates the
+model's one :class:`GradFinalizer` (:func:`finalizer_for`) and hands it to the axes through the record so far
+(:attr:`meshplan.state.ParallelState.gradients`), which track the parameters whose gradients need a sum over tp
+(replicated parameters, the plain parameters of a token region) and re-install it on FSDP2's parameters;
+:func:`meshplan.train_step` finishes it once per step.
 
 Two kinds of gradients need a sum over tp after backward:
 
-* ``Partial`` grads of ``Replicate`` DTensor parameters (norm weights under sequence parallelism,
-  ``replicate`` modules): each tp rank saw a different part of the sequence;
-* in smp's batch mode (``sequence_parallel: batch``), grads of plain (non-DTensor) parameters: each tp
-  rank saw different samples.
+* ``Partial`` grads of ``Replicate`` DTensor parameters (norm weights under sequence parallelism, ``replicate``
+  modules): each tp rank saw a different part of the sequence;
+* in smp's batch mode (``sequence_parallel: batch``), grads of plain (non-DTensor) parameters: each tp rank saw
+  different samples.
 
-Left alone, DTensor (or FSDP2, which redistributes each ``Partial`` grad before its reduce-scatter)
-issues one all-reduce per parameter. :class:`TpGradSync` (created by
-:func:`meshplan.tensor_parallel.generate.apply_tensor_parallel`, re-installed by :func:`meshplan.data_parallel.fsdp.apply_data_parallel`
-on FSDP2's parameters) does it with one flat all-reduce per (process groups, dtype):
+Left alone, DTensor (or FSDP2, which redistributes each ``Partial`` grad before its reduce-scatter) issues one
+all-reduce per parameter. :class:`GradFinalizer` does it with one flat all-reduce per (process groups, dtype):
 
-1. a hook on each such parameter (the tensor autograd writes to: the parameter itself, or FSDP2's
-   unsharded parameter) relabels a ``Partial`` grad as ``Replicate`` (local values unchanged) and
-   records it as pending; FSDP2 then reduce(-scatters) the tp-partial sums over dp like any gradient
-   (sharded: cheaper than all-reducing the full norm grads over tp first);
-2. at the start of each backward the tracked parameters' current (final) grads are set aside, so after
-   backward their ``.grad`` holds only this backward's contribution;
-3. an autograd-engine final callback, queued after FSDP2's own root post-backward callback (FSDP2 queues
-   it in its root pre-backward hook, before any parameter hook fires; callbacks run in order), all-reduces
-   the pending contributions over tp in one buffer and adds them to the set-aside grads.
+1. a hook on each such parameter (the tensor autograd writes to: the parameter itself, or FSDP2's unsharded
+   parameter) relabels a ``Partial`` grad as ``Replicate`` (local values unchanged) and records it as pending;
+   FSDP2 then reduce(-scatters) the tp-partial sums over dp like any gradient (sharded: cheaper than
+   all-reducing the full norm grads over tp first);
+2. at the start of each backward the tracked parameters' current (final) grads are set aside, so after backward
+   their ``.grad`` holds only this backward's contribution;
+3. an autograd-engine final callback, queued after FSDP2's own root post-backward callback (FSDP2 queues it in
+   its root pre-backward hook, before any parameter hook fires; callbacks run in order), all-reduces the pending
+   contributions over tp in one buffer and adds them to the set-aside grads.
 
-Only new contributions are reduced, so every accumulation pattern is exact: several backwards per step,
-FSDP2's no-sync microbatches (their contributions wait in FSDP2's unsharded grads and are reduced with the
-syncing backward; until then they stay pending), ``zero_grad`` between backwards or not. Inside
-:meth:`TpGradSync.deferred` (used by :func:`meshplan.train_step`) the callback is not queued: grads of
-all microbatches accumulate and one :meth:`TpGradSync.finish` reduces them.
+Only new contributions are reduced, so every accumulation pattern is exact: several backwards per step, FSDP2's
+no-sync microbatches (their contributions wait in FSDP2's unsharded grads and are reduced with the syncing
+backward; until then they stay pending), ``zero_grad`` between backwards or not. Inside :meth:`~GradFinalizer.
+deferred` (:func:`meshplan.train_step`) the callback is not queued: one :meth:`~GradFinalizer.finish` after the
+last microbatch reduces them all.
 """
 
 from __future__ import annotations
@@ -41,15 +45,8 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from meshplan._torch import funcol, hook_registered, local_tensor, queue_backward_callback, tree_leaves
-from meshplan.state import parallel_state
 
-__all__ = ["TpGradSync", "grad_sync"]
-
-
-def grad_sync(model: nn.Module) -> "TpGradSync | None":
-    """The model's :class:`TpGradSync` (:attr:`meshplan.state.ParallelState.grad_sync`), or None."""
-    state = parallel_state(model)
-    return state.grad_sync if state is not None else None
+__all__ = ["GradFinalizer", "finalizer_for", "replicated_names"]
 
 
 def _clean(name: str) -> str:
@@ -87,28 +84,59 @@ def _add_into(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     return old + new
 
 
-class TpGradSync:
-    """Coalesced tp reduction of tp-replicated gradients at the end of every backward (or of a step).
+def replicated_names(model: nn.Module, size: int, sequence_parallel: bool | str = False,
+                     summed: Iterable[str] = ()) -> tuple[list[str], list[str]]:
+    """``(names, plain)``: the parameters of a tensor-parallel ``model`` (before FSDP) whose gradients need a sum
+    over its ``size`` tp ranks: its ``Replicate`` DTensor parameters, and as plain tensors those named in
+    ``summed`` (``head_norm`` modules: each rank's gradient covers its heads) and, in batch mode, every other plain
+    parameter (each rank saw its own samples); the plain ones only when ``size > 1``."""
+    names, plain = [], [n for n in summed if size > 1]
+    batch = sequence_parallel == "batch" and size > 1
+    for n, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if isinstance(p, DTensor):
+            if all(isinstance(pl, Replicate) for pl in p.placements):
+                names.append(n)
+        elif batch and n not in plain:
+            plain.append(n)
+    return names, plain
 
-    Args:
-        tp_group: the tp process group (plain parameters in batch mode reduce over it).
-        names: paths of the tracked parameters (checkpoint-wrapper segments are ignored).
-        plain: the subset of ``names`` that are plain tensors reduced over tp (smp batch mode).
-        sequence_parallel: the plan's ``tensor_parallel.sequence_parallel``.
+
+def finalizer_for(model: nn.Module, mesh: Any, sequence_parallel: bool | str = False, summed: Iterable[str] = (),
+                  into: "GradFinalizer | None" = None) -> "GradFinalizer | None":
+    """Track ``model``'s :func:`replicated_names` over the 1-D ``mesh`` in ``into`` (the model's finaliser that
+    :func:`meshplan.parallelize` handed over) or, called outside ``parallelize``, in a new one; returns it, or None
+    when there was nothing to track and none was handed. Call :meth:`GradFinalizer.install` after."""
+    names, plain = replicated_names(model, mesh.size(), sequence_parallel, summed)
+    if not names and not plain and into is None:
+        return None
+    sync = into if into is not None else GradFinalizer()
+    return sync.track(mesh.get_group(), names, plain) if names or plain else sync
+
+
+class GradFinalizer:
+    """Coalesced tp reduction of tp-replicated gradients after every backward (or step); created empty (by
+    :func:`meshplan.parallelize`, once per model, or :func:`finalizer_for`), the axes it is handed to add what to
+    sum with :meth:`track`.
+
+    Attributes:
+        tp_group: the tp process group plain parameters reduce over (None until the first :meth:`track`).
+        names: paths of the tracked parameters (checkpoint-wrapper segments ignored); ``plain``: those reduced
+            as plain tensors (batch mode, head norms, MoE token regions); ``active``: whether any is tracked.
 
     Example::
 
-        >>> sync = TpGradSync.for_model(model, tp_mesh, sequence_parallel=True)
+        >>> sync = finalizer_for(model, tp_mesh, sequence_parallel=True)
         >>> sync.install(model)            # after fully_shard too: hooks go on FSDP2's parameters
         >>> loss.backward()                # one all-reduce over tp for all norm grads
     """
 
-    def __init__(self, tp_group: Any, names: Iterable[str], plain: Iterable[str] = (),
-                 sequence_parallel: bool | str = False):
-        self.tp_group = tp_group
-        self.plain = {_clean(n) for n in plain}
-        self.names = {_clean(n) for n in names} | self.plain
-        self.sequence_parallel = sequence_parallel
+    def __init__(self) -> None:
+        self.tp_group: Any = None
+        self.plain: set[str] = set()
+        self.names: set[str] = set()
+        self.active = False  # an attribute, not a property: state.grad_sync reads it without a call
         self.collectives = 0  # all-reduces issued so far (diagnostics)
         self._params: dict[str, torch.Tensor] = {}  # clean name -> the parameter that holds the final grad
         self._raw: dict[str, str] = {}  # clean name -> its path in the model
@@ -118,35 +146,20 @@ class TpGradSync:
         self._hooked: dict[int, Any] = {}  # id(tensor) -> hook handle (no weakrefs: they block swap_tensors)
         self._handles: list = []
 
-    @classmethod
-    def for_model(cls, model: nn.Module, tp_mesh: Any, sequence_parallel: bool | str = False,
-                  summed: Iterable[str] = ()) -> "TpGradSync | None":
-        """The sync for a tensor-parallel ``model`` (before FSDP): its ``Replicate`` DTensor parameters, its
-        plain parameters in batch mode with tp > 1, and the plain parameters named in ``summed`` (``head_norm``
-        modules: each rank's gradient covers its heads). None when there is nothing to reduce."""
-        names, plain = [], [n for n in summed if tp_mesh.size() > 1]
-        batch = sequence_parallel == "batch" and tp_mesh.size() > 1
-        for n, p in model.named_parameters():
-            if not p.requires_grad:
-                continue
-            if isinstance(p, DTensor):
-                if all(isinstance(pl, Replicate) for pl in p.placements):
-                    names.append(n)
-            elif batch and n not in plain:
-                plain.append(n)
-        if not names and not plain:
-            return None
-        return cls(tp_mesh.get_group(), names, plain, sequence_parallel)
 
-    def add_plain(self, names: Iterable[str]) -> None:
-        """Also sum the gradients of the plain parameters ``names`` over tp (each tp rank saw its own tokens: the
-        MoE blocks' router and shared expert under expert parallelism); call :meth:`install` after."""
-        added = {_clean(n) for n in names}
+    def track(self, tp_group: Any, names: Iterable[str] = (), plain: Iterable[str] = ()) -> "GradFinalizer":
+        """Also sum the gradients of ``names`` (their ``Partial`` placements say over what) and of the plain
+        parameters ``plain`` (over ``tp_group``, which the first call sets: each tp rank saw its own tokens) after
+        backward; call :meth:`install` after."""
+        self.tp_group = self.tp_group if self.tp_group is not None else tp_group
+        added = {_clean(n) for n in plain}
         self.plain |= added
-        self.names |= added
+        self.names |= {_clean(n) for n in names} | added
+        self.active = bool(self.names)
+        return self
 
     # ------------------------------------------------------------------ installation
-    def install(self, model: nn.Module) -> "TpGradSync":
+    def install(self, model: nn.Module) -> "GradFinalizer":
         """(Re)install the hooks on ``model``; call again after ``fully_shard``/``replicate``.
 
         Without FSDP2 only the root's outputs are hooked (backward starts there; the grads' own placements
