@@ -153,7 +153,7 @@ def test_numerics_flags_a_style_that_drops_subclass_behaviour(monkeypatch):
 
 
 def test_numerics_flags_per_head_norm_grads_not_summed(monkeypatch):
-    from meshplan.checks import validate
+    from meshplan.tensor_parallel.check import validate
     monkeypatch.setattr(validate, "region_errors", lambda *a, **k: [])
     torch.manual_seed(0)
     report = check_numerics(qwen3(), _plan("plans/qwen3.yaml", drop=["model.layers.*.self_attn.q_norm",
@@ -165,7 +165,7 @@ def test_numerics_flags_per_head_norm_grads_not_summed(monkeypatch):
 def test_numerics_reports_a_crash_with_torchs_message(monkeypatch):
     """Head counts divided although the module sees global (DTensor) heads: torch's view fails."""
     from meshplan.plan_file import style_semantics as tp
-    from meshplan.checks import validate
+    from meshplan.tensor_parallel.check import validate
     monkeypatch.setattr(tp, "gives_local_shards", lambda o: True)
     monkeypatch.setattr(validate, "region_errors", lambda *a, **k: [])
     factory, plan = FACTORIES["torch_transformer"]

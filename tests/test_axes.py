@@ -29,7 +29,7 @@ ALLOWED = {
     "plan_file/data_parallel.py",  # the plan as data
     "mesh/ranks.py", "mesh/topology.py", "mesh/rank_table.py", "viz/rank_grid.py", "faults/watch.py",  # mesh dims
     "data_parallel/mode.py", "data_parallel/unit.py", "data_parallel/wrap.py",  # cp as a data axis, in dp's unit
-    "checks/validate.py",
+    "tensor_parallel/check/validate.py",  # tp's static check: cp's degree in its world-size hints
     "solver/candidate.py", "solver/placement.py", "solver/search.py", "solver/rules.py",  # the degree searched
     "cli/args.py", "cli/solve.py", "convert/accelerate.py",  # flags and other formats' keys
     "state.py", "_torch.py",
@@ -53,7 +53,7 @@ EP_ALLOWED = {
     "data_parallel/wrap.py",  # edp: FSDP2 over the experts
     "checkpoint/chunks.py", "checkpoint/export.py", "checkpoint/load.py", "checkpoint/save.py",
     "hf/checkpoint_keys.py", "hf/convert.py", "hf/moe.py",
-    "checks/explain.py", "checks/regions.py", "checks/validate.py",
+    "checks/explain.py", "tensor_parallel/check/regions.py", "tensor_parallel/check/validate.py",
 }
 
 PP_MENTION = re.compile(r"pipeline|\bpp\b")
@@ -76,7 +76,7 @@ PP_ALLOWED = {
     "expert_parallel/costs.py", "tensor_parallel/costs.py",
     "checkpoint/export.py", "checkpoint/load.py", "checkpoint/save.py", "checkpoint/state.py",
     "faults/report.py", "faults/watch.py",
-    "checks/report.py", "checks/validate.py", "viz/__init__.py", "viz/model_draw.py", "viz/timeline.py",
+    "checks/report.py", "tensor_parallel/check/validate.py", "viz/__init__.py", "viz/model_draw.py", "viz/timeline.py",
 }
 
 

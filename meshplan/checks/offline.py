@@ -1,7 +1,7 @@
 """``meshplan.check``: every check of a plan against a model without running it, the rehearsals included.
 
-The static checks are :mod:`meshplan.checks.validate`'s (the ones ``meshplan.parallelize`` runs first); the
-rehearsals apply the plan: the cross-shard shadow run (:mod:`meshplan.checks.shadow`, simulated ranks) and, when
+The static checks are each axis' own (:mod:`meshplan.tensor_parallel.check.validate`: the ones
+``meshplan.parallelize`` runs first); the rehearsals apply the plan: the cross-shard shadow run (:mod:`meshplan.checks.shadow`, simulated ranks) and, when
 all of that passes, the plan applied for real to a meta-device copy under a ``fake`` process group (nothing
 allocated, nothing communicated), which gives the local parameter shapes of the explain table
 (:mod:`meshplan.checks.explain`). The axes that are units check their own sections (:func:`meshplan.axes.check_axes`,
@@ -15,7 +15,7 @@ from typing import Any, Mapping
 import torch.nn as nn
 
 from meshplan.checks.report import Report, fold_errors
-from meshplan.checks.validate import smallest_world
+from meshplan.tensor_parallel.check.validate import smallest_world
 from meshplan.errors import PlanError
 from meshplan.plan_file.document import Plan, as_plan
 from meshplan.plan_file.layout import Layout

@@ -85,7 +85,7 @@ def cross_shard_errors(model: nn.Module, plan: Any, tp: int, where: str, notes: 
     """The regions whose own code computes across tp shards (see the module docstring), as error messages."""
     from meshplan.checks.dry_run import fake_group
     from meshplan.model_copies import default_batch
-    from meshplan.checks.regions import local_head_regions
+    from meshplan.tensor_parallel.check.regions import local_head_regions
     from meshplan.axes import opaque_modules
     from meshplan.model_copies import stand_in
     from meshplan.mesh.topology import build_mesh

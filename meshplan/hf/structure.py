@@ -44,7 +44,8 @@ def param_entries(model, hf: dict[str, Any]) -> dict[str, Any]:
 def own_inputs(model, rules: dict[str, Any]) -> dict[str, Any]:
     """Gathered colwise rules (``colwise_gather_output``) whose parent holds projections no rule covers get
     ``input_layouts: replicate``: each converts its own input, so the parent's input stays a plain tensor for
-    those projections (lara_mini's ``linear_attn.out_proj``; see :func:`meshplan.checks.regions.region_errors`)."""
+    those projections (lara_mini's ``linear_attn.out_proj``; see
+    :func:`meshplan.tensor_parallel.check.regions.region_errors`)."""
     from meshplan.plan_file.patterns import wildcard
     from meshplan.tensor_parallel.packed import features
     from meshplan.plan_file.style_semantics import SEMANTICS
@@ -66,8 +67,8 @@ def own_inputs(model, rules: dict[str, Any]) -> dict[str, Any]:
 def structure_rules(model, hf_rules: dict[str, str]) -> tuple[dict[str, str], list[str]]:
     """Embedding, stream norms and lm_head rules read from a small meta-device instance (every layer kind of
     the model kept), and the instance's module paths (wildcarded) in model order."""
-    from meshplan.checks.head_params import split_own_params, suggested_rule
-    from meshplan.checks.regions import is_norm, summable_on_shards, whole_projection_norm
+    from meshplan.tensor_parallel.check.head_params import split_own_params, suggested_rule
+    from meshplan.tensor_parallel.check.regions import is_norm, summable_on_shards, whole_projection_norm
     from meshplan.plan_file.patterns import wildcard
     from meshplan.plan_file.style_semantics import SEMANTICS
     names = {id(m): n for n, m in model.named_modules()}
@@ -115,8 +116,8 @@ def per_head_rowwise(model, rules: dict[str, Any]) -> dict[str, Any]:
     """Rowwise rules beside colwise ones with local outputs whose module outputs one value per head (Doge's
     ``dt_proj`` onto ``num_key_value_heads``, which transformers reduces whole) get ``output_layouts: shard(-1),
     use_local_output: true``: each rank gets its own heads' values (see
-    :func:`meshplan.checks.head_params.per_head_rowwise_errors`)."""
-    from meshplan.checks.head_params import PER_HEAD_ROWWISE, per_head_outputs
+    :func:`meshplan.tensor_parallel.check.head_params.per_head_rowwise_errors`)."""
+    from meshplan.tensor_parallel.check.head_params import PER_HEAD_ROWWISE, per_head_outputs
     from meshplan.plan_file.patterns import wildcard
     from meshplan.plan_file.style_semantics import SEMANTICS
     data = {k: {"style": r} if isinstance(r, str) else r for k, r in rules.items()}

@@ -3,9 +3,9 @@
 What a style name means without torch (layouts, collectives, its part in a block, its transformers spelling) is
 :data:`meshplan.plan_file.style_semantics.SEMANTICS`, in the torch-free spec layer. Here each entry extends its
 semantics with the torch ``ParallelStyle`` it builds, the module types it fits and the dim tp shards. Plan
-generation (:mod:`meshplan.tensor_parallel.generate`), validation (:mod:`meshplan.checks.validate`), the explain
-table of ``meshplan check`` (:mod:`meshplan.checks.explain`) and the region checks read :data:`STYLES`; the style
-table is these two files, and no other module compares style names. A new style is a rule class in
+generation (:mod:`meshplan.tensor_parallel.generate`), validation (:mod:`meshplan.tensor_parallel.check.validate`),
+the explain table of ``meshplan check`` (:mod:`meshplan.checks.explain`) and the region checks read
+:data:`STYLES`; the style table is these two files, and no other module compares style names. A new style is a rule class in
 :mod:`meshplan.plan_file.tensor_parallel`, an entry in ``SEMANTICS`` and one here.
 """
 

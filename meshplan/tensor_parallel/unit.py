@@ -37,9 +37,9 @@ def tp_mesh(given: Any) -> Any:
 
 
 def _check(model: Any, plan: Any, layout: Any, report: Any) -> None:
-    """``meshplan check``'s static tensor-parallel checks (:func:`~meshplan.checks.validate.static_checks`, the ones
-    ``prepare`` runs), their resolution (matched rules, the checker the rehearsals add to) in ``report``."""
-    from meshplan.checks.validate import static_checks
+    """``meshplan check``'s static tensor-parallel checks
+    (:func:`~meshplan.tensor_parallel.check.validate.static_checks`, the ones ``prepare`` runs), their resolution (matched rules, the checker the rehearsals add to) in ``report``."""
+    from meshplan.tensor_parallel.check.validate import static_checks
     before = len(report.errors)
     matched, checker = static_checks(model, plan, layout.tp, report)
     report.sharding.update(matched=matched, checker=checker, ok=len(report.errors) == before)
@@ -50,7 +50,7 @@ def _prepare(model: Any, plan: Any, mesh: Any) -> Any:
     the unit's own (:func:`tp_mesh`, handed by ``parallelize``), or a Topology."""
     if plan.tensor_parallel is None:
         return None
-    from meshplan.checks.validate import validate_plan
+    from meshplan.tensor_parallel.check.validate import validate_plan
     mesh = tp_mesh(mesh)
     validate_plan(model, plan, mesh.size())  # what `meshplan check` checks, before anything changes
     return mesh, plan.tensor_parallel

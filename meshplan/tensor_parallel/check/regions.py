@@ -16,7 +16,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from meshplan.checks.head_params import head_norm_size_errors, head_params_errors, own_param_errors, \
+from meshplan.tensor_parallel.check.head_params import head_norm_size_errors, head_params_errors, own_param_errors, \
     per_head_rowwise_errors, projection_norm_errors
 from meshplan.plan_file.patterns import wildcard
 from meshplan.tensor_parallel.heads import safe_attr
@@ -277,7 +277,7 @@ def whole_projection_norm(mod: nn.Module, parent: nn.Module, colwise: set[str]) 
 def _head_params_rule(model: nn.Module, child: nn.Module, star: str) -> str | None:
     """The ``head_params`` rule of a child whose own parameters are indexed by head (NeoMME's
     ``exclusive_self_attention.alpha``, ``[num_heads]``), or None."""
-    from meshplan.checks.head_params import split_own_params
+    from meshplan.tensor_parallel.check.head_params import split_own_params
     per_head, shared = split_own_params(model, child)
     if not per_head or shared or any(True for _ in child.children()):
         return None

@@ -20,9 +20,9 @@ from typing import Any
 
 import torch.nn as nn
 
-from meshplan.checks.head_params import per_head_outputs
-from meshplan.checks.layer_kinds import layer_kinds_hint
-from meshplan.checks.regions import is_norm, local_head_regions, region_errors, unequal_packed_parts
+from meshplan.tensor_parallel.check.head_params import per_head_outputs
+from meshplan.tensor_parallel.check.layer_kinds import layer_kinds_hint
+from meshplan.tensor_parallel.check.regions import is_norm, local_head_regions, region_errors, unequal_packed_parts
 from meshplan.checks.report import Report, fold_errors
 from meshplan.errors import PlanError
 from meshplan.expert_parallel.apply import moe_blocks

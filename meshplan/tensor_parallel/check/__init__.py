@@ -1,0 +1,1 @@
+"""Tensor parallelism's static check: what ``meshplan check`` and ``parallelize`` refuse before anything changes."""
