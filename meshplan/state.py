@@ -73,6 +73,12 @@ class ParallelState:
         return self.tensor_parallel.sequence_parallel if self.tensor_parallel is not None else False
 
     @property
+    def stream_dim(self) -> str | None:
+        """The mesh dim the residual stream between blocks is a DTensor over (tensor parallelism's styles applied,
+        at tp 1 too: a one-rank DTensor), else None: what the pipeline's stage boundaries convert."""
+        return "tp" if self.tensor_parallel is not None else None
+
+    @property
     def data_axes(self) -> tuple[str, ...]:
         """Mesh keys whose ranks hold different data: :data:`DATA_AXES`, + ``tp`` in smp's batch mode."""
         return DATA_AXES + (("tp",) if self.sequence_parallel == "batch" else ())

@@ -269,3 +269,30 @@ def test_data_axis_hears_the_other_axes_of_the_plan():
         "torch 2.13; use true or false"]
     lay = Layout(tp=4, ep=2, etp=1).resolve(4)  # dp 1, edp 2
     assert not needed(as_plan(moe), lay) and needed(as_plan(moe), lay, asked=ep.data_parallel(lay))
+
+
+#: Files outside tensor_parallel/ whose CODE reaches it (issue 26's coupling measure, /work/notes/reach.py: an import
+#: of the folder at any depth, or a read of its record / section: ``state.tensor_parallel``, ``.tensor_parallel is
+#: (not) None``). 19 on 6f74993, these 13 after; the set may only shrink. Kept, with why: the ordered lists and the
+#: record's owner; the rehearsals of `meshplan check` above apply, which rehearse tp itself (the meta dry run and the
+#: cross-shard shadow run apply tp's styles; explain tabulates its styles; offline runs the dry run when the plan
+#: has the section and reports smallest_world); interop that translates other formats' tp sections (convert/,
+#: hf/: hf/structure.py derives rules with the check's own region predicates, so a converted plan passes check);
+#: expert parallelism's MoE blocks as tp token regions (etp over tp's packed layouts, the stream's placement, the tp
+#: rules its check reads), decoupled by the ep unit's owner.
+TP_REACH_ALLOWED = {
+    "axes.py", "solver/units.py", "state.py",
+    "checks/dry_run.py", "checks/explain.py", "checks/offline.py", "checks/shadow.py",
+    "convert/formats.py", "hf/convert.py", "hf/structure.py",
+    "expert_parallel/check.py", "expert_parallel/experts.py", "expert_parallel/region.py",
+}
+
+
+def test_tensor_parallelism_is_reached_only_where_allowed():
+    """The code coupling of the tensor axis (issue 26): files outside ``tensor_parallel/`` that import it or read
+    its record; ``data_parallel/mode.py`` asks :attr:`Axis.dtensor`, the pipeline's stages ``state.stream_dim``."""
+    imports = re.compile(r"(from|import)\s+meshplan\.tensor_parallel\b")
+    record = re.compile(r"\bstate\.tensor_parallel\b|\.tensor_parallel is not None|\.tensor_parallel is None")
+    found = {str(f.relative_to(PKG)) for f in PKG.rglob("*.py") if not f.is_relative_to(PKG / "tensor_parallel")
+             and (imports.search(text := f.read_text()) or record.search(text))}
+    assert found <= TP_REACH_ALLOWED, f"tensor parallelism reached outside its unit: {sorted(found - TP_REACH_ALLOWED)}"

@@ -134,13 +134,12 @@ def data_parallel_problem(plan: Any, layout: Any, asked: bool = False, dtensor: 
     sums its gradients over data ranks of its own: :attr:`meshplan.axis.Axis.data_parallel`).
 
     Args:
-        dtensor: an axis of the plan besides tensor parallelism makes DTensor parameters
-            (:attr:`meshplan.axis.Axis.dtensor`).
+        dtensor: an axis of the plan makes DTensor parameters (:attr:`meshplan.axis.Axis.dtensor`).
     """
     if not needed(plan, layout, asked):
         return None
     try:
-        check_layout(plan.data_parallel or DataParallel(), layout, plan.tensor_parallel is not None or dtensor)
+        check_layout(plan.data_parallel or DataParallel(), layout, dtensor)
     except PlanError as e:
         return e
     return None

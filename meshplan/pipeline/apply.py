@@ -96,12 +96,12 @@ def kept_rules(model: nn.Module, rules: dict, removed: set[str]) -> dict:
 
 
 def build_stages(model: nn.Module, record: PipelineApplied, split: StageSplit, topology: Any,
-                 sequence_parallel: bool | str, tensor_parallel: bool) -> PipelineApplied:
+                 sequence_parallel: bool | str, stream_dim: str | None) -> PipelineApplied:
     """Make this rank's stage views (boundary conversions hooked) and their ``PipelineStage`` objects; returns
     ``record`` with them (a new record: ``parallelize`` attaches it).
-    ``tensor_parallel``: the model's styles were applied (at tp 1 too: its stream is then a one-rank DTensor)."""
+    ``stream_dim``: the mesh dim the residual stream is a DTensor over (``ParallelState.stream_dim``), or None."""
     from torch.distributed.pipelining import PipelineStage
-    tp_mesh = topology["tp"] if tensor_parallel else None
+    tp_mesh = topology[stream_dim] if stream_dim is not None else None
     device = torch.device(topology.dense.device_type, torch.cuda.current_device()) \
         if topology.dense.device_type == "cuda" else torch.device("cpu")
     views = []
@@ -175,7 +175,7 @@ def finish_pipeline(model: nn.Module, topology: Any, prepared: Any, state: Any) 
     if not isinstance(prepared, Resolved):
         return None
     return build_stages(model, state.pipeline, prepared.split, topology, state.sequence_parallel,
-                        tensor_parallel=state.tensor_parallel is not None)
+                        stream_dim=state.stream_dim)
 
 
 def tp_rules(model: nn.Module, rules: dict, record: PipelineApplied) -> dict:
