@@ -22,9 +22,12 @@ def parallelize(model: nn.Module, plan: Plan | Mapping[str, Any] | str | Path | 
                 mesh: Topology | DeviceMesh | None = None) -> nn.Module:
     """Turn ``model`` into a parallel model as ``plan`` says, in place; returns it.
 
-    Order as torchtitan found right: tensor parallelism (``tensor_parallel``), then the ``blocks`` section
-    (activation checkpointing, compile per block), then each axis' late phase (FSDP2: each block, then the root).
-    What was applied is recorded in the model's :func:`~meshplan.parallel_state`.
+    Resolve, then apply: every axis of :data:`meshplan.axes.AXES` resolves and checks its section against the
+    model first (nothing changes when one refuses, as ``meshplan check`` reports it); then each axis applies, in
+    torchtitan's order (the stage split, tensor, context and expert sharding); then the ``blocks`` section
+    (activation checkpointing, compile per block); then each axis' late phase (the stages built, FSDP2 on each
+    block, then the root). Each axis' record is attached here alone, to the model's
+    :func:`~meshplan.parallel_state`.
 
     Args:
         model: an ordinary ``nn.Module`` (on the meta device, CPU or CUDA).
@@ -72,7 +75,7 @@ def _apply_sections(model: nn.Module, p: Plan, topology: Topology | None, meshes
         raise problem
     from meshplan.axes import apply_axes, finish_axes, prepare_axes
     prepared = prepare_axes(model, p, topology, meshes)  # every axis resolved and checked, before anything changes
-    # train_step's topology (also without data parallelism); the model's one gradient finaliser, handed to the axes
+    # train_step's topology (also when no axis records one); the model's one gradient finaliser, handed to the axes
     attach_state(model, plan=p, topology=topology, gradients=GradFinalizer())
     state, attach = (lambda: attach_state(model)), (lambda **record: attach_state(model, **record))
     # each axis' record attached here alone, in parallelize's order (the next axis reads the record so far)

@@ -21,13 +21,14 @@ pytestmark = pytest.mark.fast
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "meshplan"
 TP_MENTION = re.compile(r"tensor_parallel|tensor parallel")
-#: files outside tensor_parallel/ that name its section or behaviour (54 on ac64207, before it became a unit; these 55
-#: after, docs/house.md): the ordered list; the plan section and its aliases (plan_file/, decorator, converters, CLI,
+#: files outside tensor_parallel/ that name its section or behaviour (54 on ac64207, before it became a unit; these
+#: after, docs/house.md): the ordered lists (axes.py, solver/units.py) and the Axis shape; the plan section, what a
+#: style means and its aliases (plan_file/, decorator, converters, CLI,
 #: transformers' tp_plan interop); the static checks and rehearsals of `meshplan check` (checks/: the unit's check
 #: calls validate.py's); the pipeline's boundary layouts and rule pruning, the token regions of expert parallelism,
 #: FSDP2 beside it; checkpoints' and weights' docstrings; the record's field (state.py); torch's private APIs
 TP_ALLOWED = {
-    "axes.py", "state.py", "_torch.py", "apply.py", "blocks.py", "decorator.py",
+    "axes.py", "solver/units.py", "axis.py", "state.py", "_torch.py", "blocks.py", "decorator.py",
     "checkpoint/chunks.py", "weights/shards.py", "faults/agree.py", "mesh/runtime.py", "mesh/ranks.py",
     "checks/dry_run.py", "checks/explain.py", "checks/head_params.py", "checks/layer_kinds.py", "checks/offline.py",
     "checks/regions.py", "checks/shadow.py", "checks/validate.py",
@@ -35,13 +36,14 @@ TP_ALLOWED = {
     "context_parallel/attention.py",
     "convert/__init__.py", "convert/common.py", "convert/deepspeed.py", "convert/formats.py", "convert/hf_document.py",
     "convert/torch_source.py",
-    "data_parallel/fsdp.py",
+    "data_parallel/fsdp.py", "data_parallel/mode.py", "data_parallel/wrap.py",
     "expert_parallel/apply.py", "expert_parallel/check.py", "expert_parallel/experts.py", "expert_parallel/region.py",
     "hf/convert.py", "hf/mla.py", "hf/moe.py", "hf/structure.py", "hf/styles.py",
-    "pipeline/__init__.py", "pipeline/ends.py", "pipeline/probe.py", "pipeline/traced.py",
+    "pipeline/apply.py", "pipeline/unit.py", "pipeline/ends.py", "pipeline/probe.py", "pipeline/traced.py",
     "plan_file/blocks.py", "plan_file/document.py", "plan_file/expert_parallel.py", "plan_file/hf_aliases.py",
-    "plan_file/patterns.py", "plan_file/pipeline.py", "plan_file/tensor_parallel.py",
-    "solver/candidate.py", "solver/plans.py", "solver/presets.py",
+    "plan_file/patterns.py", "plan_file/pipeline.py", "plan_file/tensor_parallel.py", "plan_file/layout_text.py",
+    "plan_file/style_semantics.py",
+    "solver/candidate.py", "solver/collectives.py", "solver/plans.py", "solver/presets.py",
     "viz/model.py", "viz/model_draw.py", "viz/rank_grid.py",
 }
 RULES = {"layers.*.attention.wq": "colwise", "layers.*.attention.wk": "colwise", "layers.*.attention.wv": "colwise",
