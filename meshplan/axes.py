@@ -22,7 +22,7 @@ from meshplan.tensor_parallel.unit import AXIS as _TENSOR
 
 __all__ = ["AXES", "COST_AXES", "axis_meshes", "check_axes", "prepare_axes", "apply_axes", "finish_axes",
            "step_runner", "shard_batch", "shard_sequence", "report_lines", "opaque_modules",
-           "blocks_reason", "accumulate", "data_dims"]
+           "blocks_reason", "accumulate", "data_dims", "tp_exempt"]
 
 #: the axes that are units, in parallelize's order
 AXES: tuple[Axis, ...] = (_PIPELINE, _TENSOR, _CONTEXT, _EXPERT, _DATA)
@@ -37,17 +37,28 @@ def axis_meshes(given: Any) -> dict[str, Any]:
 
 
 def _others(axis: Axis, plan: Any) -> tuple:
-    """What the data axis' check and prepare get besides the usual (:attr:`~meshplan.axis.Axis.data_axis`): the
+    """What the data axis' check, prepare and finish get besides the usual (:attr:`~meshplan.axis.Axis.data_axis`): the
     other axes whose sections ``plan`` has."""
     if not axis.data_axis:
         return ()
     return (tuple(a for a in AXES if a is not axis and getattr(plan, a.section, None) is not None),)
 
 
+def _regions(axis: Axis, model: Any, plan: Any) -> dict[str, Any]:
+    """``{"token_regions": callable}`` for an axis that hears the others' token regions
+    (:attr:`~meshplan.axis.Axis.hears_regions`): every other axis' :attr:`~meshplan.axis.Axis.token_regions`."""
+    if not axis.hears_regions:
+        return {}
+
+    def token_regions() -> set[str]:  # asked for only by the checks that need them
+        return {path for a in AXES if a is not axis for path in a.token_regions(model, plan)}
+    return {"token_regions": token_regions}
+
+
 def check_axes(model: Any, plan: Any, layout: Any, report: Any) -> None:
     """``meshplan check``: every axis' check of its section against ``layout`` (resolved) and ``model``."""
     for axis in AXES:
-        axis.check(model, plan, layout, report, *_others(axis, plan))
+        axis.check(model, plan, layout, report, *_others(axis, plan), **_regions(axis, model, plan))
 
 
 def prepare_axes(model: Any, plan: Any, topology: Any, meshes: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -61,7 +72,7 @@ def prepare_axes(model: Any, plan: Any, topology: Any, meshes: dict[str, Any] | 
         return opaque_modules(model, plan)
     # the static checks first, then the axes that rehearse on a throwaway copy (the pipeline's split probe)
     prepared = {axis.name: axis.prepare(model, plan, meshes.get(axis.name, topology), *_others(axis, plan),
-                                        **({"opaque": opaque} if axis.rehearses else {}))
+                                        **({"opaque": opaque} if axis.rehearses else {}), **_regions(axis, model, plan))
                 for axis in sorted(AXES, key=lambda axis: axis.rehearses)}
     return {name: v for name, v in prepared.items() if v is not None}
 
@@ -87,7 +98,7 @@ def finish_axes(model: Any, plan: Any, topology: Any, prepared: dict[str, Any], 
     a record returned is attached as in :func:`apply_axes`."""
     for axis in AXES:
         if axis.name in prepared:
-            record = axis.finish(model, plan, topology, prepared[axis.name], state())
+            record = axis.finish(model, plan, topology, prepared[axis.name], state(), *_others(axis, plan))
             if record is not None:
                 attach(**{axis.state_field: record})
 
@@ -167,3 +178,9 @@ def opaque_modules(model: Any, plan: Any) -> tuple[str, ...]:
     """The module paths of ``model`` a rehearsal on a throwaway copy replaces by a stand-in (every axis'
     :attr:`~meshplan.axis.Axis.opaque`), sorted."""
     return tuple(sorted({path for axis in AXES for path in axis.opaque(model, plan)}))
+
+
+def tp_exempt(model: Any, plan: Any, report: Any) -> list[Any]:
+    """The :class:`~meshplan.axis.TpExempt` of every axis that shards modules of ``model`` itself
+    (:attr:`~meshplan.axis.Axis.tp_exempt`; ``report``: the checked report, each axis reads its own summary)."""
+    return [e for axis in AXES if (e := axis.tp_exempt(model, plan, getattr(report, axis.report_key))) is not None]

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-__all__ = ["Axis", "AxisCosts"]
+__all__ = ["Axis", "AxisCosts", "TpExempt"]
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,34 @@ class AxisCosts:
     idle_fraction: Callable[[Any], float] = lambda c: 0.0
     in_flight: Callable[[Any, int], float] = lambda c, pp_rank: 1.0
     step_collectives: "Callable[[Any, Any, Any, list], list] | None" = None
+
+
+@dataclass(frozen=True)
+class TpExempt:
+    """Modules an axis shards itself, which tensor parallelism leaves whole (``meshplan check``'s totals).
+
+    Attributes:
+        modules: their paths; a parameter of one counts ``1/degree`` per rank, and is not listed as unsharded when
+            ``degree`` > 1.
+        degree: how many ways the axis shards them.
+        regions: path prefixes (ending in ``"."``) of the axis' regions, whose other parameters tp leaves whole.
+        module_reason: why a parameter of ``modules`` is unsharded (``degree`` 1).
+        region_reason: why a parameter inside ``regions`` is unsharded.
+    """
+
+    modules: frozenset[str]
+    degree: int
+    regions: tuple[str, ...]
+    module_reason: str
+    region_reason: str
+
+    def reason(self, path: str) -> str | None:
+        """Why the parameters of the module at ``path`` stay whole on every tp rank, or None: not the axis'."""
+        if path in self.modules:
+            return self.module_reason
+        if (path + ".").startswith(self.regions):
+            return self.region_reason
+        return None
 
 
 @dataclass(frozen=True)
@@ -105,8 +133,9 @@ class Axis:
             and takes ``opaque=``, a callable giving every axis' :attr:`opaque` modules
             (:func:`meshplan.axes.opaque_modules`), called only when the rehearsal runs.
             Default False.
-        data_axis: the data-parallel axis (last): its ``check`` and ``prepare`` get one more argument, the other
-            axes whose sections the plan has (their :attr:`data_parallel` and :attr:`dtensor` decide with it).
+        data_axis: the data-parallel axis (last): its ``check``, ``prepare`` and ``finish`` get one more argument,
+            the other axes whose sections the plan has (their :attr:`data_parallel`, :attr:`dtensor` and
+            :attr:`data_shard` decide with it).
         dtensor: its apply makes DTensor parameters (what FSDP2's integer ``reshard_after_forward`` refuses).
         blocks_reason: ``(plan, layout) -> str``: why the axis needs the blocks (``parallelize`` then runs the
             ``blocks`` section even without one; the text a pattern that matches nothing is refused with), or "".
@@ -119,6 +148,21 @@ class Axis:
             a torch ``DeviceMesh``; raises :class:`~meshplan.errors.PlanError` for one it cannot use); when set,
             ``prepare`` gets it in place of the topology, which is None for a bare ``DeviceMesh`` (tensor
             parallelism: a ``DeviceMesh`` with a ``tp`` dim).
+        data_shard: ``(model, state, topology, mode, policies, reshard) -> None``, or None: the data axis' wrap
+            calls it, when the state holds the axis' record, before it wraps the blocks: the axis wraps the modules
+            it shards over a data mesh of its own (the MoE experts, FSDP2 or DDP over ``edp``;
+            ``mode``: ``"ddp"`` or an FSDP2 one, ``policies``: FSDP2's ``mp_policy``/``offload_policy``,
+            ``reshard``: ``reshard_after_forward``). The data axis wraps too when :attr:`data_parallel` of such an
+            axis holds, even in mode ``"none"``.
+        tp_exempt: ``(model, plan, summary) -> TpExempt | None``: the modules the axis shards itself, which tensor
+            parallelism leaves whole, for ``meshplan check``'s parameter totals (``summary``: the axis' own from
+            the report). Default: None.
+        token_regions: ``(model, plan) -> {module path}``: the modules the applied axis runs on each tp rank's own
+            tokens (the MoE blocks), which tensor parallelism's static checks take as token
+            regions (no rules inside, no sequence-parallel norms to list there). Default: none.
+        hears_regions: its ``check`` and ``prepare`` take ``token_regions=``, a callable giving every other axis'
+            :attr:`token_regions` for the plan (:mod:`meshplan.axes`), called when the checks need them
+            (tensor parallelism's static checks). Default False.
     """
 
     name: str
@@ -149,6 +193,10 @@ class Axis:
     data_dims: tuple[str, ...] = ()
     in_solver: bool = True
     mesh: "Callable[[Any], Any] | None" = None
+    data_shard: "Callable[..., None] | None" = None
+    tp_exempt: Callable[[Any, Any, dict], "TpExempt | None"] = lambda model, plan, summary: None
+    token_regions: Callable[[Any, Any], set] = lambda model, plan: set()
+    hears_regions: bool = False
 
     def degree(self, layout: Any) -> int:
         """The axis' degree in ``layout`` (a resolved layout or a solver candidate)."""

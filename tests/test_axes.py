@@ -141,6 +141,52 @@ def test_expert_parallelism_is_named_only_where_allowed():
     assert found <= EP_ALLOWED, f"expert parallelism named outside its unit: {sorted(found - EP_ALLOWED)}"
 
 
+def _code_coupling_of(folder: str) -> set[str]:
+    """Files outside ``meshplan/<folder>/`` whose code reaches it (as /work/notes/reach.py counts): an import of the
+    folder at any depth, or a read of its record (``state.<folder>``, ``.<folder> is (not) None``)."""
+    imports = re.compile(rf"(from|import)\s+meshplan\.{folder}\b")
+    record = re.compile(rf"\bstate\.{folder}\b|\.{folder} is not None|\.{folder} is None")
+    return {str(f.relative_to(PKG)) for f in PKG.rglob("*.py") if not f.is_relative_to(PKG / folder)
+            and (imports.search(text := f.read_text()) or record.search(text))}
+
+
+#: files outside expert_parallel/ whose code reaches it (issue 26's "≤ 5"; 7 on 6f74993: also checks/explain.py,
+#: checks/validate.py, data_parallel/wrap.py, hf/moe.py, now behind Axis.tp_exempt, token_regions, data_shard and
+#: the torch-free token_region_of): the ordered lists, and transformers' ep_plan written from the plan's section
+EP_COUPLED = {"axes.py", "solver/units.py", "convert/hf_document.py"}
+
+
+def test_expert_parallelism_is_reached_only_through_its_unit():
+    """The coupling may only shrink: the rest of meshplan asks the axes (MoE experts over edp, explain's totals,
+    the token regions of the tp checks), not the folder or its record."""
+    found = _code_coupling_of("expert_parallel")
+    assert found <= EP_COUPLED, f"code outside expert_parallel/ reaching it: {sorted(found - EP_COUPLED)}"
+
+
+def test_the_expert_hooks_the_other_axes_ask():
+    """ep's token regions are its MoE blocks (what tp's static checks take, handed through the axes); its experts are
+    exempt from tp in explain's totals, and wrapped over edp by dp's wrap (Axis.data_shard)."""
+    import torch.nn as nn
+
+    from meshplan.axes import _regions
+    from meshplan.plan_file.document import as_plan
+    ep, tp = (next(a for a in AXES if a.name == n) for n in ("ep", "tp"))
+    model = nn.Module()
+    model.layers = nn.ModuleList(nn.Module() for _ in range(2))
+    for layer in model.layers:
+        layer.moe = nn.Module()
+        layer.moe.experts = nn.Linear(2, 2)
+    plan = as_plan({"expert_parallel": {"rules": {"layers.*.moe.experts": {"style": "experts"}}}})
+    assert tp.hears_regions and not any(a.hears_regions for a in AXES if a is not tp)
+    blocks = {"layers.0.moe", "layers.1.moe"}
+    assert _regions(tp, model, plan)["token_regions"]() == blocks == ep.token_regions(model, plan)
+    assert _regions(ep, model, plan) == {} and ep.data_shard is not None
+    exempt = ep.tp_exempt(model, plan, {"ep": 2})
+    assert exempt.modules == {"layers.0.moe.experts", "layers.1.moe.experts"} and exempt.degree == 2
+    assert exempt.reason("layers.1.moe.router").startswith("in an MoE block") and exempt.reason("layers.1") is None
+    assert ep.tp_exempt(model, as_plan({}), {}) is None
+
+
 def test_pipeline_parallelism_is_named_only_where_allowed():
     """The same measure for the pipeline unit: files outside ``pipeline/`` that mention it."""
     found = {str(f.relative_to(PKG)) for f in PKG.rglob("*.py")

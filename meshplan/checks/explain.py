@@ -21,7 +21,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from meshplan.axes import report_lines
+from meshplan.axes import report_lines, tp_exempt
 from meshplan.plan_file.patterns import wildcard
 from meshplan.plan_file.layout_text import Stream, redistribute_collectives
 from meshplan.tensor_parallel.style_table import STYLES
@@ -85,28 +85,16 @@ def _rows(model: nn.Module, mods: dict[str, nn.Module], matched: dict, fanout: s
     return rows
 
 
-class _Moe:
-    """The expert_parallel section as the totals see it: expert modules (sharded over ep, whole over tp) and the
-    MoE blocks (run on each tp rank's own tokens)."""
-
-    def __init__(self, model: nn.Module, plan: Any, ep: int):
-        from meshplan.expert_parallel.apply import expert_modules
-        self.experts = expert_modules(model, plan.expert_parallel)
-        self.blocks = tuple(p.rpartition(".")[0] + "." for p in self.experts)
-        self.ep = ep
-
-    def reason(self, path: str) -> str:
-        if path in self.experts:
-            return "experts: whole on every tp rank (etp 1), ep 1"
-        if (path + ".").startswith(self.blocks):
-            return "in an MoE block: each tp rank routes its own tokens; gradients summed over tp"
-        return "no rule"
+def _exempt_reason(exempt: list, path: str) -> str:
+    """Why the parameters of the module at ``path`` stay whole: the first axis that shards it itself, else no rule."""
+    return next((why for e in exempt if (why := e.reason(path)) is not None), "no rule")
 
 
 def _parameter_totals(report, mods: dict[str, nn.Module], matched: dict, applied: Any,
-                      moe: _Moe) -> dict[str, int]:
+                      exempt: list) -> dict[str, int]:
     """Parameter counts and bytes per rank; every parameter no tp rank shards goes to ``report.unsharded``
-    (experts sharded over ep count 1/ep per rank and are not listed)."""
+    (modules an axis shards itself, :func:`meshplan.axes.tp_exempt`, count 1/degree per rank and are not listed
+    when the degree is above 1)."""
     seen, total, local_n, local_b, un_n, un_b = set(), 0, 0, 0, 0, 0
     covered = {p: (pat, r.style) for p, (pat, r) in matched.items()}
     for mod_path, mod in mods.items():
@@ -119,10 +107,11 @@ def _parameter_totals(report, mods: dict[str, nn.Module], matched: dict, applied
             local_n += local.numel()
             local_b += local.numel() * local.element_size()
             rule = covered.get(mod_path)
-            if mod_path in moe.experts:  # expert parallelism: whole over tp (etp 1), sharded over ep
-                local_n += local.numel() // moe.ep - local.numel()
-                local_b += (local.numel() // moe.ep - local.numel()) * local.element_size()
-                if moe.ep > 1:
+            own = next((e for e in exempt if mod_path in e.modules), None)
+            if own is not None:  # an axis shards it itself (whole over tp): 1/degree per rank
+                local_n += local.numel() // own.degree - local.numel()
+                local_b += (local.numel() // own.degree - local.numel()) * local.element_size()
+                if own.degree > 1:
                     continue
             if applied:
                 sharded = any(type(x).__name__ in ("Shard", "_StridedShard") for x in getattr(prm, "placements", ()))
@@ -131,7 +120,7 @@ def _parameter_totals(report, mods: dict[str, nn.Module], matched: dict, applied
             if not sharded:
                 key = f"{mod_path}.{name}" if mod_path else name
                 report.unsharded[key] = (f"replicated by rule {rule[0]!r} ({rule[1]})" if rule else
-                                         moe.reason(mod_path))
+                                         _exempt_reason(exempt, mod_path))
                 un_n += prm.numel()
                 un_b += local.numel() * local.element_size()
     return {"parameters": total, "parameters_per_rank": local_n if applied else None,
@@ -159,7 +148,7 @@ def explain(report, model: nn.Module, plan, tp: int, matched: dict, fanout: set,
     for row in rows:
         fwd_total.update(row["forward"])
         bwd_total.update(row["backward"])
-    sizes = _parameter_totals(report, mods, matched, applied, _Moe(model, plan, report.experts.get("ep", 1)))
+    sizes = _parameter_totals(report, mods, matched, applied, tp_exempt(model, plan, report))
     if applied and applied[1].finalizer is not None and (section.sequence_parallel is not False or
                                                          any(STYLES[r.style].replicated for _, r in matched.values())):
         bwd_total.update(["all_reduce"])

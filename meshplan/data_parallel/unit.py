@@ -55,11 +55,12 @@ def _apply(model: Any, plan: Any, topology: Any, section: DataParallel, state: A
     check_data_parallel(model, section, topology)
 
 
-def _finish(model: Any, plan: Any, topology: Any, section: DataParallel, state: Any) -> Any:
-    """FSDP2/HSDP/DDP on each block, then each root; the model's one gradient finaliser handed to the wrapping."""
+def _finish(model: Any, plan: Any, topology: Any, section: DataParallel, state: Any, others: tuple = ()) -> Any:
+    """FSDP2/HSDP/DDP on each block, then each root; the model's one gradient finaliser handed to the wrapping;
+    ``others``' :attr:`~meshplan.axis.Axis.data_shard` first (the experts over edp)."""
     from meshplan.data_parallel.wrap import wrap
     resolved = check_data_parallel(model, section, topology)
-    return wrap(model, section, topology, resolved, state, state.grad_sync)
+    return wrap(model, section, topology, resolved, state, state.grad_sync, others)
 
 
 def _accumulate(model: Any, state: Any, i: int, n: int) -> None:

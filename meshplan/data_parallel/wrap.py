@@ -18,7 +18,7 @@ __all__ = ["wrap"]
 
 
 def wrap(model: "nn.Module", section: DataParallel, topology: "Topology", resolved: tuple, state: Any,
-         grad_sync: Any) -> DataParallelState:
+         grad_sync: Any, others: tuple = ()) -> DataParallelState:
     """Shard ``model`` as :func:`.mode.check_data_parallel` resolved it (``resolved``: mode, shard axes, replicate
     axes); the checks ran before anything changed.
 
@@ -28,6 +28,10 @@ def wrap(model: "nn.Module", section: DataParallel, topology: "Topology", resolv
         grad_sync: the model's one gradient finaliser (:class:`meshplan.gradients.GradFinalizer`, which
             ``parallelize`` handed to the axes) when it tracks anything, or None: one is made here for
             DTensor parameters that tensor parallelism outside meshplan left (or smp's batch mode).
+        others: the other axes (:class:`meshplan.axis.Axis`); those whose record ``state`` holds and that shard
+            modules over a data mesh of their own (:attr:`~meshplan.axis.Axis.data_shard`: the experts over edp)
+            wrap them first, and wrapping runs for them even in mode ``"none"`` when their
+            :attr:`~meshplan.axis.Axis.data_parallel` holds.
 
     Returns:
         The record; its ``grad_sync`` is the finaliser made here, else None (the model's is re-installed on
@@ -35,9 +39,10 @@ def wrap(model: "nn.Module", section: DataParallel, topology: "Topology", resolv
     """
     mode, shard_axes, rep_axes = resolved
     sync = grad_sync or _new_grad_sync(model, topology, state.sequence_parallel)
-    if mode != "none" or (state.expert_parallel is not None and topology.layout.edp > 1):
+    own = [a for a in others if a.data_shard is not None and getattr(state, a.state_field) is not None]
+    if mode != "none" or any(a.data_parallel(topology.layout) for a in own):
         roots = state.pipeline.views if state.pipeline is not None else [model]  # a stage runs as its own root
-        _shard(model, state, roots, state.blocks.paths, section, topology, mode, (shard_axes, rep_axes))
+        _shard(model, state, roots, state.blocks.paths, section, topology, mode, (shard_axes, rep_axes), own)
     if sync is not None:
         sync.install(model)  # on FSDP2's parameters: the ones tensor parallelism made are gone
     return DataParallelState(mode=mode, section=section, grad_sync=sync if sync is not grad_sync else None)
@@ -54,26 +59,18 @@ def _new_grad_sync(model: "nn.Module", topology: "Topology", sequence_parallel: 
     return finalizer_for(model, topology["tp"], sequence_parallel)
 
 
-def _shard_experts(model: "nn.Module", state: Any, topology: "Topology", mode: str, policies: dict,
-                   reshard: Any) -> None:
-    """The expert-sharded modules of expert parallelism, data-parallel over ``edp`` on their own (before the
-    dense blocks and roots, which then leave their parameters alone): :func:`~.experts.shard_experts`."""
-    from meshplan.expert_parallel.edp import shard_experts
-    if state.expert_parallel is not None:
-        modules = [model.get_submodule(b.experts) for b in state.expert_parallel.blocks]
-        shard_experts(modules, topology["edp"], mode, policies, reshard)
-
-
-def _shard(model, state, roots, blocks, section, topology, mode, axes) -> None:
-    """FSDP2 (or DDP) on the experts over ``edp``, on each block, then on each root (the model, or each pipeline
-    stage)."""
+def _shard(model, state, roots, blocks, section, topology, mode, axes, own) -> None:
+    """FSDP2 (or DDP) on the modules ``own`` axes shard over a data mesh of their own (the experts over ``edp``),
+    on each block, then on each root (the model, or each pipeline stage)."""
     import torch
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
     dt = {None: None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     mp = MixedPrecisionPolicy(param_dtype=dt[section.param_dtype], reduce_dtype=dt[section.reduce_dtype])
     offload = CPUOffloadPolicy() if section.cpu_offload else OffloadPolicy()
     shard_axes, rep_axes = axes
-    _shard_experts(model, state, topology, mode, dict(mp_policy=mp, offload_policy=offload), section.reshard_after_forward)
+    for axis in own:
+        axis.data_shard(model, state, topology, mode, dict(mp_policy=mp, offload_policy=offload),
+                        section.reshard_after_forward)
     if mode == "ddp":
         from meshplan._torch import replicate
         mesh = topology.span(rep_axes)

@@ -20,7 +20,7 @@ from meshplan.errors import PlanError
 from meshplan.expert_parallel.experts import shared_inside
 from meshplan.mesh.ranks import not_dividing
 from meshplan.model_copies import stand_in
-from meshplan.plan_file.expert_parallel import ExpertParallel, ExpertsRule, RouterRule, etp_problem
+from meshplan.plan_file.expert_parallel import ExpertParallel, ExpertsRule, RouterRule, etp_problem, token_region_of
 from meshplan.plan_file.patterns import match_rules
 
 __all__ = ["MoeBlock", "EpApplied", "check_expert_parallel", "apply_expert_parallel", "moe_blocks", "expert_modules",
@@ -51,25 +51,6 @@ class MoeBlock:
     interface: str
     ffn: tuple[tuple[str, int, int], ...] = ()
     region: str = ""
-
-
-def token_region_of(blocks: set[str] | list[str]) -> dict[str, str]:
-    """``{MoE block path: the module that becomes its token region}``: the block itself, or its parent when the
-    parent holds two or more of ``blocks`` as direct named children (one region around them all, taking and
-    returning the residual stream); never a list of blocks (numbered children: Gemma 4's MoE blocks are its
-    decoder layers, and a ``ModuleList`` has no forward for a region's hooks).
-
-    Example::
-
-        >>> token_region_of(["layers.0.mlp.text_moe", "layers.0.mlp.vision_moe", "layers.1.moe"])
-        {'layers.0.mlp.text_moe': 'layers.0.mlp', 'layers.0.mlp.vision_moe': 'layers.0.mlp', 'layers.1.moe': 'layers.1.moe'}
-    """
-    parents: dict[str, int] = {}
-    named = [b for b in blocks if not b.rpartition(".")[2].isdigit()]
-    for b in named:
-        parents[b.rpartition(".")[0]] = parents.get(b.rpartition(".")[0], 0) + 1
-    return {b: b.rpartition(".")[0] if b in named and "." in b and parents[b.rpartition(".")[0]] > 1 else b
-            for b in blocks}
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from meshplan.axis import Axis, AxisCosts
+from meshplan.axis import Axis, AxisCosts, TpExempt
 from meshplan.expert_parallel.costs import ep_block_activations, ep_collectives, ep_first_stage_activations, \
     ep_run_problem, ep_sequence_problem
 
@@ -58,6 +58,26 @@ def _opaque(model: Any, plan: Any) -> set:
     return moe_blocks(model, plan.expert_parallel)
 
 
+def _data_shard(model: Any, state: Any, topology: Any, mode: str, policies: dict, reshard: Any) -> None:
+    """The expert-sharded modules, data-parallel over ``edp`` on their own (before the dense blocks and roots, which
+    then leave their parameters alone): :func:`~meshplan.expert_parallel.edp.shard_experts`."""
+    from meshplan.expert_parallel.edp import shard_experts
+    modules = [model.get_submodule(b.experts) for b in state.expert_parallel.blocks]
+    shard_experts(modules, topology["edp"], mode, policies, reshard)
+
+
+def _tp_exempt(model: Any, plan: Any, summary: dict) -> TpExempt | None:
+    """The experts (sharded over ep, whole over tp) and the MoE blocks (run on each tp rank's own tokens)."""
+    if plan.expert_parallel is None:
+        return None
+    from meshplan.expert_parallel.apply import expert_modules
+    experts = expert_modules(model, plan.expert_parallel)
+    return TpExempt(modules=frozenset(experts), degree=summary.get("ep", 1),
+                    regions=tuple(p.rpartition(".")[0] + "." for p in experts),
+                    module_reason="experts: whole on every tp rank (etp 1), ep 1",
+                    region_reason="in an MoE block: each tp rank routes its own tokens; gradients summed over tp")
+
+
 #: expert parallelism: MoE experts split over ``ep`` (their FFN over ``etp``), tokens dispatched by all-to-all
 AXIS = Axis(name="ep", section="expert_parallel", title="expert parallelism", mesh_dims=("ep", "etp"),
             state_field="expert_parallel", report_key="experts", check=_check, prepare=_prepare, apply=_apply,
@@ -66,4 +86,5 @@ AXIS = Axis(name="ep", section="expert_parallel", title="expert parallelism", me
                             first_stage_activations=ep_first_stage_activations,
                             sequence_problem=ep_sequence_problem, run_problem=ep_run_problem),
             training=lambda plan: {}, example_plan="plans/moe.yaml", data_parallel=_data_parallel,
-            opaque=_opaque, dtensor=True, blocks_reason=_blocks_reason)
+            opaque=_opaque, dtensor=True, blocks_reason=_blocks_reason, data_shard=_data_shard,
+            tp_exempt=_tp_exempt, token_regions=_opaque)

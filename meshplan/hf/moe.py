@@ -151,7 +151,7 @@ def layer_blocks(model: Any, ep_rules: dict[str, Any]) -> bool:
 def outside_blocks(model: Any, ep_rules: dict[str, Any], rules: dict[str, Any]) -> dict[str, Any]:
     """``rules`` without those inside an MoE block's token region (read from ``ep_rules``' experts): the
     structure's norm rules too (DiffusionGemma's MoE block is the whole decoder layer, its norms inside)."""
-    from meshplan.expert_parallel.apply import token_region_of
+    from meshplan.plan_file.expert_parallel import token_region_of
     from meshplan.plan_file.patterns import match_rules
     experts = {k: k for k, v in ep_rules.items() if v in ("ep_dispatch_experts", "experts")}
     found = match_rules(model, experts, "base_model_ep_plan", errors=[]) if experts else {}
@@ -191,7 +191,7 @@ def expert_rules(model: Any, config: Any, prefix: str, tp_rules: dict[str, Any],
             blocks.add((path.rpartition(".")[0], path, count))
     if not any(v == "ep_router" for v in rules.values()):
         rules.update({_router(model, b, e, n, model_type): "ep_router" for b, e, n in sorted(blocks)})
-    from meshplan.expert_parallel.apply import token_region_of
+    from meshplan.plan_file.expert_parallel import token_region_of
     inside = tuple(r + "." for r in set(token_region_of({b for b, _, _ in blocks}).values()))
     kept = {}
     for key, rule in tp_rules.items():

@@ -30,7 +30,8 @@ from pydantic import BeforeValidator, Field, field_validator
 
 from meshplan.plan_file.strict import Strict
 
-__all__ = ["ExpertParallel", "ExpertsRule", "RouterRule", "EXPERT_STYLE_NAMES", "INTERFACES", "etp_problem"]
+__all__ = ["ExpertParallel", "ExpertsRule", "RouterRule", "EXPERT_STYLE_NAMES", "INTERFACES", "etp_problem",
+           "token_region_of"]
 
 Interface = Literal["sorted", "topk", "dense"]
 #: the ways a grouped-experts module is called
@@ -111,3 +112,22 @@ def etp_problem(etp: int, tp: int) -> str | None:
         return None
     return (f"layout.etp({etp}) must be 1 (whole experts on each ep rank, each tp rank routing its own tokens) or "
             f"tp({tp}) (each expert's FFN split over the tp group); valid etp: {', '.join(map(str, sorted({1, tp})))}")
+
+
+def token_region_of(blocks: set[str] | list[str]) -> dict[str, str]:
+    """``{MoE block path: the module that becomes its token region}``: the block itself, or its parent when the
+    parent holds two or more of ``blocks`` as direct named children (one region around them all, taking and
+    returning the residual stream); never a list of blocks (numbered children: Gemma 4's MoE blocks are its
+    decoder layers, and a ``ModuleList`` has no forward for a region's hooks).
+
+    Example::
+
+        >>> token_region_of(["layers.0.mlp.text_moe", "layers.0.mlp.vision_moe", "layers.1.moe"])
+        {'layers.0.mlp.text_moe': 'layers.0.mlp', 'layers.0.mlp.vision_moe': 'layers.0.mlp', 'layers.1.moe': 'layers.1.moe'}
+    """
+    parents: dict[str, int] = {}
+    named = [b for b in blocks if not b.rpartition(".")[2].isdigit()]
+    for b in named:
+        parents[b.rpartition(".")[0]] = parents.get(b.rpartition(".")[0], 0) + 1
+    return {b: b.rpartition(".")[0] if b in named and "." in b and parents[b.rpartition(".")[0]] > 1 else b
+            for b in blocks}

@@ -36,23 +36,24 @@ def tp_mesh(given: Any) -> Any:
     raise PlanError(f"mesh must be a meshplan Topology or a torch DeviceMesh, got {type(given).__name__}")
 
 
-def _check(model: Any, plan: Any, layout: Any, report: Any) -> None:
+def _check(model: Any, plan: Any, layout: Any, report: Any, token_regions: Any = set) -> None:
     """``meshplan check``'s static tensor-parallel checks
-    (:func:`~meshplan.tensor_parallel.check.validate.static_checks`, the ones ``prepare`` runs), their resolution (matched rules, the checker the rehearsals add to) in ``report``."""
+    (:func:`~meshplan.tensor_parallel.check.validate.static_checks`, the ones ``prepare`` runs), their resolution
+    (matched rules, the checker the rehearsals add to) in ``report``."""
     from meshplan.tensor_parallel.check.validate import static_checks
     before = len(report.errors)
-    matched, checker = static_checks(model, plan, layout.tp, report)
+    matched, checker = static_checks(model, plan, layout.tp, report, token_regions)
     report.sharding.update(matched=matched, checker=checker, ok=len(report.errors) == before)
 
 
-def _prepare(model: Any, plan: Any, mesh: Any) -> Any:
+def _prepare(model: Any, plan: Any, mesh: Any, token_regions: Any = set) -> Any:
     """``(tp mesh, section)`` after the checks ``meshplan check`` runs (before anything changes), or None; ``mesh``:
     the unit's own (:func:`tp_mesh`, handed by ``parallelize``), or a Topology."""
     if plan.tensor_parallel is None:
         return None
     from meshplan.tensor_parallel.check.validate import validate_plan
     mesh = tp_mesh(mesh)
-    validate_plan(model, plan, mesh.size())  # what `meshplan check` checks, before anything changes
+    validate_plan(model, plan, mesh.size(), token_regions)  # what `meshplan check` checks, before anything changes
     return mesh, plan.tensor_parallel
 
 
@@ -79,4 +80,4 @@ AXIS = Axis(name="tp", section="tensor_parallel", title="tensor parallelism", me
             state_field="tensor_parallel", report_key="sharding", check=_check, prepare=_prepare,
             apply=_apply, shard_batch=_shard_batch, report_lines=lambda summary: [],
             costs=TERMS.costs, training=TERMS.training, example_plan=TERMS.example_plan, mesh=tp_mesh,
-            dtensor=True)
+            dtensor=True, hears_regions=True)

@@ -25,7 +25,6 @@ from meshplan.tensor_parallel.check.layer_kinds import layer_kinds_hint
 from meshplan.tensor_parallel.check.regions import is_norm, local_head_regions, region_errors, unequal_packed_parts
 from meshplan.checks.report import Report, fold_errors
 from meshplan.errors import PlanError
-from meshplan.expert_parallel.apply import moe_blocks
 from meshplan.mesh.ranks import divisors_text
 from meshplan.plan_file.document import Plan
 from meshplan.plan_file.layout import Layout
@@ -39,8 +38,9 @@ __all__ = ["Report", "validate_plan", "static_checks", "smallest_world"]
 
 
 class _Checker:
-    def __init__(self, model: nn.Module, plan: Plan, tp: int, report: Report):
+    def __init__(self, model: nn.Module, plan: Plan, tp: int, report: Report, token_regions: Any = set):
         self.model, self.plan, self.tp, self.r = model, plan, tp, report
+        self.token_regions = token_regions  # () -> the other axes' token regions (MoE blocks): meshplan.axes
         self.section = plan.tensor_parallel
         self.where = rules_where(plan.source)
         self.modules = dict(model.named_modules())
@@ -184,7 +184,7 @@ class _Checker:
 
     def regions(self, matched: dict[str, tuple[str, Any]]) -> None:
         for msg in region_errors(self.model, self.modules, matched, self.section.sequence_parallel, self.where,
-                                 self.conflicts, moe_blocks(self.model, self.plan.expert_parallel), self.tp):
+                                 self.conflicts, self.token_regions(), self.tp):
             self.err(msg)
         for parent in sorted(local_head_regions(matched, self.modules)):
             for msg in head_count_errors(self.modules[parent] if parent else self.model, parent, self.tp,
@@ -213,8 +213,11 @@ def smallest_world(lay: Layout) -> int:
     return lay.tp * lay.cp * lay.pp * lay.dp_replicate * max(lay.dp_shard, 1)
 
 
-def static_checks(model: nn.Module, p: Plan, tp: int, report: Report) -> tuple[dict, "_Checker | None"]:
-    """Every tensor_parallel check that needs no dry run and no process group, into ``report.errors``.
+def static_checks(model: nn.Module, p: Plan, tp: int, report: Report,
+                  token_regions: Any = set) -> tuple[dict, "_Checker | None"]:
+    """Every tensor_parallel check that needs no dry run and no process group, into ``report.errors``
+    (``token_regions``: ``() -> {module path}``, the modules other axes run on each tp rank's own tokens, handed by
+    :mod:`meshplan.axes`: :attr:`meshplan.axis.Axis.token_regions`).
 
     Returns:
         ``(matched rules, checker)``; the checker (None without a tensor_parallel section) takes further errors
@@ -222,7 +225,7 @@ def static_checks(model: nn.Module, p: Plan, tp: int, report: Report) -> tuple[d
     """
     if p.tensor_parallel is None:
         return {}, None
-    checker = _Checker(model, p, tp, report)
+    checker = _Checker(model, p, tp, report, token_regions)
     matched = checker.match()
     for path, (pattern, rule) in matched.items():
         checker.module(path, pattern, rule)
@@ -233,7 +236,7 @@ def static_checks(model: nn.Module, p: Plan, tp: int, report: Report) -> tuple[d
     return matched, checker
 
 
-def validate_plan(model: nn.Module, plan: Plan, tp: int) -> None:
+def validate_plan(model: nn.Module, plan: Plan, tp: int, token_regions: Any = set) -> None:
     """The checks of :func:`check` that need no dry run and no process group of their own (all but the
     cross-shard shadow run); :func:`meshplan.parallelize` runs them first.
 
@@ -241,6 +244,7 @@ def validate_plan(model: nn.Module, plan: Plan, tp: int) -> None:
         PlanError: one error listing every problem (numbered), as :meth:`Report.raise_if_errors`.
     """
     report = Report(source=plan.source or "<plan>", model=type(model).__name__, tp=tp, world_size=tp)
-    static_checks(model, plan, tp, report)  # the shadow run needs its own fake group: meshplan.check only
+    # the shadow run needs its own fake group: meshplan.check only
+    static_checks(model, plan, tp, report, token_regions)
     report.errors = fold_errors(report.errors)
     report.raise_if_errors()
