@@ -22,7 +22,7 @@ from meshplan.tensor_parallel.unit import AXIS as _TENSOR
 
 __all__ = ["AXES", "COST_AXES", "axis_meshes", "check_axes", "prepare_axes", "apply_axes", "finish_axes",
            "step_runner", "shard_batch", "shard_sequence", "report_lines", "opaque_modules",
-           "blocks_reason", "accumulate", "data_dims"]
+           "blocks_reason", "accumulate", "data_dims", "roots", "held_part", "timeline"]
 
 #: the axes that are units, in parallelize's order
 AXES: tuple[Axis, ...] = (_PIPELINE, _TENSOR, _CONTEXT, _EXPERT, _DATA)
@@ -87,7 +87,8 @@ def finish_axes(model: Any, plan: Any, topology: Any, prepared: dict[str, Any], 
     a record returned is attached as in :func:`apply_axes`."""
     for axis in AXES:
         if axis.name in prepared:
-            record = axis.finish(model, plan, topology, prepared[axis.name], state())
+            extra = {"roots": roots(model, state())} if axis.data_axis else {}  # after the earlier finishes
+            record = axis.finish(model, plan, topology, prepared[axis.name], state(), **extra)
             if record is not None:
                 attach(**{axis.state_field: record})
 
@@ -167,3 +168,26 @@ def opaque_modules(model: Any, plan: Any) -> tuple[str, ...]:
     """The module paths of ``model`` a rehearsal on a throwaway copy replaces by a stand-in (every axis'
     :attr:`~meshplan.axis.Axis.opaque`), sorted."""
     return tuple(sorted({path for axis in AXES for path in axis.opaque(model, plan)}))
+
+
+def _records(state: Any) -> list[tuple[Axis, Any]]:
+    """``(axis, record)`` of every axis whose record ``state`` (a ParallelState or None) holds, in order."""
+    return [(axis, r) for axis in AXES if state is not None and (r := getattr(state, axis.state_field)) is not None]
+
+
+def roots(model: Any, state: Any) -> list[Any]:
+    """The modules that run as their own roots (:attr:`~meshplan.axis.Axis.roots`: the pipeline's stage views,
+    which the data axis wraps each as a root), else ``[model]``."""
+    return next((list(found) for axis, r in _records(state) if (found := axis.roots(r)) is not None), [model])
+
+
+def held_part(state: Any) -> "tuple[str, tuple[str, ...]] | None":
+    """``(what, full keys)`` when ``state``'s records leave this rank only part of the model
+    (:attr:`~meshplan.axis.Axis.part`: the pipeline's stages), else None (it holds every module)."""
+    return next((part for axis, r in _records(state) if (part := axis.part(r)) is not None), None)
+
+
+def timeline(plan: Any, resolved: Any, report: Any, name: str, fmt: str) -> Any:
+    """``meshplan check --schedule``: the picture of the first axis with a :attr:`~meshplan.axis.Axis.timeline`
+    (the pipeline's executed schedule): a drawing for svg/png, else the text."""
+    return next(axis.timeline for axis in AXES if axis.timeline is not None)(plan, resolved, report, name, fmt)

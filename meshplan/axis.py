@@ -106,7 +106,8 @@ class Axis:
             (:func:`meshplan.axes.opaque_modules`), called only when the rehearsal runs.
             Default False.
         data_axis: the data-parallel axis (last): its ``check`` and ``prepare`` get one more argument, the other
-            axes whose sections the plan has (their :attr:`data_parallel` and :attr:`dtensor` decide with it).
+            axes whose sections the plan has (their :attr:`data_parallel` and :attr:`dtensor` decide with it), and
+            its ``finish`` gets ``roots=``, the modules it wraps as roots (:func:`meshplan.axes.roots`).
         dtensor: its apply makes DTensor parameters (what FSDP2's integer ``reshard_after_forward`` refuses).
         blocks_reason: ``(plan, layout) -> str``: why the axis needs the blocks (``parallelize`` then runs the
             ``blocks`` section even without one; the text a pattern that matches nothing is refused with), or "".
@@ -119,6 +120,15 @@ class Axis:
             a torch ``DeviceMesh``; raises :class:`~meshplan.errors.PlanError` for one it cannot use); when set,
             ``prepare`` gets it in place of the topology, which is None for a bare ``DeviceMesh`` (tensor
             parallelism: a ``DeviceMesh`` with a ``tp`` dim).
+        roots: ``(record) -> [module] | None``: the modules that run as their own roots once its record is attached
+            (the pipeline's stage views: the data axis wraps each as a root); None (default): the model.
+        part: ``(record) -> (what, full keys) | None``: when its record leaves this rank only part of the model
+            (the pipeline's stages), how messages name that part (``"pipeline stages [0]"``) and the full model's
+            state-dict keys (a full checkpoint holds them; the weight loaders and ``materialize`` ask); None
+            (default): the rank holds every module.
+        timeline: ``(plan, resolved layout, report, plan name, format) -> drawing | str``, or None: ``meshplan check
+            --schedule``'s picture of the axis' section (a :class:`~meshplan.viz.drawing.Drawing` for svg/png, else
+            the text): the pipeline's executed schedule.
     """
 
     name: str
@@ -149,6 +159,9 @@ class Axis:
     data_dims: tuple[str, ...] = ()
     in_solver: bool = True
     mesh: "Callable[[Any], Any] | None" = None
+    roots: Callable[[Any], Any] = lambda record: None
+    part: Callable[[Any], Any] = lambda record: None
+    timeline: "Callable[..., Any] | None" = None
 
     def degree(self, layout: Any) -> int:
         """The axis' degree in ``layout`` (a resolved layout or a solver candidate)."""

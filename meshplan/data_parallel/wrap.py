@@ -18,16 +18,18 @@ __all__ = ["wrap"]
 
 
 def wrap(model: "nn.Module", section: DataParallel, topology: "Topology", resolved: tuple, state: Any,
-         grad_sync: Any) -> DataParallelState:
+         grad_sync: Any, roots: "list[nn.Module] | None" = None) -> DataParallelState:
     """Shard ``model`` as :func:`.mode.check_data_parallel` resolved it (``resolved``: mode, shard axes, replicate
     axes); the checks ran before anything changed.
 
     Args:
-        state: the model's record so far (read only): the blocks' paths, the pipeline's stage views, the expert
-            modules, the sequence-parallel mode.
+        state: the model's record so far (read only): the blocks' paths, the expert modules, the
+            sequence-parallel mode.
         grad_sync: the model's one gradient finaliser (:class:`meshplan.gradients.GradFinalizer`, which
             ``parallelize`` handed to the axes) when it tracks anything, or None: one is made here for
             DTensor parameters that tensor parallelism outside meshplan left (or smp's batch mode).
+        roots: the modules that run as their own roots (:func:`meshplan.axes.roots`, handed in: a pipeline's
+            stage views); None: the model.
 
     Returns:
         The record; its ``grad_sync`` is the finaliser made here, else None (the model's is re-installed on
@@ -36,7 +38,7 @@ def wrap(model: "nn.Module", section: DataParallel, topology: "Topology", resolv
     mode, shard_axes, rep_axes = resolved
     sync = grad_sync or _new_grad_sync(model, topology, state.sequence_parallel)
     if mode != "none" or (state.expert_parallel is not None and topology.layout.edp > 1):
-        roots = state.pipeline.views if state.pipeline is not None else [model]  # a stage runs as its own root
+        roots = roots if roots is not None else [model]  # a pipeline stage runs as its own root
         _shard(model, state, roots, state.blocks.paths, section, topology, mode, (shard_axes, rep_axes))
     if sync is not None:
         sync.install(model)  # on FSDP2's parameters: the ones tensor parallelism made are gone
