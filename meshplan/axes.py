@@ -37,9 +37,9 @@ def axis_meshes(given: Any) -> dict[str, Any]:
 
 
 def _others(axis: Axis, plan: Any) -> tuple:
-    """What the data axis' check and prepare get besides the usual (:attr:`~meshplan.axis.Axis.data_axis`): the
-    other axes whose sections ``plan`` has."""
-    if not axis.data_axis:
+    """What the data axis' check and prepare get besides the usual (:attr:`~meshplan.axis.Axis.data_axis`,
+    :attr:`~meshplan.axis.Axis.sees_others`): the other axes whose sections ``plan`` has."""
+    if not (axis.data_axis or axis.sees_others):
         return ()
     return (tuple(a for a in AXES if a is not axis and getattr(plan, a.section, None) is not None),)
 

@@ -129,6 +129,10 @@ class Axis:
         timeline: ``(plan, resolved layout, report, plan name, format) -> drawing | str``, or None: ``meshplan check
             --schedule``'s picture of the axis' section (a :class:`~meshplan.viz.drawing.Drawing` for svg/png, else
             the text): the pipeline's executed schedule.
+        graphs: ``(plan) -> str``: the plan key with which its apply leaves graphs where modules were
+            (``"pipeline.split: trace"``: no attention module left to route), or "" (default).
+        sees_others: its ``check`` and ``prepare`` get the other axes of the plan, as the data axis' do
+            (an axis that routes modules asks them for :attr:`graphs`). Default False.
     """
 
     name: str
@@ -162,6 +166,8 @@ class Axis:
     roots: Callable[[Any], Any] = lambda record: None
     part: Callable[[Any], Any] = lambda record: None
     timeline: "Callable[..., Any] | None" = None
+    graphs: Callable[[Any], str] = lambda plan: ""
+    sees_others: bool = False
 
     def degree(self, layout: Any) -> int:
         """The axis' degree in ``layout`` (a resolved layout or a solver candidate)."""

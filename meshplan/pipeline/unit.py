@@ -79,4 +79,5 @@ AXIS = Axis(name="pp", section="pipeline", title="pipeline parallelism", mesh_di
             report_lines=_report_lines,
             costs=TERMS.costs, training=TERMS.training, example_plan=TERMS.example_plan, finish=_finish,
             run_step=_run_step, narrow=_narrow, written=TERMS.written, rehearses=True,
-            roots=lambda record: record.views, part=_part, timeline=_timeline)
+            roots=lambda record: record.views, part=_part, timeline=_timeline,
+            graphs=lambda plan: "pipeline.split: trace" if plan.pipeline.split == "trace" else "")
