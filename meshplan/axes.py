@@ -22,7 +22,7 @@ from meshplan.tensor_parallel.unit import AXIS as _TENSOR
 
 __all__ = ["AXES", "COST_AXES", "axis_meshes", "check_axes", "prepare_axes", "apply_axes", "finish_axes",
            "step_runner", "shard_batch", "shard_sequence", "report_lines", "opaque_modules",
-           "blocks_reason", "accumulate", "data_dims", "tp_exempt"]
+           "blocks_reason", "accumulate", "data_dims", "tp_exempt", "roots", "held_part", "timeline"]
 
 #: the axes that are units, in parallelize's order
 AXES: tuple[Axis, ...] = (_PIPELINE, _TENSOR, _CONTEXT, _EXPERT, _DATA)
@@ -37,9 +37,10 @@ def axis_meshes(given: Any) -> dict[str, Any]:
 
 
 def _others(axis: Axis, plan: Any) -> tuple:
-    """What the data axis' check, prepare and finish get besides the usual (:attr:`~meshplan.axis.Axis.data_axis`): the
-    other axes whose sections ``plan`` has."""
-    if not axis.data_axis:
+    """What the data axis' check, prepare and finish get besides the usual (:attr:`~meshplan.axis.Axis.data_axis`;
+    check and prepare also for :attr:`~meshplan.axis.Axis.sees_others`): the other axes whose sections ``plan``
+    has."""
+    if not (axis.data_axis or axis.sees_others):
         return ()
     return (tuple(a for a in AXES if a is not axis and getattr(plan, a.section, None) is not None),)
 
@@ -98,7 +99,9 @@ def finish_axes(model: Any, plan: Any, topology: Any, prepared: dict[str, Any], 
     a record returned is attached as in :func:`apply_axes`."""
     for axis in AXES:
         if axis.name in prepared:
-            record = axis.finish(model, plan, topology, prepared[axis.name], state(), *_others(axis, plan))
+            extra = {"roots": roots(model, state())} if axis.data_axis else {}  # after the earlier finishes
+            others = _others(axis, plan) if axis.data_axis else ()
+            record = axis.finish(model, plan, topology, prepared[axis.name], state(), *others, **extra)
             if record is not None:
                 attach(**{axis.state_field: record})
 
@@ -184,3 +187,26 @@ def tp_exempt(model: Any, plan: Any, report: Any) -> list[Any]:
     """The :class:`~meshplan.axis.TpExempt` of every axis that shards modules of ``model`` itself
     (:attr:`~meshplan.axis.Axis.tp_exempt`; ``report``: the checked report, each axis reads its own summary)."""
     return [e for axis in AXES if (e := axis.tp_exempt(model, plan, getattr(report, axis.report_key))) is not None]
+
+
+def _records(state: Any) -> list[tuple[Axis, Any]]:
+    """``(axis, record)`` of every axis whose record ``state`` (a ParallelState or None) holds, in order."""
+    return [(axis, r) for axis in AXES if state is not None and (r := getattr(state, axis.state_field)) is not None]
+
+
+def roots(model: Any, state: Any) -> list[Any]:
+    """The modules that run as their own roots (:attr:`~meshplan.axis.Axis.roots`: the pipeline's stage views,
+    which the data axis wraps each as a root), else ``[model]``."""
+    return next((list(found) for axis, r in _records(state) if (found := axis.roots(r)) is not None), [model])
+
+
+def held_part(state: Any) -> "tuple[str, tuple[str, ...]] | None":
+    """``(what, full keys)`` when ``state``'s records leave this rank only part of the model
+    (:attr:`~meshplan.axis.Axis.part`: the pipeline's stages), else None (it holds every module)."""
+    return next((part for axis, r in _records(state) if (part := axis.part(r)) is not None), None)
+
+
+def timeline(plan: Any, resolved: Any, report: Any, name: str, fmt: str) -> Any:
+    """``meshplan check --schedule``: the picture of the first axis with a :attr:`~meshplan.axis.Axis.timeline`
+    (the pipeline's executed schedule): a drawing for svg/png, else the text."""
+    return next(axis.timeline for axis in AXES if axis.timeline is not None)(plan, resolved, report, name, fmt)

@@ -135,7 +135,8 @@ class Axis:
             Default False.
         data_axis: the data-parallel axis (last): its ``check``, ``prepare`` and ``finish`` get one more argument,
             the other axes whose sections the plan has (their :attr:`data_parallel`, :attr:`dtensor` and
-            :attr:`data_shard` decide with it).
+            :attr:`data_shard` decide with it), and its ``finish`` gets ``roots=``, the modules it wraps as roots
+            (:func:`meshplan.axes.roots`).
         dtensor: its apply makes DTensor parameters (what FSDP2's integer ``reshard_after_forward`` refuses).
         blocks_reason: ``(plan, layout) -> str``: why the axis needs the blocks (``parallelize`` then runs the
             ``blocks`` section even without one; the text a pattern that matches nothing is refused with), or "".
@@ -163,6 +164,19 @@ class Axis:
         hears_regions: its ``check`` and ``prepare`` take ``token_regions=``, a callable giving every other axis'
             :attr:`token_regions` for the plan (:mod:`meshplan.axes`), called when the checks need them
             (tensor parallelism's static checks). Default False.
+        roots: ``(record) -> [module] | None``: the modules that run as their own roots once its record is attached
+            (the pipeline's stage views: the data axis wraps each as a root); None (default): the model.
+        part: ``(record) -> (what, full keys) | None``: when its record leaves this rank only part of the model
+            (the pipeline's stages), how messages name that part (``"pipeline stages [0]"``) and the full model's
+            state-dict keys (a full checkpoint holds them; the weight loaders and ``materialize`` ask); None
+            (default): the rank holds every module.
+        timeline: ``(plan, resolved layout, report, plan name, format) -> drawing | str``, or None: ``meshplan check
+            --schedule``'s picture of the axis' section (a :class:`~meshplan.viz.drawing.Drawing` for svg/png, else
+            the text): the pipeline's executed schedule.
+        graphs: ``(plan) -> str``: the plan key with which its apply leaves graphs where modules were
+            (``"pipeline.split: trace"``: no attention module left to route), or "" (default).
+        sees_others: its ``check`` and ``prepare`` get the other axes of the plan, as the data axis' do
+            (an axis that routes modules asks them for :attr:`graphs`). Default False.
     """
 
     name: str
@@ -197,6 +211,11 @@ class Axis:
     tp_exempt: Callable[[Any, Any, dict], "TpExempt | None"] = lambda model, plan, summary: None
     token_regions: Callable[[Any, Any], set] = lambda model, plan: set()
     hears_regions: bool = False
+    roots: Callable[[Any], Any] = lambda record: None
+    part: Callable[[Any], Any] = lambda record: None
+    timeline: "Callable[..., Any] | None" = None
+    graphs: Callable[[Any], str] = lambda plan: ""
+    sees_others: bool = False
 
     def degree(self, layout: Any) -> int:
         """The axis' degree in ``layout`` (a resolved layout or a solver candidate)."""

@@ -29,7 +29,7 @@ def apply_data_parallel(model: "nn.Module", section: Any = None, topology: "Topo
     """:func:`meshplan.data_parallel.fsdp.apply_data_parallel`: every check, the blocks step unless it ran, the
     wrapping (:func:`meshplan.data_parallel.wrap.wrap`, handed the model's one gradient finaliser), the record
     attached here."""
-    from meshplan.axes import AXES
+    from meshplan.axes import AXES, roots
     from meshplan.blocks import apply_blocks
     from meshplan.data_parallel.mode import check_data_parallel, sections
     from meshplan.data_parallel.wrap import wrap
@@ -45,6 +45,6 @@ def apply_data_parallel(model: "nn.Module", section: Any = None, topology: "Topo
     if blocks is not None or state is None or state.blocks is None:
         apply_blocks(model, blocks)
     state = parallel_state(model)
-    record = wrap(model, section, topology, resolved, state, state.grad_sync, AXES)  # the experts over edp first
+    record = wrap(model, section, topology, resolved, state, state.grad_sync, AXES, roots(model, state))  # the experts over edp first
     attach_state(model, topology=topology, data_parallel=record)
     return model

@@ -214,6 +214,49 @@ def test_the_pipeline_unit_takes_the_step_and_narrows_tp_rules_to_its_stages():
     assert AXIS.narrow(model, as_plan({}), record) == as_plan({})
 
 
+def _reaching(folder: str, field: str) -> set[str]:
+    """Files outside ``meshplan/<folder>/`` whose code reaches the axis: an import of the folder (any depth) or a
+    read of its record (``state.<field>``, ``.<field> is (not) None``), as /work/notes/reach.py counts (issue 26)."""
+    imports = re.compile(rf"(from|import)\s+meshplan\.{folder}\b")
+    record = re.compile(rf"\bstate\.{field}\b|\.{field} is not None|\.{field} is None")
+    return {str(f.relative_to(PKG)) for f in PKG.rglob("*.py") if not f.is_relative_to(PKG / folder)
+            and (imports.search(text := f.read_text()) or record.search(text))}
+
+
+#: the files outside pipeline/ whose code reaches it (9 on 6f74993: cli/plans.py, context_parallel/apply.py,
+#: data_parallel/wrap.py, solver/plans.py, weights/load.py and weights/materialize.py now ask the axes' hooks
+#: roots, part, timeline, graphs and AxisTerms.decides): the ordered lists, and transformers' pp_plan interop
+#: (convert/hf_document.py translates the pipeline section to and from another format). May only shrink.
+PP_REACH = {"axes.py", "solver/units.py", "convert/hf_document.py"}
+
+
+def test_pipeline_coupling_only_shrinks():
+    found = _reaching("pipeline", "pipeline")
+    assert found <= PP_REACH, f"code outside pipeline/ reaching it: {sorted(found - PP_REACH)}; ask the axes instead"
+
+
+def test_the_pipeline_hooks_answer_for_its_record():
+    """What dp wraps as roots, what the weight loaders hold, and cp's refusal come from the pipeline's hooks."""
+    import torch.nn as nn
+
+    from meshplan.axes import held_part, roots
+    from meshplan.pipeline.stages import PipelineApplied
+    from meshplan.pipeline.unit import AXIS
+    from meshplan.plan_file.document import as_plan
+    from meshplan.plan_file.pipeline import Pipeline
+    from meshplan.state import ParallelState
+    model, view = nn.Linear(2, 2), nn.Identity()
+    record = PipelineApplied(section=Pipeline(microbatches=2), stage_ids=[1], num_stages=2, views=[view],
+                             full_keys=("a.weight", "b.weight"))
+    assert roots(model, ParallelState()) == [model] and roots(model, None) == [model]
+    assert roots(model, ParallelState(pipeline=record)) == [view]
+    assert held_part(ParallelState()) is None
+    assert held_part(ParallelState(pipeline=record)) == ("pipeline stages [1]", ("a.weight", "b.weight"))
+    traced = as_plan({"pipeline": {"microbatches": 2, "split": "trace", "split_points": ["layers.1"]}})
+    assert AXIS.graphs(traced) == "pipeline.split: trace"
+    assert AXIS.graphs(as_plan({"pipeline": {"microbatches": 2}})) == ""
+
+
 def test_data_parallelism_is_named_only_where_allowed():
     """The same measure for the third unit: files outside ``data_parallel/`` that name it (not apply.py, blocks.py,
     checks/data.py, checks/offline.py any more: parallelize, the blocks step and check reach it through AXES)."""

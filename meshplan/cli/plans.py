@@ -85,26 +85,11 @@ def _picture(drawing: Any, fmt: str) -> str | bytes:
 
 
 def _schedule(args: argparse.Namespace, plan: Any, resolved: Any, report: Any) -> int:
-    """``check --schedule``: the executed pipeline schedule (svg/png timeline, a text table, or json)."""
-    from meshplan.viz.timeline import schedule_document, schedule_table, timeline
-    from meshplan.pipeline.order import executed_steps
-    if plan.pipeline is None:
-        raise PlanError(f"{args.plan}: check --schedule: the plan has no pipeline section; found none, expected "
-                        f"e.g. `pipeline: {{schedule: 1f1b, microbatches: {2 * resolved.pp}}}`")
-    if report is not None and not report.ok:
-        raise PlanError(f"{args.plan}: " + "; ".join(str(e) for e in report.errors))
-    where = f"{args.plan}: pipeline"
-    sec = plan.pipeline
-    steps = executed_steps(sec.schedule, resolved.pp, resolved.vpp, sec.microbatches, where)
-    names = {r["stage"]: ", ".join([*r["first_modules"], *r["blocks_text"], *r["last_modules"]])
-             for r in (report.pipeline.get("stages", []) if report is not None else [])}
-    title = f"{args.plan}: {sec.schedule}, pp {resolved.pp} × vpp {resolved.vpp}, {sec.microbatches} microbatches"
-    if args.format in ("svg", "png"):
-        write_output(_picture(timeline(steps, title, names), args.format), args.output)
-    elif args.format == "json":
-        write_output(json.dumps(schedule_document(steps, sec.schedule), separators=(",", ":")) + "\n", args.output)
-    else:
-        write_output(schedule_table(steps, title) + "\n", args.output)
+    """``check --schedule``: the executed pipeline schedule (svg/png timeline, a text table, or json): the axis'
+    picture (:func:`meshplan.axes.timeline`), written here."""
+    from meshplan.axes import timeline
+    shown = timeline(plan, resolved, report, args.plan, args.format)
+    write_output(_picture(shown, args.format) if args.format in ("svg", "png") else shown, args.output)
     return 0
 
 

@@ -52,19 +52,22 @@ class _Resolved:
     inject_mask: bool
 
 
-def check_plan_context(model: nn.Module, plan: Any, cp: int, pp: int, device_type: str | None) -> str | None:
+def check_plan_context(model: nn.Module, plan: Any, cp: int, pp: int, device_type: str | None,
+                       graphs: str = "") -> str | None:
     """The plan's ``context_parallel`` section against the layout and ``model`` (what :func:`meshplan.parallelize`
     and ``meshplan check`` check before anything changes).
 
     Args:
         model: the model; plan: the :class:`~meshplan.Plan`; cp, pp: the layout's degrees.
         device_type: the mesh's device type (None: unknown, as in ``meshplan check``: ``ring`` is not refused).
+        graphs: the plan key with which another axis leaves graphs where the attention modules were (a traced
+            pipeline's ``pipeline.split: trace``: :attr:`~meshplan.axis.Axis.graphs`, handed in by the unit), or "".
 
     Returns:
         The section's error prefix when cp > 1 (apply it), else None (nothing to apply).
 
     Raises:
-        PlanError: cp > 1 without a section, with pipeline parallelism or compiled blocks, or what
+        PlanError: cp > 1 without a section, with a traced pipeline or compiled blocks, or what
             :func:`check_context_parallel` refuses.
     """
     where = f"{plan.source}: context_parallel" if plan.source else "context_parallel"
@@ -74,9 +77,9 @@ def check_plan_context(model: nn.Module, plan: Any, cp: int, pp: int, device_typ
                             f"(attention: <pattern of the attention modules>, positions)")
         return None
     check_context_parallel(model, plan.context_parallel, device_type, where)
-    if cp > 1 and plan.pipeline is not None and plan.pipeline.split == "trace":
-        raise PlanError(f"{where}: not with pipeline.split: trace (a traced stage is a graph: no attention module "
-                        f"to route); use split: blocks")
+    if cp > 1 and graphs:
+        raise PlanError(f"{where}: not with {graphs} (a traced stage is a graph: no attention module to route); "
+                        f"use split: blocks")
     if cp > 1 and plan.blocks is not None and plan.blocks.compile:
         raise PlanError(f"{where}: blocks.compile is not supported with context parallelism yet (the attention "
                         f"routing is a torch function mode that a compiled block would have to trace)")

@@ -19,11 +19,11 @@ from meshplan.errors import PlanError
 __all__ = ["check_context", "context_lines", "prepare_context", "apply_context"]
 
 
-def check_context(model: nn.Module, plan: Any, layout: Any, report: Any) -> None:
+def check_context(model: nn.Module, plan: Any, layout: Any, report: Any, graphs: str = "") -> None:
     """Validate ``plan``'s ``context_parallel`` section for ``layout`` (resolved) against ``model``; errors and the
-    summary (``report.context``) go into ``report``."""
+    summary (``report.context``) go into ``report`` (``graphs``: as :func:`check_plan_context` takes it)."""
     try:
-        check_plan_context(model, plan, layout.cp, layout.pp, None)
+        check_plan_context(model, plan, layout.cp, layout.pp, None, graphs)
         section = plan.context_parallel
         if section is None:
             return
@@ -60,16 +60,17 @@ def context_lines(context: dict) -> list[str]:
             f"{context['positions']}"]
 
 
-def prepare_context(model: nn.Module, p: Any, topology: Any) -> str | None:
+def prepare_context(model: nn.Module, p: Any, topology: Any, graphs: str = "") -> str | None:
     """The ``context_parallel`` section checked before :func:`meshplan.parallelize` changes anything; its error
-    prefix when cp > 1 (what :func:`apply_context` takes), else None."""
+    prefix when cp > 1 (what :func:`apply_context` takes), else None (``graphs``: as :func:`check_plan_context`
+    takes it)."""
     if p.context_parallel is not None and topology is None:
         raise PlanError(f"{p.source or '<plan>'}: context_parallel needs a meshplan Topology (meshplan.init or "
                         f"build_mesh), not a bare DeviceMesh")
     if topology is None:
         return None
     lay = topology.layout
-    return check_plan_context(model, p, lay.cp, lay.pp, topology.dense.device_type)
+    return check_plan_context(model, p, lay.cp, lay.pp, topology.dense.device_type, graphs)
 
 
 def apply_context(model: nn.Module, p: Any, topology: Any, where: str) -> CpApplied:

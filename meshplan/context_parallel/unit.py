@@ -14,14 +14,19 @@ from meshplan.context_parallel.costs import cp_block_activations, cp_collectives
 __all__ = ["AXIS"]
 
 
-def _check(model: Any, plan: Any, layout: Any, report: Any) -> None:
+def _graphs(plan: Any, others: tuple) -> str:
+    """The plan key with which another axis leaves graphs where attention modules were (traced stages), or ""."""
+    return next((key for axis in others if (key := axis.graphs(plan))), "")
+
+
+def _check(model: Any, plan: Any, layout: Any, report: Any, others: tuple = ()) -> None:
     from meshplan.context_parallel.check import check_context
-    check_context(model, plan, layout, report)
+    check_context(model, plan, layout, report, _graphs(plan, others))
 
 
-def _prepare(model: Any, plan: Any, topology: Any) -> str | None:
+def _prepare(model: Any, plan: Any, topology: Any, others: tuple = ()) -> str | None:
     from meshplan.context_parallel.check import prepare_context
-    return prepare_context(model, plan, topology)
+    return prepare_context(model, plan, topology, _graphs(plan, others))
 
 
 def _apply(model: Any, plan: Any, topology: Any, where: str, state: Any = None) -> Any:
@@ -51,4 +56,4 @@ AXIS = Axis(name="cp", section="context_parallel", title="context parallelism", 
             costs=AxisCosts(collectives=cp_collectives, block_activations=cp_block_activations,
                             first_stage_activations=cp_first_stage_activations,
                             sequence_problem=cp_sequence_problem, run_problem=cp_run_problem),
-            training=_training, example_plan="plans/llama_cp.yaml")
+            training=_training, example_plan="plans/llama_cp.yaml", sees_others=True)

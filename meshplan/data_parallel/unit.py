@@ -55,12 +55,14 @@ def _apply(model: Any, plan: Any, topology: Any, section: DataParallel, state: A
     check_data_parallel(model, section, topology)
 
 
-def _finish(model: Any, plan: Any, topology: Any, section: DataParallel, state: Any, others: tuple = ()) -> Any:
-    """FSDP2/HSDP/DDP on each block, then each root; the model's one gradient finaliser handed to the wrapping;
-    ``others``' :attr:`~meshplan.axis.Axis.data_shard` first (the experts over edp)."""
+def _finish(model: Any, plan: Any, topology: Any, section: DataParallel, state: Any, others: tuple = (),
+            roots: Any = None) -> Any:
+    """FSDP2/HSDP/DDP on each block, then each root (``roots``: handed in by :func:`meshplan.axes.finish_axes`);
+    the model's one gradient finaliser handed to the wrapping; ``others``' :attr:`~meshplan.axis.Axis.data_shard`
+    first (the experts over edp)."""
     from meshplan.data_parallel.wrap import wrap
     resolved = check_data_parallel(model, section, topology)
-    return wrap(model, section, topology, resolved, state, state.grad_sync, others)
+    return wrap(model, section, topology, resolved, state, state.grad_sync, others, roots)
 
 
 def _accumulate(model: Any, state: Any, i: int, n: int) -> None:

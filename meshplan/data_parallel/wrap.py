@@ -18,13 +18,13 @@ __all__ = ["wrap"]
 
 
 def wrap(model: "nn.Module", section: DataParallel, topology: "Topology", resolved: tuple, state: Any,
-         grad_sync: Any, others: tuple = ()) -> DataParallelState:
+         grad_sync: Any, others: tuple = (), roots: "list[nn.Module] | None" = None) -> DataParallelState:
     """Shard ``model`` as :func:`.mode.check_data_parallel` resolved it (``resolved``: mode, shard axes, replicate
     axes); the checks ran before anything changed.
 
     Args:
-        state: the model's record so far (read only): the blocks' paths, the pipeline's stage views, the expert
-            modules, the sequence-parallel mode.
+        state: the model's record so far (read only): the blocks' paths, the expert modules, the
+            sequence-parallel mode.
         grad_sync: the model's one gradient finaliser (:class:`meshplan.gradients.GradFinalizer`, which
             ``parallelize`` handed to the axes) when it tracks anything, or None: one is made here for
             DTensor parameters that tensor parallelism outside meshplan left (or smp's batch mode).
@@ -32,6 +32,8 @@ def wrap(model: "nn.Module", section: DataParallel, topology: "Topology", resolv
             modules over a data mesh of their own (:attr:`~meshplan.axis.Axis.data_shard`: the experts over edp)
             wrap them first, and wrapping runs for them even in mode ``"none"`` when their
             :attr:`~meshplan.axis.Axis.data_parallel` holds.
+        roots: the modules that run as their own roots (:func:`meshplan.axes.roots`, handed in: a pipeline's
+            stage views); None: the model.
 
     Returns:
         The record; its ``grad_sync`` is the finaliser made here, else None (the model's is re-installed on
@@ -41,7 +43,7 @@ def wrap(model: "nn.Module", section: DataParallel, topology: "Topology", resolv
     sync = grad_sync or _new_grad_sync(model, topology, state.sequence_parallel)
     own = [a for a in others if a.data_shard is not None and getattr(state, a.state_field) is not None]
     if mode != "none" or any(a.data_parallel(topology.layout) for a in own):
-        roots = state.pipeline.views if state.pipeline is not None else [model]  # a stage runs as its own root
+        roots = roots if roots is not None else [model]  # a pipeline stage runs as its own root
         _shard(model, state, roots, state.blocks.paths, section, topology, mode, (shard_axes, rep_axes), own)
     if sync is not None:
         sync.install(model)  # on FSDP2's parameters: the ones tensor parallelism made are gone

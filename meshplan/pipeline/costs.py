@@ -89,6 +89,13 @@ def written_section(c: Any, base: Any) -> dict | None:
     return {**(base or {}), "schedule": c.schedule, "microbatches": c.microbatches}
 
 
+def decides(plan: Any, lay: Any) -> dict:
+    """The candidate fields a plan's pipeline section sets: its microbatches (they win over the run's), and its
+    schedule when ``pp`` > 1."""
+    sec = plan.pipeline
+    return {} if sec is None else {"microbatches": sec.microbatches, "schedule": sec.schedule if lay.pp > 1 else None}
+
+
 def _none(*_args: Any) -> float:
     return 0.0
 
@@ -99,4 +106,4 @@ TERMS = AxisTerms(name="pp", section="pipeline", training=lambda plan: {}, examp
                                   sequence_problem=lambda seq, d, t: None, run_problem=lambda c, tr, device: None,
                                   per_microbatch=False, exposed=exposed_sends, idle_fraction=idle_fraction,
                                   in_flight=in_flight),
-                  written=written_section)
+                  written=written_section, decides=decides)

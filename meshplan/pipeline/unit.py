@@ -58,6 +58,16 @@ def _shard_batch(state: Any, inputs: Any, targets: Any, shift: bool = False,
     return inputs, targets, shift  # every rank of a stage group gets the whole batch; the schedule microbatches it
 
 
+def _part(record: Any) -> tuple[str, tuple[str, ...]]:
+    """This rank holds its stages only: how messages name them, and the full model's keys."""
+    return f"pipeline stages {record.stage_ids}", tuple(record.full_keys)
+
+
+def _timeline(*args: Any) -> Any:
+    from meshplan.pipeline.timeline import schedule_view
+    return schedule_view(*args)
+
+
 def _report_lines(summary: dict) -> list[str]:
     from meshplan.pipeline.check import stage_lines
     return stage_lines(summary)
@@ -68,4 +78,6 @@ AXIS = Axis(name="pp", section="pipeline", title="pipeline parallelism", mesh_di
             report_key="pipeline", check=_check, prepare=_prepare, apply=_apply, shard_batch=_shard_batch,
             report_lines=_report_lines,
             costs=TERMS.costs, training=TERMS.training, example_plan=TERMS.example_plan, finish=_finish,
-            run_step=_run_step, narrow=_narrow, written=TERMS.written, rehearses=True)
+            run_step=_run_step, narrow=_narrow, written=TERMS.written, rehearses=True,
+            roots=lambda record: record.views, part=_part, timeline=_timeline,
+            graphs=lambda plan: "pipeline.split: trace" if plan.pipeline.split == "trace" else "")

@@ -41,14 +41,15 @@ def candidate_from_plan(plan: Plan, world: int, seq: int, global_batch: int, *, 
     lay = (plan.layout or Layout()).resolve(world)
     _sections(plan, lay, where)
     dp_sec, ac = plan.data_parallel, (plan.blocks.activation_checkpointing if plan.blocks else None)
-    m = plan.pipeline.microbatches if plan.pipeline is not None else microbatches
+    decided = {k: v for axis in UNITS for k, v in axis.decides(plan, lay).items()}  # the pipeline's schedule
+    m = decided.get("microbatches", microbatches)
     data = lay.dp_replicate * lay.dp_shard
     if global_batch % (data * m):
         raise PlanError(f"{where}: the global batch ({global_batch}) must split over dp({data}) × microbatches({m}); "
                         f"expected a multiple of {data * m}")
     cand = Candidate(**{axis.name: axis.degree(lay) for axis in UNITS}, etp=lay.etp, vpp=lay.vpp,
                      dp_replicate=lay.dp_replicate, dp_shard=lay.dp_shard, order=lay.order_str,
-                     schedule=plan.pipeline.schedule if plan.pipeline and lay.pp > 1 else None,
+                     schedule=decided.get("schedule"),
                      micro_batch=global_batch // (data * m), microbatches=m,
                      ac=ac.mode if ac else "none", ac_every=ac.every if ac else 1, ac_ops=bool(ac and ac.ops),
                      dp_mode=dp_sec.mode if dp_sec else None,

@@ -72,6 +72,9 @@ class AxisTerms:
         for a candidate (the pipeline's schedule); None: the section is rules, copied from the base plan.
         in_solver: the solver's per-microbatch loops take it (its degree a ``Candidate`` field); data
         parallelism's collectives run once per step (``costs.step_collectives``), its degrees enumerated apart.
+        decides: ``(plan, resolved layout) -> {candidate field: value}``: the
+        :class:`~meshplan.solver.candidate.Candidate` fields its section sets when a plan is read as a candidate
+        (the pipeline's microbatches and schedule); default: none.
     """
 
     name: str
@@ -81,6 +84,7 @@ class AxisTerms:
     example_plan: str
     written: "Callable[[Any, Any], Any] | None" = None
     in_solver: bool = True
+    decides: Callable[[Any, Any], dict] = lambda plan, layout: {}
 
     def degree(self, layout: Any) -> int:
         """The axis' degree in ``layout`` (a resolved layout or a solver candidate)."""

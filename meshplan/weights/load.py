@@ -141,15 +141,16 @@ def _other_stages(model: nn.Module, targets: Mapping[str, torch.Tensor]) -> set[
         PlanError: a pipelined model still on the meta device (its buffers are computed by the model's
             initializer, which meets pass-throughs where the other stages' modules were).
     """
+    from meshplan.axes import held_part
     from meshplan.state import parallel_state
-    state = parallel_state(model)
-    if state is None or state.pipeline is None:
+    part = held_part(parallel_state(model))  # the axes' records: which part of the model this rank holds
+    if part is None:
         return set()
     if any(t.is_meta for t in targets.values()):
-        raise PlanError(f"load_state_dict: this {type(model).__name__} holds pipeline stages "
-                        f"{state.pipeline.stage_ids} only and is on the meta device, so its initializer cannot "
-                        f"compute its buffers; build it on the CPU before meshplan.parallelize, then load")
-    return set(state.pipeline.full_keys) - set(targets)
+        raise PlanError(f"load_state_dict: this {type(model).__name__} holds {part[0]} only and is on the meta "
+                        f"device, so its initializer cannot compute its buffers; build it on the CPU before "
+                        f"meshplan.parallelize, then load")
+    return set(part[1]) - set(targets)
 
 
 def _load_broadcast(source: Mapping[str, torch.Tensor] | None, targets: dict[str, torch.Tensor], others: set[str],

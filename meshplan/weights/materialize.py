@@ -151,10 +151,11 @@ def materialize(model: nn.Module, init: Callable[[nn.Module], None] | None = Non
         PlanError: the model was cut into pipeline stages (its initializer would meet pass-throughs where
             the other stages' modules were, and draw a different random stream).
     """
+    from meshplan.axes import held_part
     from meshplan.state import parallel_state
-    state = parallel_state(model)
-    if state is not None and state.pipeline is not None:
-        raise PlanError(f"materialize: this {type(model).__name__} holds pipeline stages {state.pipeline.stage_ids} "
+    part = held_part(parallel_state(model))  # the axes' records: which part of the model this rank holds
+    if part is not None:
+        raise PlanError(f"materialize: this {type(model).__name__} holds {part[0]} "
                         f"only, so its initializer cannot draw the one-device random stream; build the model on "
                         f"the CPU with the seed before meshplan.parallelize, or load a checkpoint "
                         f"(meshplan.load_state_dict)")
