@@ -1,6 +1,6 @@
 """The shape of a parallelism axis as a unit: :class:`Axis`, one frozen value each axis folder exports.
 
-An axis folder (three today, the others join one by one: :data:`meshplan.axes.AXES`) says
+An axis folder (every axis: :data:`meshplan.axes.AXES`) says
 everything the rest of meshplan needs to know about it in one :class:`Axis`: its name, its plan section, its mesh
 dims, its check, its apply (returning a frozen record that :func:`meshplan.parallelize` alone attaches to the
 model's :class:`~meshplan.state.ParallelState`), its share of a batch for :func:`meshplan.train_step`, its report

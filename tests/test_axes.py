@@ -1,5 +1,6 @@
 """Axes as units (:mod:`meshplan.axis`, :mod:`meshplan.axes`): the shape, the ordered list, and where an axis is
-named. Context parallelism is the first unit; the other axes keep their own code paths until they join."""
+named and reached. Every axis is a unit: AXES = (pp, tp, cp, ep, dp); each axis' set of files outside its folder
+that name it, and of files whose code reaches it (issue 26's coupling measure), may only shrink."""
 
 from __future__ import annotations
 
@@ -141,16 +142,29 @@ def test_expert_parallelism_is_named_only_where_allowed():
     assert found <= EP_ALLOWED, f"expert parallelism named outside its unit: {sorted(found - EP_ALLOWED)}"
 
 
-def _code_coupling_of(folder: str) -> set[str]:
-    """Files outside ``meshplan/<folder>/`` whose code reaches it (as /work/notes/reach.py counts): an import of the
-    folder at any depth, or a read of its record (``state.<folder>``, ``.<folder> is (not) None``)."""
+def _reaching(folder: str) -> set[str]:
+    """Files outside ``meshplan/<folder>/`` whose code reaches the axis (issue 26's coupling measure, as
+    ``benchmarks/coupling.py`` counts it): an import of the folder at any depth, or a read of its record
+    (``state.<folder>``, ``.<folder> is (not) None``; each axis' record field is named as its folder)."""
     imports = re.compile(rf"(from|import)\s+meshplan\.{folder}\b")
     record = re.compile(rf"\bstate\.{folder}\b|\.{folder} is not None|\.{folder} is None")
     return {str(f.relative_to(PKG)) for f in PKG.rglob("*.py") if not f.is_relative_to(PKG / folder)
             and (imports.search(text := f.read_text()) or record.search(text))}
 
 
-#: files outside expert_parallel/ whose code reaches it (issue 26's "≤ 5"; 7 on 6f74993: also checks/explain.py,
+#: the files outside context_parallel/ and data_parallel/ whose code reaches them (1 and 5 on ac64207): the ordered
+#: lists; dp's also the records' owner and the public apply_data_parallel, which attaches its own record
+CP_REACH = {"axes.py", "solver/units.py"}
+DP_REACH = {"axes.py", "solver/units.py", "standalone.py", "state.py"}
+
+
+def test_context_and_data_parallelism_are_reached_only_through_their_units():
+    for folder, allowed in (("context_parallel", CP_REACH), ("data_parallel", DP_REACH)):
+        found = _reaching(folder)
+        assert found <= allowed, f"code outside {folder}/ reaching it: {sorted(found - allowed)}; ask the axes"
+
+
+#: files outside expert_parallel/ whose code reaches it (issue 26's "≤ 5"; 7 on ac64207 and 6f74993: also checks/explain.py,
 #: checks/validate.py, data_parallel/wrap.py, hf/moe.py, now behind Axis.tp_exempt, token_regions, data_shard and
 #: the torch-free token_region_of): the ordered lists, and transformers' ep_plan written from the plan's section
 EP_COUPLED = {"axes.py", "solver/units.py", "convert/hf_document.py"}
@@ -159,7 +173,7 @@ EP_COUPLED = {"axes.py", "solver/units.py", "convert/hf_document.py"}
 def test_expert_parallelism_is_reached_only_through_its_unit():
     """The coupling may only shrink: the rest of meshplan asks the axes (MoE experts over edp, explain's totals,
     the token regions of the tp checks), not the folder or its record."""
-    found = _code_coupling_of("expert_parallel")
+    found = _reaching("expert_parallel")
     assert found <= EP_COUPLED, f"code outside expert_parallel/ reaching it: {sorted(found - EP_COUPLED)}"
 
 
@@ -214,16 +228,7 @@ def test_the_pipeline_unit_takes_the_step_and_narrows_tp_rules_to_its_stages():
     assert AXIS.narrow(model, as_plan({}), record) == as_plan({})
 
 
-def _reaching(folder: str, field: str) -> set[str]:
-    """Files outside ``meshplan/<folder>/`` whose code reaches the axis: an import of the folder (any depth) or a
-    read of its record (``state.<field>``, ``.<field> is (not) None``), as /work/notes/reach.py counts (issue 26)."""
-    imports = re.compile(rf"(from|import)\s+meshplan\.{folder}\b")
-    record = re.compile(rf"\bstate\.{field}\b|\.{field} is not None|\.{field} is None")
-    return {str(f.relative_to(PKG)) for f in PKG.rglob("*.py") if not f.is_relative_to(PKG / folder)
-            and (imports.search(text := f.read_text()) or record.search(text))}
-
-
-#: the files outside pipeline/ whose code reaches it (9 on 6f74993: cli/plans.py, context_parallel/apply.py,
+#: the files outside pipeline/ whose code reaches it (11 on ac64207, 9 on 6f74993: cli/plans.py, context_parallel/apply.py,
 #: data_parallel/wrap.py, solver/plans.py, weights/load.py and weights/materialize.py now ask the axes' hooks
 #: roots, part, timeline, graphs and AxisTerms.decides): the ordered lists, and transformers' pp_plan interop
 #: (convert/hf_document.py translates the pipeline section to and from another format). May only shrink.
@@ -231,7 +236,7 @@ PP_REACH = {"axes.py", "solver/units.py", "convert/hf_document.py"}
 
 
 def test_pipeline_coupling_only_shrinks():
-    found = _reaching("pipeline", "pipeline")
+    found = _reaching("pipeline")
     assert found <= PP_REACH, f"code outside pipeline/ reaching it: {sorted(found - PP_REACH)}; ask the axes instead"
 
 
@@ -360,9 +365,9 @@ def test_data_axis_hears_the_other_axes_of_the_plan():
     assert not needed(as_plan(moe), lay) and needed(as_plan(moe), lay, asked=ep.data_parallel(lay))
 
 
-#: Files outside tensor_parallel/ whose CODE reaches it (issue 26's coupling measure, /work/notes/reach.py: an import
+#: Files outside tensor_parallel/ whose CODE reaches it (issue 26's coupling measure, benchmarks/coupling.py: an import
 #: of the folder at any depth, or a read of its record / section: ``state.tensor_parallel``, ``.tensor_parallel is
-#: (not) None``). 19 on 6f74993, these 13 after; the set may only shrink. Kept, with why: the ordered lists and the
+#: (not) None``). 24 on ac64207, 19 on 6f74993, these 13 after; the set may only shrink. Kept, with why: the ordered lists and the
 #: record's owner; the rehearsals of `meshplan check` above apply, which rehearse tp itself (the meta dry run and the
 #: cross-shard shadow run apply tp's styles; explain tabulates its styles; offline runs the dry run when the plan
 #: has the section and reports smallest_world); interop that translates other formats' tp sections (convert/,
@@ -380,8 +385,5 @@ TP_REACH_ALLOWED = {
 def test_tensor_parallelism_is_reached_only_where_allowed():
     """The code coupling of the tensor axis (issue 26): files outside ``tensor_parallel/`` that import it or read
     its record; ``data_parallel/mode.py`` asks :attr:`Axis.dtensor`, the pipeline's stages ``state.stream_dim``."""
-    imports = re.compile(r"(from|import)\s+meshplan\.tensor_parallel\b")
-    record = re.compile(r"\bstate\.tensor_parallel\b|\.tensor_parallel is not None|\.tensor_parallel is None")
-    found = {str(f.relative_to(PKG)) for f in PKG.rglob("*.py") if not f.is_relative_to(PKG / "tensor_parallel")
-             and (imports.search(text := f.read_text()) or record.search(text))}
+    found = _reaching("tensor_parallel")
     assert found <= TP_REACH_ALLOWED, f"tensor parallelism reached outside its unit: {sorted(found - TP_REACH_ALLOWED)}"
