@@ -1,0 +1,53 @@
+"""The rehearsal of one rank of a big job (``benchmarks/rehearsal.py``) on a smaller shape: Llama-3-8B's shapes at
+world 1,024 (tp 8 × pp 2 × dp_shard 64) on a ``fake`` group, one rank at a time, on the meta device. What the rank
+holds, measured from its local tensors, equals ``meshplan estimate``'s bytes for that rank exactly: parameters,
+gradients and AdamW's state. The last rank of an FSDP2 group holds short chunks (16,032 vocabulary rows per tp
+rank over 64: 251 rows on the first 63, 219 on the last), which the estimate counts given the rank."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks.rehearsal import rehearse_rank
+from meshplan.solver.memory import _rows
+
+pytestmark = pytest.mark.fast
+
+LAYOUT, WORLD = {"tp": 8, "pp": 2}, 1024
+
+
+@pytest.mark.parametrize("rank", [511, 512, 1023])  # first stage's last rank, last stage's first and last
+def test_rank_holds_what_estimate_says(rank):
+    got = rehearse_rank("llama3-8b", LAYOUT, WORLD, rank, microbatches=2)
+    assert got["coords"]["pp"] == rank // 512
+    assert got["measured"]["params"] == got["estimate"]["params"], got
+    assert got["measured"]["grads"] == got["estimate"]["grads"], got
+    assert got["measured"]["optimizer"] == got["estimate"]["optimizer"], got
+    assert got["groups_missing"] == [], got
+    assert got["blocks"] == ([0, 15] if rank < 512 else [16, 31])
+
+
+def test_fsdp_chunks_are_torch_chunks():
+    for rows in (1, 7, 30, 16032, 16033):
+        for d in (1, 2, 3, 8, 64, 128):
+            want = [len(c) for c in torch.arange(rows).chunk(d)]
+            want += [0] * (d - len(want))
+            assert [_rows(rows, d, i) for i in range(d)] == want, (rows, d)
+            assert _rows(rows, d, None) == max(want)
+
+
+def test_estimate_without_rank_is_the_most_loaded():
+    from meshplan.solver.memory import rank_memory
+    from meshplan.solver.placement import Placement
+    from meshplan.solver.plans import candidate_from_plan
+    from meshplan.solver.presets import model_preset
+    from meshplan.plan_file.document import Plan
+    from benchmarks.rehearsal import plan_data
+    plan = Plan.from_data(plan_data(LAYOUT, 2), source="rehearsal")
+    cand, train = candidate_from_plan(plan, WORLD, 8192, 2 * 64, microbatches=2)
+    shape = model_preset("llama3-8b")
+    place = Placement(cand, shape.layers, 8)
+    most = rank_memory(shape, cand, train, place, 1).params
+    each = [rank_memory(shape, cand, train, place, 1, rank=r).params for r in range(512, 1024, 8)]
+    assert most == max(each) > min(each)
