@@ -44,8 +44,11 @@ sys.path[:0] = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "
 import torch  # noqa: E402
 import yaml  # noqa: E402
 
-PLAN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "plans", "llama_3d.yaml")
+PLANS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "plans")
 SEQ = 8192
+#: MoE shapes (no solver preset has experts): examples/moe.py's ModelArgs. Mixtral 8x22B (its config.json)
+MOE_SHAPES = {"mixtral-8x22b": dict(dim=6144, n_layers=56, n_heads=48, n_kv_heads=8, vocab_size=32768,
+                                    ffn_dim=16384, moe_hidden=16384, n_experts=8, top_k=2)}
 
 
 @contextlib.contextmanager
@@ -61,18 +64,27 @@ def fake_rank(world: int, rank: int):
         dist.destroy_process_group()
 
 
-def plan_data(layout: dict, microbatches: int) -> dict:
-    """``plans/llama_3d.yaml`` at ``layout`` with ``microbatches`` (1f1b needs at least pp)."""
-    data = yaml.safe_load(open(PLAN))
+def plan_data(layout: dict, microbatches: int, schedule: str = "1f1b", moe: bool = False) -> dict:
+    """``plans/llama_3d.yaml`` (``moe``: ``plans/moe.yaml`` pipelined and FSDP2-sharded like it) at ``layout``
+    with ``microbatches`` (1f1b needs at least pp) and ``schedule``."""
+    data = yaml.safe_load(open(os.path.join(PLANS, "llama_3d.yaml")))
+    if moe:
+        data = {**yaml.safe_load(open(os.path.join(PLANS, "moe.yaml"))),
+                **{k: data[k] for k in ("blocks", "pipeline", "data_parallel")}}
     data["layout"] = dict(layout)
-    data["pipeline"]["microbatches"] = microbatches
+    data["pipeline"].update(microbatches=microbatches, schedule=schedule)
     return data
 
 
-def meta_llama(preset: str):
-    """The example Llama with the shapes of the solver's ``preset``, on the meta device."""
+def meta_model(preset: str):
+    """The example Llama with the shapes of the solver's ``preset`` (or the example MoE with one of
+    :data:`MOE_SHAPES`), on the meta device."""
     import llama
+    import moe
     from meshplan.solver.presets import model_preset
+    if preset in MOE_SHAPES:
+        with torch.device("meta"):
+            return moe.build(moe.ModelArgs(**MOE_SHAPES[preset], max_seq_len=SEQ, capacity_factor=None))
     s = model_preset(preset)
     args = llama.ModelArgs(dim=s.hidden, n_layers=s.layers, n_heads=s.heads, n_kv_heads=s.kv_heads,
                            vocab_size=s.vocab, ffn_dim=s.ffn, max_seq_len=SEQ, tie_embeddings=s.tied_embeddings)
@@ -107,8 +119,9 @@ def estimated(preset: str, plan, world: int, rank: int, pp_rank: int, microbatch
     from meshplan.solver.memory import rank_memory
     from meshplan.solver.placement import Placement
     from meshplan.solver.plans import candidate_from_plan
+    from meshplan.checks.model_shape import shape_of_model
     from meshplan.solver.presets import model_preset
-    shape = model_preset(preset)
+    shape = shape_of_model(meta_model(preset))[0] if preset in MOE_SHAPES else model_preset(preset)
     lay = plan.layout.resolve(world)
     cand, train = candidate_from_plan(plan, world, SEQ, microbatches * lay.dp_replicate * lay.dp_shard,
                                       microbatches=microbatches)
@@ -131,14 +144,15 @@ def held_groups(model, topo) -> set[int]:
     return sizes
 
 
-def rehearse_rank(preset: str, layout: dict, world: int, rank: int, microbatches: int) -> dict:
+def rehearse_rank(preset: str, layout: dict, world: int, rank: int, microbatches: int,
+                  schedule: str = "1f1b") -> dict:
     """Rank ``rank`` of ``world`` on a fake group: parallelize the meta model, measure and estimate (see above)."""
     import meshplan
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    data = plan_data(layout, microbatches)
+    data = plan_data(layout, microbatches, schedule, moe=preset in MOE_SHAPES)
     plan = meshplan.Plan.from_data(data, source=f"llama_3d.yaml at {layout}")
     with fake_rank(world, rank):
-        model = meta_llama(preset)
+        model = meta_model(preset)
         t0 = time.perf_counter()
         topo = meshplan.build_mesh(data["layout"])
         t1 = time.perf_counter()
@@ -151,7 +165,7 @@ def rehearse_rank(preset: str, layout: dict, world: int, rank: int, microbatches
     blocks = sorted({int(n.split(".")[1]) for n, _ in model.named_parameters() if n.startswith("layers.")})
     missing = sorted({k for k in counts if not k.startswith(("send", "recv")) and int(k.split("@")[1]) not in held})
     return {"rank": rank, "coords": {k: info[k] for k in ("pp", "dp", "tp", "cp", "ep", "edp")},
-            "blocks": [blocks[0], blocks[-1]] if blocks else [], "measured": got, "estimate": est,
+            "blocks": [len(blocks), blocks[0], blocks[-1]] if blocks else [0], "measured": got, "estimate": est,
             "collectives": counts, "groups_held": sorted(held), "groups_missing": missing,
             "mesh_s": t1 - t0, "parallelize_s": t2 - t1, "rss_base": base,
             "rss_peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
@@ -167,7 +181,8 @@ def _ranks(world: int, pp: int) -> list[int]:
 def _one(args) -> dict:
     """Run one rank in a child process (its own peak RSS); its JSON result."""
     cmd = [sys.executable, os.path.abspath(__file__), "--preset", args.preset, "--world", str(args.world),
-           "--layout", args.layout, "--microbatches", str(args.microbatches), "--rank", str(args.rank)]
+           "--layout", args.layout, "--microbatches", str(args.microbatches),
+           "--schedule", args.schedule, "--rank", str(args.rank)]
     t0 = time.perf_counter()
     out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     if out.returncode:
@@ -190,7 +205,7 @@ def table(results: list[dict]) -> str:
         m, c = r["measured"], r["coords"]
         same = all(m[k] == r["estimate"][k] for k in ("params", "grads", "optimizer"))
         colls = ", ".join(f"{k}: {v}" for k, v in sorted(r["collectives"].items()))
-        lines.append(f"| {r['rank']} | {c['pp']}, {c['dp']}, {c['tp']} | {r['blocks'][0]}-{r['blocks'][-1]} | "
+        lines.append(f"| {r['rank']} | {c['pp']}, {c['dp']}, {c['tp']} | {r['blocks'][0]} ({'…'.join(map(str, r['blocks'][1:]))}) | "
                      f"{_mib(m['params'])} | {_mib(m['grads'])} | {_mib(m['optimizer'])} | "
                      f"{'yes' if same else 'NO: ' + str(r['estimate'])} | {colls} | {r['parallelize_s']:.2f} | "
                      f"{_mib(r['rss_peak'])} ({_mib(r['rss_base'])}) | {r.get('process_s', 0):.1f} |")
@@ -203,18 +218,23 @@ def main(argv=None) -> None:
     ap.add_argument("--world", type=int, default=16384)
     ap.add_argument("--layout", default="tp=8,pp=16", help="degrees; dp_shard is inferred")
     ap.add_argument("--microbatches", type=int, default=16)
+    ap.add_argument("--schedule", default="1f1b", help="the pipeline schedule (vpp > 1: interleaved_1f1b, …)")
+    ap.add_argument("--ranks", help="comma-separated ranks, each in its own process (default: first, middle, last "
+                    "stage)")
     ap.add_argument("--rank", type=int, help="run this rank here and print its JSON (else one child per rank)")
     args = ap.parse_args(argv)
     layout = {k: int(v) for k, v in (kv.split("=") for kv in args.layout.split(","))}
     if args.rank is not None:
-        print(json.dumps(rehearse_rank(args.preset, layout, args.world, args.rank, args.microbatches)))
+        print(json.dumps(rehearse_rank(args.preset, layout, args.world, args.rank, args.microbatches,
+                                       args.schedule)))
         return
     results = []
-    for rank in _ranks(args.world, layout.get("pp", 1)):
+    ranks = [int(r) for r in args.ranks.split(",")] if args.ranks else _ranks(args.world, layout.get("pp", 1))
+    for rank in ranks:
         args.rank = rank
         results.append(_one(args))
         print(json.dumps(results[-1]), file=sys.stderr)
-    print(f"{args.preset}, world {args.world}, layout {layout}, microbatches {args.microbatches}")
+    print(f"{args.preset}, world {args.world}, layout {layout}, {args.schedule}, microbatches {args.microbatches}")
     print(table(results))
 
 

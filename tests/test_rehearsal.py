@@ -25,7 +25,7 @@ def test_rank_holds_what_estimate_says(rank):
     assert got["measured"]["grads"] == got["estimate"]["grads"], got
     assert got["measured"]["optimizer"] == got["estimate"]["optimizer"], got
     assert got["groups_missing"] == [], got
-    assert got["blocks"] == ([0, 15] if rank < 512 else [16, 31])
+    assert got["blocks"] == ([16, 0, 15] if rank < 512 else [16, 16, 31])
 
 
 def test_fsdp_chunks_are_torch_chunks():
