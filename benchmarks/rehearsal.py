@@ -198,14 +198,14 @@ def _mib(n: float) -> str:
 
 def table(results: list[dict]) -> str:
     """The markdown table of the ranks' results."""
-    head = ("| rank | pp, dp, tp | blocks | params MiB | grads MiB | AdamW MiB | = estimate | collectives / step "
+    head = ("| rank | pp, dp, tp, ep, edp | blocks | params MiB | grads MiB | AdamW MiB | = estimate | collectives / step "
             "(kind@group: calls) | parallelize s | peak RSS MiB (base) | process s |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in results:
         m, c = r["measured"], r["coords"]
         same = all(m[k] == r["estimate"][k] for k in ("params", "grads", "optimizer"))
         colls = ", ".join(f"{k}: {v}" for k, v in sorted(r["collectives"].items()))
-        lines.append(f"| {r['rank']} | {c['pp']}, {c['dp']}, {c['tp']} | {r['blocks'][0]} ({'…'.join(map(str, r['blocks'][1:]))}) | "
+        lines.append(f"| {r['rank']} | {c['pp']}, {c['dp']}, {c['tp']}, {c['ep']}, {c['edp']} | {r['blocks'][0]} ({'…'.join(map(str, r['blocks'][1:]))}) | "
                      f"{_mib(m['params'])} | {_mib(m['grads'])} | {_mib(m['optimizer'])} | "
                      f"{'yes' if same else 'NO: ' + str(r['estimate'])} | {colls} | {r['parallelize_s']:.2f} | "
                      f"{_mib(r['rss_peak'])} ({_mib(r['rss_base'])}) | {r.get('process_s', 0):.1f} |")

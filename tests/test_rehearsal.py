@@ -6,10 +6,14 @@ rank over 64: 251 rows on the first 63, 219 on the last), which the estimate cou
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
+import yaml
 
-from benchmarks.rehearsal import rehearse_rank
+from benchmarks.rehearsal import plan_data, rehearse_rank
+from meshplan.cli.main import main
 from meshplan.solver.memory import _rows
 
 pytestmark = pytest.mark.fast
@@ -18,12 +22,19 @@ LAYOUT, WORLD = {"tp": 8, "pp": 2}, 1024
 
 
 @pytest.mark.parametrize("rank", [511, 512, 1023])  # first stage's last rank, last stage's first and last
-def test_rank_holds_what_estimate_says(rank):
+def test_rank_holds_what_estimate_says(rank, tmp_path, capsys):
     got = rehearse_rank("llama3-8b", LAYOUT, WORLD, rank, microbatches=2)
     assert got["coords"]["pp"] == rank // 512
     assert got["measured"]["params"] == got["estimate"]["params"], got
     assert got["measured"]["grads"] == got["estimate"]["grads"], got
     assert got["measured"]["optimizer"] == got["estimate"]["optimizer"], got
+    (tmp_path / "plan.yaml").write_text(yaml.safe_dump(plan_data(LAYOUT, 2)))
+    capsys.readouterr()
+    assert main(["estimate", str(tmp_path / "plan.yaml"), "--preset", "llama3-8b", "--world-size", str(WORLD),
+                 "--seq", "8192", "--global-batch", "128", "--rank", str(rank), "--format", "json"]) == 0
+    cli = json.loads(capsys.readouterr().out)["rank"]
+    assert {k: cli[k] for k in ("params", "grads", "optimizer")} == got["estimate"], cli
+    assert {k: cli[k] for k in got["coords"]} == got["coords"]
     assert got["groups_missing"] == [], got
     assert got["blocks"] == ([16, 0, 15] if rank < 512 else [16, 16, 31])
 
@@ -43,7 +54,6 @@ def test_estimate_without_rank_is_the_most_loaded():
     from meshplan.solver.plans import candidate_from_plan
     from meshplan.solver.presets import model_preset
     from meshplan.plan_file.document import Plan
-    from benchmarks.rehearsal import plan_data
     plan = Plan.from_data(plan_data(LAYOUT, 2), source="rehearsal")
     cand, train = candidate_from_plan(plan, WORLD, 8192, 2 * 64, microbatches=2)
     shape = model_preset("llama3-8b")
@@ -51,3 +61,11 @@ def test_estimate_without_rank_is_the_most_loaded():
     most = rank_memory(shape, cand, train, place, 1).params
     each = [rank_memory(shape, cand, train, place, 1, rank=r).params for r in range(512, 1024, 8)]
     assert most == max(each) > min(each)
+
+
+def test_estimate_rank_outside_the_world_is_refused(tmp_path, capsys):
+    (tmp_path / "plan.yaml").write_text(yaml.safe_dump(plan_data(LAYOUT, 2)))
+    rc = main(["estimate", str(tmp_path / "plan.yaml"), "--preset", "llama3-8b", "--world-size", str(WORLD),
+               "--seq", "8192", "--global-batch", "128", "--rank", str(WORLD)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--rank 1024: outside world size 1024; expected 0..1023" in err, err
