@@ -2,7 +2,8 @@
 world 1,024 (tp 8 × pp 2 × dp_shard 64) on a ``fake`` group, one rank at a time, on the meta device. What the rank
 holds, measured from its local tensors, equals ``meshplan estimate``'s bytes for that rank exactly: parameters,
 gradients and AdamW's state. The last rank of an FSDP2 group holds short chunks (16,032 vocabulary rows per tp
-rank over 64: 251 rows on the first 63, 219 on the last), which the estimate counts given the rank."""
+rank over 64: 251 rows on the first 63, 219 on the last), which the estimate counts given the rank. An expert rank
+too: Mixtral 8x22B's shapes on the example MoE (tp 8 × ep 8, etp 1, pp 2: edp 64)."""
 
 from __future__ import annotations
 
@@ -69,3 +70,12 @@ def test_estimate_rank_outside_the_world_is_refused(tmp_path, capsys):
                "--seq", "8192", "--global-batch", "128", "--rank", str(WORLD)])
     err = capsys.readouterr().err
     assert rc == 2 and "--rank 1024: outside world size 1024; expected 0..1023" in err, err
+
+
+@pytest.mark.parametrize("rank", [0, 1023])  # edp 0 holds the one local expert's rows, edp 63 none
+def test_expert_rank_holds_what_estimate_says(rank):
+    layout = {"tp": 8, "ep": 8, "etp": 1, "pp": 2}  # world 1024: dp_shard 64, edp = 1024 / (etp·ep·pp) = 64
+    got = rehearse_rank("mixtral-8x22b", layout, WORLD, rank, microbatches=2)
+    assert got["coords"]["edp"] == (0 if rank == 0 else 63)
+    assert {k: got["measured"][k] for k in got["estimate"]} == got["estimate"], got
+    assert got["groups_missing"] == [], got
