@@ -4,7 +4,8 @@ Each rank runs in its own process (``--rank R`` runs one; without it the script 
 prints the table). The child makes a ``fake`` default process group of ``--world`` ranks in which it is rank R
 (nothing is communicated, nothing waits for a peer), builds the example Llama (``examples/llama.py``) with the
 shapes of ``--preset`` on the meta device, and runs ``meshplan.parallelize`` with ``plans/llama_3d.yaml``'s
-sections at the given layout. Nothing is allocated: every parameter stays on the meta device, and what the rank
+sections at the given layout (``--preset mixtral-8x22b``: the example MoE, ``examples/moe.py``, with
+``plans/moe.yaml`` pipelined and FSDP2-sharded the same way). Nothing is allocated: every parameter stays on the meta device, and what the rank
 keeps is its local shards, with their exact shapes (its pipeline stage's blocks, its tp slice, its FSDP2 chunk).
 
 Measured, from the rank's own local tensors (``DTensor.to_local()``): parameter bytes; gradient bytes (a meta
