@@ -96,8 +96,28 @@ def _estimate(args: argparse.Namespace) -> int:
     est = evaluate(shape, cand, train, cluster)
     if warning:
         print(f"meshplan: warning: {warning}", file=sys.stderr)
-    _emit(args, estimate_text(est, shape, cluster, args.plan), estimate_json(est))
+    text, doc = estimate_text(est, shape, cluster, args.plan), estimate_json(est)
+    if args.rank is not None:
+        line, doc["rank"] = _one_rank(args, shape, cand, train, cluster)
+        text += "\n" + line
+    _emit(args, text, doc)
     return 0
+
+
+def _one_rank(args: argparse.Namespace, shape, cand, train, cluster) -> tuple[str, dict]:
+    """``--rank R``: that rank's coordinates and exact parameter/gradient/optimizer bytes (its FSDP2 chunks)."""
+    from meshplan.solver.memory import rank_memory
+    from meshplan.solver.placement import Placement
+    if args.rank >= args.world_size:
+        raise PlanError(f"--rank {args.rank}: outside world size {args.world_size}; expected 0..{args.world_size - 1}")
+    place = Placement(cand, shape.layers, cluster.gpus_per_node)
+    info = place.layout.rank_info(args.rank)
+    mem = rank_memory(shape, cand, train, place, info["pp"], rank=args.rank)
+    doc = {"rank": args.rank, **{k: info[k] for k in ("pp", "dp", "tp", "cp", "ep", "edp")},
+           "params": int(mem.params), "grads": int(mem.grads), "optimizer": int(mem.optimizer)}
+    coords = ", ".join(f"{k} {info[k]}" for k in ("pp", "dp", "tp", "cp", "ep", "edp"))
+    return (f"rank {args.rank} ({coords}): params {doc['params']:,} B, grads {doc['grads']:,} B, optimizer "
+            f"{doc['optimizer']:,} B (exact: its own FSDP2 chunks; the table shows the most loaded rank)"), doc
 
 
 def _space(args: argparse.Namespace):
@@ -232,6 +252,8 @@ def register(sub) -> None:
                    help="gradient accumulation steps without a pipeline section (default 1)")
     e.add_argument("--dtype", choices=_DTYPES, default="float32", help="the model's dtype (default float32); "
                                                                        "data_parallel.param_dtype sets the compute one")
+    e.add_argument("--rank", type=int_arg(0, 1 << 20), help="also one rank's coordinates and exact parameter, "
+                   "gradient and optimizer bytes (benchmarks/rehearsal.py measures them)")
     _cluster_flags(e, profile=False)
     e.set_defaults(func=_estimate)
     s = sub.add_parser("solve", help="search every layout for a model on a cluster and rank the valid ones",

@@ -94,8 +94,15 @@ def rank_tensors(s: ModelShape, c: Candidate, place: Placement, pp_rank: int) ->
     return dense + _end_tensors(s, c, place, pp_rank), expert
 
 
-def _numel(tensors: list, d: int) -> int:
-    return sum(-(-rows // d) * per for rows, per in tensors)
+def _rows(rows: int, d: int, index: int | None) -> int:
+    """Rows of dim 0 in chunk ``index`` of ``d`` (torch.chunk's ``ceil(rows / d)``-row chunks, the last ones
+    short or empty); ``index`` None: the largest chunk."""
+    c = -(-rows // d)
+    return c if index is None else max(0, min(c, rows - index * c))
+
+
+def _numel(tensors: list, d: int, index: int | None = None) -> int:
+    return sum(_rows(rows, d, index) * per for rows, per in tensors)
 
 
 def shard_sizes(c: Candidate, place: Placement) -> tuple[int, int]:
@@ -159,27 +166,33 @@ def _end_activations(s: ModelShape, c: Candidate, tr: Training, first: bool, las
 
 
 
-def _per_block(s: ModelShape, c: Candidate, moe: bool, d_dense: int, d_expert: int, memo: dict) -> tuple:
-    """``(local elements, tensors, unsharded elements)`` of one block (memoised in ``memo``)."""
-    key = ("block", moe, d_dense, d_expert)
+def _per_block(s: ModelShape, c: Candidate, moe: bool, d_dense: int, d_expert: int, memo: dict,
+               index: tuple = (None, None)) -> tuple:
+    """``(local elements, tensors, unsharded elements)`` of one block (memoised in ``memo``) on the rank holding
+    the most, or on the rank whose FSDP2 chunk ``index`` is given (``(dense, expert)``)."""
+    key = ("block", moe, d_dense, d_expert, index)
     if key not in memo:
         dense, expert = _block_tensors(s, moe, c)
-        memo[key] = (_numel(dense, d_dense) + _numel(expert, d_expert), len(dense) + len(expert),
+        memo[key] = (_numel(dense, d_dense, index[0]) + _numel(expert, d_expert, index[1]), len(dense) + len(expert),
                      sum(r * p for r, p in dense + expert))
     return memo[key]
 
 
 def rank_memory(s: ModelShape, c: Candidate, tr: Training, place: Placement, pp_rank: int,
-                memo: dict | None = None) -> Memory:
-    """The memory of pipeline rank ``pp_rank`` (every rank of a stage holds the same); ``memo`` shares
-    per-block results between the ranks of one candidate."""
+                memo: dict | None = None, rank: int | None = None) -> Memory:
+    """The memory of pipeline rank ``pp_rank``: on the rank of its stage that holds the most (FSDP2's chunks of
+    ``ceil(rows / d)`` rows), or, given the global ``rank`` (of that stage), exactly that rank's (the last ranks
+    of an FSDP2 group hold shorter chunks: ``benchmarks/rehearsal.py``); ``memo`` shares per-block results
+    between the ranks of one candidate."""
     memo = {} if memo is None else memo
     d_dense, d_expert = shard_sizes(c, place)
+    index = (None, None) if rank is None else place.shard_index(rank)
+    index = tuple(i if d > 1 else None for i, d in zip(index, (d_dense, d_expert)))  # a whole tensor: no chunk
     ends = _end_tensors(s, c, place, pp_rank)
-    numel, tensors, acts = _numel(ends, d_dense), len(ends), 0.0
+    numel, tensors, acts = _numel(ends, d_dense, index[0]), len(ends), 0.0
     kinds = block_kinds(s, c, place, pp_rank, memo)
     for (moe, ckpt), n in kinds.items():
-        b_numel, b_tensors, _ = _per_block(s, c, moe, d_dense, d_expert, memo)
+        b_numel, b_tensors, _ = _per_block(s, c, moe, d_dense, d_expert, memo, index)
         numel, tensors = numel + n * b_numel, tensors + n * b_tensors
         key = ("act", moe, ckpt)
         if key not in memo:

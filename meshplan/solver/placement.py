@@ -74,9 +74,24 @@ class Placement:
         checkpointing only."""
         return Placement(cand, self.layers, self.gpus_per_node, base=self)
 
+    @staticmethod
+    def _shard_axes(cand: Candidate) -> tuple[str, ...]:
+        """The axes FSDP2 shards a dense tensor over (HSDP: dp_replicate replicates)."""
+        if cand.dp_replicate == 1 or cand.mode != "fsdp":
+            return ("dp_shard", "cp")
+        return ("dp_shard", "dp_replicate", "cp")
+
+    def shard_index(self, rank: int) -> tuple[int, int]:
+        """``(dense, expert)``: global rank ``rank``'s index in the group FSDP2 shards its dense tensors over, and
+        in its edp group (the expert tensors'): which of the ``ceil(rows / d)``-row chunks of dim 0 it holds.
+
+        Example: dp_shard 128, rank 127 of the group holds rows ``127·126 …`` of a 16,032-row tensor: 30."""
+        dense = self.layout.mesh_grid.group_of(rank, self._shard_axes(self.cand))
+        expert = self.layout.expert_grid.group_of(rank, "edp")
+        return dense.index(rank), expert.index(rank)
+
     def _groups(self, cand: Candidate) -> dict[str, Group]:
-        mode = cand.mode
-        shard_axes = ("dp_shard", "cp") if cand.dp_replicate == 1 or mode != "fsdp" else ("dp_shard", "dp_replicate", "cp")
+        shard_axes = self._shard_axes(cand)
         mesh, dense, expert = self.layout.mesh_grid, self.layout.dense_grid, self.layout.expert_grid
         return {
             "tp": self._group(dense.group_of(0, "tp")), "cp": self._group(dense.group_of(0, "cp")),
