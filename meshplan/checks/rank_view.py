@@ -92,13 +92,15 @@ def _count(mods: dict[str, nn.Module], held: Any, exempt: list, d_dense: int, d_
 
 def _collectives(model: nn.Module, cand: Any, train: Any, stage_rank: int) -> list[dict] | None:
     """The collectives the rank joins in one step (the solver's counts, exact), by axis, kind and group size; None
-    when the model's sizes cannot be read (no config)."""
+    when the model's sizes cannot be read (no config) or its blocks are not the decoder the cost model describes."""
     from meshplan.checks.model_shape import shape_of_model
     from meshplan.solver.collectives import step_collectives
     from meshplan.solver.placement import Placement
     try:
-        shape = shape_of_model(model)[0]
+        shape, approximate = shape_of_model(model)
     except PlanError:
+        return None
+    if approximate is not None:  # the cost model does not describe this model's blocks: no counts, not wrong ones
         return None
     place = Placement(cand, shape.layers, 8)
     out: dict[tuple, int] = {}
@@ -157,7 +159,8 @@ def view_lines(view: dict, fmt_bytes: Any) -> list[str]:
         out.append(f"  parameters not counted: {view['reason']}")
     out += [f"  {w}" for w in view["shards"]]
     if view["collectives"] is None:
-        out.append("  collectives per step: not counted (the model's sizes cannot be read: no config)")
+        out.append("  collectives per step: not counted (the model's sizes cannot be read, or its blocks are not "
+                   "the decoder meshplan estimate describes)")
     else:
         per = "; ".join(f"{x['axis']} {x['count']} {x['kind']} over {x['group']}" for x in view["collectives"])
         out.append(f"  collectives per step (group size): {per or 'none'}")
