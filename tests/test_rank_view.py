@@ -125,3 +125,11 @@ def test_cli_rank_outside_the_world_is_one_line_exit_2(capsys):
     code, out, err = _cli(capsys, "--rank", "8")
     assert code == 2 and out == ""
     assert err.strip().splitlines() == ["meshplan: error: check --rank: rank 8 is outside the world: expected 0 <= rank < 8"]
+
+
+def test_a_layout_given_beside_the_plan_is_the_one_counted():
+    """``layout=`` overrides the plan's: the view counts the layout checked (fsdp over 4, not the plan's tp 2)."""
+    model, plan = _model("llama"), Plan.from_data(yaml.safe_load(open("plans/llama.yaml")), source="llama")
+    report = meshplan.check(model, plan, 4, layout={"tp": 1})
+    n = sum(-(-p.shape[0] // 4) * (p.numel() // p.shape[0]) for p in model.parameters())
+    assert report.rank_view["coordinates"]["dp_shard"] == 0 and report.totals["parameters_per_rank"] == n

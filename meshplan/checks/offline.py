@@ -84,7 +84,8 @@ def check(model: nn.Module, plan: Plan | Mapping[str, Any] | str, world_size: in
         applied = meta_dry_run(model, p, resolved.tp, report)
     explain(report, model, p, resolved.tp, static.get("matched", {}), getattr(checker, "fanout", set()), applied)
     if report.ok and (applied is not None or p.tensor_parallel is None):
-        report.rank_view = rank_view(report, model, p, resolved, rank, applied)
+        with_layout = p if p.layout is lay else p.model_copy(update={"layout": lay})  # the layout checked
+        report.rank_view = rank_view(report, model, with_layout, resolved, rank, applied)
     per_rank_totals(report)
     report.errors = fold_errors(report.errors)
     return report
