@@ -13,6 +13,7 @@ import torch
 import yaml
 
 import meshplan
+from meshplan.checks.explain import summary_lines
 from meshplan.checks.model_shape import shape_of_model
 from meshplan.cli.main import main
 from meshplan.errors import PlanError
@@ -81,6 +82,8 @@ def test_llama_405b_shape_on_the_meta_device_equals_the_estimate():
     assert report.rank_view["coordinates"] == {"tp": 7, "cp": 0, "pp": 15, "dp": 127, "dp_shard": 127,
                                                "dp_replicate": 0}
     assert report.rank_view["stages"] == ["stage 15: layers.119-125, norm, output"]
+    notes = summary_lines(report, unsharded=False)  # the model picture's notes (check --format svg|png)
+    assert "23,857,024 per rank (rank 16383: 91.0 MiB; gradients 91.0 MiB, optimizer 182.0 MiB)" in notes[0]
 
 
 def test_plan_without_tensor_parallel_counts_the_fsdp_shard():
