@@ -37,10 +37,12 @@ def test_table(capsys):
     assert lines[-1] == "ok"
 
 
-def test_plan_without_tensor_parallel_has_no_per_rank_number(capsys):
+def test_plan_without_tensor_parallel_counts_the_whole_model_per_rank(capsys):
+    """No tensor_parallel section: no tp dry run, but the rank view counts the whole model on its one rank."""
     code, out, _ = run(capsys, "check", "plans/single.yaml", "--model", "examples.llama:build", "--config", LLAMA_CFG)
     line = next(x for x in out.splitlines() if x.startswith("parameters: "))
-    assert code == 0 and "per rank not computed (no dry run)" in line and " 0 per rank" not in line
+    total = line.split()[1]
+    assert code == 0 and f"global, {total} per rank (rank 0: " in line and " 0 per rank" not in line
 
 
 def test_json(capsys):

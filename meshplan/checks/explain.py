@@ -171,15 +171,20 @@ def _fmt_bytes(n: int | None) -> str:
 def _per_rank(t: dict) -> str:
     """Per-rank parameters, or why there is no number (no dry run: no tensor_parallel section, or errors)."""
     n = t.get("parameters_per_rank")
-    return "per rank not computed (no dry run)" if n is None else f"{n:,} per rank ({_fmt_bytes(t.get('bytes_per_rank'))})"
+    if n is None:
+        return f"per rank not computed ({t.get('per_rank_reason', 'no dry run')})"
+    return (f"{n:,} per rank (rank {t.get('rank', 0)}: {_fmt_bytes(t.get('bytes_per_rank'))}; gradients "
+            f"{_fmt_bytes(t.get('gradient_bytes_per_rank'))}, optimizer "
+            f"{_fmt_bytes(t.get('optimizer_bytes_per_rank'))})")
 
 
 def _counts(c: dict) -> str:
     return ", ".join(f"{v} {k}" for k, v in c.items()) or "none"
 
 
-def render_table(report) -> str:
-    """Human-readable report: one row per rule (modules of one pattern folded), totals, unsharded, errors."""
+def render_table(report, rank_lines: bool = False) -> str:
+    """Human-readable report: one row per rule (modules of one pattern folded), totals, unsharded, errors
+    (``rank_lines``: the rank view's lines too, ``check --rank R``)."""
     groups: dict[tuple, dict] = {}
     for r in report.modules:
         key = (r["rule"] if r["rule"] != "(colwise parent)" else wildcard(r["module"]), r["style"])
@@ -197,12 +202,12 @@ def render_table(report) -> str:
     line = lambda cells: "  ".join(c[:w].ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
     out = [f"meshplan check: {report.source}  model {report.model}  tp={report.tp}  world_size={report.world_size}",
            "", line(head), *(line(b) for b in body), ""]
-    return "\n".join(out + summary_lines(report))
+    return "\n".join(out + summary_lines(report, rank_lines=rank_lines))
 
 
-def summary_lines(report, unsharded: bool = True) -> list[str]:
+def summary_lines(report, unsharded: bool = True, rank_lines: bool = False) -> list[str]:
     """The report's lines after the table (the model picture shows them too): parameters, collectives per
-    forward and backward, unsharded parameters, each axis unit's lines, warnings,
+    forward and backward, unsharded parameters, each axis unit's lines, the rank view (``rank_lines``), warnings,
     then ``ok`` or the numbered errors."""
     t = report.totals
     out = [f"parameters: {t.get('parameters', 0):,} global, {_per_rank(t)}; unsharded "
@@ -216,6 +221,9 @@ def summary_lines(report, unsharded: bool = True) -> list[str]:
         shown = "; ".join(f"{k} ({v})" for k, v in folded.items())
         out.append(f"unsharded parameters ({len(report.unsharded)}, every tp rank holds them whole): {shown}")
     out += report_lines(report)  # the axes that are units
+    if rank_lines and report.rank_view is not None:
+        from meshplan.checks.rank_view import view_lines
+        out += view_lines(report.rank_view, _fmt_bytes)
     out += [f"warning: {w}" for w in report.warnings]
     out.append("ok" if report.ok else f"{len(report.errors)} error(s):")
     out += [f"  {i}. {e}" for i, e in enumerate(report.errors, 1)]

@@ -14,7 +14,8 @@ from typing import Any, Mapping
 
 import torch.nn as nn
 
-from meshplan.checks.report import Report, fold_errors
+from meshplan.checks.rank_view import check_rank, rank_view
+from meshplan.checks.report import Report, fold_errors, per_rank_totals
 from meshplan.tensor_parallel.check.validate import smallest_world
 from meshplan.errors import PlanError
 from meshplan.plan_file.document import Plan, as_plan
@@ -24,7 +25,7 @@ __all__ = ["check", "Report", "smallest_world"]
 
 
 def check(model: nn.Module, plan: Plan | Mapping[str, Any] | str, world_size: int | None = None,
-          layout: Layout | Mapping[str, Any] | None = None, *, dry_run: bool = True) -> Report:
+          layout: Layout | Mapping[str, Any] | None = None, *, dry_run: bool = True, rank: int = 0) -> Report:
     """Validate ``plan`` against ``model`` without running it; collect every problem.
 
     Args:
@@ -34,9 +35,14 @@ def check(model: nn.Module, plan: Plan | Mapping[str, Any] | str, world_size: in
         layout: a :class:`Layout` or dict overriding the plan's ``layout`` section.
         dry_run: also apply the plan to a meta copy under a ``fake`` process group (exact
             local shapes); skipped when a real process group is initialized.
+        rank: the global rank whose figures the report gives (``report.rank_view``: its coordinates, stages,
+            parameter/gradient/optimizer bytes and collectives; :mod:`meshplan.checks.rank_view`).
 
     Returns:
         A :class:`Report`; ``report.ok`` is False when any check failed.
+
+    Raises:
+        PlanError: ``rank`` is outside the world (``0 <= rank < world_size``).
 
     Example::
 
@@ -58,6 +64,7 @@ def check(model: nn.Module, plan: Plan | Mapping[str, Any] | str, world_size: in
         report.errors.append(PlanError(f"{report.source}: layout: {e}"))
         return report
     report.tp, report.world_size = resolved.tp, resolved.world_size
+    check_rank(rank, resolved.world_size, report.source)
     if layout is None and p.layout is None:
         report.warnings.append(f"{report.source}: the plan has no layout and none was given: checked at tp=1, where "
                                f"nothing is sharded; add `layout: {{tp: N}}` (CLI: --tp N)")
@@ -76,5 +83,9 @@ def check(model: nn.Module, plan: Plan | Mapping[str, Any] | str, world_size: in
     if report.ok and p.tensor_parallel is not None and dry_run:
         applied = meta_dry_run(model, p, resolved.tp, report)
     explain(report, model, p, resolved.tp, static.get("matched", {}), getattr(checker, "fanout", set()), applied)
+    if report.ok and (applied is not None or p.tensor_parallel is None):
+        with_layout = p if p.layout is lay else p.model_copy(update={"layout": lay})  # the layout checked
+        report.rank_view = rank_view(report, model, with_layout, resolved, rank, applied)
+    per_rank_totals(report)
     report.errors = fold_errors(report.errors)
     return report

@@ -29,6 +29,8 @@ class Report:
         experts: the summary the expert axis unit's check writes (its ``report_key``; :mod:`meshplan.axes`), or
             empty.
         data: the data axis unit's ``report_key``: empty (its check adds errors only, no summary lines).
+        rank_view: one rank's view (:func:`meshplan.checks.rank_view.rank_view`: coordinates, stages, parameter,
+            gradient and optimizer bytes, collectives per step), or None (errors, or no dry run).
         sharding: the resolution the tensor axis unit's check writes (its ``report_key``): matched rules, the
             checker the rehearsals add their errors to, whether its static checks passed; not in :meth:`to_dict`.
     """
@@ -46,6 +48,7 @@ class Report:
     context: dict[str, Any] = field(default_factory=dict)
     experts: dict[str, Any] = field(default_factory=dict)
     data: dict[str, Any] = field(default_factory=dict)
+    rank_view: dict[str, Any] | None = None
     sharding: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -59,12 +62,26 @@ class Report:
             raise PlanError(f"{len(self.errors)} problem(s) in {self.source}:\n{lines}")
 
     def to_dict(self) -> dict:
-        """The ``--format json`` document: ``{ok, errors, warnings, modules, unsharded, totals, pipeline, context, experts}``."""
+        """The ``--format json`` document: ``{ok, errors, warnings, modules, unsharded, totals, pipeline, context, experts,
+        rank}``."""
         return {"ok": self.ok, "source": self.source, "model": self.model, "tp": self.tp,
                 "world_size": self.world_size, "errors": [str(e) for e in self.errors], "warnings": self.warnings,
                 "modules": self.modules, "unsharded": self.unsharded, "totals": self.totals,
                 "pipeline": self.pipeline or None, "context": self.context or None,
-                "experts": self.experts or None}
+                "experts": self.experts or None, "rank": self.rank_view}
+
+
+def per_rank_totals(report: Report) -> None:
+    """The totals' per-rank figures from the report's rank view (every axis' division: the rank's stages, tp,
+    the experts, FSDP2's shard), or None with the reason when there is no view."""
+    v, t = report.rank_view, report.totals
+    if v is None or v["parameters"] is None:
+        t.update(parameters_per_rank=None, bytes_per_rank=None, gradient_bytes_per_rank=None,
+                 optimizer_bytes_per_rank=None,
+                 per_rank_reason=(v or {}).get("reason", "no dry run"))
+        return
+    t.update(rank=v["rank"], parameters_per_rank=v["parameters"], bytes_per_rank=v["parameter_bytes"],
+             gradient_bytes_per_rank=v["gradient_bytes"], optimizer_bytes_per_rank=v["optimizer_bytes"])
 
 
 def fold_errors(errors: list[PlanError]) -> list[PlanError]:

@@ -41,10 +41,13 @@ def _check(args: argparse.Namespace) -> int:
     from meshplan.checks.explain import render_table
     from meshplan.plan_file.document import load_plan
     from meshplan.checks.offline import check, smallest_world
+    from meshplan.checks.rank_view import check_rank
     plan = load_plan(args.plan)
     base = plan.layout.model_dump(exclude_unset=True) if plan.layout else None
     layout = layout_from_args(args, base)
     resolved = layout.resolve(args.world_size or smallest_world(layout))  # bad flags: one line, before the model
+    if args.rank is not None:
+        check_rank(args.rank, resolved.world_size, "check --rank")
     if args.schedule and args.model is None:
         return _schedule(args, plan, resolved, None)
     if args.model is None:
@@ -55,7 +58,7 @@ def _check(args: argparse.Namespace) -> int:
     model = build_model(args.model, _config_arg(args.config), args.path or [])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        report = check(model, plan, world_size=args.world_size, layout=layout)
+        report = check(model, plan, world_size=args.world_size, layout=layout, rank=args.rank or 0)
     if args.schedule:
         return _schedule(args, plan, resolved, report)
     numerics = _numerics(args, model, plan, layout.tp) if args.numerics and report.ok else None
@@ -66,13 +69,14 @@ def _check(args: argparse.Namespace) -> int:
         from meshplan.checks.call_order import forward_order
         from meshplan.checks.explain import summary_lines
         from meshplan.viz.model_draw import model_picture
-        notes = summary_lines(report, unsharded=False)
+        notes = summary_lines(report, unsharded=False, rank_lines=args.rank is not None)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             order = forward_order(model, layout.tp, notes) if report.modules else None
         write_output(_picture(model_picture(report, plan, notes, order), args.format), args.output)
     else:
-        write_output(render_table(report) + "\n" + (f"numerics: {numerics.summary()}\n" if numerics else ""),
+        write_output(render_table(report, rank_lines=args.rank is not None) + "\n" +
+                     (f"numerics: {numerics.summary()}\n" if numerics else ""),
                      args.output)
     return 0 if report.ok and (numerics is None or numerics.ok) else 2
 
@@ -132,6 +136,10 @@ def register(sub) -> None:
     c.add_argument("--schedule", action="store_true",
                    help="show the pipeline schedule torch runs for the plan's pipeline section instead: a timeline "
                         "per pp rank (svg/png), the steps per rank (table) or json; --model adds the stages' blocks")
+    c.add_argument("--rank", type=int, default=None,
+                   help="show one rank's view: its coordinates, stages and modules, parameter/gradient/optimizer "
+                        "bytes and the collectives it joins per step (no GPU: a fake process group; default: the "
+                        "totals are rank 0's, without the view)")
     c.add_argument("-o", "--output", default=None, help="write here instead of stdout")
     c.add_argument("--numerics", action="store_true",
                    help="also run the plan on a small real instance, tp ranks simulated in this process, and "

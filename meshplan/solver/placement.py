@@ -133,3 +133,36 @@ class Placement:
     def ends_of(self, pp_rank: int) -> tuple[bool, bool]:
         """``(holds the first stage, holds the last stage)``: the embedding, and the head and loss."""
         return self._ends[pp_rank]
+
+    def pp_rank_of(self, rank: int) -> int:
+        """The pipeline rank of global ``rank`` (its stages: :meth:`stages_of`)."""
+        return self.layout.dense_grid.coords(rank)["pp"]
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """Global ``rank``'s coordinate on each axis (``tp, cp, dp, pp``: the dense grid; ``ep, etp, edp``: the
+        expert grid, when ep > 1; ``dp_shard, dp_replicate``: the mesh's split of dp).
+
+        Raises:
+            ValueError: ``rank`` is outside the world.
+        """
+        info = self.layout.rank_info(rank)
+        mesh = self.layout.mesh_grid.coords(rank)
+        expert = ("ep", "etp", "edp") if self.cand.ep > 1 else ()  # without experts: the dense grid's
+        return {**{k: info[k] for k in ("tp", "cp", "pp", "dp", *expert)},
+                "dp_shard": mesh.get("dp_shard", 0), "dp_replicate": mesh.get("dp_replicate", 0)}
+
+    def shard_words(self) -> list[str]:
+        """How the parameters divide over the axes that hold no part of them by themselves, in words: what FSDP2
+        shards over (cp folded into the shard group), and cp without FSDP2 (the sequence split, parameters whole)."""
+        c, out = self.cand, []
+        dense = self.groups["dp_shard"].size if c.mode in ("fsdp", "hsdp") else 1
+        if dense > 1:
+            over = "dp_shard" + (" x cp" if c.cp > 1 else "") + (" x dp_replicate" if c.mode == "fsdp" and
+                                                                  c.dp_replicate > 1 else "")
+            out.append(f"FSDP2 shards the dense parameters over {over} ({dense} ranks)")
+        elif c.cp > 1:
+            out.append(f"cp {c.cp}: nothing to divide (cp splits the sequence; every cp rank holds the parameters "
+                       f"whole)")
+        if self.layout.edp > 1 and c.mode != "ddp" and c.ep > 1:
+            out.append(f"FSDP2 shards the experts over edp ({self.layout.edp} ranks)")
+        return out

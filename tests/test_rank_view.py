@@ -1,0 +1,138 @@
+"""``meshplan check``'s per-rank figures and one rank's view (``check --rank R``, ``meshplan.check(..., rank=R)``):
+the parameter, gradient and optimizer bytes counted on the model's own parameters (its stages, tp, the experts over
+ep, FSDP2's shard) equal ``meshplan estimate``'s (:func:`meshplan.solver.memory.rank_memory`) on every rank of the
+example plans at their worlds, and on rank 0, a middle and the last rank of Llama-3-405B's shape on the meta
+device at tp 8 x pp 16 x fsdp 128 (16,384 ranks)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import yaml
+
+import meshplan
+from meshplan.checks.explain import summary_lines
+from meshplan.checks.model_shape import shape_of_model
+from meshplan.cli.main import main
+from meshplan.errors import PlanError
+from meshplan.plan_file.document import Plan
+from meshplan.solver.memory import rank_memory
+from meshplan.solver.placement import Placement
+from meshplan.solver.plans import candidate_from_plan
+
+pytestmark = pytest.mark.fast
+
+SMALL = dict(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=128, ffn_dim=128, max_seq_len=64, dropout=0.0)
+#: Llama-3-405B's sizes (meta-llama/Llama-3.1-405B config.json) in the example Llama
+L405 = dict(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, vocab_size=128256, ffn_dim=53248, max_seq_len=8192,
+            dropout=0.0)
+LLAMA_CFG = json.dumps({k: v for k, v in SMALL.items() if k not in ("max_seq_len", "dropout")})
+
+
+def _model(kind: str, meta: bool = False, **sizes):
+    import llama
+    import moe
+    with torch.device("meta" if meta else "cpu"):
+        if kind == "moe":
+            return moe.build(moe.ModelArgs(**SMALL, moe_hidden=96, n_experts=8, top_k=2, capacity_factor=None,
+                                           aux_loss_coef=0.0))
+        return llama.build(llama.ModelArgs(**{**SMALL, **sizes}))
+
+
+def _estimated(model, plan: Plan, world: int, rank: int) -> tuple[float, float, float]:
+    """``meshplan estimate``'s parameter, gradient and optimizer bytes of ``rank``."""
+    shape, warning = shape_of_model(model)
+    assert warning is None, warning
+    lay = plan.layout.resolve(world)
+    m = plan.pipeline.microbatches if plan.pipeline else 1
+    cand, train = candidate_from_plan(plan, world, 64, lay.dp_replicate * lay.dp_shard * m)
+    place = Placement(cand, shape.layers, 8)
+    mem = rank_memory(shape, cand, train, place, place.pp_rank_of(rank))
+    return mem.params, mem.grads, mem.optimizer
+
+
+def _checked(report) -> tuple[int, int, int]:
+    v = report.rank_view
+    assert report.ok and v is not None, report.errors
+    assert report.totals["bytes_per_rank"] == v["parameter_bytes"]
+    return v["parameter_bytes"], v["gradient_bytes"], v["optimizer_bytes"]
+
+
+@pytest.mark.parametrize("path,world,kind", [("plans/llama_3d.yaml", 8, "llama"), ("plans/moe.yaml", 4, "moe"),
+                                             ("plans/llama_pp.yaml", 4, "llama")])
+def test_every_rank_equals_the_estimate(path, world, kind):
+    model, plan = _model(kind), Plan.from_data(yaml.safe_load(open(path)), source=path)
+    for rank in range(world):
+        assert _checked(meshplan.check(model, plan, world, rank=rank)) == _estimated(model, plan, world, rank), rank
+
+
+def test_llama_405b_shape_on_the_meta_device_equals_the_estimate():
+    """tp 8 x pp 16 x fsdp 128: rank 0 holds the embedding, a middle rank 8 blocks, the last the head; was
+    50,735,300,608 per rank (189.0 GiB: tp only) before the view counted pp and FSDP."""
+    model = _model("llama", meta=True, **L405)
+    data = yaml.safe_load(open("plans/llama_3d.yaml"))
+    data["layout"], data["pipeline"]["microbatches"] = {"tp": 8, "pp": 16, "dp_shard": 128}, 16
+    plan = Plan.from_data(data, source="llama_405b")
+    for rank in (0, 8 * 8 * 128 + 3, 16383):
+        report = meshplan.check(model, plan, 16384, rank=rank)
+        assert _checked(report) == _estimated(model, plan, 16384, rank), rank
+        assert report.totals["parameters_per_rank"] < 30_000_000  # 405e9 / 16384 = 24.7M on average
+    assert report.rank_view["coordinates"] == {"tp": 7, "cp": 0, "pp": 15, "dp": 127, "dp_shard": 127,
+                                               "dp_replicate": 0}
+    assert report.rank_view["stages"] == ["stage 15: layers.119-125, norm, output"]
+    notes = summary_lines(report, unsharded=False)  # the model picture's notes (check --format svg|png)
+    assert "23,857,024 per rank (rank 16383: 91.0 MiB; gradients 91.0 MiB, optimizer 182.0 MiB)" in notes[0]
+
+
+def test_plan_without_tensor_parallel_counts_the_fsdp_shard():
+    model, plan = _model("llama"), Plan.from_data({"version": 1, "layout": {}}, source="fsdp4")
+    report = meshplan.check(model, plan, 4)
+    n = sum(-(-p.shape[0] // 4) * (p.numel() // p.shape[0]) for p in model.parameters())
+    assert report.totals["parameters_per_rank"] == n and report.totals["bytes_per_rank"] == 4 * n
+
+
+def test_rank_outside_the_world_is_refused():
+    model, plan = _model("llama"), Plan.from_data(yaml.safe_load(open("plans/llama_3d.yaml")), source="p")
+    with pytest.raises(PlanError, match=r"p: rank 8 is outside the world: expected 0 <= rank < 8"):
+        meshplan.check(model, plan, 8, rank=8)
+
+
+def _cli(capsys, *argv):
+    code = main(["check", "plans/llama_3d.yaml", "--model", "examples.llama:build", "--config", LLAMA_CFG,
+                 "--world-size", "8", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_rank_view(capsys):
+    code, out, err = _cli(capsys, "--rank", "5")
+    assert code == 0 and err == ""
+    lines = out.splitlines()
+    i = lines.index("rank 5: tp 1/2, pp 1/2, dp 0/2, dp_shard 0/2")
+    assert lines[i + 1] == "  stage 1: layers.2-3, norm, output"
+    assert lines[i + 2] == ("  parameters 20,640 in 20 tensors: 80.6 KiB, gradients 80.6 KiB, "
+                            "optimizer (AdamW) 161.3 KiB")
+    assert lines[i + 3] == "  FSDP2 shards the dense parameters over dp_shard (2 ranks)"
+    assert lines[i + 4].startswith("  collectives per step (group size): pp 2 send over 2; pp 2 recv over 2;")
+    assert "20,640 per rank (rank 5: 80.6 KiB" in out
+    code, out, _ = _cli(capsys, "--rank", "5", "--format", "json")
+    doc = json.loads(out)
+    assert doc["rank"]["parameter_bytes"] == doc["totals"]["bytes_per_rank"] == 20640 * 4
+    code, out, _ = _cli(capsys)  # default: rank 0's totals, no view lines
+    assert code == 0 and "per rank (rank 0:" in out and "\nrank 0:" not in out
+
+
+def test_cli_rank_outside_the_world_is_one_line_exit_2(capsys):
+    code, out, err = _cli(capsys, "--rank", "8")
+    assert code == 2 and out == ""
+    assert err.strip().splitlines() == ["meshplan: error: check --rank: rank 8 is outside the world: expected 0 <= rank < 8"]
+
+
+def test_a_layout_given_beside_the_plan_is_the_one_counted():
+    """``layout=`` overrides the plan's: the view counts the layout checked (fsdp over 4, not the plan's tp 2)."""
+    model, plan = _model("llama"), Plan.from_data(yaml.safe_load(open("plans/llama.yaml")), source="llama")
+    report = meshplan.check(model, plan, 4, layout={"tp": 1})
+    n = sum(-(-p.shape[0] // 4) * (p.numel() // p.shape[0]) for p in model.parameters())
+    assert report.rank_view["coordinates"]["dp_shard"] == 0 and report.totals["parameters_per_rank"] == n
