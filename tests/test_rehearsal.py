@@ -15,7 +15,7 @@ import yaml
 
 from benchmarks.rehearsal import plan_data, rehearse_rank
 from meshplan.cli.main import main
-from meshplan.solver.memory import _rows
+from meshplan.solver.memory import chunk_rows as _rows
 
 pytestmark = pytest.mark.fast
 

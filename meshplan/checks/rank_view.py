@@ -3,8 +3,8 @@ stages and modules it holds, its parameter, gradient and optimizer bytes and the
 
 The bytes are counted on the model's own parameters (the dry run's meta copy: tensor-parallel local shapes), kept
 to the modules of the rank's stages (the stage rows an axis' check summary holds), divided by the axes that shard
-modules themselves (:func:`meshplan.axes.tp_exempt`: the experts), then cut as FSDP2 cuts dim 0 (``ceil(rows /
-d)`` rows, ``d`` from :func:`meshplan.solver.memory.shard_sizes`): the figures ``meshplan estimate`` gives for the
+modules themselves (:func:`meshplan.axes.tp_exempt`: the experts), then cut as FSDP2 cuts dim 0 (this rank's chunk of
+``ceil(rows / d)`` rows, the last ones short: ``d`` from :func:`meshplan.solver.memory.shard_sizes`): the figures ``meshplan estimate`` gives for the
 same plan and model (``tests/test_rank_view.py``). The optimizer is AdamW: two states per parameter element and
 one float32 step per tensor. Nothing is allocated: the model is a meta copy, the ranks are arithmetic.
 """
@@ -69,8 +69,11 @@ def _held(rows: list[dict] | None, stage_rank: int) -> tuple[Any, list[str]]:
     return (lambda path: _under(path, own) or not _under(path, other)), texts
 
 
-def _count(mods: dict[str, nn.Module], held: Any, exempt: list, d_dense: int, d_expert: int) -> dict[str, int]:
-    """Local elements, tensors and bytes of the parameters the rank holds, after every axis' division."""
+def _count(mods: dict[str, nn.Module], held: Any, exempt: list, d_dense: int, d_expert: int,
+           index: tuple) -> dict[str, int]:
+    """Local elements, tensors and bytes of the parameters the rank holds, after every axis' division (``index``:
+    the rank's chunk of dim 0 in its dense and its expert FSDP2 group, :meth:`Placement.shard_index`)."""
+    from meshplan.solver.memory import chunk_rows
     seen, numel, tensors, nbytes = set(), 0, 0, 0
     for path, mod in mods.items():
         if not held(path):
@@ -84,8 +87,8 @@ def _count(mods: dict[str, nn.Module], held: Any, exempt: list, d_dense: int, d_
             rows = local.shape[0] if local.dim() else 1
             per = local.numel() // rows if rows else 0
             rows = rows // own.degree if own is not None else rows
-            d = d_expert if own is not None else d_dense
-            n = -(-rows // d) * per
+            d, i = (d_expert, index[1]) if own is not None else (d_dense, index[0])
+            n = chunk_rows(rows, d, i if d > 1 else None) * per
             numel, tensors, nbytes = numel + n, tensors + 1, nbytes + n * local.element_size()
     return {"numel": numel, "tensors": tensors, "bytes": nbytes}
 
@@ -139,7 +142,7 @@ def rank_view(report: Any, model: nn.Module, plan: Any, resolved: Any, rank: int
         return view
     held, view["stages"] = _held(rows, stage_rank)
     mods = dict((applied[0] if applied else meta_copy(model)).named_modules())
-    n = _count(mods, held, tp_exempt(model, plan, report), *shard_sizes(cand, place))
+    n = _count(mods, held, tp_exempt(model, plan, report), *shard_sizes(cand, place), place.shard_index(rank))
     view.update(parameters=n["numel"], tensors=n["tensors"], parameter_bytes=n["bytes"],
                 gradient_bytes=n["bytes"], optimizer_bytes=2 * n["bytes"] + 4 * n["tensors"])
     return view

@@ -30,7 +30,7 @@ from meshplan.solver.shape import ModelShape
 from meshplan.solver.terms import block_kinds
 from meshplan.solver.terms import block_tensors as _block_tensors
 
-__all__ = ["Memory", "rank_memory", "block_activations", "rank_tensors", "block_kinds"]
+__all__ = ["chunk_rows", "Memory", "rank_memory", "block_activations", "rank_tensors", "block_kinds"]
 
 GiB = float(1 << 30)
 
@@ -94,7 +94,7 @@ def rank_tensors(s: ModelShape, c: Candidate, place: Placement, pp_rank: int) ->
     return dense + _end_tensors(s, c, place, pp_rank), expert
 
 
-def _rows(rows: int, d: int, index: int | None) -> int:
+def chunk_rows(rows: int, d: int, index: int | None) -> int:
     """Rows of dim 0 in chunk ``index`` of ``d`` (torch.chunk's ``ceil(rows / d)``-row chunks, the last ones
     short or empty); ``index`` None: the largest chunk."""
     c = -(-rows // d)
@@ -102,7 +102,7 @@ def _rows(rows: int, d: int, index: int | None) -> int:
 
 
 def _numel(tensors: list, d: int, index: int | None = None) -> int:
-    return sum(_rows(rows, d, index) * per for rows, per in tensors)
+    return sum(chunk_rows(rows, d, index) * per for rows, per in tensors)
 
 
 def shard_sizes(c: Candidate, place: Placement) -> tuple[int, int]:
