@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 
 from meshplan.errors import PlanError
-from meshplan.weights.materialize import _device, _init_buffers, _local, _store, _to_empty
+from meshplan.weights.materialize import _device, _init_buffers, _local, _store, _to_empty, whole_of
 from meshplan.weights.shards import local_slices, take_slices
 
 __all__ = ["load_state_dict", "load_full_state_dict", "load_safetensors"]
@@ -69,8 +69,13 @@ def load_state_dict(model: nn.Module, source: str | Path | Mapping[str, torch.Te
     targets = model.state_dict(keep_vars=True)
     others = _other_stages(model, targets)
     if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+        whole = whole_of(model, "load_state_dict", "materialized models")
+        if isinstance(source, (str, Path)):
+            with whole:  # every stage's shapes: each rank refuses what any rank would, before allocating
+                _check_shapes(source, model.state_dict(keep_vars=True))
         _to_empty(model, dev)
-        _init_buffers(model, dev)
+        with whole_of(model, "load_state_dict", "materialized models"):
+            _init_buffers(model, dev)
         targets = model.state_dict(keep_vars=True)
     loaded: set[int] = set()
     if isinstance(source, (str, Path)):
@@ -137,20 +142,32 @@ def load_safetensors(model: nn.Module, path: str | Path, *, device=None, strict:
 def _other_stages(model: nn.Module, targets: Mapping[str, torch.Tensor]) -> set[str]:
     """Keys of the full model that other pipeline stages hold (expected in a full checkpoint, not loaded here).
 
-    Raises:
-        PlanError: a pipelined model still on the meta device (its buffers are computed by the model's
-            initializer, which meets pass-throughs where the other stages' modules were).
     """
     from meshplan.axes import held_part
     from meshplan.state import parallel_state
     part = held_part(parallel_state(model))  # the axes' records: which part of the model this rank holds
-    if part is None:
-        return set()
-    if any(t.is_meta for t in targets.values()):
-        raise PlanError(f"load_state_dict: this {type(model).__name__} holds {part[0]} only and is on the meta "
-                        f"device, so its initializer cannot compute its buffers; build it on the CPU before "
-                        f"meshplan.parallelize, then load")
-    return set(part[1]) - set(targets)
+    return set() if part is None else set(part[1]) - set(targets)
+
+
+def _check_shapes(source: str | Path, targets: Mapping[str, torch.Tensor]) -> None:
+    """Refuse a checkpoint whose tensors' shapes differ from the model's, from the files' headers alone
+    (nothing is allocated yet; a pipelined model's ``targets`` cover every stage).
+
+    Raises:
+        PlanError: naming the first tensors that differ, checkpoint vs model shape.
+    """
+    from safetensors import safe_open
+    files, bad = _sources(source), []
+    for path in sorted(set(files.values())):
+        with safe_open(str(path), "pt", device="cpu") as f:
+            for k in f.keys():
+                if k in targets and tuple(f.get_slice(k).get_shape()) != tuple(targets[k].shape):
+                    bad.append(f"{path}: {k}: checkpoint shape {tuple(f.get_slice(k).get_shape())}, model "
+                               f"{tuple(targets[k].shape)}")
+    if bad:
+        raise PlanError(f"{'; '.join(bad[:4])}{f' … ({len(bad)} tensors)' if len(bad) > 4 else ''}; refused before "
+                        f"allocating the model: save the checkpoint from a model of this config, or build the model "
+                        f"with the checkpoint's config")
 
 
 def _load_broadcast(source: Mapping[str, torch.Tensor] | None, targets: dict[str, torch.Tensor], others: set[str],
