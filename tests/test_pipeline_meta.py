@@ -5,6 +5,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+import llama as llama_example
 import meshplan
 from examples.hf_models import llama
 from meshplan import PlanError
@@ -101,3 +102,20 @@ def test_materialize_pipelined_off_meta_is_refused(fake_pg):
         with pytest.raises(PlanError, match=r"materialize: this LlamaForCausalLM holds pipeline stages \[1\] only "
                                             r"and was built off the meta device.*with torch.device\('meta'\)"):
             meshplan.materialize(model, seed=0)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_materialize_pipelined_meta_model_level_init_weights(fake_pg, rank):
+    """examples/llama.py draws every parameter in one model-level ``init_weights()`` (torchtitan style): with the
+    other stage's modules back for the call, rank r's stage equals ``torch.manual_seed(0); build(args)``."""
+    args = llama_example.tiny_args(n_layers=4)
+    torch.manual_seed(0)
+    cpu = llama_example.build(args)
+    with fake_pg(2, rank):
+        with torch.device("meta"):
+            meta = llama_example.build(args)
+        plan = {"layout": {"pp": 2}, "pipeline": {"schedule": "1f1b", "microbatches": 2}}
+        model = meshplan.materialize(meshplan.parallelize(meta, plan, meshplan.build_mesh({"pp": 2})), seed=0)
+        assert_shards(model, cpu)
+        assert torch.equal(model.freqs_cis, cpu.freqs_cis)
+        assert set(model.layers._modules) == ({"0", "1"}, {"2", "3"})[rank]
