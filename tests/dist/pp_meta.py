@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import meshplan
+from dp_worker import sum_ce  # the summed loss of gathered logits (tp: a DTensor)
 from examples import hf_models
 from llama import build, tiny_args
 
@@ -43,8 +44,7 @@ def _train(model, vocab):
     losses = []
     for _ in range(STEPS):
         x = torch.randint(0, vocab, (4, 16), generator=g)
-        res = meshplan.train_step(model, (x, x), lambda out, y: torch.nn.functional.cross_entropy(
-            out.logits.flatten(0, 1), y.flatten(), reduction="sum"), opt)
+        res = meshplan.train_step(model, (x, x), lambda out, y: sum_ce(getattr(out, "logits", out), y), opt)
         losses.append(res.loss)
     return losses
 
