@@ -68,11 +68,17 @@ def load_state_dict(model: nn.Module, source: str | Path | Mapping[str, torch.Te
     dev = _device(model, device)
     targets = model.state_dict(keep_vars=True)
     others = _other_stages(model, targets)
-    if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
-        whole = whole_of(model, "load_state_dict", "materialized models")
-        if isinstance(source, (str, Path)):
-            with whole:  # every stage's shapes: each rank refuses what any rank would, before allocating
-                _check_shapes(source, model.state_dict(keep_vars=True))
+    meta = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    shapes = targets
+    if meta:  # every stage's shapes: each rank refuses what any rank would, before allocating
+        with whole_of(model, "load_state_dict", "materialized models"):
+            shapes = model.state_dict(keep_vars=True)
+    if isinstance(source, (str, Path)):
+        if meta:
+            _check_shapes(source, shapes)
+    else:
+        head = _exchange_header(source, shapes, src_rank)
+    if meta:
         _to_empty(model, dev)
         with whole_of(model, "load_state_dict", "materialized models"):
             _init_buffers(model, dev)
@@ -81,7 +87,7 @@ def load_state_dict(model: nn.Module, source: str | Path | Mapping[str, torch.Te
     if isinstance(source, (str, Path)):
         keys = _load_files(model, source, targets, loaded)
     else:
-        keys = _load_broadcast(source, targets, others, src_rank, dev, loaded)
+        keys = _load_broadcast(source, head, targets, others, src_rank, dev, loaded)
     missing = [k for k, t in targets.items() if id(t) not in loaded]
     unexpected = sorted(keys - set(targets) - others)
     if strict and (missing or unexpected):
@@ -170,21 +176,34 @@ def _check_shapes(source: str | Path, targets: Mapping[str, torch.Tensor]) -> No
                         f"with the checkpoint's config")
 
 
-def _load_broadcast(source: Mapping[str, torch.Tensor] | None, targets: dict[str, torch.Tensor], others: set[str],
-                    src_rank: int, dev: torch.device, loaded: set[int]) -> set[str]:
-    """Broadcast rank ``src_rank``'s full tensors one at a time, each rank storing its slices; every rank takes
-    part in every broadcast of a key some rank holds (pipeline stages hold different keys).
+def _exchange_header(source: Mapping[str, torch.Tensor] | None, shapes: Mapping[str, torch.Tensor],
+                     src_rank: int) -> dict:
+    """Rank ``src_rank``'s ``{key: (shape, dtype)}``, checked there against ``shapes`` (a meta model's: every
+    stage's) and sent to every rank, before anything is allocated.
+
+    Raises:
+        PlanError: a shape mismatch, on every rank.
+    """
+    import torch.distributed as dist
+    head = [_header(source, shapes) if dist.get_rank() == src_rank else None]
+    dist.broadcast_object_list(head, src=src_rank)
+    if isinstance(head[0], str):
+        raise PlanError(f"load_state_dict from rank {src_rank}: {head[0]}")
+    return head[0]
+
+
+def _load_broadcast(source: Mapping[str, torch.Tensor] | None, head: dict, targets: dict[str, torch.Tensor],
+                    others: set[str], src_rank: int, dev: torch.device, loaded: set[int]) -> set[str]:
+    """Broadcast rank ``src_rank``'s full tensors (``head``: their shapes and dtypes) one at a time, each rank
+    storing its slices; every rank takes part in every broadcast of a key some rank holds (pipeline stages hold
+    different keys).
 
     Returns:
         The checkpoint's keys.
     """
     import torch.distributed as dist
     mine = dist.get_rank() == src_rank
-    head = [_header(source, targets) if mine else None]
-    dist.broadcast_object_list(head, src=src_rank)
-    if isinstance(head[0], str):
-        raise PlanError(f"load_state_dict from rank {src_rank}: {head[0]}")
-    for k, (shape, dtype) in head[0].items():
+    for k, (shape, dtype) in head.items():
         t = targets.get(k)
         if t is None and k not in others:
             continue  # no rank holds it (unexpected: reported by the caller)
@@ -193,4 +212,4 @@ def _load_broadcast(source: Mapping[str, torch.Tensor] | None, targets: dict[str
         if t is not None and id(t) not in loaded:
             _store(t, full.to(t.dtype))
             loaded.add(id(t))
-    return set(head[0])
+    return set(head)
