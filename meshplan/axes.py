@@ -22,7 +22,7 @@ from meshplan.tensor_parallel.unit import AXIS as _TENSOR
 
 __all__ = ["AXES", "COST_AXES", "axis_meshes", "check_axes", "prepare_axes", "apply_axes", "finish_axes",
            "step_runner", "shard_batch", "shard_sequence", "report_lines", "opaque_modules",
-           "blocks_reason", "accumulate", "data_dims", "tp_exempt", "roots", "held_part", "timeline"]
+           "blocks_reason", "accumulate", "data_dims", "tp_exempt", "roots", "held_part", "held_whole", "timeline"]
 
 #: the axes that are units, in parallelize's order
 AXES: tuple[Axis, ...] = (_PIPELINE, _TENSOR, _CONTEXT, _EXPERT, _DATA)
@@ -204,6 +204,12 @@ def held_part(state: Any) -> "tuple[str, tuple[str, ...]] | None":
     """``(what, full keys)`` when ``state``'s records leave this rank only part of the model
     (:attr:`~meshplan.axis.Axis.part`: the pipeline's stages), else None (it holds every module)."""
     return next((part for axis, r in _records(state) if (part := axis.part(r)) is not None), None)
+
+
+def held_whole(state: Any, model: Any) -> Any:
+    """A context manager putting back the whole model's structure for a ``with`` block when ``state``'s records
+    left this rank part of it (:attr:`~meshplan.axis.Axis.whole`), else None."""
+    return next((w for axis, r in _records(state) if (w := axis.whole(r, model)) is not None), None)
 
 
 def timeline(plan: Any, resolved: Any, report: Any, name: str, fmt: str) -> Any:

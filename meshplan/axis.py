@@ -170,6 +170,9 @@ class Axis:
             (the pipeline's stages), how messages name that part (``"pipeline stages [0]"``) and the full model's
             state-dict keys (a full checkpoint holds them; the weight loaders and ``materialize`` ask); None
             (default): the rank holds every module.
+        whole: ``(record, model) -> context manager | None``: with :attr:`part`, the full model's structure put
+            back for a ``with`` block (the pipeline's other stages as meta modules, when the model was split on
+            the meta device), so its initializer walks the one-device module sequence; None (default): none.
         timeline: ``(plan, resolved layout, report, plan name, format) -> drawing | str``, or None: ``meshplan check
             --schedule``'s picture of the axis' section (a :class:`~meshplan.viz.drawing.Drawing` for svg/png, else
             the text): the pipeline's executed schedule.
@@ -213,6 +216,7 @@ class Axis:
     hears_regions: bool = False
     roots: Callable[[Any], Any] = lambda record: None
     part: Callable[[Any], Any] = lambda record: None
+    whole: Callable[[Any, Any], Any] = lambda record, model: None
     timeline: "Callable[..., Any] | None" = None
     graphs: Callable[[Any], str] = lambda plan: ""
     sees_others: bool = False

@@ -36,7 +36,7 @@ def _check(results, case, n):
 @pytest.mark.parametrize("case", ["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble",
                                   "zbv_zero_bubble", "dualpipev", "split_points", "fewer_first", "tied",
                                   "tied_zbv", "tied_i1f1b", "load_full", "load_full_tied", "hf_llama_1f1b",
-                                  "tp_rules_at_tp1"])
+                                  "tp_rules_at_tp1", "meta_checkpoint", "meta_materialize"])
 def test_pp2(world2, case):
     _check(world2, case, 2)
 
@@ -54,7 +54,7 @@ def test_pp2_transformers_code_outside_the_blocks(world2, case):
 
 
 @pytest.mark.parametrize("case", ["pp2_tp2_sp_lp", "pp2_tp2_nosp", "pp2_dp2", "pp4", "pp2_ddp",
-                                  "hf_llama_pp2_tp2_sp_lp"])
+                                  "hf_llama_pp2_tp2_sp_lp", "meta_checkpoint_tp2", "meta_materialize_tp2"])
 def test_pp_composed(world4, case):
     _check(world4, case, 4)
 

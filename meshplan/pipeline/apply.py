@@ -60,9 +60,10 @@ def split_pipeline(model: nn.Module, section: Pipeline, split: StageSplit, ids: 
                    topology: Any) -> PipelineApplied:
     """Prune ``model`` to this rank's stages ``ids`` of ``split`` (in place); returns the record (its views and
     stages come from :func:`build_stages`). Creates the embedding groups of tied parameters (every rank, in order)."""
+    from meshplan.pipeline.whole import removed_parts
     tied = _tied(model, split)
     record = PipelineApplied(section=section, stage_ids=ids, num_stages=split.num_stages,
-                             full_keys=tuple(model.state_dict()))
+                             full_keys=tuple(model.state_dict()), removed=removed_parts(model, split, ids, tied))
     if tied:
         names, group = _embedding_group(topology, record, tied)
         record = dataclasses.replace(record, tied=names, embedding_group=group)

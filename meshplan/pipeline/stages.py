@@ -104,6 +104,8 @@ class PipelineApplied:
             embedding group); ``embedding_group``: that group (None: both ends on this rank, or no tie).
         loss: the schedule's :class:`StepLoss`; ``built``: the schedule, made on first use.
         full_keys: the full model's state-dict keys (a full checkpoint holds them; this rank loads its own).
+        removed: the other stages' meta modules (:class:`~meshplan.pipeline.whole.Removed`) when the model was
+            split on the meta device, else None.
     """
 
     section: Pipeline
@@ -115,6 +117,7 @@ class PipelineApplied:
     embedding_group: Any = None
     loss: StepLoss = field(default_factory=StepLoss)
     full_keys: tuple[str, ...] = ()
+    removed: Any = None
     built: Any = None
 
     @property

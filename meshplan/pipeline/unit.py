@@ -63,6 +63,15 @@ def _part(record: Any) -> tuple[str, tuple[str, ...]]:
     return f"pipeline stages {record.stage_ids}", tuple(record.full_keys)
 
 
+def _whole(record: Any, model: Any) -> Any:
+    """The full model's structure for a ``with`` block (the removed stages' meta modules back in place), or None
+    when the rank holds every stage's modules or the model was pruned off the meta device."""
+    if getattr(record, "removed", None) is None:
+        return None
+    from meshplan.pipeline.whole import whole_model
+    return whole_model(model, record.removed)
+
+
 def _timeline(*args: Any) -> Any:
     from meshplan.pipeline.timeline import schedule_view
     return schedule_view(*args)
@@ -79,5 +88,5 @@ AXIS = Axis(name="pp", section="pipeline", title="pipeline parallelism", mesh_di
             report_lines=_report_lines,
             costs=TERMS.costs, training=TERMS.training, example_plan=TERMS.example_plan, finish=_finish,
             run_step=_run_step, narrow=_narrow, written=TERMS.written, rehearses=True,
-            roots=lambda record: record.views, part=_part, timeline=_timeline,
+            roots=lambda record: record.views, part=_part, whole=_whole, timeline=_timeline,
             graphs=lambda plan: "pipeline.split: trace" if plan.pipeline.split == "trace" else "")

@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 
 from meshplan.errors import PlanError
-from meshplan.weights.materialize import _device, _init_buffers, _local, _store, _to_empty
+from meshplan.weights.materialize import _device, _init_buffers, _local, _store, _to_empty, whole_of
 from meshplan.weights.shards import local_slices, take_slices
 
 __all__ = ["load_state_dict", "load_full_state_dict", "load_safetensors"]
@@ -68,15 +68,26 @@ def load_state_dict(model: nn.Module, source: str | Path | Mapping[str, torch.Te
     dev = _device(model, device)
     targets = model.state_dict(keep_vars=True)
     others = _other_stages(model, targets)
-    if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+    meta = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    shapes = targets
+    if meta:  # every stage's shapes: each rank refuses what any rank would, before allocating
+        with whole_of(model, "load_state_dict", "materialized models"):
+            shapes = model.state_dict(keep_vars=True)
+    if isinstance(source, (str, Path)):
+        if meta:
+            _check_shapes(source, shapes)
+    else:
+        head = _exchange_header(source, shapes, src_rank)
+    if meta:
         _to_empty(model, dev)
-        _init_buffers(model, dev)
+        with whole_of(model, "load_state_dict", "materialized models"):
+            _init_buffers(model, dev)
         targets = model.state_dict(keep_vars=True)
     loaded: set[int] = set()
     if isinstance(source, (str, Path)):
         keys = _load_files(model, source, targets, loaded)
     else:
-        keys = _load_broadcast(source, targets, others, src_rank, dev, loaded)
+        keys = _load_broadcast(source, head, targets, others, src_rank, dev, loaded)
     missing = [k for k, t in targets.items() if id(t) not in loaded]
     unexpected = sorted(keys - set(targets) - others)
     if strict and (missing or unexpected):
@@ -137,37 +148,62 @@ def load_safetensors(model: nn.Module, path: str | Path, *, device=None, strict:
 def _other_stages(model: nn.Module, targets: Mapping[str, torch.Tensor]) -> set[str]:
     """Keys of the full model that other pipeline stages hold (expected in a full checkpoint, not loaded here).
 
-    Raises:
-        PlanError: a pipelined model still on the meta device (its buffers are computed by the model's
-            initializer, which meets pass-throughs where the other stages' modules were).
     """
     from meshplan.axes import held_part
     from meshplan.state import parallel_state
     part = held_part(parallel_state(model))  # the axes' records: which part of the model this rank holds
-    if part is None:
-        return set()
-    if any(t.is_meta for t in targets.values()):
-        raise PlanError(f"load_state_dict: this {type(model).__name__} holds {part[0]} only and is on the meta "
-                        f"device, so its initializer cannot compute its buffers; build it on the CPU before "
-                        f"meshplan.parallelize, then load")
-    return set(part[1]) - set(targets)
+    return set() if part is None else set(part[1]) - set(targets)
 
 
-def _load_broadcast(source: Mapping[str, torch.Tensor] | None, targets: dict[str, torch.Tensor], others: set[str],
-                    src_rank: int, dev: torch.device, loaded: set[int]) -> set[str]:
-    """Broadcast rank ``src_rank``'s full tensors one at a time, each rank storing its slices; every rank takes
-    part in every broadcast of a key some rank holds (pipeline stages hold different keys).
+def _check_shapes(source: str | Path, targets: Mapping[str, torch.Tensor]) -> None:
+    """Refuse a checkpoint whose tensors' shapes differ from the model's, from the files' headers alone
+    (nothing is allocated yet; a pipelined model's ``targets`` cover every stage).
+
+    Raises:
+        PlanError: naming the first tensors that differ, checkpoint vs model shape.
+    """
+    from safetensors import safe_open
+    files, bad = _sources(source), []
+    for path in sorted(set(files.values())):
+        with safe_open(str(path), "pt", device="cpu") as f:
+            for k in f.keys():
+                if k in targets and tuple(f.get_slice(k).get_shape()) != tuple(targets[k].shape):
+                    bad.append(f"{path}: {k}: checkpoint shape {tuple(f.get_slice(k).get_shape())}, model "
+                               f"{tuple(targets[k].shape)}")
+    if bad:
+        raise PlanError(f"{'; '.join(bad[:4])}{f' … ({len(bad)} tensors)' if len(bad) > 4 else ''}; refused before "
+                        f"allocating the model: save the checkpoint from a model of this config, or build the model "
+                        f"with the checkpoint's config")
+
+
+def _exchange_header(source: Mapping[str, torch.Tensor] | None, shapes: Mapping[str, torch.Tensor],
+                     src_rank: int) -> dict:
+    """Rank ``src_rank``'s ``{key: (shape, dtype)}``, checked there against ``shapes`` (a meta model's: every
+    stage's) and sent to every rank, before anything is allocated.
+
+    Raises:
+        PlanError: a shape mismatch, on every rank.
+    """
+    import torch.distributed as dist
+    head = [_header(source, shapes) if dist.get_rank() == src_rank else None]
+    dist.broadcast_object_list(head, src=src_rank)
+    if isinstance(head[0], str):
+        raise PlanError(f"load_state_dict from rank {src_rank}: {head[0]}")
+    return head[0]
+
+
+def _load_broadcast(source: Mapping[str, torch.Tensor] | None, head: dict, targets: dict[str, torch.Tensor],
+                    others: set[str], src_rank: int, dev: torch.device, loaded: set[int]) -> set[str]:
+    """Broadcast rank ``src_rank``'s full tensors (``head``: their shapes and dtypes) one at a time, each rank
+    storing its slices; every rank takes part in every broadcast of a key some rank holds (pipeline stages hold
+    different keys).
 
     Returns:
         The checkpoint's keys.
     """
     import torch.distributed as dist
     mine = dist.get_rank() == src_rank
-    head = [_header(source, targets) if mine else None]
-    dist.broadcast_object_list(head, src=src_rank)
-    if isinstance(head[0], str):
-        raise PlanError(f"load_state_dict from rank {src_rank}: {head[0]}")
-    for k, (shape, dtype) in head[0].items():
+    for k, (shape, dtype) in head.items():
         t = targets.get(k)
         if t is None and k not in others:
             continue  # no rank holds it (unexpected: reported by the caller)
@@ -176,4 +212,4 @@ def _load_broadcast(source: Mapping[str, torch.Tensor] | None, targets: dict[str
         if t is not None and id(t) not in loaded:
             _store(t, full.to(t.dtype))
             loaded.add(id(t))
-    return set(head[0])
+    return set(head)

@@ -53,7 +53,10 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _store(orig: torch.Tensor, full: torch.Tensor) -> None:
-    """Copy this rank's shard of ``full`` into ``orig``'s local tensor."""
+    """Copy this rank's shard of ``full`` into ``orig``'s local tensor (nothing for a meta ``orig``: a module
+    of another pipeline stage, initialized only to advance the random stream)."""
+    if orig.is_meta:
+        return
     with torch.no_grad():
         if hasattr(orig, "placements"):
             ranges = local_slices(tuple(orig.shape), orig.placements, orig.device_mesh)
@@ -147,22 +150,46 @@ def materialize(model: nn.Module, init: Callable[[nn.Module], None] | None = Non
         ``model``, on ``device``, equal (shard for shard) to a one-device model built the same
         way and initialized with the same seed and initializer.
 
+    A pipelined model (split on the meta device) allocates its own stages only: the other stages' modules,
+    kept as meta modules by the split, are put back for the walk, each initialized into a transient full
+    tensor (one module at a time) and dropped, so the random stream is the one-device one.
+
     Raises:
-        PlanError: the model was cut into pipeline stages (its initializer would meet pass-throughs where
-            the other stages' modules were, and draw a different random stream).
+        PlanError: the model was cut into pipeline stages off the meta device (the other stages' modules are
+            gone, so the one-device random stream cannot be replayed).
     """
-    from meshplan.axes import held_part
-    from meshplan.state import parallel_state
-    part = held_part(parallel_state(model))  # the axes' records: which part of the model this rank holds
-    if part is not None:
-        raise PlanError(f"materialize: this {type(model).__name__} holds {part[0]} "
-                        f"only, so its initializer cannot draw the one-device random stream; build the model on "
-                        f"the CPU with the seed before meshplan.parallelize, or load a checkpoint "
-                        f"(meshplan.load_state_dict)")
+    whole = whole_of(model, "materialize", "meshplan.load_state_dict")
     dev = _device(model, device)
     _to_empty(model, dev)
     if seed is not None:
         torch.manual_seed(seed)
+    with whole:
+        _init(model, init, dev)
+    return model
+
+
+def whole_of(model: nn.Module, what: str, instead: str) -> contextlib.AbstractContextManager:
+    """The context in which ``model`` has the full model's module structure (the axes' ``whole`` hook: a
+    pipeline's other stages as meta modules), a null one when the rank holds every module.
+
+    Raises:
+        PlanError: this rank holds part of the model and the rest is gone (pruned off the meta device).
+    """
+    from meshplan.axes import held_part, held_whole
+    from meshplan.state import parallel_state
+    state = parallel_state(model)
+    part = held_part(state)  # the axes' records: which part of the model this rank holds
+    whole = held_whole(state, model) if part is not None else contextlib.nullcontext()
+    if whole is None:
+        raise PlanError(f"{what}: this {type(model).__name__} holds {part[0]} only and was built off the meta "
+                        f"device, so the other stages' modules are gone and its initializer cannot walk the "
+                        f"one-device module sequence; build it under `with torch.device('meta')` before "
+                        f"meshplan.parallelize, or use {instead}")
+    return whole
+
+
+def _init(model: nn.Module, init: Callable | None, dev: torch.device) -> None:
+    """Run the initializer over ``model``'s modules (whole or per module), storing each rank's shards."""
     for m in model.modules():
         m.__dict__.pop("_is_hf_initialized", None)
     calls, whole = _plan_init(model, init)
@@ -178,7 +205,6 @@ def materialize(model: nn.Module, init: Callable[[nn.Module], None] | None = Non
                 whole(**kw)
         else:
             _stream(model, calls, dev, keep)
-    return model
 
 
 def _stream(model: nn.Module, calls: list, device, keep: dict[int, torch.Tensor]) -> None:
