@@ -113,11 +113,16 @@ def blocks_reason(plan: Any, layout: Any) -> str:
     return next((why for axis in reversed(AXES) if (why := axis.blocks_reason(plan, layout))), "")
 
 
+def _records(state: Any) -> list[tuple[Axis, Any]]:
+    """``(axis, record)`` of every axis whose record ``state`` (a ParallelState or None) holds, in order."""
+    return [(axis, r) for axis in AXES if state is not None and (r := getattr(state, axis.state_field)) is not None]
+
+
 def accumulate(model: Any, state: Any, i: int, n: int) -> None:
     """``train_step``'s knobs for microbatch ``i`` of ``n`` (``i == n``: the defaults back) of every axis whose record
     ``state`` holds (:attr:`~meshplan.axis.Axis.accumulate`)."""
-    for axis in AXES:
-        if axis.accumulate is not None and state is not None and getattr(state, axis.state_field) is not None:
+    for axis, _ in _records(state):
+        if axis.accumulate is not None:
             axis.accumulate(model, state, i, n)
 
 
@@ -129,18 +134,14 @@ def data_dims() -> tuple[str, ...]:
 def step_runner(state: Any) -> Any:
     """The :attr:`~meshplan.axis.Axis.run_step` of the first axis whose record ``state`` holds and that takes the
     step over, else None (``train_step`` runs its own)."""
-    for axis in AXES:
-        if axis.run_step is not None and state is not None and getattr(state, axis.state_field) is not None:
-            return axis.run_step
-    return None
+    return next((axis.run_step for axis, _ in _records(state) if axis.run_step is not None), None)
 
 
 def shard_batch(state: Any, inputs: Any, targets: Any, shift: bool = False,
                 ignore_index: int = -100) -> tuple[Any, Any, bool]:
     """This rank's share of a batch: each axis whose record ``state`` holds takes its share, in order."""
-    for axis in AXES:
-        if state is not None and getattr(state, axis.state_field) is not None:
-            inputs, targets, shift = axis.shard_batch(state, inputs, targets, shift, ignore_index)
+    for axis, _ in _records(state):
+        inputs, targets, shift = axis.shard_batch(state, inputs, targets, shift, ignore_index)
     return inputs, targets, shift
 
 
@@ -187,11 +188,6 @@ def tp_exempt(model: Any, plan: Any, report: Any) -> list[Any]:
     """The :class:`~meshplan.axis.TpExempt` of every axis that shards modules of ``model`` itself
     (:attr:`~meshplan.axis.Axis.tp_exempt`; ``report``: the checked report, each axis reads its own summary)."""
     return [e for axis in AXES if (e := axis.tp_exempt(model, plan, getattr(report, axis.report_key))) is not None]
-
-
-def _records(state: Any) -> list[tuple[Axis, Any]]:
-    """``(axis, record)`` of every axis whose record ``state`` (a ParallelState or None) holds, in order."""
-    return [(axis, r) for axis in AXES if state is not None and (r := getattr(state, axis.state_field)) is not None]
 
 
 def roots(model: Any, state: Any) -> list[Any]:

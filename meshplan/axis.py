@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-__all__ = ["Axis", "AxisCosts", "TpExempt"]
+__all__ = ["Axis", "AxisCosts", "AxisTerms", "TpExempt"]
 
 
 @dataclass(frozen=True)
@@ -85,6 +85,40 @@ class TpExempt:
 
 
 @dataclass(frozen=True)
+class AxisTerms:
+    """An axis unit as the solver sees it: the torch-free half of its :class:`Axis`, which holds it as ``terms``
+    (name, section, cost terms, solver settings, example plan), exported by the folder's ``costs.py`` as ``TERMS``
+    and listed in :data:`meshplan.solver.units.UNITS`. The solver reads these, never the unit itself, whose
+    callables reach the runtime (``tests/test_axes.py`` holds the two lists in step).
+
+    Attributes:
+        name: the layout key of its degree. section: its plan key. costs: its :class:`AxisCosts`.
+        training: ``(plan) -> {field: value}``: the :class:`~meshplan.solver.candidate.Training` settings its
+        section decides. example_plan: a plan file in ``plans/`` with its section, for messages.
+        written: ``(candidate, base section) -> section | None``: the section ``meshplan solve --write`` writes
+        for a candidate (the pipeline's schedule); None: the section is rules, copied from the base plan.
+        in_solver: the solver's per-microbatch loops take it (its degree a ``Candidate`` field); data
+        parallelism's collectives run once per step (``costs.step_collectives``), its degrees enumerated apart.
+        decides: ``(plan, resolved layout) -> {candidate field: value}``: the
+        :class:`~meshplan.solver.candidate.Candidate` fields its section sets when a plan is read as a candidate
+        (the pipeline's microbatches and schedule); default: none.
+    """
+
+    name: str
+    section: str
+    costs: AxisCosts
+    training: Callable[[Any], dict]
+    example_plan: str
+    written: "Callable[[Any, Any], Any] | None" = None
+    in_solver: bool = True
+    decides: Callable[[Any, Any], dict] = lambda plan, layout: {}
+
+    def degree(self, layout: Any) -> int:
+        """The axis' degree in ``layout`` (a resolved layout or a solver candidate)."""
+        return getattr(layout, self.name)
+
+
+@dataclass(frozen=True)
 class Axis:
     """One parallelism axis, end to end.
 
@@ -105,10 +139,10 @@ class Axis:
         shard_batch: ``(state, inputs, targets, shift, ignore_index) -> (inputs, targets, shift)``: this rank's
             share of a batch, called by ``train_step`` when the state holds the axis' record.
         report_lines: ``(summary) -> [str]``: the text report's lines for its summary (none when empty).
-        costs: its :class:`AxisCosts`.
-        training: ``(plan) -> {field: value}``: the solver's :class:`~meshplan.solver.candidate.Training` settings
-            its section decides.
-        example_plan: a plan file in ``plans/`` with its section, for messages.
+        terms: its torch-free half (:class:`AxisTerms`: cost terms, solver settings, example plan, the section
+            ``solve --write`` writes), the folder's ``costs.py`` ``TERMS``, which the solver reads through
+            :data:`meshplan.solver.units.UNITS`; :attr:`costs`, :attr:`training`, :attr:`example_plan`,
+            :attr:`written` and :attr:`in_solver` read it.
         data_parallel: ``(layout) -> bool``: whether the applied axis needs the data-parallel step even without a
             ``data_parallel`` section (its gradients summed over data ranks of its own).
         opaque: ``(model, plan) -> {module path}``: modules whose forward a rehearsal on a throwaway copy (the
@@ -126,9 +160,6 @@ class Axis:
         narrow: ``(model, plan, record) -> plan``: the plan the axes after it apply, once its record is attached (a
             pipeline leaves out the ``tensor_parallel`` rules that name only other stages' modules, which its apply
             pruned). Default: ``plan``.
-        written: ``(candidate, base section) -> section | None``: the section ``meshplan solve --write`` writes
-            for a chosen candidate (the pipeline's schedule and microbatches over the base plan's), None when the
-            candidate needs none; None (default): a rule section, copied from the base plan.
         rehearses: its ``prepare`` runs a rehearsal on a throwaway copy of the model (the pipeline's split probe)
             and takes ``opaque=``, a callable giving every axis' :attr:`opaque` modules
             (:func:`meshplan.axes.opaque_modules`), called only when the rehearsal runs.
@@ -143,8 +174,6 @@ class Axis:
         accumulate: ``(model, state, i, n) -> None``, or None: its knobs for microbatch ``i`` of ``n`` in
             :func:`meshplan.train_step` (``i == n`` restores the defaults), when the state holds its record.
         data_dims: the mesh dims whose ranks hold different data (``train_step`` counts the tokens over them).
-        in_solver: the solver's per-microbatch loops take it (its degree a ``Candidate`` field); data parallelism's
-            collectives run once per step, in the solver's own terms.
         mesh: ``(given) -> mesh``, or None: the axis' own mesh from what ``parallelize`` was given (a Topology or
             a torch ``DeviceMesh``; raises :class:`~meshplan.errors.PlanError` for one it cannot use); when set,
             ``prepare`` gets it in place of the topology, which is None for a bare ``DeviceMesh`` (tensor
@@ -193,22 +222,18 @@ class Axis:
     apply: Callable[[Any, Any, Any, Any, Any], Any]
     shard_batch: Callable[..., tuple]
     report_lines: Callable[[dict], list]
-    costs: AxisCosts
-    training: Callable[[Any], dict]
-    example_plan: str
+    terms: AxisTerms
     data_parallel: Callable[[Any], bool] = lambda layout: False
     opaque: Callable[[Any, Any], set] = lambda model, plan: set()
     finish: Callable[[Any, Any, Any, Any, Any], Any] = lambda model, plan, topology, prepared, state: None
     run_step: "Callable[..., Any] | None" = None
     narrow: Callable[[Any, Any, Any], Any] = lambda model, plan, record: plan
-    written: "Callable[[Any, Any], Any] | None" = None
     rehearses: bool = False
     data_axis: bool = False
     dtensor: bool = False
     blocks_reason: Callable[[Any, Any], str] = lambda plan, layout: ""
     accumulate: "Callable[[Any, Any, int, int], None] | None" = None
     data_dims: tuple[str, ...] = ()
-    in_solver: bool = True
     mesh: "Callable[[Any], Any] | None" = None
     data_shard: "Callable[..., None] | None" = None
     tp_exempt: Callable[[Any, Any, dict], "TpExempt | None"] = lambda model, plan, summary: None
@@ -224,3 +249,28 @@ class Axis:
     def degree(self, layout: Any) -> int:
         """The axis' degree in ``layout`` (a resolved layout or a solver candidate)."""
         return getattr(layout, self.name)
+
+    @property
+    def costs(self) -> AxisCosts:
+        """Its terms in the solver's cost model (:attr:`AxisTerms.costs`)."""
+        return self.terms.costs
+
+    @property
+    def training(self) -> Callable[[Any], dict]:
+        """The solver's settings its section decides (:attr:`AxisTerms.training`)."""
+        return self.terms.training
+
+    @property
+    def example_plan(self) -> str:
+        """A plan file in ``plans/`` with its section, for messages."""
+        return self.terms.example_plan
+
+    @property
+    def written(self) -> "Callable[[Any, Any], Any] | None":
+        """The section ``meshplan solve --write`` writes for a candidate (:attr:`AxisTerms.written`)."""
+        return self.terms.written
+
+    @property
+    def in_solver(self) -> bool:
+        """Whether the solver's per-microbatch loops take it (:attr:`AxisTerms.in_solver`)."""
+        return self.terms.in_solver

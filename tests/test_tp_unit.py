@@ -56,8 +56,8 @@ PLAIN = {"tensor_parallel": {"sequence_parallel": False, "rules": RULES}}
 
 def test_tensor_parallelism_is_named_only_where_allowed():
     """The measure of issue 26 for the tensor axis: files outside ``tensor_parallel/`` that name it."""
-    found = {str(f.relative_to(PKG)) for f in PKG.rglob("*.py")
-             if not f.is_relative_to(PKG / "tensor_parallel") and TP_MENTION.search(f.read_text())}
+    from test_axes import named_outside
+    found = named_outside("tensor_parallel", TP_MENTION)
     assert found <= TP_ALLOWED, f"tensor parallelism named outside its unit: {sorted(found - TP_ALLOWED)}"
 
 

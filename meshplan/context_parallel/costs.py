@@ -14,9 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from meshplan.axis import AxisCosts
+from meshplan.axis import AxisCosts, AxisTerms
 from meshplan.context_parallel.chunks import check_seq_len
-from meshplan.solver.terms import AxisTerms
 
 __all__ = ["TERMS", "cp_collectives", "cp_block_activations", "cp_first_stage_activations", "cp_sequence_problem",
            "cp_run_problem"]

@@ -7,9 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from meshplan.axis import Axis, AxisCosts
-from meshplan.context_parallel.costs import cp_block_activations, cp_collectives, cp_first_stage_activations, \
-    cp_run_problem, cp_sequence_problem
+from meshplan.axis import Axis
+from meshplan.context_parallel.costs import TERMS
 
 __all__ = ["AXIS"]
 
@@ -45,15 +44,8 @@ def _report_lines(summary: dict) -> list[str]:
     return context_lines(summary)
 
 
-def _training(plan: Any) -> dict:
-    return {"cp_method": plan.context_parallel.method if plan.context_parallel else "allgather_kv"}
-
-
 #: context parallelism: sequences split over ``cp`` (head-tail chunks), attention exact across the shards
 AXIS = Axis(name="cp", section="context_parallel", title="context parallelism", mesh_dims=("cp",),
             state_field="context_parallel", report_key="context", check=_check, prepare=_prepare, apply=_apply,
             shard_batch=_shard_batch, report_lines=_report_lines,
-            costs=AxisCosts(collectives=cp_collectives, block_activations=cp_block_activations,
-                            first_stage_activations=cp_first_stage_activations,
-                            sequence_problem=cp_sequence_problem, run_problem=cp_run_problem),
-            training=_training, example_plan="plans/llama_cp.yaml", sees_others=True)
+            terms=TERMS, sees_others=True)

@@ -7,8 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from meshplan.axis import AxisCosts
-from meshplan.solver.terms import AxisTerms
+from meshplan.axis import AxisCosts, AxisTerms
 
 __all__ = ["TERMS", "dp_step_collectives"]
 

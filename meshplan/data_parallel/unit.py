@@ -103,6 +103,6 @@ def _no_share(state: Any, inputs: Any, targets: Any, shift: bool = False,
 #: data parallelism: FSDP2/HSDP/DDP over ``dp_replicate × dp_shard`` (× ``cp``: cp ranks hold different tokens)
 AXIS = Axis(name="dp", section="data_parallel", title="data parallelism", mesh_dims=("dp_replicate", "dp_shard"),
             state_field="data_parallel", report_key="data", check=_check, prepare=_prepare, apply=_apply,
-            shard_batch=_no_share, report_lines=lambda summary: [], costs=TERMS.costs, training=TERMS.training,
-            example_plan=TERMS.example_plan, finish=_finish, data_axis=True, blocks_reason=_blocks_reason, accumulate=_accumulate,
-            data_dims=("dp_replicate", "dp_shard", "cp"), in_solver=TERMS.in_solver)
+            shard_batch=_no_share, report_lines=lambda summary: [], terms=TERMS, finish=_finish, data_axis=True,
+            blocks_reason=_blocks_reason, accumulate=_accumulate,
+            data_dims=("dp_replicate", "dp_shard", "cp"))

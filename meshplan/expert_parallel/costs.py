@@ -13,8 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from meshplan.axis import AxisCosts
-from meshplan.solver.terms import AxisTerms
+from meshplan.axis import AxisCosts, AxisTerms
 
 __all__ = ["TERMS", "ep_collectives", "ep_block_activations", "ep_first_stage_activations", "ep_sequence_problem",
            "ep_run_problem"]

@@ -7,9 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from meshplan.axis import Axis, AxisCosts, TpExempt
-from meshplan.expert_parallel.costs import ep_block_activations, ep_collectives, ep_first_stage_activations, \
-    ep_run_problem, ep_sequence_problem
+from meshplan.axis import Axis, TpExempt
+from meshplan.expert_parallel.costs import TERMS
 
 __all__ = ["AXIS"]
 
@@ -82,9 +81,6 @@ def _tp_exempt(model: Any, plan: Any, summary: dict) -> TpExempt | None:
 AXIS = Axis(name="ep", section="expert_parallel", title="expert parallelism", mesh_dims=("ep", "etp"),
             state_field="expert_parallel", report_key="experts", check=_check, prepare=_prepare, apply=_apply,
             shard_batch=_shard_batch, report_lines=_report_lines,
-            costs=AxisCosts(collectives=ep_collectives, block_activations=ep_block_activations,
-                            first_stage_activations=ep_first_stage_activations,
-                            sequence_problem=ep_sequence_problem, run_problem=ep_run_problem),
-            training=lambda plan: {}, example_plan="plans/moe.yaml", data_parallel=_data_parallel,
+            terms=TERMS, data_parallel=_data_parallel,
             opaque=_opaque, dtensor=True, blocks_reason=_blocks_reason, data_shard=_data_shard,
             tp_exempt=_tp_exempt, token_regions=_opaque)

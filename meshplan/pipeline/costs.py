@@ -17,8 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from meshplan.axis import AxisCosts
-from meshplan.solver.terms import AxisTerms
+from meshplan.axis import AxisCosts, AxisTerms
 
 __all__ = ["TERMS", "pp_collectives", "idle_fraction", "exposed_sends", "in_flight", "written_section"]
 

@@ -86,7 +86,7 @@ def _report_lines(summary: dict) -> list[str]:
 AXIS = Axis(name="pp", section="pipeline", title="pipeline parallelism", mesh_dims=("pp",), state_field="pipeline",
             report_key="pipeline", check=_check, prepare=_prepare, apply=_apply, shard_batch=_shard_batch,
             report_lines=_report_lines,
-            costs=TERMS.costs, training=TERMS.training, example_plan=TERMS.example_plan, finish=_finish,
-            run_step=_run_step, narrow=_narrow, written=TERMS.written, rehearses=True,
+            terms=TERMS, finish=_finish,
+            run_step=_run_step, narrow=_narrow, rehearses=True,
             roots=lambda record: record.views, part=_part, whole=_whole, timeline=_timeline,
             graphs=lambda plan: "pipeline.split: trace" if plan.pipeline.split == "trace" else "")

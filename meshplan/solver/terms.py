@@ -1,18 +1,16 @@
 """The solver's shared cost vocabulary, below every term module and every axis unit's ``costs``: a collective
-(:class:`Collective`), the blocks a pipeline rank holds (:func:`block_kinds`) and an axis unit as the solver sees
-it (:class:`AxisTerms`). Torch-free."""
+(:class:`Collective`), the blocks a pipeline rank holds (:func:`block_kinds`) and the local tensors of a block
+(:func:`block_tensors`); an axis unit as the solver sees it is :class:`meshplan.axis.AxisTerms`. Torch-free."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
 
-from meshplan.axis import AxisCosts
 from meshplan.solver.candidate import Candidate
 from meshplan.solver.placement import Group, Placement
 from meshplan.solver.shape import ModelShape
 
-__all__ = ["block_tensors", "Collective", "block_kinds", "AxisTerms"]
+__all__ = ["block_tensors", "Collective", "block_kinds"]
 
 
 @dataclass(frozen=True)
@@ -55,40 +53,6 @@ def block_kinds(s: ModelShape, c: Candidate, place: Placement, pp_rank: int,
                 if n:
                     out[key] = out.get(key, 0) + n
     return out
-
-
-@dataclass(frozen=True)
-class AxisTerms:
-    """An axis unit as the solver sees it: the torch-free half of its :class:`~meshplan.axis.Axis` (the same
-    name, section, cost terms, solver settings and example plan), exported by the folder's ``costs.py`` as
-    ``TERMS`` and listed in :data:`meshplan.solver.units.UNITS`. The solver reads these, never the unit itself,
-    whose callables reach the runtime (``tests/test_axes.py`` holds the two in step).
-
-    Attributes:
-        name: the layout key of its degree. section: its plan key. costs: its :class:`~meshplan.axis.AxisCosts`.
-        training: ``(plan) -> {field: value}``: the :class:`~meshplan.solver.candidate.Training` settings its
-        section decides. example_plan: a plan file in ``plans/`` with its section, for messages.
-        written: ``(candidate, base section) -> section | None``: the section ``meshplan solve --write`` writes
-        for a candidate (the pipeline's schedule); None: the section is rules, copied from the base plan.
-        in_solver: the solver's per-microbatch loops take it (its degree a ``Candidate`` field); data
-        parallelism's collectives run once per step (``costs.step_collectives``), its degrees enumerated apart.
-        decides: ``(plan, resolved layout) -> {candidate field: value}``: the
-        :class:`~meshplan.solver.candidate.Candidate` fields its section sets when a plan is read as a candidate
-        (the pipeline's microbatches and schedule); default: none.
-    """
-
-    name: str
-    section: str
-    costs: AxisCosts
-    training: Callable[[Any], dict]
-    example_plan: str
-    written: "Callable[[Any, Any], Any] | None" = None
-    in_solver: bool = True
-    decides: Callable[[Any, Any], dict] = lambda plan, layout: {}
-
-    def degree(self, layout: Any) -> int:
-        """The axis' degree in ``layout`` (a resolved layout or a solver candidate)."""
-        return getattr(layout, self.name)
 
 
 def block_tensors(s: ModelShape, moe: bool, c: Candidate) -> tuple[list, list]:

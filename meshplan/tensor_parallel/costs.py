@@ -16,8 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from meshplan.axis import AxisCosts
-from meshplan.solver.terms import AxisTerms
+from meshplan.axis import AxisCosts, AxisTerms
 
 __all__ = ["TERMS", "tp_training", "tp_collectives", "tp_block_activations", "tp_first_stage_activations", "tp_sequence_problem",
            "tp_run_problem"]

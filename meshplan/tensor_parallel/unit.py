@@ -79,5 +79,5 @@ def _shard_batch(state: Any, inputs: Any, targets: Any, shift: bool = False,
 AXIS = Axis(name="tp", section="tensor_parallel", title="tensor parallelism", mesh_dims=("tp",),
             state_field="tensor_parallel", report_key="sharding", check=_check, prepare=_prepare,
             apply=_apply, shard_batch=_shard_batch, report_lines=lambda summary: [],
-            costs=TERMS.costs, training=TERMS.training, example_plan=TERMS.example_plan, mesh=tp_mesh,
+            terms=TERMS, mesh=tp_mesh,
             dtensor=True, hears_regions=True)
