@@ -273,6 +273,7 @@ def _under(mod: str, names: tuple[str, ...]) -> bool:
 #: imports the runtime: no module outside it and no torch, at any depth (function-level imports counted).
 SPEC_LAYER = ("meshplan.plan_file", "meshplan.solver", "meshplan.mesh.ranks", "meshplan.errors", "meshplan.version",
               "meshplan.axis", "meshplan.context_parallel.costs", "meshplan.context_parallel.chunks",
+              "meshplan.context_parallel.masks",
               "meshplan.expert_parallel.costs", "meshplan.pipeline.costs",
               "meshplan.data_parallel.costs", "meshplan.tensor_parallel.costs")
 #: modules under SPEC_LAYER's names that are not in it, and why
