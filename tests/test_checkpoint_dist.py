@@ -22,7 +22,10 @@ pytestmark = pytest.mark.dist
 RESHARD = ["tp2_same_plan", "tp2_to_tp4", "pp2_to_fsdp4", "fsdp4_to_hsdp2x2", "pp2tp2_to_fsdp4", "fsdp4_to_pp2tp2",
            "cp2tp2_to_tp4",
            "tied_pp2_to_fsdp4", "tied_fsdp4_to_pp2", "ep2_to_ep4", "tp2ep2_to_ep4", "packed_tp2_to_tp4",
-           "mixtral_etp2_to_ep4"]
+           "mixtral_etp2_to_ep4",
+           # into models built on the meta device: each rank allocates its shards only, then DCP fills them
+           "meta_tp2_to_pp2tp2", "meta_fsdp4_to_tp4", "meta_tied_fsdp4_to_pp2", "meta_tp2_to_cp2tp2",
+           "meta_ep2_to_tp2ep2", "meta_packed_tp2_to_tp4"]
 EXPORT = ["export_pp2tp2", "export_tied_pp2", "export_moe_ep2_sharded", "export_phi3_packed_fsdp",
           "export_mixtral_etp2"]
 HF_IMPORT = ["hf_to_pp2tp2", "hf_to_cp2tp2", "hf_mixtral_to_tp2ep2", "hf_mixtral_to_etp2"]
