@@ -70,6 +70,10 @@ def test_refusals_same_on_every_rank(world4):
     v = values[0]
     assert "missing from the checkpoint: ['model.layers.0.moe.experts.w1'" in v["other_model"]
     assert "in the checkpoint but in no rank's model: ['model.layers.0.feed_forward.w1.weight'" in v["other_model"]
+    for words in ("missing from the checkpoint: ['model.layers.0.moe.experts.w1'",
+                  "in the checkpoint but in no rank's model: ['model.layers.0.feed_forward.w1.weight'"):
+        assert words in v["meta_other_model"], v["meta_other_model"]
+    assert v["meta_still_meta"]  # a meta model is refused from the metadata: nothing allocated
     assert "global batch size was 8 when saved, 16 now" in v["batch"] and "allow_batch_change=True" in v["batch"]
     assert "data seed was 0 when saved, 1 now" in v["seed"]
     assert "holds no optimizer state" in v["no_optimizer"]

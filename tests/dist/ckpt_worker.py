@@ -271,6 +271,9 @@ def refusals():
         "no_optimizer": _error(lambda: meshplan.load(root / "model-only", b.model, b.opt)),
         "partial": _error(lambda: meshplan.load(root / "step-1.partial", b.model)),
     }
+    meta = Run("moe", "ep2", seed=0, meta=True)  # refused from the metadata, before its shards are allocated
+    out["meta_other_model"] = _error(lambda: meshplan.load(root / "step-1", meta.model, meta.opt))
+    out["meta_still_meta"] = all(t.is_meta for t in meta.model.parameters())
     allowed = meshplan.load(root / "step-1", b.model, b.opt, data=meshplan.DataState(16, 0), allow_batch_change=True)
     out["allowed"] = allowed.data.to_json()
     return out
