@@ -41,30 +41,32 @@ def _sources(src: str | Path) -> dict[str, Path]:
 
 
 def _header(state: Mapping[str, torch.Tensor], targets: dict[str, torch.Tensor], others: set[str],
-            strict: bool) -> dict | str:
+            strict: bool, complete: bool) -> dict | str:
     """``{key: (shape, dtype)}`` of a full dict, or what makes it unfit for ``targets`` (the text of the error)."""
     head = {k: (tuple(v.shape), v.dtype) for k, v in state.items()}
-    bad = _verdict(head, targets, others, strict)
+    bad = _verdict(head, targets, others, strict, complete)
     return "; ".join(bad) if bad else head
 
 
 def _verdict(head: Mapping[str, tuple[tuple[int, ...], Any]], targets: Mapping[str, torch.Tensor], others: set[str],
-             strict: bool) -> list[str]:
+             strict: bool, complete: bool) -> list[str]:
     """What makes a checkpoint of ``head`` (``{key: (shape, dtype)}``: a file's header, a dict's tensors) unfit
     for ``targets`` (the model's tensors, every stage's for a meta model; ``others``: other stages' keys): shapes,
-    dtypes that cannot be cast, and (``strict``) tensors none of whose names it holds, keys no rank's model has.
+    dtypes that cannot be cast, (``complete``) tensors none of whose names it holds, (``strict``) keys no rank's
+    model has.
     Tied parameters count once. Reads no tensor data.
     """
     bad = [m for k, t in targets.items() if k in head
            for m in [misfit(k, head[k][0], head[k][1], t.shape, t.dtype)] if m is not None]
+    names: dict[int, list[str]] = {}
+    for k, t in targets.items():
+        names.setdefault(id(t), []).append(k)
+    missing = [ks[0] for ks in names.values() if not any(k in head for k in ks)]
+    if complete and missing:
+        why = "" if strict else " (the model is on the meta device: they would stay uninitialized memory)"
+        bad.append(f"missing keys {missing[:8]}{' …' if len(missing) > 8 else ''}{why}")
     if strict:
-        names: dict[int, list[str]] = {}
-        for k, t in targets.items():
-            names.setdefault(id(t), []).append(k)
-        missing = [ks[0] for ks in names.values() if not any(k in head for k in ks)]
         unexpected = sorted(set(head) - set(targets) - others)
-        if missing:
-            bad.append(f"missing keys {missing[:8]}{' …' if len(missing) > 8 else ''}")
         if unexpected:
             bad.append(f"unexpected keys {unexpected[:8]}{' …' if len(unexpected) > 8 else ''}")
     return bad
@@ -82,7 +84,8 @@ def load_state_dict(model: nn.Module, source: str | Path | Mapping[str, torch.Te
             rank ``src_rank`` (``None`` on the others), broadcast one tensor at a time.
         device: where the shards live. Default: the tp mesh's device type.
         src_rank: the global rank holding the dict.
-        strict: missing or unexpected keys are an error (tied parameters count once).
+        strict: missing or unexpected keys are an error (tied parameters count once). A model on the meta
+            device refuses missing keys whatever ``strict`` says (their memory would stay uninitialized).
 
     Returns:
         ``model``.
@@ -100,9 +103,9 @@ def load_state_dict(model: nn.Module, source: str | Path | Mapping[str, torch.Te
         with whole_of(model, "load_state_dict", "materialized models"):
             shapes = model.state_dict(keep_vars=True)
     if isinstance(source, (str, Path)):  # headers only: refused before anything is allocated or written
-        _check_files(model, source, shapes, others, strict)
+        _check_files(model, source, shapes, others, strict, strict or meta)
     else:
-        head = _exchange_header(source, shapes, others, strict, src_rank)
+        head = _exchange_header(source, shapes, others, strict, strict or meta, src_rank)
     if meta:
         _to_empty(model, dev)
         with whole_of(model, "load_state_dict", "materialized models"):
@@ -203,7 +206,7 @@ def _headers(model: nn.Module, source: str | Path, shapes: Mapping[str, torch.Te
 
 
 def _check_files(model: nn.Module, source: str | Path, shapes: Mapping[str, torch.Tensor], others: set[str],
-                 strict: bool) -> None:
+                 strict: bool, complete: bool) -> None:
     """Refuse a safetensors checkpoint that does not fit the model, from the files' headers alone (nothing is
     allocated yet; a pipelined meta model's ``shapes`` cover every stage, so every rank refuses alike).
 
@@ -213,7 +216,7 @@ def _check_files(model: nn.Module, source: str | Path, shapes: Mapping[str, torc
     """
     head, files = _headers(model, source, shapes)
     bad = [f"{files[b.split(': ')[0]]}: {b}" if b.split(": ")[0] in files else b
-           for b in _verdict(head, shapes, others, strict)]
+           for b in _verdict(head, shapes, others, strict, complete)]
     if bad:
         raise PlanError(f"load_safetensors({source}): {'; '.join(bad[:4])}"
                         f"{f' … ({len(bad)} problems)' if len(bad) > 4 else ''}; refused before "
@@ -222,7 +225,7 @@ def _check_files(model: nn.Module, source: str | Path, shapes: Mapping[str, torc
 
 
 def _exchange_header(source: Mapping[str, torch.Tensor] | None, shapes: Mapping[str, torch.Tensor],
-                     others: set[str], strict: bool, src_rank: int) -> dict:
+                     others: set[str], strict: bool, complete: bool, src_rank: int) -> dict:
     """Rank ``src_rank``'s ``{key: (shape, dtype)}``, checked there against ``shapes`` (a meta model's: every
     stage's) and sent to every rank, before anything is allocated.
 
@@ -231,7 +234,7 @@ def _exchange_header(source: Mapping[str, torch.Tensor] | None, shapes: Mapping[
             rank.
     """
     import torch.distributed as dist
-    head = [_header(source, shapes, others, strict) if dist.get_rank() == src_rank else None]
+    head = [_header(source, shapes, others, strict, complete) if dist.get_rank() == src_rank else None]
     dist.broadcast_object_list(head, src=src_rank)
     if isinstance(head[0], str):
         raise PlanError(f"load_state_dict from rank {src_rank}: {head[0]}")
