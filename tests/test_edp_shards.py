@@ -59,3 +59,15 @@ def test_every_edp_rank_holds_its_share_of_the_experts(fake_pg, experts, ep, wor
             assert w1.placements[0] == (Shard(1) if inner else w1.placements[0]), w1.placements
             assert held(model, experts_only=True) * ep * edp == full, (rank, held(model, True), full)
             assert 4 * held(model, experts_only=False) == estimated(meta_moe(experts), plan, world, rank), rank
+
+
+@pytest.mark.parametrize("experts,ep,world", [(2, 2, 4), (6, 2, 4), (4, 2, 4)])
+def test_check_rank_counts_the_same_expert_share(experts, ep, world):
+    """``meshplan check --rank R`` (its rank view) counts each rank's expert share as estimate does."""
+    import moe
+    plan = meshplan.Plan.from_data({"layout": {"ep": ep}, "expert_parallel": {"rules": RULES}})
+    model = moe.build(moe.ModelArgs(**SMALL, moe_hidden=96, n_experts=experts, top_k=1, capacity_factor=None,
+                                    aux_loss_coef=0.0))
+    for rank in range(world):
+        view = meshplan.check(model, plan, world, rank=rank).rank_view
+        assert view["parameter_bytes"] == estimated(meta_moe(experts), plan, world, rank), (rank, view)
