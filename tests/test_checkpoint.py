@@ -198,10 +198,17 @@ def test_single_process_save_load_list_and_export(tmp_path, capsys):
     assert saved.step == 1 and saved.extra == {"note": "x"} and saved.rng_restored
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), other.state_dict().values()))
     assert torch.equal(opt.state_dict()["state"][0]["exp_avg"], other_opt.state_dict()["state"][0]["exp_avg"])
-    with torch.device("meta"):
+    with torch.device("meta"):  # built on meta: allocated, buffers computed, filled; the optimizer re-pointed
         meta = llama.build(llama.tiny_args())
-    with pytest.raises(PlanError, match="is on the meta device; its tensors are filled in place, so materialize it"):
-        meshplan.load(tmp_path / "step-00000001", meta)
+    meta_opt = torch.optim.AdamW(meta.parameters(), lr=1e-3)
+    meshplan.load(tmp_path / "step-00000001", meta, meta_opt)
+    assert not any(t.is_meta for t in [*meta.parameters(), *meta.buffers()])
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), meta.state_dict().values()))
+    assert all(torch.equal(a, b) for a, b in zip(model.buffers(), meta.buffers()))  # freqs_cis: not saved
+    assert meta_opt.param_groups[0]["params"][0] is next(meta.parameters())
+    assert torch.equal(opt.state_dict()["state"][0]["exp_avg"], meta_opt.state_dict()["state"][0]["exp_avg"])
+    x = torch.randint(0, 128, (2, 8))
+    assert torch.equal(model(x), meta(x))
     assert main(["export", str(tmp_path), str(tmp_path / "out")]) == 0
     exported = load_file(str(tmp_path / "out" / "model.safetensors"))
     assert exported.keys() == model.state_dict().keys()

@@ -22,7 +22,10 @@ pytestmark = pytest.mark.dist
 RESHARD = ["tp2_same_plan", "tp2_to_tp4", "pp2_to_fsdp4", "fsdp4_to_hsdp2x2", "pp2tp2_to_fsdp4", "fsdp4_to_pp2tp2",
            "cp2tp2_to_tp4",
            "tied_pp2_to_fsdp4", "tied_fsdp4_to_pp2", "ep2_to_ep4", "tp2ep2_to_ep4", "packed_tp2_to_tp4",
-           "mixtral_etp2_to_ep4"]
+           "mixtral_etp2_to_ep4",
+           # into models built on the meta device: each rank allocates its shards only, then DCP fills them
+           "meta_tp2_to_pp2tp2", "meta_fsdp4_to_tp4", "meta_tied_fsdp4_to_pp2", "meta_tp2_to_cp2tp2",
+           "meta_ep2_to_tp2ep2", "meta_packed_tp2_to_tp4"]
 EXPORT = ["export_pp2tp2", "export_tied_pp2", "export_moe_ep2_sharded", "export_phi3_packed_fsdp",
           "export_mixtral_etp2"]
 HF_IMPORT = ["hf_to_pp2tp2", "hf_to_cp2tp2", "hf_mixtral_to_tp2ep2", "hf_mixtral_to_etp2"]
@@ -67,6 +70,10 @@ def test_refusals_same_on_every_rank(world4):
     v = values[0]
     assert "missing from the checkpoint: ['model.layers.0.moe.experts.w1'" in v["other_model"]
     assert "in the checkpoint but in no rank's model: ['model.layers.0.feed_forward.w1.weight'" in v["other_model"]
+    for words in ("missing from the checkpoint: ['model.layers.0.moe.experts.w1'",
+                  "in the checkpoint but in no rank's model: ['model.layers.0.feed_forward.w1.weight'"):
+        assert words in v["meta_other_model"], v["meta_other_model"]
+    assert v["meta_still_meta"]  # a meta model is refused from the metadata: nothing allocated
     assert "global batch size was 8 when saved, 16 now" in v["batch"] and "allow_batch_change=True" in v["batch"]
     assert "data seed was 0 when saved, 1 now" in v["seed"]
     assert "holds no optimizer state" in v["no_optimizer"]

@@ -1,6 +1,6 @@
 """Real torchrun/gloo launches (world 2 and 4) of ``tests/dist/moe_worker.py``: the example MoE decoder trained with
 expert parallelism through ``meshplan.parallelize`` + ``meshplan.train_step`` matches one device over 3 AdamW steps
-in float64 (parameters, losses and gradient norms within ``RTOL``, 1e-9 fixed: ``tests/_float64.py``), for ep over the data ranks (ep 2, 4; expert FSDP over edp;
+in float64 (parameters, losses and gradient norms within ``RTOL``, 1e-9 fixed: ``tests/_float64.py``), for ep over the data ranks (ep 2, 4; expert FSDP over edp, 1 local expert over edp 2 included;
 DDP; HSDP), ep folded over tp (tp 2 × ep 2 and tp 2 × ep 4 with etp 1, with and without sequence parallelism;
 the checked-in plans/moe.yaml), experts split over etp = tp 2, a shared expert with a dense first layer, activation checkpointing and pp 2 × ep 2.
 """
@@ -15,13 +15,13 @@ pytestmark = pytest.mark.dist
 CASES = {
     2: ["ep2", "ep2_shared_dense", "ep2_checkpointed", "ep2_ddp", "ep1_tp2", "ep2_tp2_sp", "etp2", "etp2_no_sp",
         "cp2_ep2"],
-    4: ["ep4", "ep2_tp2_sp", "ep2_tp2_plan_file", "ep2_tp2_no_sp", "ep2_edp2", "ep2_hsdp", "ep4_tp2", "ep2_etp2",
+    4: ["ep4", "ep2_tp2_sp", "ep2_tp2_plan_file", "ep2_tp2_no_sp", "ep2_edp2", "ep2_edp2_one_expert", "ep2_hsdp", "ep4_tp2", "ep2_etp2",
         "ep2_etp2_no_sp", "pp2_ep2"],
     8: ["ep2_etp2_edp2", "ep4_tp2_edp2"],
 }
 META_INIT = {
     2: ["ep2_meta_init"],
-    4: ["ep2_tp2_meta_init", "ep2_etp2_meta_init"],
+    4: ["ep2_tp2_meta_init", "ep2_etp2_meta_init", "ep2_edp2_one_expert_meta_init"],
 }
 
 

@@ -95,8 +95,8 @@ def test_pipelined_checkpoint_of_other_shapes_refused_before_allocating(fake_pg,
         assert all(p.is_meta for p in model.parameters())
     with fake_pg(2, 0):  # rank 0's dict, broadcast: checked there against every stage's shapes, before allocating
         model = pipelined_meta(factory(), {"pp": 2})
-        with pytest.raises(PlanError, match=r"load_state_dict from rank 0: shape mismatch: lm_head.weight: "
-                                            r"checkpoint \(5, 64\) vs model \(128, 64\)"):
+        with pytest.raises(PlanError, match=r"load_state_dict from rank 0: lm_head.weight: checkpoint shape "
+                                            r"\(5, 64\), model \(128, 64\)"):
             meshplan.load_full_state_dict(model, sd)
         assert all(p.is_meta for p in model.parameters())
 

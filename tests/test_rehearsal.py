@@ -72,7 +72,8 @@ def test_estimate_rank_outside_the_world_is_refused(tmp_path, capsys):
     assert rc == 2 and "--rank 1024: outside world size 1024; expected 0..1023" in err, err
 
 
-@pytest.mark.parametrize("rank", [0, 1023])  # edp 0 holds the one local expert's rows, edp 63 none
+@pytest.mark.parametrize("rank", [0, 1023])  # each edp rank 1/64 of the one local expert (550.0 / 549.3 MB params;
+# before the inner-dim shard edp 0 held the expert whole, 33.8 GB, and edp 63 none, 20.9 MB)
 def test_expert_rank_holds_what_estimate_says(rank):
     layout = {"tp": 8, "ep": 8, "etp": 1, "pp": 2}  # world 1024: dp_shard 64, edp = 1024 / (etp·ep·pp) = 64
     got = rehearse_rank("mixtral-8x22b", layout, WORLD, rank, microbatches=2)

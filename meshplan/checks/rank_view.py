@@ -4,7 +4,8 @@ stages and modules it holds, its parameter, gradient and optimizer bytes and the
 The bytes are counted on the model's own parameters (the dry run's meta copy: tensor-parallel local shapes), kept
 to the modules of the rank's stages (the stage rows an axis' check summary holds), divided by the axes that shard
 modules themselves (:func:`meshplan.axes.tp_exempt`: the experts), then cut as FSDP2 cuts dim 0 (this rank's chunk of
-``ceil(rows / d)`` rows, the last ones short: ``d`` from :func:`meshplan.solver.memory.shard_sizes`): the figures ``meshplan estimate`` gives for the
+``ceil(rows / d)`` rows, the last ones short: ``d`` from :func:`meshplan.solver.memory.shard_sizes`; experts whose
+local count edp does not divide: ``1/d`` of an inner dim): the figures ``meshplan estimate`` gives for the
 same plan and model (``tests/test_rank_view.py``). The optimizer is AdamW: two states per parameter element and
 one float32 step per tensor. Nothing is allocated: the model is a meta copy, the ranks are arithmetic.
 """
@@ -89,6 +90,8 @@ def _count(mods: dict[str, nn.Module], held: Any, exempt: list, d_dense: int, d_
             rows = rows // own.degree if own is not None else rows
             d, i = (d_expert, index[1]) if own is not None else (d_dense, index[0])
             n = chunk_rows(rows, d, i if d > 1 else None) * per
+            if own is not None and d > 1 and rows % d and any(k % d == 0 for k in local.shape[1:]):
+                n = rows * per // d  # edp shards an inner dim (expert_parallel/edp.py): 1/d on every rank
             numel, tensors, nbytes = numel + n, tensors + 1, nbytes + n * local.element_size()
     return {"numel": numel, "tensors": tensors, "bytes": nbytes}
 

@@ -46,6 +46,10 @@ class Merged:
     def get_shape(self) -> tuple[int, ...]:
         return self.shape
 
+    def get_dtype(self) -> str:
+        """The safetensors dtype name of the parts (``"F32"``)."""
+        return self.parts[0][0].get_dtype()
+
     def _row(self, e: int, rest: tuple[slice, ...]) -> torch.Tensor:
         if self.cat_dim is None:
             return self.parts[0][e][rest]

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from meshplan.solver.units import COST_UNITS, UNITS
 from meshplan.solver.candidate import DTYPE_BYTES, Candidate, Training
-from meshplan.solver.memory import _block_tensors, _end_tensors, shard_sizes
+from meshplan.solver.memory import _block_tensors, _end_tensors, experts_even, shard_sizes
 from meshplan.solver.placement import Group, Placement
 from meshplan.solver.shape import ModelShape
 from meshplan.solver.terms import Collective, block_kinds
@@ -53,7 +53,8 @@ def _units(s: ModelShape, c: Candidate, place: Placement, pp_rank: int, memo: di
         key = ("unit", moe, d_dense, d_expert)
         if key not in memo:
             dense, expert = _block_tensors(s, moe, c)
-            memo[key] = (pad(dense, d_dense), pad(expert, d_expert))
+            even = experts_even(s, c, d_expert)  # sharded on an inner dim: no padding
+            memo[key] = (pad(dense, d_dense), sum(r * p for r, p in expert) if even else pad(expert, d_expert))
         units.append(("block", memo[key][0], d_dense, n))
         if memo[key][1]:
             units.append(("experts", memo[key][1], d_expert, n))

@@ -2,7 +2,8 @@
 
 Parameters are listed tensor by tensor as meshplan shards them (colwise/rowwise over tp, the vocabulary over tp,
 experts over ep and their FFN over etp, norms and routers whole), then FSDP2 cuts dim 0 of each local tensor into
-``d`` padded chunks (``ceil(rows / d)`` rows on the rank holding the most): that is the exact local size
+``d`` padded chunks (``ceil(rows / d)`` rows on the rank holding the most; expert tensors whose local experts edp
+does not divide: ``1/d`` of an inner dim, :func:`experts_even`): that is the exact local size
 ``meshplan.parallelize`` gives, so the bytes per rank are exact, not an average.
 
 Activations are the tensors autograd keeps per microbatch, per token (``h`` hidden, ``f`` FFN, ``t`` tp, ``sh``
@@ -105,6 +106,22 @@ def _numel(tensors: list, d: int, index: int | None = None) -> int:
     return sum(chunk_rows(rows, d, index) * per for rows, per in tensors)
 
 
+def experts_even(s: ModelShape, c: Candidate, d: int) -> bool:
+    """Whether FSDP2 over ``d`` edp ranks shards each expert tensor evenly on an inner dim (FFN or hidden) instead
+    of chunking the local experts: ``d`` does not divide them (``ep · edp > num_experts``) and divides an inner
+    dim (:func:`meshplan.expert_parallel.edp.expert_shard_placement`, which the solver's numbers follow)."""
+    local, ffn = s.experts // c.ep, s.expert_width // c.etp
+    return d > 1 and local % d != 0 and (ffn % d == 0 or s.hidden % d == 0)
+
+
+def expert_numel(s: ModelShape, c: Candidate, tensors: list, d: int, index: int | None = None) -> int:
+    """Elements of the expert ``tensors`` (``(local experts, elements per expert)``) on FSDP2 chunk ``index`` of
+    ``d`` (None: the largest): ``1/d`` of each on every rank when :func:`experts_even`, else chunks of experts."""
+    if experts_even(s, c, d):
+        return sum(r * p for r, p in tensors) // d
+    return _numel(tensors, d, index)
+
+
 def shard_sizes(c: Candidate, place: Placement) -> tuple[int, int]:
     """``(d dense, d expert)``: how many ranks FSDP2 shards a dense and an expert tensor over (1: whole)."""
     mode = c.mode
@@ -173,7 +190,8 @@ def _per_block(s: ModelShape, c: Candidate, moe: bool, d_dense: int, d_expert: i
     key = ("block", moe, d_dense, d_expert, index)
     if key not in memo:
         dense, expert = _block_tensors(s, moe, c)
-        memo[key] = (_numel(dense, d_dense, index[0]) + _numel(expert, d_expert, index[1]), len(dense) + len(expert),
+        memo[key] = (_numel(dense, d_dense, index[0]) + expert_numel(s, c, expert, d_expert, index[1]),
+                     len(dense) + len(expert),
                      sum(r * p for r, p in dense + expert))
     return memo[key]
 

@@ -18,6 +18,7 @@ from typing import Any, Mapping
 import torch
 import torch.nn as nn
 
+from meshplan.checkpoint.fit import misfit
 from meshplan.errors import PlanError
 from meshplan.weights.materialize import _device, _init_buffers, _local, _store, _to_empty, whole_of
 from meshplan.weights.shards import local_slices, take_slices
@@ -39,10 +40,36 @@ def _sources(src: str | Path) -> dict[str, Path]:
         return {k: p for k in f.keys()}
 
 
-def _header(state: Mapping[str, torch.Tensor], targets: dict[str, torch.Tensor]) -> dict | str:
-    bad = [f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(t.shape)}" for k, t in targets.items()
-           if k in state and tuple(state[k].shape) != tuple(t.shape)]
-    return "shape mismatch: " + "; ".join(bad) if bad else {k: (tuple(v.shape), v.dtype) for k, v in state.items()}
+def _header(state: Mapping[str, torch.Tensor], targets: dict[str, torch.Tensor], others: set[str],
+            strict: bool, complete: bool) -> dict | str:
+    """``{key: (shape, dtype)}`` of a full dict, or what makes it unfit for ``targets`` (the text of the error)."""
+    head = {k: (tuple(v.shape), v.dtype) for k, v in state.items()}
+    bad = _verdict(head, targets, others, strict, complete)
+    return "; ".join(bad) if bad else head
+
+
+def _verdict(head: Mapping[str, tuple[tuple[int, ...], Any]], targets: Mapping[str, torch.Tensor], others: set[str],
+             strict: bool, complete: bool) -> list[str]:
+    """What makes a checkpoint of ``head`` (``{key: (shape, dtype)}``: a file's header, a dict's tensors) unfit
+    for ``targets`` (the model's tensors, every stage's for a meta model; ``others``: other stages' keys): shapes,
+    dtypes that cannot be cast, (``complete``) tensors none of whose names it holds, (``strict``) keys no rank's
+    model has.
+    Tied parameters count once. Reads no tensor data.
+    """
+    bad = [m for k, t in targets.items() if k in head
+           for m in [misfit(k, head[k][0], head[k][1], t.shape, t.dtype)] if m is not None]
+    names: dict[int, list[str]] = {}
+    for k, t in targets.items():
+        names.setdefault(id(t), []).append(k)
+    missing = [ks[0] for ks in names.values() if not any(k in head for k in ks)]
+    if complete and missing:
+        why = "" if strict else " (the model is on the meta device: they would stay uninitialized memory)"
+        bad.append(f"missing keys {missing[:8]}{' …' if len(missing) > 8 else ''}{why}")
+    if strict:
+        unexpected = sorted(set(head) - set(targets) - others)
+        if unexpected:
+            bad.append(f"unexpected keys {unexpected[:8]}{' …' if len(unexpected) > 8 else ''}")
+    return bad
 
 
 def load_state_dict(model: nn.Module, source: str | Path | Mapping[str, torch.Tensor] | None, *, device=None,
@@ -57,13 +84,15 @@ def load_state_dict(model: nn.Module, source: str | Path | Mapping[str, torch.Te
             rank ``src_rank`` (``None`` on the others), broadcast one tensor at a time.
         device: where the shards live. Default: the tp mesh's device type.
         src_rank: the global rank holding the dict.
-        strict: missing or unexpected keys are an error (tied parameters count once).
+        strict: missing or unexpected keys are an error (tied parameters count once). A model on the meta
+            device refuses missing keys whatever ``strict`` says (their memory would stay uninitialized).
 
     Returns:
         ``model``.
 
     Raises:
-        PlanError: missing/unexpected keys (``strict``) or a shape mismatch, on every rank.
+        PlanError: missing/unexpected keys (``strict``), a shape mismatch or a dtype that cannot be cast, on every
+            rank, from the files' headers (or rank ``src_rank``'s dict) before anything is allocated or written.
     """
     dev = _device(model, device)
     targets = model.state_dict(keep_vars=True)
@@ -73,11 +102,10 @@ def load_state_dict(model: nn.Module, source: str | Path | Mapping[str, torch.Te
     if meta:  # every stage's shapes: each rank refuses what any rank would, before allocating
         with whole_of(model, "load_state_dict", "materialized models"):
             shapes = model.state_dict(keep_vars=True)
-    if isinstance(source, (str, Path)):
-        if meta:
-            _check_shapes(source, shapes)
+    if isinstance(source, (str, Path)):  # headers only: refused before anything is allocated or written
+        _check_files(model, source, shapes, others, strict, strict or meta)
     else:
-        head = _exchange_header(source, shapes, src_rank)
+        head = _exchange_header(source, shapes, others, strict, strict or meta, src_rank)
     if meta:
         _to_empty(model, dev)
         with whole_of(model, "load_state_dict", "materialized models"):
@@ -155,37 +183,58 @@ def _other_stages(model: nn.Module, targets: Mapping[str, torch.Tensor]) -> set[
     return set() if part is None else set(part[1]) - set(targets)
 
 
-def _check_shapes(source: str | Path, targets: Mapping[str, torch.Tensor]) -> None:
-    """Refuse a checkpoint whose tensors' shapes differ from the model's, from the files' headers alone
-    (nothing is allocated yet; a pipelined model's ``targets`` cover every stage).
+def _headers(model: nn.Module, source: str | Path, shapes: Mapping[str, torch.Tensor]
+             ) -> tuple[dict[str, tuple[tuple[int, ...], str]], dict[str, Path]]:
+    """Every checkpoint tensor's ``(shape, safetensors dtype)`` from the files' headers, transformers' per-expert
+    tensors under the stacked parameter's name (their keys dropped), and which file each key came from."""
+    from safetensors import safe_open
+    from meshplan.hf.checkpoint_keys import converted_sources
+    files = _sources(source)
+    with contextlib.ExitStack() as stack:
+        handles = {p: stack.enter_context(safe_open(str(p), "pt", device="cpu")) for p in sorted(set(files.values()))}
+
+        def open_slice(k: str) -> Any:
+            return handles[files[k]].get_slice(k)
+
+        head = {k: (tuple(open_slice(k).get_shape()), open_slice(k).get_dtype()) for k in files}
+        missing = {k for k in shapes if k not in files}
+        converted, consumed = converted_sources(model, list(files), missing, open_slice) if missing else ({}, set())
+        for k, read in converted.items():
+            sl = read()
+            head[k] = (tuple(sl.get_shape()), sl.get_dtype())
+    return {k: v for k, v in head.items() if k not in consumed}, files
+
+
+def _check_files(model: nn.Module, source: str | Path, shapes: Mapping[str, torch.Tensor], others: set[str],
+                 strict: bool, complete: bool) -> None:
+    """Refuse a safetensors checkpoint that does not fit the model, from the files' headers alone (nothing is
+    allocated yet; a pipelined meta model's ``shapes`` cover every stage, so every rank refuses alike).
 
     Raises:
-        PlanError: naming the first tensors that differ, checkpoint vs model shape.
+        PlanError: naming the first tensors that differ (file, key, checkpoint vs model shape or dtype), the
+            missing and (``strict``) unexpected keys.
     """
-    from safetensors import safe_open
-    files, bad = _sources(source), []
-    for path in sorted(set(files.values())):
-        with safe_open(str(path), "pt", device="cpu") as f:
-            for k in f.keys():
-                if k in targets and tuple(f.get_slice(k).get_shape()) != tuple(targets[k].shape):
-                    bad.append(f"{path}: {k}: checkpoint shape {tuple(f.get_slice(k).get_shape())}, model "
-                               f"{tuple(targets[k].shape)}")
+    head, files = _headers(model, source, shapes)
+    bad = [f"{files[b.split(': ')[0]]}: {b}" if b.split(": ")[0] in files else b
+           for b in _verdict(head, shapes, others, strict, complete)]
     if bad:
-        raise PlanError(f"{'; '.join(bad[:4])}{f' … ({len(bad)} tensors)' if len(bad) > 4 else ''}; refused before "
+        raise PlanError(f"load_safetensors({source}): {'; '.join(bad[:4])}"
+                        f"{f' … ({len(bad)} problems)' if len(bad) > 4 else ''}; refused before "
                         f"allocating the model: save the checkpoint from a model of this config, or build the model "
                         f"with the checkpoint's config")
 
 
 def _exchange_header(source: Mapping[str, torch.Tensor] | None, shapes: Mapping[str, torch.Tensor],
-                     src_rank: int) -> dict:
+                     others: set[str], strict: bool, complete: bool, src_rank: int) -> dict:
     """Rank ``src_rank``'s ``{key: (shape, dtype)}``, checked there against ``shapes`` (a meta model's: every
     stage's) and sent to every rank, before anything is allocated.
 
     Raises:
-        PlanError: a shape mismatch, on every rank.
+        PlanError: a shape mismatch, a dtype that cannot be cast, (``strict``) missing or unexpected keys, on every
+            rank.
     """
     import torch.distributed as dist
-    head = [_header(source, shapes) if dist.get_rank() == src_rank else None]
+    head = [_header(source, shapes, others, strict, complete) if dist.get_rank() == src_rank else None]
     dist.broadcast_object_list(head, src=src_rank)
     if isinstance(head[0], str):
         raise PlanError(f"load_state_dict from rank {src_rank}: {head[0]}")

@@ -14,6 +14,7 @@ discovery through ``CheckpointManager``, and refusals (another model's checkpoin
 must be raised on every rank alike.
 """
 
+import contextlib
 import copy
 import os
 import tempfile
@@ -109,10 +110,11 @@ def hf_loss(out, y):
 class Run:
     """One model under one plan, with its AdamW and its steps."""
 
-    def __init__(self, model_name, plan_name, seed):
+    def __init__(self, model_name, plan_name, seed, meta=False):
         plan = meshplan.Plan.from_data(PLANS[plan_name])
         self.topo = meshplan.build_mesh(plan.layout)
-        model = MODELS[model_name](seed)
+        with torch.device("meta") if meta else contextlib.nullcontext():
+            model = MODELS[model_name](seed)
         self.hf = type(model).__module__.startswith("transformers")
         self.model = meshplan.parallelize(model, plan, self.topo)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=LR, weight_decay=0.1)
@@ -159,8 +161,20 @@ def _differ(got, ref):
     return bad
 
 
-def reshard(model_name, src, dst):
-    """Train 2 steps under ``src``, save, step 3; load under ``dst`` (another init), compare, step 3."""
+def _peak_rss_reset():
+    """Reset this process's peak RSS (Linux: ``5`` to ``/proc/self/clear_refs``); the RSS now, in bytes."""
+    Path("/proc/self/clear_refs").write_text("5")
+    return _status("VmRSS")
+
+
+def _status(field):
+    line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith(field + ":"))
+    return int(line.split()[1]) * 1024
+
+
+def reshard(model_name, src, dst, meta=False):
+    """Train 2 steps under ``src``, save, step 3; load under ``dst`` (another init; ``meta``: built on the meta
+    device, parallelized, the optimizer built over the meta parameters), compare, step 3."""
     root = shared_dir()
     a = Run(model_name, src, seed=0)
     for s in range(2):
@@ -168,13 +182,25 @@ def reshard(model_name, src, dst):
     ref = full_state(a)
     meshplan.save(root / "step-2", a.model, a.opt, step=2, extra={"plan": src})
     loss_a = a.step(2)
-    b = Run(model_name, dst, seed=1)
+    b = Run(model_name, dst, seed=1, meta=meta)
+    before = _peak_rss_reset()
     saved = meshplan.load(root / "step-2", b.model, b.opt)
+    peak = _status("VmHWM") - before
+    assert not any(t.is_meta for t in [*b.model.parameters(), *b.model.buffers()])
     got = full_state(b)
     loss_b = b.step(2)
     assert saved.step == 2 and saved.extra == {"plan": src}, (saved.step, saved.extra)
     return {"differ": _differ(got, ref), "compared": len(got), "loss": [loss_a, loss_b],
-            "rel": abs(loss_b - loss_a) / abs(loss_a), "rng_restored": saved.rng_restored}
+            "rel": abs(loss_b - loss_a) / abs(loss_a), "rng_restored": saved.rng_restored, "load_peak_rss": peak,
+            "held_bytes": _held_bytes(b)}
+
+
+def _held_bytes(run):
+    """This rank's parameter and optimizer bytes (local shards)."""
+    local = [(t.to_local() if isinstance(t, DTensor) else t) for t in run.model.parameters()]
+    local += [(t.to_local() if isinstance(t, DTensor) else t) for st in run.opt.state.values() for t in st.values()
+              if isinstance(t, torch.Tensor)]
+    return sum(t.numel() * t.element_size() for t in local)
 
 
 def packed_to_plain():
@@ -245,6 +271,9 @@ def refusals():
         "no_optimizer": _error(lambda: meshplan.load(root / "model-only", b.model, b.opt)),
         "partial": _error(lambda: meshplan.load(root / "step-1.partial", b.model)),
     }
+    meta = Run("moe", "ep2", seed=0, meta=True)  # refused from the metadata, before its shards are allocated
+    out["meta_other_model"] = _error(lambda: meshplan.load(root / "step-1", meta.model, meta.opt))
+    out["meta_still_meta"] = all(t.is_meta for t in meta.model.parameters())
     allowed = meshplan.load(root / "step-1", b.model, b.opt, data=meshplan.DataState(16, 0), allow_batch_change=True)
     out["allowed"] = allowed.data.to_json()
     return out
@@ -264,6 +293,13 @@ CASES = {
     "tp2ep2_to_ep4": lambda: reshard("moe", "tp2ep2", "ep4"),
     "packed_tp2_to_tp4": lambda: reshard("phi3", "packed_tp2", "packed_tp4"),
     "packed_to_plain": packed_to_plain,
+    # into meta models: only this rank's shards allocated, then read (issue 27)
+    "meta_tp2_to_pp2tp2": lambda: reshard("llama", "tp2", "pp2tp2", meta=True),
+    "meta_fsdp4_to_tp4": lambda: reshard("llama", "fsdp4", "tp4", meta=True),
+    "meta_tied_fsdp4_to_pp2": lambda: reshard("tied", "fsdp4", "pp2", meta=True),
+    "meta_tp2_to_cp2tp2": lambda: reshard("llama", "tp2", "cp2tp2", meta=True),
+    "meta_ep2_to_tp2ep2": lambda: reshard("moe", "ep2", "tp2ep2", meta=True),
+    "meta_packed_tp2_to_tp4": lambda: reshard("phi3", "packed_tp2", "packed_tp4", meta=True),
     "async_and_keep_last": async_and_keep_last,
     "refusals": refusals,
 }

@@ -85,10 +85,10 @@ def tokens_reach_experts_once():
     return {"copies": int(routed)}
 
 
-def meta_init(layout, tp=None):
+def meta_init(layout, tp=None, args=None):
     """A meta-device build, parallelized and materialized with a seed, equals the one-device model built with it
     (the expert shards included: each rank draws the one-device stream and keeps its experts)."""
-    args = _args(shared_expert=True)
+    args = args or _args(shared_expert=True)
     plan = {"layout": layout, "expert_parallel": {"rules": EP_RULES}}
     if tp is not None:
         plan["tensor_parallel"] = {"sequence_parallel": tp, "loss_parallel": True, "rules": TP_RULES}
@@ -129,6 +129,9 @@ CASES_4 = {
     "ep2_tp2_no_sp": lambda: model_case({"tp": 2, "ep": 2, "etp": 1}, tp=False),
     "tokens_once": tokens_reach_experts_once,
     "ep2_edp2": lambda: model_case({"ep": 2}),
+    # 1 local expert over edp 2: FSDP2 shards an inner dim (each edp rank half of the expert), not the experts dim
+    "ep2_edp2_one_expert": lambda: model_case({"ep": 2}, args=_args(n_experts=2)),
+    "ep2_edp2_one_expert_meta_init": lambda: meta_init({"ep": 2}, args=_args(n_experts=2)),
     "ep2_hsdp": lambda: model_case({"ep": 2, "dp_replicate": 2}, data_parallel={"mode": "hsdp"}),
     "ep4_tp2": lambda: model_case({"tp": 2, "ep": 4, "etp": 1}, tp=True, args=_args(n_experts=8)),
     "ep2_tp2_meta_init": lambda: meta_init({"tp": 2, "ep": 2, "etp": 1}, tp=True),
