@@ -18,7 +18,35 @@ import torch.nn.functional as F
 from meshplan.context_parallel.chunks import check_seq_len, rank_positions
 from meshplan.errors import PlanError
 
-__all__ = ["shard_batch", "shard_for_state", "sequence_length"]
+__all__ = ["shard_batch", "shard_for_state", "sequence_length", "documents_of", "position_ids_of"]
+
+
+def documents_of(position_ids: torch.Tensor) -> torch.Tensor | None:
+    """Document ids ``(batch, seq)`` of packed sequences from their position ids, or None (one document per row).
+
+    A document starts where the position id is not the previous one + 1 (transformers' padding-free convention,
+    ``masking_utils.find_packed_sequence_indices``, which sdpa and eager attention follow without cp).
+
+    Example::
+
+        >>> documents_of(torch.tensor([[0, 1, 2, 0, 1, 0]])).tolist()
+        [[0, 0, 0, 1, 1, 2]]
+    """
+    first = position_ids[..., :1] - 1
+    docs = (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
+    return None if bool((docs[..., -1] == 0).all()) else docs
+
+
+def position_ids_of(lengths: list[int] | tuple[int, ...]) -> torch.Tensor:
+    """The position ids ``(1, sum(lengths))`` of documents of ``lengths`` tokens packed in one row (cumulative
+    lengths → ids restarting per document: how packed documents reach a model and meshplan).
+
+    Example::
+
+        >>> position_ids_of([3, 2]).tolist()
+        [[0, 1, 2, 0, 1]]
+    """
+    return torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
 
 
 def sequence_length(inputs: Any, seq_dim: int) -> int | None:
