@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import hf_models
+from _float64 import keep_float64
 from meshplan.context_parallel import attention as cp_attention
 from meshplan.context_parallel.attention import allgather_kv_attention, check_local_mask
 from meshplan.context_parallel.batch import documents_of, position_ids_of
@@ -163,3 +164,25 @@ def test_exaone4_slides_by_layer_type():
 def test_still_refused_names_the_feature(model_type, needle):
     with pytest.raises(PlanError, match=needle):
         check_hf_attention(_tiny(model_type), "cp")
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+@pytest.mark.parametrize("factory", [hf_models.llama, lambda **kw: _tiny("mistral", **kw)], ids=["llama", "mistral"])
+def test_without_cp_transformers_masks_documents_itself(impl, factory):
+    """cp 1 (no cp section): transformers masks packed documents from the position ids alone, in sdpa and eager
+    (and the window within each document) — but only without a cache: with the config's use_cache=True it
+    builds one and ignores the packing (masking_utils._preprocess_mask_arguments); the cp runtime follows."""
+    torch.manual_seed(0)
+    model = factory().double().eval()
+    model.config._attn_implementation = impl
+    lengths = [5, 20, 7]
+    ids = torch.randint(0, model.config.vocab_size, (1, sum(lengths)))
+    pos = position_ids_of(lengths)
+    with torch.no_grad(), keep_float64():  # eager's float32 softmax kept in float64
+        packed = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+        cached = model(input_ids=ids, position_ids=pos, use_cache=True).logits
+        alone = torch.cat([model(input_ids=part, use_cache=False).logits for part in ids.split(lengths, -1)], 1)
+    # eager softmaxes in float32 (its dtype= argument): rounding of 2e-8 there, masking missed is 1e-2
+    atol = 1e-12 if impl == "sdpa" else 1e-6
+    torch.testing.assert_close(packed, alone, atol=atol, rtol=0)
+    assert float((cached - alone).abs().max()) > 1e3 * atol

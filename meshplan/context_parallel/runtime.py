@@ -134,12 +134,17 @@ class CpRuntime:
                             f"method: ring does not take them yet; use method: allgather_kv")
         return {"mask": mask, "documents": self.documents}
 
-    def _documents(self, kwargs: dict, rows: int) -> torch.Tensor | None:
+    def _documents(self, model: nn.Module, kwargs: dict, rows: int) -> torch.Tensor | None:
         """Document ids per global position from the caller's position ids (transformers' packed sequences:
         ids restarting per document), all-gathered over cp: the local ids cannot say where a document starts.
-        Only as transformers reads them: position ids given and no ``attention_mask``; None for one document."""
+        Only when transformers reads them so (``masking_utils._preprocess_mask_arguments``): position ids given,
+        no ``attention_mask`` and no cache (``use_cache`` off: with the config's default ``use_cache=True`` a
+        transformers model builds a cache and ignores the packing, on one device too); None for one document."""
         ids = kwargs.get(self.positions_kwarg) if self.positions_kwarg is not None else None
-        if not self.inject_mask or ids is None or kwargs.get("attention_mask") is not None:
+        use_cache = kwargs.get("use_cache")
+        use_cache = getattr(getattr(model, "config", None), "use_cache", False) if use_cache is None else use_cache
+        if not self.inject_mask or ids is None or kwargs.get("attention_mask") is not None or use_cache \
+                or kwargs.get("past_key_values") is not None:
             return None
         from meshplan.context_parallel.batch import documents_of
         local = ids.expand(rows, -1).contiguous()
@@ -182,7 +187,7 @@ class CpRuntime:
                             f"{self.seq_dim} to learn the local length from")
         self.local_len = first.shape[self.seq_dim]
         pos = self.positions(self.local_len, first.device)
-        self.documents = self._documents(kwargs, first.shape[0])
+        self.documents = self._documents(model, kwargs, first.shape[0])
         if self.positions_kwarg is not None and kwargs.get(self.positions_kwarg) is None:
             kwargs = {**kwargs, self.positions_kwarg: pos.unsqueeze(0).expand(first.shape[0], -1)}
         if self.inject_mask and kwargs.get("attention_mask") is None:  # else a jump in positions reads as packing
