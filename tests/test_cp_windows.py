@@ -158,6 +158,7 @@ def test_exaone4_slides_by_layer_type():
 
 @pytest.mark.parametrize("model_type, needle", [
     ("gemma2", r"Gemma2ForCausalLM sets attn_logit_softcapping=50.0 \(config\)"),
+    ("gpt_oss", r"GptOssForCausalLM has attention sinks \(model.layers.0.self_attn.sinks"),
     ("llama4_text", r"layer types \['chunked_attention', 'full_attention'\] \(config.layer_types\).*got "
                     r"\['chunked_attention'\]"),
 ])
@@ -186,3 +187,26 @@ def test_without_cp_transformers_masks_documents_itself(impl, factory):
     atol = 1e-12 if impl == "sdpa" else 1e-6
     torch.testing.assert_close(packed, alone, atol=atol, rtol=0)
     assert float((cached - alone).abs().max()) > 1e3 * atol
+
+
+@pytest.mark.parametrize("lengths", [[32], [16, 16], [24, 8], [4, 28], [8, 4, 20]])
+@pytest.mark.parametrize("cp", [2, 4])
+def test_document_work_per_rank(lengths, cp):
+    """document_pairs counts the dense keep-matrix (documents × causal × window); the head-tail layout of the row
+    is balanced by tokens, not by work, once documents differ; head-tail per document balances the work exactly."""
+    from meshplan.context_parallel.chunks import document_pairs, document_positions
+    docs = torch.tensor([d for d, n in enumerate(lengths) for _ in range(n)])
+    pos = torch.arange(S)
+    for mask in (AttentionMask(), AttentionMask(window=5)):
+        keep = mask.keep(pos, pos, docs, docs)
+        for r in range(cp):
+            held = rank_positions(S, cp, r, True)
+            assert document_pairs(held, lengths, mask) == int(keep[held].sum())
+    layout = [document_positions(lengths, cp, r) for r in range(cp)]
+    if any(n % (2 * cp) for n in lengths):
+        assert layout == [None] * cp
+        return
+    assert sorted(p for held in layout for p in held) == list(range(S)) and len({len(h) for h in layout}) == 1
+    assert len({document_pairs(held, lengths) for held in layout}) == 1
+    row = [document_pairs(rank_positions(S, cp, r, True), lengths) for r in range(cp)]
+    assert (len(set(row)) == 1) == (len(set(lengths)) == 1 or lengths == [16, 16])

@@ -55,6 +55,11 @@ def check_hf_attention(model: nn.Module, where: str) -> None:
     if config is None or not hasattr(config, "to_dict"):
         return
     name = type(model).__name__
+    sinks = next((n for n, _ in model.named_parameters() if n.rsplit(".", 1)[-1] == "sinks"), None)
+    if sinks is not None:
+        raise PlanError(f"{where}: {name} has attention sinks ({sinks}: a learned logit per head in the softmax's "
+                        f"denominator, gpt-oss); SDPA has no sink term and the all-gather attention does not add "
+                        f"one: {_WITHOUT_CP}")
     impl = getattr(config, "_attn_implementation", None)
     if impl not in (None, "sdpa"):
         raise PlanError(f"{where}: {name} runs attention_implementation={impl!r}; context parallelism makes "
