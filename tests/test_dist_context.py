@@ -55,7 +55,7 @@ def world8():
 
 
 @pytest.mark.parametrize("case", ["cp4", "cp2_tp2_sp", "cp2_dp_shard2", "cp2_tp2_hf_llama", "cp2_tp2_hf_packed",
-                                  "pp2_cp2"])
+                                  "cp2_tp2_gemma3_softcap", "pp2_cp2"])
 def test_cp_composed(world4, case):
     _check(world4, case, 4)
 

@@ -117,7 +117,12 @@ def packed_ids(step):
     return torch.cat([position_ids_of(lengths) for lengths in shapes])
 
 
-def hf_case(layout, tp=False, arch="llama", factory=None, packed=False):
+GEMMA3_TP_RULES = {**HF_TP_RULES, "model.layers.*.self_attn.q_norm": "head_norm",
+                   "model.layers.*.self_attn.k_norm": "head_norm",
+                   "model.layers.*.pre_feedforward_layernorm": "norm", "model.layers.*.post_feedforward_layernorm": "norm"}
+
+
+def hf_case(layout, tp=False, arch="llama", factory=None, packed=False, rules=HF_TP_RULES):
     """A transformers causal LM (SDPA, causal, GQA, position_ids; Qwen2: q/k/v biases, the key bias's gradient ~0
     in exact arithmetic, which float32 AdamW turned into lr-sized moves) with its own shifted loss vs one device.
     ``factory``: another model (a tiny zoo config, sliding windows); ``packed``: each row packs documents
@@ -140,7 +145,7 @@ def hf_case(layout, tp=False, arch="llama", factory=None, packed=False):
                                        lambda m, y, kw: m(input_ids=y.clamp(min=0), labels=y, **kw).loss)
     plan = {"layout": layout, "blocks": {"pattern": "model.layers.*"}, "context_parallel": CP_HF}
     if tp:
-        plan["tensor_parallel"] = {"sequence_parallel": True, "loss_parallel": True, "rules": HF_TP_RULES}
+        plan["tensor_parallel"] = {"sequence_parallel": True, "loss_parallel": True, "rules": rules}
     topo = meshplan.build_mesh(layout)
     torch.manual_seed(0)
     model = meshplan.parallelize(float64_model(factory()), plan, topo)
@@ -264,6 +269,10 @@ CASES_4 = {
     "cp2_tp2_hf_llama": lambda: hf_case({"cp": 2, "tp": 2}, tp=True),
     "cp2_tp2_hf_packed": lambda: hf_case({"cp": 2, "tp": 2}, tp=True, factory=lambda: hf_models.llama(use_cache=False),
                                          packed=True),
+    # Gemma 3: sliding and full layers, logits soft-capped (final_logit_softcapping 2.0: tanh bites) on the
+    # vocab-sharded logits of loss parallelism
+    "cp2_tp2_gemma3_softcap": lambda: hf_case({"cp": 2, "tp": 2}, tp=True, rules=GEMMA3_TP_RULES,
+                                              factory=zoo("gemma3_text", final_logit_softcapping=2.0)),
     "pp2_cp2": lambda: llama_case({"cp": 2, "pp": 2}, pipeline={"schedule": "1f1b", "microbatches": 2}),
 }
 CASES_8 = {
