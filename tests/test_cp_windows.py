@@ -210,3 +210,27 @@ def test_document_work_per_rank(lengths, cp):
     assert len({document_pairs(held, lengths) for held in layout}) == 1
     row = [document_pairs(rank_positions(S, cp, r, True), lengths) for r in range(cp)]
     assert (len(set(row)) == 1) == (len(set(lengths)) == 1 or lengths == [16, 16])
+
+
+def test_packed_documents_refused_with_a_pipeline():
+    """Later pipeline stages get no position ids: packed documents under pp are refused on every rank alike."""
+    from types import SimpleNamespace as NS
+    from meshplan.context_parallel.batch import shard_for_state
+    rt = NS(cp=2, rank=0, load_balance=True, seq_dim=1, positions_kwarg="position_ids")
+    state = NS(context_parallel=NS(runtime=rt), topology=NS(layout=NS(pp=2, tp=1)), sequence_parallel=False)
+    ids = torch.zeros(1, 8, dtype=torch.long)
+    batch = {"input_ids": ids, "labels": ids, "position_ids": position_ids_of([4, 4])}
+    with pytest.raises(PlanError, match=r"packs documents \(position_ids restarting.*layout.pp is 2"):
+        shard_for_state(state, batch, None, shift=True)
+    whole = {**batch, "position_ids": position_ids_of([8])}
+    assert shard_for_state(state, whole, None, shift=True)[0]["position_ids"].tolist() == [[0, 1, 6, 7]]
+
+
+def test_ring_refuses_windows_and_documents():
+    from meshplan.context_parallel.runtime import CpRuntime
+    rt = CpRuntime(group=None, cp=2, rank=0, load_balance=True, seq_dim=1, attend=None, positions_kwarg=None,
+                   buffer=None, buffer_dim=0, patterns=("a",), attention_paths=("a",), masked=False,
+                   layer_masks={"a": AttentionMask(window=4)})
+    with pytest.raises(PlanError, match=r"a needs AttentionMask\(causal=True, window=4.*method: ring does not take"):
+        rt.masking("a")
+    assert rt.masking("b") == {}
