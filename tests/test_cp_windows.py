@@ -234,3 +234,21 @@ def test_ring_refuses_windows_and_documents():
     with pytest.raises(PlanError, match=r"a needs AttentionMask\(causal=True, window=4.*method: ring does not take"):
         rt.masking("a")
     assert rt.masking("b") == {}
+
+
+def test_config_window_only_where_the_attention_reads_it():
+    """A config-wide sliding_window (no layer types, no module attribute) counts only for an attention whose
+    forward hands it on (Mistral's does; Nemotron-H's config carries one its attention never reads)."""
+    from types import SimpleNamespace as NS
+    from meshplan.context_parallel.hf_check import _window
+
+    class Reads(torch.nn.Module):
+        def forward(self, x, sliding_window=None):
+            return x
+
+    class Ignores(torch.nn.Module):
+        def forward(self, x):
+            return x
+    config = NS(sliding_window=8)
+    assert _window(Reads(), config) == 8 and _window(Ignores(), config) is None
+    assert _window(Reads(), NS(sliding_window=8, use_sliding_window=False)) is None

@@ -110,7 +110,19 @@ def _window(module: nn.Module, config: Any) -> int | None:
         return module.sliding_window or None
     if kinds:  # layer types without a layer index: only a model that slides everywhere
         return config.sliding_window if set(kinds) == {"sliding_attention"} else None
-    return getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+    if not getattr(config, "use_sliding_window", True) or not _passes_window(module):
+        return None
+    return getattr(config, "sliding_window", None)
+
+
+def _passes_window(module: nn.Module) -> bool:
+    """Whether the module's forward hands its attention a ``sliding_window`` (Mistral's does; Nemotron-H's config
+    has a ``sliding_window`` its attention never reads)."""
+    import inspect
+    try:
+        return "sliding_window" in inspect.getsource(type(module).forward)
+    except (OSError, TypeError):  # no source: trust the config
+        return True
 
 
 def layer_masks(model: nn.Module, paths: tuple[str, ...]) -> dict:
