@@ -168,6 +168,15 @@ def test_context_parallel_refusals(capsys):
     """cp > 1 without a section, and a model that cannot say where its positions come from, exit 2 with a reason."""
     code, out, _ = run(capsys, "check", "plans/hf_llama.yaml", "--model", "examples.hf_models:llama", "--cp", "2")
     assert code == 2 and "layout.cp(2) > 1 needs a context_parallel section" in out
+    code, out, _ = run(capsys, "check", "plans/hf_llama_cp.yaml", "--model", "examples.hf_models:qwen2",
+                       "--config", json.dumps({"layer_types": ["full_attention", "chunked_attention"]}))
+    assert code == 2 and "layer types ['chunked_attention', 'full_attention'] (config.layer_types)" in out
+
+
+def test_context_parallel_windows_line(capsys):
+    """A sliding window is honoured under cp now (issue 30), and check says so."""
     code, out, _ = run(capsys, "check", "plans/hf_llama_cp.yaml", "--model", "examples.hf_models:mistral",
                        "--config", json.dumps({"sliding_window": 8}))
-    assert code == 2 and "sliding window of 8 tokens" in out
+    assert code == 0, out
+    line = next(x for x in out.splitlines() if x.startswith("context parallel: "))
+    assert line.endswith("; sliding window 8 tokens (2 of them: each rank reads the key chunks it reaches)"), line

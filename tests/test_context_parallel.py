@@ -319,7 +319,10 @@ def _eager_after_loading():
 @pytest.mark.parametrize("factory, kw, needle", [
     (hf_models.llama, {"attn_implementation": "eager"}, r"implementation='eager'.*attn_implementation='sdpa'"),
     (_eager_after_loading, {}, r"LlamaForCausalLM runs attention_implementation='eager'"),
-    (hf_models.mistral, {"sliding_window": 16}, r"MistralForCausalLM has a sliding window of 16 tokens"),
+    # sliding windows are honoured now (tests/test_cp_windows.py); a layer type that is not attention is not
+    (lambda: hf_models.mistral(layer_types=["full_attention", "linear_attention"]), {},
+     r"MistralForCausalLM has layer types \['full_attention', 'linear_attention'\] \(config.layer_types\).*got "
+     r"\['linear_attention'\]"),
 ])
 def test_check_hf_refusals(factory, kw, needle):
     with pytest.raises(PlanError, match=needle):
@@ -358,11 +361,8 @@ def _tiny_sdpa(model_type):
 
 
 @pytest.mark.parametrize("model_type, attn, needle", [
-    # multimodal: the text settings live in config.text_config (issue 24: cp 2 ran sliding layers as full
-    # attention, loss 41 % / 11 % off in float64)
-    ("muse_glimmer", "language_model.layers.*.self_attn",
-     r"MuseGlimmerModel has layer types \['full_attention', 'sliding_attention'\] \(config.text_config.layer_types\)"),
-    ("muse_spark", "language_model.layers.*.self_attn", r"MuseSparkModel has layer types .*config.text_config"),
+    # multimodal models' sliding layers (config.text_config.layer_types, issue 24) are honoured now:
+    # tests/test_cp_windows.py::test_multimodal_windows_from_the_text_config
     # Doge's dynamic mask attention: refused by check, not at the first forward
     ("doge", "model.layers.*.self_attn", r"DogeForCausalLM uses dynamic mask attention \(config.keep_window_size="
                                          r"2048.*leave cp out of the layout \(its ranks then go to data "

@@ -27,7 +27,11 @@ def _check(results, case, n):
     assert len({tuple(v["loss"]) for v in values.values()}) == 1  # every rank reports the global loss
 
 
-@pytest.mark.parametrize("case", ["cp2", "cp2_unbalanced", "cp2_microbatches", "cp2_hf_llama", "cp2_hf_qwen2", "cp2_checkpointed"])
+@pytest.mark.parametrize("case", ["cp2", "cp2_unbalanced", "cp2_microbatches", "cp2_hf_llama", "cp2_hf_qwen2", "cp2_checkpointed",
+                                  # packed documents (position ids restarting) and sliding windows (issue 30)
+                                  "cp2_hf_packed", "cp2_hf_packed_cached", "cp2_mistral_window", "cp2_mistral_window_packed",
+                                  "cp2_qwen2_window", "cp2_gemma3", "cp2_cohere2", "cp2_ministral", "cp2_olmo3",
+                                  "cp2_exaone4"])
 def test_cp2(world2, case):
     _check(world2, case, 2)
 
@@ -50,7 +54,8 @@ def world8():
     return launch("tests/dist/cp_worker.py", 8)
 
 
-@pytest.mark.parametrize("case", ["cp4", "cp2_tp2_sp", "cp2_dp_shard2", "cp2_tp2_hf_llama", "pp2_cp2"])
+@pytest.mark.parametrize("case", ["cp4", "cp2_tp2_sp", "cp2_dp_shard2", "cp2_tp2_hf_llama", "cp2_tp2_hf_packed",
+                                  "cp2_tp2_gemma3_softcap", "pp2_cp2"])
 def test_cp_composed(world4, case):
     _check(world4, case, 4)
 

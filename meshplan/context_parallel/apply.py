@@ -3,8 +3,9 @@ runtime (:class:`~meshplan.context_parallel.runtime.CpRuntime`) that makes its a
 
 What is refused, with the reason (before anything changes): an attention pattern that matches nothing, a model
 that does not say how it learns positions, ``method: ring`` off CUDA, and transformers models whose attention is
-not plain causal SDPA (eager/flash kernels, sliding windows, per-layer attention types, logit soft-capping,
-dynamic mask attention), read from the config and its sub-configs (:mod:`~meshplan.context_parallel.hf_check`).
+not SDPA that the all-gather attention can make exact (eager/flash kernels, layer types other than full and
+sliding attention, logit soft-capping, dynamic mask attention); the per-layer sliding windows it honours are read
+there too (:func:`~meshplan.context_parallel.hf_check.layer_masks`), read from the config and its sub-configs (:mod:`~meshplan.context_parallel.hf_check`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.nn as nn
 
-from meshplan.context_parallel.hf_check import check_hf_attention
+from meshplan.context_parallel.hf_check import check_hf_attention, layer_masks
 from meshplan.context_parallel.runtime import CpRuntime
 from meshplan.errors import PlanError
 from meshplan.plan_file.context_parallel import ContextParallel, PositionsBuffer, PositionsKwarg
@@ -166,6 +167,7 @@ def apply_context_parallel(model: nn.Module, section: ContextParallel, topology:
     runtime = CpRuntime(group=mesh.get_group(), cp=mesh.size(), rank=rank, load_balance=section.load_balance,
                         seq_dim=section.seq_dim, attend=attend, positions_kwarg=resolved.kwarg,
                         buffer=resolved.buffer, buffer_dim=resolved.buffer_dim, patterns=section.attention,
-                        attention_paths=resolved.paths, inject_mask=resolved.inject_mask)
+                        attention_paths=resolved.paths, inject_mask=resolved.inject_mask,
+                        layer_masks=layer_masks(model, resolved.paths), masked=section.method == "allgather_kv")
     runtime.install(model)
     return CpApplied(section=section, mesh=mesh, runtime=runtime)

@@ -21,10 +21,12 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from meshplan._torch import funcol
-from meshplan.context_parallel.chunks import causal_blocks, rank_positions
+from meshplan.context_parallel.chunks import causal_blocks, n_chunks, rank_chunks, rank_positions
+from meshplan.context_parallel.masks import AttentionMask
 from meshplan.errors import PlanError
 
-__all__ = ["allgather_kv_attention", "mask_is_causal", "causal_from_mask", "on_local_heads", "block_mask"]
+__all__ = ["allgather_kv_attention", "mask_is_causal", "causal_from_mask", "check_local_mask", "on_local_heads",
+           "block_mask"]
 
 
 def mask_is_causal(mask: torch.Tensor, length: int) -> bool | None:
@@ -55,6 +57,39 @@ def causal_from_mask(attn_mask: torch.Tensor | None, is_causal: bool, length: in
                         f"causal nor empty (padding, a sliding window or a bias); context parallelism supports "
                         f"causal and full attention over whole sequences")
     return causal
+
+
+def _keep_of(attn_mask: torch.Tensor) -> torch.Tensor | None:
+    """The boolean keep of a bool or additive mask, or None when it is an additive bias (finite nonzero values)."""
+    if attn_mask.dtype == torch.bool:
+        return attn_mask
+    keep = attn_mask > torch.finfo(attn_mask.dtype).min / 2
+    return None if bool((attn_mask[keep] != 0).any()) else keep
+
+
+def check_local_mask(attn_mask: torch.Tensor | None, is_causal: bool, mask: AttentionMask, length: int,
+                     where: str) -> None:
+    """Check the model's own mask of a shard is what ``mask`` builds for ``length`` local tokens (none, causal, or
+    causal within the same window): the mask meshplan applies over the whole sequence is then the model's.
+
+    Raises:
+        PlanError: the model masks otherwise (padding, a bias, another window): naming the layer and both.
+    """
+    pos = torch.arange(length, device=attn_mask.device if attn_mask is not None else None)
+    want = mask.keep(pos, pos)
+    if attn_mask is None:
+        plain = torch.ones(length, length, dtype=torch.bool, device=pos.device)
+        ok = bool((plain.tril() if is_causal else plain).eq(True if want is None else want).all())
+        got = "no mask" + (" (is_causal)" if is_causal else "")
+    else:
+        keep = _keep_of(attn_mask) if attn_mask.shape[-2:] == (length, length) else None
+        ok = keep is not None and bool((keep == (want if want is not None else True)).all())
+        got = f"a mask of shape {tuple(attn_mask.shape)}" if keep is None or attn_mask.shape[-2:] != (length, length) \
+            else "a mask that differs"
+    if not ok:
+        raise PlanError(f"context_parallel: {where} passes scaled_dot_product_attention {got}; expected the mask of "
+                        f"{mask} for its {length} local tokens (none, causal, or causal within the window): a "
+                        f"padding mask, a bias or another window cannot be made exact across shards")
 
 
 def on_local_heads(attention: Callable) -> Callable:
@@ -112,7 +147,8 @@ def block_mask(chunk: int, keys: int, offset: int, dtype: torch.dtype, device: t
 def allgather_kv_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                            attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False,
                            scale: float | None = None, enable_gqa: bool = False, *, group: Any, cp: int, rank: int,
-                           load_balance: bool, where: str = "attention", masks: dict | None = None) -> torch.Tensor:
+                           load_balance: bool, where: str = "attention", masks: dict | None = None,
+                           mask: AttentionMask | None = None, documents: torch.Tensor | None = None) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` of this rank's queries against the whole sequence's keys and values.
 
     Args:
@@ -123,26 +159,86 @@ def allgather_kv_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
         load_balance: the head-tail layout (else contiguous).
         where: the attention module's path, for errors.
         masks: a cache of the causal block masks (the model's runtime keeps one), or None.
+        mask: the layer's :class:`~meshplan.context_parallel.masks.AttentionMask` (window, soft-cap), or None:
+            causal or full as the call says. The model's own (local) mask must then be what the layer builds for
+            its local length: none, causal, or causal within the same window.
+        documents: ``(batch, seq)`` document ids per global position (packed sequences), or None (one each).
 
     Returns:
         The attention output for this rank's queries (a DTensor when ``query`` is one).
 
     Raises:
-        PlanError: a mask other than causal or none.
+        PlanError: a mask other than causal or none, or one that disagrees with ``mask``.
     """
     length = query.shape[-2]
-    is_causal = causal_from_mask(attn_mask, is_causal, length, where)
+    if mask is None:
+        mask = AttentionMask(causal=causal_from_mask(attn_mask, is_causal, length, where))
+    else:
+        check_local_mask(attn_mask, is_causal, mask, length, where)
     k, v = _gather_kv(key, value, group, cp)
     kw = {"dropout_p": dropout_p, "scale": scale, "enable_gqa": enable_gqa}
-    if not is_causal:
+    if mask.plain and documents is None:
         return F.scaled_dot_product_attention(query, k, v, **kw)
     seq_len = length * cp
     order = _true_order(cp, load_balance, seq_len, query.device)
     k, v = k.index_select(-2, order), v.index_select(-2, order)
-    chunk = length // len(causal_blocks(cp, rank, load_balance, 1))
+    if mask.window is None and mask.softcap is None and documents is None and mask.causal:
+        return _causal(query, k, v, kw, cp, rank, load_balance, masks)
+    return _masked(query, k, v, kw, mask, documents, cp, rank, load_balance)
+
+
+def _causal(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kw: dict, cp: int, rank: int,
+            load_balance: bool, masks: dict | None) -> torch.Tensor:
+    """Plain causal attention: each local query chunk against the keys before its end (keys in true order)."""
+    chunk = query.shape[-2] // len(causal_blocks(cp, rank, load_balance, 1))
     outs = []
     for start, keys, offset in causal_blocks(cp, rank, load_balance, chunk):
         q = query[..., start:start + chunk, :]
-        mask = block_mask(chunk, keys, offset, query.dtype, query.device, masks)
-        outs.append(F.scaled_dot_product_attention(q, k[..., :keys, :], v[..., :keys, :], attn_mask=mask, **kw))
+        m = block_mask(chunk, keys, offset, query.dtype, query.device, masks)
+        outs.append(F.scaled_dot_product_attention(q, k[..., :keys, :], v[..., :keys, :], attn_mask=m, **kw))
     return torch.cat(outs, dim=-2)
+
+
+def _masked(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kw: dict, mask: AttentionMask,
+            documents: torch.Tensor | None, cp: int, rank: int, load_balance: bool) -> torch.Tensor:
+    """Any :class:`AttentionMask` (window, soft-cap) and documents: each local query chunk against the key chunks
+    its mask reaches (:meth:`AttentionMask.reaches`), through the boolean keep-matrix of
+    :meth:`AttentionMask.keep` (documents ``(batch, seq)`` give one per row)."""
+    held = rank_chunks(cp, rank, load_balance)
+    chunk = query.shape[-2] // len(held)
+    every = range(n_chunks(cp, load_balance))
+    outs = []
+    for i, j in enumerate(held):
+        q_lo, q_hi = j * chunk, (j + 1) * chunk
+        reached = [c for c in every if mask.reaches(q_lo, q_hi, c * chunk, (c + 1) * chunk)]
+        k_lo, k_hi = reached[0] * chunk, (reached[-1] + 1) * chunk
+        q_pos = torch.arange(q_lo, q_hi, device=query.device)
+        k_pos = torch.arange(k_lo, k_hi, device=query.device)
+        q_doc = k_doc = None
+        if documents is not None:
+            docs = documents.to(query.device)
+            q_doc, k_doc = docs[:, q_lo:q_hi], docs[:, k_lo:k_hi]
+        keep = mask.keep(q_pos, k_pos, q_doc, k_doc)
+        if keep is not None and keep.dim() == 3:
+            keep = keep[:, None]  # (batch, 1, queries, keys): one per row, every head
+        q = query[..., i * chunk:(i + 1) * chunk, :]
+        outs.append(_attend(q, k[..., k_lo:k_hi, :], v[..., k_lo:k_hi, :], keep, mask.softcap, kw))
+    return torch.cat(outs, dim=-2)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None, softcap: float | None,
+            kw: dict) -> torch.Tensor:
+    """SDPA with a boolean keep-matrix; with a soft-cap, the same in explicit math (SDPA cannot cap logits)."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, **kw)
+    if kw["enable_gqa"] and k.shape[-3] != q.shape[-3]:
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+        v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
+    scale = kw["scale"] if kw["scale"] is not None else q.shape[-1] ** -0.5
+    scores = softcap * torch.tanh((q @ k.transpose(-2, -1)) * scale / softcap)
+    if keep is not None:
+        scores = scores.masked_fill(~keep, float("-inf"))
+    probs = (scores - scores.logsumexp(-1, keepdim=True)).exp()  # a softmax the first forward's audit ignores
+    if kw["dropout_p"]:
+        probs = F.dropout(probs, kw["dropout_p"])
+    return probs @ v

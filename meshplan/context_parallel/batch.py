@@ -18,7 +18,35 @@ import torch.nn.functional as F
 from meshplan.context_parallel.chunks import check_seq_len, rank_positions
 from meshplan.errors import PlanError
 
-__all__ = ["shard_batch", "shard_for_state", "sequence_length"]
+__all__ = ["shard_batch", "shard_for_state", "sequence_length", "documents_of", "position_ids_of"]
+
+
+def documents_of(position_ids: torch.Tensor) -> torch.Tensor | None:
+    """Document ids ``(batch, seq)`` of packed sequences from their position ids, or None (one document per row).
+
+    A document starts where the position id is not the previous one + 1 (transformers' padding-free convention,
+    ``masking_utils.find_packed_sequence_indices``, which sdpa and eager attention follow without cp).
+
+    Example::
+
+        >>> documents_of(torch.tensor([[0, 1, 2, 0, 1, 0]])).tolist()
+        [[0, 0, 0, 1, 1, 2]]
+    """
+    first = position_ids[..., :1] - 1
+    docs = (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
+    return None if bool((docs[..., -1] == 0).all()) else docs
+
+
+def position_ids_of(lengths: list[int] | tuple[int, ...]) -> torch.Tensor:
+    """The position ids ``(1, sum(lengths))`` of documents of ``lengths`` tokens packed in one row (cumulative
+    lengths → ids restarting per document: how packed documents reach a model and meshplan).
+
+    Example::
+
+        >>> position_ids_of([3, 2]).tolist()
+        [[0, 1, 2, 0, 1]]
+    """
+    return torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
 
 
 def sequence_length(inputs: Any, seq_dim: int) -> int | None:
@@ -88,6 +116,12 @@ def shard_for_state(state: Any, inputs: Any, targets: Any, shift: bool = False,
     """:func:`shard_batch` with the layout of a model's :class:`~meshplan.state.ParallelState` (its cp runtime;
     sequence parallelism's tp for the length check)."""
     rt = state.context_parallel.runtime
+    ids = inputs.get(rt.positions_kwarg) if isinstance(inputs, dict) and rt.positions_kwarg else None
+    if state.topology.layout.pp > 1 and isinstance(ids, torch.Tensor) and documents_of(ids) is not None:
+        raise PlanError(f"context_parallel: the batch packs documents ({rt.positions_kwarg} restarting per "
+                        f"document) and layout.pp is {state.topology.layout.pp}: the later pipeline stages get no "
+                        f"position ids, so neither their positions nor their document masks; expected pp 1 with "
+                        f"packed documents, or one document per row")
     tp = state.topology.layout.tp if state.sequence_parallel is True else 1
     return shard_batch(inputs, targets, cp=rt.cp, rank=rt.rank, load_balance=rt.load_balance, seq_dim=rt.seq_dim,
                        tp_sequence=tp, shift=shift, ignore_index=ignore_index)

@@ -40,10 +40,19 @@ def check_context(model: nn.Module, plan: Any, layout: Any, report: Any, graphs:
                  f"buffer {resolved.buffer} (dim {resolved.buffer_dim})" if resolved.buffer else "none")
     report.context = {"cp": layout.cp, "method": section.method, "load_balance": section.load_balance,
                       "attention": list(section.attention), "attention_modules": len(resolved.paths),
-                      "positions": positions}
+                      "positions": positions, **_windows(model, resolved.paths)}
     if section.method == "ring":
         report.warnings.append(f"{report.source}: context_parallel.method: ring runs on CUDA only (torch 2.13); "
                                f"meshplan.parallelize refuses it on a CPU mesh")
+
+
+def _windows(model: nn.Module, paths: tuple[str, ...]) -> dict:
+    """``{"windows": {"8": 2}}`` (window in tokens → attention modules) for a model whose layers slide, else {}."""
+    from meshplan.context_parallel.hf_check import layer_masks
+    counts: dict[str, int] = {}
+    for mask in layer_masks(model, paths).values():
+        counts[str(mask.window)] = counts.get(str(mask.window), 0) + 1
+    return {"windows": counts} if counts else {}
 
 
 def context_lines(context: dict) -> list[str]:
@@ -57,7 +66,8 @@ def context_lines(context: dict) -> list[str]:
               else "contiguous chunks (rank r holds the r-th 1/cp)")
     return [f"context parallel: cp {context['cp']}, {method}, {chunks}; attention: "
             f"{', '.join(context['attention'])} ({context['attention_modules']} modules); positions: "
-            f"{context['positions']}"]
+            f"{context['positions']}" + "".join(f"; sliding window {w} tokens ({n} of them: each rank reads the "
+                                                f"key chunks it reaches)" for w, n in context.get("windows", {}).items())]
 
 
 def prepare_context(model: nn.Module, p: Any, topology: Any, graphs: str = "") -> str | None:

@@ -10,9 +10,14 @@ the last ``c`` of them through a lower-triangular mask: a rank holding chunks ``
 from __future__ import annotations
 
 import functools
+import itertools
 import math
+from typing import Sequence
 
-__all__ = ["n_chunks", "rank_chunks", "rank_positions", "causal_blocks", "attention_pairs", "check_seq_len"]
+from meshplan.context_parallel.masks import AttentionMask
+
+__all__ = ["n_chunks", "rank_chunks", "rank_positions", "causal_blocks", "attention_pairs", "check_seq_len",
+           "document_pairs", "document_positions"]
 
 
 def n_chunks(cp: int, load_balance: bool) -> int:
@@ -72,6 +77,43 @@ def attention_pairs(seq_len: int, cp: int, rank: int, load_balance: bool) -> tup
         computed += c * keys
         unmasked += c * offset + c * (c + 1) // 2
     return computed, unmasked
+
+
+def document_pairs(positions: Sequence[int], lengths: Sequence[int], mask: AttentionMask = AttentionMask()) -> int:
+    """The kept (query, key) pairs of the queries at ``positions`` of one row packing documents of ``lengths``
+    tokens: a rank's attention work under document masks (:meth:`AttentionMask.pairs` per document).
+
+    Example::
+
+        >>> [document_pairs(rank_positions(8, 2, r, True), [6, 2]) for r in (0, 1)]  # head-tail of the row
+        [6, 18]
+        >>> [document_pairs(document_positions([4, 4], 2, r), [4, 4]) for r in (0, 1)]  # head-tail per document
+        [10, 10]
+    """
+    starts = list(itertools.accumulate(lengths, initial=0))
+    doc_of = [d for d, n in enumerate(lengths) for _ in range(n)]
+    return sum(mask.pairs(q, q + 1, starts[doc_of[q]], starts[doc_of[q] + 1]) for q in positions)
+
+
+def document_positions(lengths: Sequence[int], cp: int, rank: int) -> list[int] | None:
+    """A layout balanced by work for documents of ``lengths`` packed in one row: every document cut into ``2·cp``
+    chunks, rank ``r`` holding chunks ``r`` and ``2·cp−1−r`` of each (head-tail per document: the head-tail layout
+    for one document), in document order. A pure function of the lengths, the same on every rank; None when a
+    length is not a multiple of ``2·cp`` (then the row's head-tail layout, :func:`rank_positions`, is used).
+
+    Example::
+
+        >>> document_positions([4, 8], 2, 0)
+        [0, 3, 4, 5, 10, 11]
+        >>> document_positions([4, 6], 2, 0) is None
+        True
+    """
+    if any(n % (2 * cp) for n in lengths):
+        return None
+    out: list[int] = []
+    for start, n in zip(itertools.accumulate(lengths, initial=0), lengths):
+        out += [start + p for p in rank_positions(n, cp, rank, True)]
+    return out
 
 
 def check_seq_len(seq_len: int, cp: int, load_balance: bool, tp_sequence: int = 1) -> str | None:

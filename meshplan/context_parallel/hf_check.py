@@ -13,9 +13,13 @@ from typing import Any
 
 import torch.nn as nn
 
+from meshplan.context_parallel.masks import AttentionMask
 from meshplan.errors import PlanError
 
-__all__ = ["check_hf_attention"]
+__all__ = ["check_hf_attention", "layer_masks"]
+
+#: the transformers layer types the all-gather attention makes exact (a window per layer: ``sliding_window``)
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 _WITHOUT_CP = ("leave cp out of the layout (its ranks then go to data parallelism, layout.dp_shard, which "
                "does not split the sequence)")
@@ -36,8 +40,8 @@ def _configs(config: Any) -> list[tuple[str, Any]]:
 def check_hf_attention(model: nn.Module, where: str) -> None:
     """Refuse a transformers ``model`` whose attention context parallelism cannot make exact.
 
-    Refused: an attention implementation other than SDPA, layer types other than full attention, a sliding
-    window, attention logit soft-capping, and Doge's dynamic mask attention (a learned, content-dependent bias per
+    Refused: an attention implementation other than SDPA, layer types other than full and sliding attention,
+    sliding layers without a window, attention logit soft-capping (transformers' SDPA refuses it), and Doge's dynamic mask attention (a learned, content-dependent bias per
     key plus a top-k over keys: a mask that is neither causal nor empty).
 
     Args:
@@ -51,6 +55,11 @@ def check_hf_attention(model: nn.Module, where: str) -> None:
     if config is None or not hasattr(config, "to_dict"):
         return
     name = type(model).__name__
+    sinks = next((n for n, _ in model.named_parameters() if n.rsplit(".", 1)[-1] == "sinks"), None)
+    if sinks is not None:
+        raise PlanError(f"{where}: {name} has attention sinks ({sinks}: a learned logit per head in the softmax's "
+                        f"denominator, gpt-oss); SDPA has no sink term and the all-gather attention does not add "
+                        f"one: {_WITHOUT_CP}")
     impl = getattr(config, "_attn_implementation", None)
     if impl not in (None, "sdpa"):
         raise PlanError(f"{where}: {name} runs attention_implementation={impl!r}; context parallelism makes "
@@ -69,19 +78,66 @@ def _sdpa_fix(model: nn.Module) -> str:
 
 def _check_one(name: str, key: str, config: Any, where: str) -> None:
     kinds = set(getattr(config, "layer_types", None) or ())
-    if kinds - {"full_attention"}:
+    if kinds - set(LAYER_TYPES):
         raise PlanError(f"{where}: {name} has layer types {sorted(kinds)} ({key}.layer_types); context parallelism "
-                        f"supports layers of full causal attention only: {_WITHOUT_CP}")
-    window = getattr(config, "sliding_window", None)
-    if not kinds and window and getattr(config, "use_sliding_window", True):  # layer_types, when given, decide
-        raise PlanError(f"{where}: {name} has a sliding window of {window} tokens ({key}.sliding_window); the "
-                        f"local mask of a sequence shard cannot express it: not supported with context "
-                        f"parallelism: {_WITHOUT_CP}")
+                        f"supports {' and '.join(LAYER_TYPES)} layers (got {sorted(kinds - set(LAYER_TYPES))}): "
+                        f"{_WITHOUT_CP}")
+    if "sliding_attention" in kinds and not getattr(config, "sliding_window", None):
+        raise PlanError(f"{where}: {name} has sliding_attention layers ({key}.layer_types) but {key}.sliding_window "
+                        f"is {getattr(config, 'sliding_window', None)!r}; expected the window in tokens")
     if getattr(config, "attn_logit_softcapping", None):
-        raise PlanError(f"{where}: {name} sets attn_logit_softcapping ({key}); SDPA cannot soft-cap logits: not "
-                        f"supported with context parallelism: {_WITHOUT_CP}")
+        raise PlanError(f"{where}: {name} sets attn_logit_softcapping={config.attn_logit_softcapping} ({key}); "
+                        f"transformers' sdpa attention refuses soft-capping and its eager attention is written by "
+                        f"hand, so context parallelism cannot route it: {_WITHOUT_CP}, or set "
+                        f"{key}.attn_logit_softcapping=None (a different model)")
     if getattr(config, "keep_window_size", None) is not None:
         raise PlanError(f"{where}: {name} uses dynamic mask attention ({key}.keep_window_size="
                         f"{config.keep_window_size}: a learned bias per key and a top-k over the keys, a mask that "
                         f"is neither causal nor empty); context parallelism supports plain causal attention only: "
                         f"{_WITHOUT_CP}")
+
+
+def _window(module: nn.Module, config: Any) -> int | None:
+    """The sliding window of an attention module of a transformers model: its layer's type
+    (``layer_types[layer_idx]``: Gemma 2/3, Qwen2, Cohere 2, gpt-oss, Exaone 4 alternate), else its own
+    ``sliding_window``, else the config's window for every layer (Mistral, Phi-3, Starcoder2) unless
+    ``use_sliding_window`` is False. The first forward checks the module's own mask agrees."""
+    kinds, idx = getattr(config, "layer_types", None), getattr(module, "layer_idx", None)
+    if kinds and isinstance(idx, int) and idx < len(kinds):
+        sliding = kinds[idx] == "sliding_attention"
+        return (getattr(module, "sliding_window", None) or config.sliding_window) if sliding else None
+    if hasattr(module, "sliding_window"):
+        return module.sliding_window or None
+    if kinds:  # layer types without a layer index: only a model that slides everywhere
+        return config.sliding_window if set(kinds) == {"sliding_attention"} else None
+    if not getattr(config, "use_sliding_window", True) or not _passes_window(module):
+        return None
+    return getattr(config, "sliding_window", None)
+
+
+def _passes_window(module: nn.Module) -> bool:
+    """Whether the module's forward hands its attention a ``sliding_window`` (Mistral's does; Nemotron-H's config
+    has a ``sliding_window`` its attention never reads)."""
+    import inspect
+    try:
+        return "sliding_window" in inspect.getsource(type(module).forward)
+    except (OSError, TypeError):  # no source: trust the config
+        return True
+
+
+def layer_masks(model: nn.Module, paths: tuple[str, ...]) -> dict:
+    """``{path: AttentionMask}`` of the attention modules at ``paths`` of a transformers ``model`` that slide
+    (causal within a window); {} for a model without a config or without windows (their calls say causal or not).
+    The first forward checks each module's own local mask agrees (:func:`~meshplan.context_parallel.attention.
+    check_local_mask`)."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "to_dict"):
+        return {}
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    found = {}
+    for path in paths:
+        module = model.get_submodule(path)
+        window = _window(module, text)
+        if window:
+            found[path] = AttentionMask(causal=getattr(module, "is_causal", True), window=int(window))
+    return found

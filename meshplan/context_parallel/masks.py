@@ -104,10 +104,11 @@ class AttentionMask:
 
         Args:
             q_pos, k_pos: 1-D integer tensors of the global positions of the block's queries and keys.
-            q_doc, k_doc: 1-D integer tensors of their document ids, or None (one document).
+            q_doc, k_doc: integer tensors of their document ids, ``(..., len(q_pos))`` and ``(..., len(k_pos))``
+                (a leading batch dim gives one matrix per row), or None (one document).
 
         Returns:
-            A bool tensor (True = kept) on ``q_pos``'s device, or None.
+            A bool tensor (True = kept) on ``q_pos``'s device, ``(..., len(q_pos), len(k_pos))``, or None.
         """
         q, k = q_pos[:, None], k_pos[None, :]
         keep = None
@@ -117,6 +118,6 @@ class AttentionMask:
             inside = k > q - self.window
             keep = inside if keep is None else keep & inside
         if q_doc is not None and k_doc is not None:
-            same = q_doc[:, None] == k_doc[None, :]
+            same = q_doc[..., :, None] == k_doc[..., None, :]
             keep = same if keep is None else keep & same
         return keep

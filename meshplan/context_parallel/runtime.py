@@ -42,7 +42,7 @@ class _Route(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func is _SDPA:
             self.runtime.called.add(self.path)
-            return self.runtime.attend(*args, **(kwargs or {}), where=self.path)
+            return self.runtime.attend(*args, **(kwargs or {}), where=self.path, **self.runtime.masking(self.path))
         return func(*args, **(kwargs or {}))
 
 
@@ -77,6 +77,10 @@ class CpRuntime:
         attend: ``attend(q, k, v, ..., where=path)``, the cross-shard attention of the plan's method.
         positions_kwarg, buffer, buffer_dim: how the model learns positions (the plan's ``positions``).
         patterns, attention_paths: the plan's attention patterns and the modules they matched.
+        layer_masks: the :class:`~meshplan.context_parallel.masks.AttentionMask` of each attention module whose
+            model says it (transformers' per-layer sliding windows); the others follow their call.
+        masked: ``attend`` takes ``mask`` and ``documents`` (all-gather); else a window or documents are refused.
+        documents: this forward's ``(batch, seq)`` document ids per global position (packed sequences), or None.
     """
 
     group: Any
@@ -91,6 +95,9 @@ class CpRuntime:
     patterns: tuple[str, ...]
     attention_paths: tuple[str, ...]
     inject_mask: bool = False
+    layer_masks: dict = field(default_factory=dict)
+    masked: bool = True
+    documents: Any = None
     depth: int = 0
     local_len: int | None = None
     audited: set = field(default_factory=set)
@@ -112,6 +119,40 @@ class CpRuntime:
                             f"{held} equal chunks; feed it through meshplan.train_step or shard_batch")
         return torch.tensor(rank_positions(local_len * self.cp, self.cp, self.rank, self.load_balance),
                             device=device)
+
+    def masking(self, path: str) -> dict:
+        """The keyword arguments ``attend`` gets for the module at ``path``: its layer's mask and the documents.
+
+        Raises:
+            PlanError: a window, soft-cap or documents with a method that does not take them (ring).
+        """
+        mask = self.layer_masks.get(path)
+        if mask is None and self.documents is None:
+            return {}
+        if not self.masked:
+            raise PlanError(f"context_parallel: {path} needs {mask or 'document masks (packed sequences)'}; "
+                            f"method: ring does not take them yet; use method: allgather_kv")
+        return {"mask": mask, "documents": self.documents}
+
+    def _documents(self, model: nn.Module, kwargs: dict, rows: int) -> torch.Tensor | None:
+        """Document ids per global position from the caller's position ids (transformers' packed sequences:
+        ids restarting per document), all-gathered over cp: the local ids cannot say where a document starts.
+        Only when transformers reads them so (``masking_utils._preprocess_mask_arguments``): position ids given,
+        no ``attention_mask`` and no cache (``use_cache`` off: with the config's default ``use_cache=True`` a
+        transformers model builds a cache and ignores the packing, on one device too); None for one document."""
+        ids = kwargs.get(self.positions_kwarg) if self.positions_kwarg is not None else None
+        use_cache = kwargs.get("use_cache")
+        use_cache = getattr(getattr(model, "config", None), "use_cache", False) if use_cache is None else use_cache
+        if not self.inject_mask or ids is None or kwargs.get("attention_mask") is not None or use_cache \
+                or kwargs.get("past_key_values") is not None:
+            return None
+        from meshplan.context_parallel.batch import documents_of
+        local = ids.expand(rows, -1).contiguous()
+        parts = [torch.empty_like(local) for _ in range(self.cp)]
+        torch.distributed.all_gather(parts, local, group=self.group)
+        order = torch.argsort(torch.tensor([p for r in range(self.cp) for p in
+                                            rank_positions(local.shape[-1] * self.cp, self.cp, r, self.load_balance)]))
+        return documents_of(torch.cat(parts, -1).index_select(-1, order.to(local.device)))
 
     def module_path(self) -> str:
         return self._stack[-1] if self._stack else "the model"
@@ -146,6 +187,7 @@ class CpRuntime:
                             f"{self.seq_dim} to learn the local length from")
         self.local_len = first.shape[self.seq_dim]
         pos = self.positions(self.local_len, first.device)
+        self.documents = self._documents(model, kwargs, first.shape[0])
         if self.positions_kwarg is not None and kwargs.get(self.positions_kwarg) is None:
             kwargs = {**kwargs, self.positions_kwarg: pos.unsqueeze(0).expand(first.shape[0], -1)}
         if self.inject_mask and kwargs.get("attention_mask") is None:  # else a jump in positions reads as packing

@@ -19,6 +19,7 @@ import meshplan
 from _float64 import RTOL, float64_model, keep_float64
 from _launch import run_cases
 from dp_worker import TP_RULES, sum_ce
+import hf_models
 from llama import build, tiny_args
 
 WORLD = int(os.environ["WORLD_SIZE"])
@@ -108,19 +109,43 @@ def llama_case(layout, tp=False, lp=False, microbatches=1, pipeline=None, blocks
     return _compare(model, ref, results, ref_losses, ref_norms)
 
 
-def hf_case(layout, tp=False, arch="llama"):
+def packed_ids(step):
+    """Position ids restarting per document (transformers' padding-free packing), different per row and step:
+    row 0 three documents, row 1 one, row 2 two unequal, row 3 a document crossing the head-tail chunk edges."""
+    from meshplan.context_parallel.batch import position_ids_of
+    shapes = [[5, 20, 7], [SEQ], [3 + step, SEQ - 3 - step], [9, 2, 21]]
+    return torch.cat([position_ids_of(lengths) for lengths in shapes])
+
+
+GEMMA3_TP_RULES = {**HF_TP_RULES, "model.layers.*.self_attn.q_norm": "head_norm",
+                   "model.layers.*.self_attn.k_norm": "head_norm",
+                   "model.layers.*.pre_feedforward_layernorm": "norm", "model.layers.*.post_feedforward_layernorm": "norm"}
+
+
+def hf_case(layout, tp=False, arch="llama", factory=None, packed=False, rules=HF_TP_RULES):
     """A transformers causal LM (SDPA, causal, GQA, position_ids; Qwen2: q/k/v biases, the key bias's gradient ~0
-    in exact arithmetic, which float32 AdamW turned into lr-sized moves) with its own shifted loss vs one device."""
+    in exact arithmetic, which float32 AdamW turned into lr-sized moves) with its own shifted loss vs one device.
+    ``factory``: another model (a tiny zoo config, sliding windows); ``packed``: each row packs documents
+    (:func:`packed_ids`), which one device masks from the position ids alone (transformers' packing detection)."""
     import hf_models
-    factory = getattr(hf_models, arch)
+    factory = factory or getattr(hf_models, arch)
+    extra = (lambda s, rows=slice(None): {"position_ids": packed_ids(s)[rows]}) if packed else \
+        (lambda s, rows=slice(None): {})
     torch.manual_seed(0)
     ref = float64_model(factory())
     vocab = ref.config.vocab_size
-    ref_losses, ref_norms = _train_ref(ref, lambda s: (global_batch(s, vocab)[1],),
-                                       lambda m, y: m(input_ids=y.clamp(min=0), labels=y).loss)
+    if packed:  # teeth: one device masks the documents (with a cache, use_cache=True, transformers ignores the
+        # packing): the loss moves by far more than RTOL
+        with torch.no_grad():
+            y = global_batch(0, vocab)[1]
+            alone, docs = (float(ref(input_ids=y.clamp(min=0), labels=y, **extra(0), use_cache=c).loss)
+                           for c in (True, False))
+        assert abs(alone - docs) > 100 * RTOL * abs(alone), (alone, docs)
+    ref_losses, ref_norms = _train_ref(ref, lambda s: (global_batch(s, vocab)[1], extra(s)),
+                                       lambda m, y, kw: m(input_ids=y.clamp(min=0), labels=y, **kw).loss)
     plan = {"layout": layout, "blocks": {"pattern": "model.layers.*"}, "context_parallel": CP_HF}
     if tp:
-        plan["tensor_parallel"] = {"sequence_parallel": True, "loss_parallel": True, "rules": HF_TP_RULES}
+        plan["tensor_parallel"] = {"sequence_parallel": True, "loss_parallel": True, "rules": rules}
     topo = meshplan.build_mesh(layout)
     torch.manual_seed(0)
     model = meshplan.parallelize(float64_model(factory()), plan, topo)
@@ -129,9 +154,21 @@ def hf_case(layout, tp=False, arch="llama"):
     results = []
     for s in range(STEPS):
         y = global_batch(s, vocab)[1][r * rows:(r + 1) * rows]
-        batch = {"input_ids": y.clamp(min=0), "labels": y}
+        batch = {"input_ids": y.clamp(min=0), "labels": y, **extra(s, slice(r * rows, (r + 1) * rows))}
         results.append(meshplan.train_step(model, batch, None, opt, max_grad_norm=MAX_NORM))
     return _compare(model, ref, results, ref_losses, ref_norms)
+
+
+def zoo(model_type, **over):
+    """A tiny transformers model of ``model_type`` (meshplan.hf.tiny_models; sliding windows of 8 tokens in its
+    tiny config) in SDPA."""
+    def build():
+        from meshplan.hf.tiny_models import tiny_model
+        model, why = tiny_model(model_type, **over)
+        assert model is not None, why
+        model.config._attn_implementation = "sdpa"
+        return model
+    return build
 
 
 def refusals():
@@ -213,12 +250,29 @@ CASES_2 = {
     "cp2_checkpointed": lambda: llama_case({"cp": 2}, blocks={"pattern": "layers.*",
                                                               "activation_checkpointing": {"mode": "full"}}),
     "refusals": refusals,
+    "cp2_hf_packed": lambda: hf_case({"cp": 2}, factory=lambda: hf_models.llama(use_cache=False), packed=True),
+    "cp2_hf_packed_cached": lambda: hf_case({"cp": 2}, packed=True),  # use_cache=True: no document masks
+    "cp2_mistral_window": lambda: hf_case({"cp": 2}, factory=zoo("mistral")),
+    "cp2_mistral_window_packed": lambda: hf_case({"cp": 2}, factory=zoo("mistral"), packed=True),
+    "cp2_qwen2_window": lambda: hf_case({"cp": 2}, factory=zoo("qwen2", use_sliding_window=True, sliding_window=8,
+                                                                max_window_layers=1)),
+    "cp2_gemma3": lambda: hf_case({"cp": 2}, factory=zoo("gemma3_text")),
+    "cp2_cohere2": lambda: hf_case({"cp": 2}, factory=zoo("cohere2")),
+    "cp2_ministral": lambda: hf_case({"cp": 2}, factory=zoo("ministral")),
+    "cp2_olmo3": lambda: hf_case({"cp": 2}, factory=zoo("olmo3")),
+    "cp2_exaone4": lambda: hf_case({"cp": 2}, factory=zoo("exaone4")),
 }
 CASES_4 = {
     "cp4": lambda: llama_case({"cp": 4}),
     "cp2_tp2_sp": lambda: llama_case({"cp": 2, "tp": 2}, tp=True, lp=True),
     "cp2_dp_shard2": lambda: llama_case({"cp": 2, "dp_shard": 2}),
     "cp2_tp2_hf_llama": lambda: hf_case({"cp": 2, "tp": 2}, tp=True),
+    "cp2_tp2_hf_packed": lambda: hf_case({"cp": 2, "tp": 2}, tp=True, factory=lambda: hf_models.llama(use_cache=False),
+                                         packed=True),
+    # Gemma 3: sliding and full layers, logits soft-capped (final_logit_softcapping 2.0: tanh bites) on the
+    # vocab-sharded logits of loss parallelism
+    "cp2_tp2_gemma3_softcap": lambda: hf_case({"cp": 2, "tp": 2}, tp=True, rules=GEMMA3_TP_RULES,
+                                              factory=zoo("gemma3_text", final_logit_softcapping=2.0)),
     "pp2_cp2": lambda: llama_case({"cp": 2, "pp": 2}, pipeline={"schedule": "1f1b", "microbatches": 2}),
 }
 CASES_8 = {
