@@ -18,7 +18,7 @@ from __future__ import annotations
 import sys
 from typing import Sequence
 
-from meshplan.cli import checkpoints, convert, plans, ranks, solve
+from meshplan.cli import checkpoints, convert, plans, ranks, solve, train
 from meshplan.cli.args import Parser, error_line
 from meshplan.errors import PlanError
 
@@ -35,6 +35,7 @@ def build_parser() -> Parser:
     convert.register(sub)
     checkpoints.register(sub)
     solve.register(sub)
+    train.register(sub)
     return parser
 
 

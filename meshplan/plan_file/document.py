@@ -19,6 +19,7 @@ from meshplan.plan_file.pipeline import Pipeline
 from meshplan.plan_file.context_parallel import ContextParallel
 from meshplan.plan_file.expert_parallel import ExpertParallel
 from meshplan.plan_file.faults import Faults
+from meshplan.plan_file.training import Training
 
 __all__ = ["Plan", "load_plan", "as_plan"]
 
@@ -53,6 +54,9 @@ class Plan(Strict):
         None, description="Collective timeouts of every process group (until and after the first train_step), "
                           "heartbeats and the flight recorder: a silent or dead rank makes the others end with a "
                           "RankFailure naming it and the mesh axis, not hang.")
+    training: Training | None = Field(
+        None, description="What `meshplan train` trains (model, data) and how (steps, batch, optimizer, schedule, "
+                          "evaluation, checkpoints, export, logging); ignored by parallelize.")
     source: str | None = Field(None, exclude=True, description="Where the plan was read from (set by the loader).")
 
     @field_validator("version", mode="before")
