@@ -62,6 +62,10 @@ class TrainData(Strict):
     text_key: str = Field("text", description="The JSONL field holding a document's text.")
     eval_fraction: float = Field(0.0, ge=0.0, lt=1.0, description="The share of packed windows held out for "
                                                                   "evaluation (chosen by a hash of the seed).")
+    documents: bool = Field(False, description="Mask attention to each document of a packed window: position ids "
+                                               "restart after every end-of-document token (transformers' packed-"
+                                               "sequence convention; context parallelism masks by them too). "
+                                               "False: documents see the ones before them in the window.")
 
 
 class Optimizer(Strict):

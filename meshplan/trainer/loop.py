@@ -117,7 +117,18 @@ def _corpus(tr: Training, tok: Any, vocab: int, topo: Any) -> PackedTokens:
     return data if data is not None else open_data(tr, tok, vocab, topo.data_world_size)
 
 
-def _weights(model: torch.nn.Module, source: ModelSource, tr: Training) -> None:
+def _inputs(b: dict[str, torch.Tensor], tr: Training) -> Any:
+    """The model's inputs: the token ids, or with ``data.documents`` a dict with the restarting position ids (no
+    cache: transformers ignores packing when it builds one)."""
+    if not tr.data.documents:
+        return b["input_ids"]
+    return {"input_ids": b["input_ids"], "position_ids": b["position_ids"], "use_cache": False}
+
+
+def _weights(model: torch.nn.Module, source: ModelSource, tr: Training, resuming: bool) -> None:
+    """The starting weights: none when a checkpoint will fill the meta shards, else the folder's or the seed's."""
+    if resuming:
+        return
     if source.weights is not None:
         meshplan.load_safetensors(model, source.weights)
     else:
@@ -132,7 +143,7 @@ def _evaluate(model: torch.nn.Module, data: PackedTokens, tr: Training, topo: An
     try:
         for k in range(tr.eval.batches):
             b = data.batch(k, tr.global_batch, topo.data_rank, topo.data_world_size, split="eval")
-            res = meshplan.train_step(model, (b["input_ids"], b["labels"]), lm_loss, noop, topology=topo)
+            res = meshplan.train_step(model, (_inputs(b, tr), b["labels"]), lm_loss, noop, topology=topo)
             total, tokens = total + res.loss * res.num_tokens, tokens + res.num_tokens
     finally:
         model.train()
@@ -167,14 +178,15 @@ def train(plan: Plan) -> dict[str, Any]:
         data = _corpus(tr, tok, vocab, topo)
         flops = _flops_per_token(source.model, tr.seq_len)
         model = meshplan.parallelize(source.model, plan, topo)
-        _weights(model, source, tr)
-        opt = torch.optim.AdamW(model.parameters(), lr=tr.optimizer.lr, betas=tr.optimizer.betas,
-                                eps=tr.optimizer.eps, weight_decay=tr.optimizer.weight_decay)
         ck = tr.checkpoint
         ckpt = meshplan.CheckpointManager(ck.folder, every=ck.every, keep=ck.keep or None,
                                           async_save=ck.async_save) if ck.folder else None
+        resuming = ckpt is not None and ck.resume and ckpt.latest() is not None
+        _weights(model, source, tr, resuming)  # a resumed run loads its checkpoint straight into the meta shards
+        opt = torch.optim.AdamW(model.parameters(), lr=tr.optimizer.lr, betas=tr.optimizer.betas,
+                                eps=tr.optimizer.eps, weight_decay=tr.optimizer.weight_decay)
         position, done = meshplan.DataState(tr.global_batch, tr.seed), 0
-        if ckpt is not None and ck.resume:
+        if resuming:
             saved = ckpt.load_latest(model, opt, data=position)
             if saved is not None:
                 done, position = saved.step, saved.data
@@ -204,7 +216,7 @@ def _loop(model, opt, data, tr, topo, log, ckpt, done, position, flops) -> None:
         torch.manual_seed(step_seed(tr.seed, step))
         b = data.batch(step - 1, tr.global_batch, topo.data_rank, topo.data_world_size)
         t0 = time.perf_counter()
-        res = meshplan.train_step(model, (b["input_ids"], b["labels"]), lm_loss, opt, topology=topo,
+        res = meshplan.train_step(model, (_inputs(b, tr), b["labels"]), lm_loss, opt, topology=topo,
                                   microbatches=micro, max_grad_norm=clip)
         dt = time.perf_counter() - t0
         position = position.advanced()
