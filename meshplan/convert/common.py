@@ -33,13 +33,20 @@ def is_replicate(layout: Any) -> bool:
 @dataclass
 class Notes:
     """What a conversion could not carry (``dropped``) and what it had to guess (``assumed``): one line each,
-    printed on stderr by ``meshplan convert``."""
+    printed on stderr by ``meshplan convert``; ``lost``: the dropped rules that held parameters' sharding."""
 
     dropped: list[str] = field(default_factory=list)
     assumed: list[str] = field(default_factory=list)
+    lost: list[str] = field(default_factory=list)
 
     def drop(self, what: str, why: str) -> None:
         self.dropped.append(f"{what}: {why}")
+
+    def lose(self, what: str, why: str) -> None:
+        """A dropped rule for a module that has (or may have) parameters: ``meshplan convert`` refuses to write
+        the result unless ``--allow-drop``."""
+        self.drop(what, why)
+        self.lost.append(what)
 
     def assume(self, what: str, why: str) -> None:
         self.assumed.append(f"{what}: {why}")

@@ -31,6 +31,7 @@ class Options:
     sequence_parallel: bool = True
     loss_parallel: bool = True
     ep: int | None = None
+    settings: tuple[tuple[str, Any], ...] = ()
 
 
 def model_modules(model: Any) -> dict[str, str]:
@@ -60,7 +61,7 @@ def read(fmt: str, source: str, opts: Options, notes: Notes) -> dict:
         return dict(read_plan_data(source))
     if fmt == "torch":
         from meshplan.convert.torch_source import read_torch
-        data = read_torch(source, notes, opts.name, opts.modules)
+        data = read_torch(source, notes, opts.name, opts.modules, opts.settings)
     elif fmt == "hf":
         from meshplan.convert.hf_document import read_hf
         data = read_hf(source, notes, opts)
