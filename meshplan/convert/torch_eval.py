@@ -176,8 +176,8 @@ class Evaluator:
             found = self.option(node)
             if found is not None and found[1] is not _UNSET:
                 return found[1]
-            if isinstance(node, ast.Name) and node.id in STYLES:
-                return StyleClass(node.id)
+            if call_name(node) in STYLES:  # ColwiseParallel, tp.ColwiseParallel
+                return StyleClass(call_name(node))
         if isinstance(node, ast.Call):
             return self._call(node)
         raise self.fail(node)

@@ -147,7 +147,8 @@ def read_torch_plans(source: str | Path, name: str | None, notes: Notes,
         for k, style in (plan.items() if isinstance(plan, dict) else [("", plan)]):
             key = ".".join(x for x in (prefix, k) if x)
             if not isinstance(style, StyleCall) or style.cls not in STYLES:
-                shown = style.text if isinstance(style, StyleCall) else repr(style)
+                shown = repr(style) if not isinstance(style, StyleCall) else style.text if \
+                    style.text.startswith(style.cls) else f"{style.cls}: {style.text}"
                 notes.lose(f"{key!r} ({shown})", f"not one of torch's ParallelStyles ({', '.join(sorted(STYLES))});"
                            f" meshplan cannot tell what it does")
                 continue
