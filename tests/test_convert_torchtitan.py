@@ -95,7 +95,7 @@ def _train(model, tokens, labels, steps=3):
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss))
+        losses.append(float((loss.full_tensor() if hasattr(loss, "full_tensor") else loss).detach()))
     return losses
 
 

@@ -129,6 +129,8 @@ def _rule(spec: dict, heads: set[str], path: str, where: str, notes: Notes) -> A
     rule: dict[str, Any] = {"style": "colwise" if kind == "column" else "rowwise"}
     if shape is not None:
         parts = shape[0] if kind == "column" else shape[-1]
+        if isinstance(parts, (list, tuple)) and len(parts) > 1 and len(set(parts)) == 1:
+            parts = len(parts)  # [[n, n, n], -1]: k equal parts, written out
         if not isinstance(parts, int) or parts < 2 or dim not in (None, 0 if kind == "column" else 1):
             notes.drop(f"{where}.shape ({shape}, partition_dim {dim})", "meshplan packs k equal parts only; the "
                        "layer is sharded as one block")
@@ -152,8 +154,11 @@ def read_deepspeed(source: str, notes: Notes, modules: dict[str, str] | None = N
                         f"{{\"autotp_size\": N, \"partition_config\": {{\"layer_specs\": [...]}}}}}}")
     pc = tp.get("partition_config") or {}
     if pc.get("use_default_specs", True) and (tp.get("preset_model") or not pc.get("layer_specs")):
-        notes.drop("AutoTP's built-in specs (use_default_specs / preset_model)", "meshplan reads only the "
-                   "layer_specs written in the config")
+        which = f"preset_model {tp['preset_model']!r}" if tp.get("preset_model") else "no layer_specs"
+        notes.lose(f"AutoTP's built-in specs ({which})",
+                   "DeepSpeed shards by the model's transformers tp_plan or its own presets, which are not in "
+                   "this file; meshplan reads only the layer_specs written in it (the model's tp_plan: `meshplan "
+                   "convert MODEL_TYPE --from hf`)")
     heads = set((modules or {}).get("(output)", "").split(",")) - {""}
     rules: dict[str, Any] = {}
     for i, spec in enumerate(pc.get("layer_specs") or []):

@@ -74,10 +74,27 @@ def read(fmt: str, source: str, opts: Options, notes: Notes) -> dict:
     if opts.tp is not None:
         data.setdefault("layout", {})["tp"] = opts.tp
     found = (opts.modules or {}).get("(blocks)")
-    if found and "blocks" not in data and fmt != "meshplan":
-        data["blocks"] = {"pattern": found}  # FSDP2 shards each block at dp > 1; the default layers.* may miss
+    if found and "pattern" not in data.get("blocks", {}) and fmt != "meshplan":
+        data["blocks"] = {**data.get("blocks", {}), "pattern": found}  # FSDP2 shards each block; layers.* may miss
         notes.assume(f"blocks: {{pattern: {found}}}", "the model's repeated blocks (the source names none)")
+    elif fmt != "meshplan" and "pattern" not in data.get("blocks", {}):
+        _blocks_from_rules(data, notes)
+    from meshplan.convert.common import context_section
+    if fmt != "meshplan":
+        context_section(data, opts.modules, notes, source)
     return data
+
+
+def _blocks_from_rules(data: dict, notes: Notes) -> None:
+    """Without a model: the blocks pattern every per-block rule starts with (``model.layers.*``), when it is
+    not the default ``layers.*``."""
+    rules = (data.get("tensor_parallel") or {}).get("rules") or {}
+    heads = {k.split(".*.", 1)[0] + ".*" for k in rules if ".*." in k}
+    if len(heads) == 1 and heads != {"layers.*"}:
+        pattern = heads.pop()
+        data["blocks"] = {**data.get("blocks", {}), "pattern": pattern}
+        notes.assume(f"blocks: {{pattern: {pattern}}}", "the prefix of every per-block rule (the source names no "
+                     "blocks)")
 
 
 def write(fmt: str, plan: Any, opts: Options, notes: Notes) -> str:
@@ -117,7 +134,30 @@ def convert(source: str, from_: str, to: str, opts: Options = Options()) -> tupl
     text = write(to, plan, opts, notes)
     if to == "meshplan" and origin:
         text = text.replace("\n", f"\n# from {origin}\n", 1)
+    if to == "meshplan":
+        verify_plan_text(text, opts.world_size)
     return text, notes
+
+
+def verify_plan_text(text: str, world_size: int | None = None) -> None:
+    """The checks a written plan passes before it is written: it reads back as a valid plan, its layout resolves
+    (at ``world_size``, when given), and a ``cp`` degree has its ``context_parallel`` section.
+
+    Raises:
+        PlanError: the written plan would be refused (nothing is written).
+    """
+    import yaml
+    from meshplan.plan_file.document import Plan
+    try:
+        plan = Plan.from_data(yaml.safe_load(text))
+        if world_size is not None and plan.layout is not None:
+            plan.layout.resolve(world_size)
+    except PlanError as e:
+        raise PlanError(f"convert: the converted plan would be refused, nothing written: {e}") from None
+    cp = plan.layout.cp if plan.layout is not None else 1
+    if isinstance(cp, int) and cp > 1 and plan.context_parallel is None:
+        raise PlanError(f"convert: the converted plan has layout.cp {cp} and no context_parallel section; nothing "
+                        f"written")
 
 
 def plan_text(plan: Any) -> str:
@@ -136,6 +176,8 @@ def plan_text(plan: Any) -> str:
             value = rule["style"] if list(rule) == ["style"] else rule
             text = yaml.safe_dump(value, default_flow_style=True, width=1000, sort_keys=False)
             lines.append(f"    {pattern}: {text.strip().removesuffix('...').strip()}")
+        if not rules:
+            lines[-1] = "  rules: {}"
     if ep:
         lines += ["expert_parallel:"] + ["  " + x for x in yaml.safe_dump(ep, sort_keys=False).splitlines()]
     return "\n".join(x for x in lines if x != "{}") + "\n"

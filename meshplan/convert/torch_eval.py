@@ -17,6 +17,8 @@ __all__ = ["Evaluator", "StyleCall", "StyleClass", "STYLES", "call_name", "dotte
 
 #: torch's ParallelStyle classes meshplan reads
 STYLES = {"ColwiseParallel", "RowwiseParallel", "SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput"}
+#: styles of other libraries whose arguments are read too (torchtitan's NoParallel: parameters replicated)
+OTHER_STYLES = {"NoParallel"}
 
 
 @dataclass(frozen=True)
@@ -140,17 +142,18 @@ class Evaluator:
         if isinstance(test, ast.BoolOp):
             parts = [self.truth(v, yes, no) for v in test.values]
             return all(parts) if isinstance(test.op, ast.And) else any(parts)
-        if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.comparators[0], ast.Constant):
-            found = self.option(test.left)
-            if found is not None and found[1] is not _UNSET:
-                other, op = test.comparators[0].value, test.ops[0]
-                return {ast.Eq: found[1] == other, ast.NotEq: found[1] != other, ast.Is: found[1] is other,
-                        ast.IsNot: found[1] is not other}.get(type(op), True)
-        found = self.option(test)
+        found = self.option(test.left if isinstance(test, ast.Compare) else test)
         if found is not None and found[1] is not _UNSET:
-            return bool(found[1])
-        key = found[0] if found is not None else self.src(test)
-        self.unresolved.setdefault(key, (test.lineno, self.src(yes, 70) if yes is not None else "…",
+            if not isinstance(test, ast.Compare):
+                return bool(found[1])
+            if len(test.ops) == 1 and isinstance(test.comparators[0], ast.Constant):
+                other, op = test.comparators[0].value, type(test.ops[0])
+                if op in _COMPARE:
+                    return _COMPARE[op](found[1], other)
+        key = found[0] if found is not None else self.src(test, 60)
+        cond = self.src(test, 60)
+        self.unresolved.setdefault(key, (test.lineno, ("" if cond == key else f"{cond}: ") +
+                                         (self.src(yes, 70) if yes is not None else "…"),
                                          self.src(no, 70) if no is not None else "…"))
         return True
 
@@ -222,7 +225,12 @@ class Evaluator:
             StyleClass(name) if name else None
         if not isinstance(cls, StyleClass):
             raise self.fail(node)
-        if cls.name not in STYLES:
+        if cls.name not in STYLES | OTHER_STYLES:
+            for k in node.keywords:  # not read, but the conditions in them are reported with the others
+                try:
+                    self.value(k.value)
+                except PlanError:
+                    pass
             return StyleCall(cls.name, {}, self.src(node))
         if node.args:
             raise self.fail(node)
@@ -235,6 +243,10 @@ class Evaluator:
         if any(isinstance(x, (StyleCall, StyleClass)) for x in flat):
             raise self.fail(node)
         return found
+
+
+_COMPARE = {ast.Eq: lambda a, b: a == b, ast.NotEq: lambda a, b: a != b, ast.Is: lambda a, b: a is b,
+            ast.IsNot: lambda a, b: a is not b}
 
 
 class _Unset:

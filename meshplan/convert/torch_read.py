@@ -146,7 +146,12 @@ def read_torch_plans(source: str | Path, name: str | None, notes: Notes,
     for prefix, plan in _plans(tree, text, where, name, settings, notes):
         for k, style in (plan.items() if isinstance(plan, dict) else [("", plan)]):
             key = ".".join(x for x in (prefix, k) if x)
-            if not isinstance(style, StyleCall) or style.cls not in STYLES:
+            if isinstance(style, StyleCall) and style.cls == "NoParallel" and not style.kwargs.get("output_layout"):
+                notes.assume(f"{key!r} ({style.text})", "torchtitan's NoParallel read as replicate (parameters "
+                             "replicated over tp)")
+                style = StyleCall("NoParallel", {k.replace("input_layout", "input_layouts"): v for k, v in
+                                                 style.kwargs.items()}, style.text)
+            elif not isinstance(style, StyleCall) or style.cls not in STYLES:
                 shown = repr(style) if not isinstance(style, StyleCall) else style.text if \
                     style.text.startswith(style.cls) else f"{style.cls}: {style.text}"
                 notes.lose(f"{key!r} ({shown})", f"not one of torch's ParallelStyles ({', '.join(sorted(STYLES))});"

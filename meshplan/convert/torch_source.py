@@ -138,6 +138,8 @@ def _rule(key: str, cls: str, kw: dict, stream: Any, modules: dict | None, notes
     lay.pop("sequence_dim", None)
     if cls == "SequenceParallel":
         return "norm"
+    if cls == "NoParallel":
+        return {"style": "replicate", **kw}
     if cls in ("PrepareModuleInput", "PrepareModuleOutput"):
         return {"style": "prepare_input" if cls == "PrepareModuleInput" else "prepare_output", **kw}
     if cls == "RowwiseParallel" and is_replicate(lay["input_layouts"]) and \
