@@ -230,7 +230,10 @@ def test_accelerate_sources(tmp_path):
     assert r.mesh_grid.groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]  # accelerate's (dp_rep, dp_shard, cp, tp)
     py = _write(tmp_path, "acc.py", "raise SystemExit\nfrom accelerate import ParallelismConfig\n"
                                     "pc = ParallelismConfig(tp_size=4, cp_size=2, dp_shard_size=1)\n")
-    assert read("accelerate", str(py), Options(), Notes())["layout"] == {"tp": 4, "cp": 2, "dp_shard": 1}
+    with pytest.raises(meshplan.PlanError, match="cp 2 needs a context_parallel section"):  # no model: refused
+        read("accelerate", str(py), Options(), Notes())
+    py.write_text(py.read_text().replace("cp_size=2", "cp_size=1"))
+    assert read("accelerate", str(py), Options(), Notes())["layout"] == {"tp": 4, "dp_shard": 1}
 
 
 def test_hf_document_pipeline_and_degrees(tmp_path):

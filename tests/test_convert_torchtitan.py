@@ -115,3 +115,31 @@ def test_converted_torchtitan_plan_trains_equal_to_plans_llama(capsys, tmp_path)
                 runs.append(_train(model, tokens, labels))
     assert all(abs(a - b) <= RTOL * abs(b) for a, b in zip(*runs)), runs
     assert runs[0][-1] < runs[0][0]
+
+
+def test_plan_dicts_updated_under_conditions_and_loop_variable_paths(tmp_path, capsys):
+    """llama4's shape: a block plan extended by .update() and item assignment under conditions, and a
+    parallelize_module on a loop variable's submodule (block.moe.experts → layers.*.moe.experts)."""
+    src = tmp_path / "p.py"
+    src.write_text("from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel\n"
+                   "def apply(model, mesh, shared: bool, ep_mesh):\n"
+                   "    for block in model.layers.values():\n"
+                   "        plan = {'w1': ColwiseParallel()}\n"
+                   "        if shared:\n"
+                   "            plan.update({'shared.w1': ColwiseParallel()})\n"
+                   "        plan['w2'] = RowwiseParallel()\n"
+                   "        parallelize_module(block, mesh, plan)\n"
+                   "        if ep_mesh is None and shared:\n"
+                   "            parallelize_module(block.moe.experts, mesh, ColwiseParallel())\n")
+    base = ["convert", str(src), "--from", "torch", "--to", "meshplan"]
+    assert main(base) == 2
+    assert "shared (line 5: {'shared.w1': ColwiseParallel()} if true, … if false)" in \
+        capsys.readouterr().err
+    assert main(base + ["--set", "shared=true", "--set", "ep_mesh=none"]) == 0
+    out = capsys.readouterr().out
+    for rule in ("layers.*.w1: colwise", "layers.*.shared.w1: colwise", "layers.*.w2: rowwise",
+                 "layers.*.moe.experts: colwise"):
+        assert rule in out, (rule, out)
+    assert main(base + ["--set", "shared=false", "--set", "ep_mesh=none"]) == 0
+    out = capsys.readouterr().out
+    assert "shared.w1" not in out and "moe.experts" not in out and "layers.*.w2: rowwise" in out

@@ -58,6 +58,9 @@ def _bind(stmts: list[ast.stmt], guards: tuple, out: dict) -> None:
             for t in s.targets:
                 if isinstance(t, ast.Name):
                     out.setdefault(t.id, []).append((guards, s.value))
+                elif isinstance(t, ast.Subscript) and isinstance(t.value, ast.Name):  # plan["k"] = style
+                    entry = ast.copy_location(ast.Dict(keys=[t.slice], values=[s.value]), s)
+                    out.setdefault(t.value.id + ".update()", []).append((guards, entry))
                 elif isinstance(t, ast.Tuple) and isinstance(s.value, ast.Tuple) and \
                         len(t.elts) == len(s.value.elts):
                     for name, value in zip(t.elts, s.value.elts):
@@ -66,6 +69,10 @@ def _bind(stmts: list[ast.stmt], guards: tuple, out: dict) -> None:
         elif isinstance(s, ast.ImportFrom):
             for a in s.names:
                 out.setdefault(a.asname or a.name, []).append((guards, StyleClass(a.name)))
+        elif isinstance(s, ast.Expr) and isinstance(s.value, ast.Call) and call_name(s.value.func) == "update" \
+                and isinstance(s.value.func, ast.Attribute) and isinstance(s.value.func.value, ast.Name) \
+                and len(s.value.args) == 1:
+            out.setdefault(s.value.func.value.id + ".update()", []).append((guards, s.value.args[0]))
         elif isinstance(s, ast.If):
             _bind(s.body, guards + ((s.test, True),), out)
             _bind(s.orelse, guards + ((s.test, False),), out)
@@ -139,9 +146,9 @@ class Evaluator:
             return bool(test.value)
         if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
             return not self.truth(test.operand, no, yes)
-        if isinstance(test, ast.BoolOp):
-            parts = [self.truth(v, yes, no) for v in test.values]
-            return all(parts) if isinstance(test.op, ast.And) else any(parts)
+        if isinstance(test, ast.BoolOp):  # short-circuit, as Python does
+            stop = not isinstance(test.op, ast.And)
+            return next((stop for v in test.values if self.truth(v, yes, no) == stop), not stop)
         found = self.option(test.left if isinstance(test, ast.Compare) else test)
         if found is not None and found[1] is not _UNSET:
             if not isinstance(test, ast.Compare):
@@ -211,7 +218,12 @@ class Evaluator:
         if self._depth > 50:
             raise self.fail(node)
         try:
-            return self.value(live[-1])
+            found = self.value(live[-1])
+            if isinstance(found, dict):  # NAME.update({...}) calls, where their conditions hold
+                for guards, arg in self.names.get(node.id + ".update()", []):
+                    if all(self.truth(t, arg if want else None, None if want else arg) == want for t, want in guards):
+                        found = {**found, **self.value(arg)}
+            return found
         finally:
             self._depth -= 1
 

@@ -51,9 +51,25 @@ def _functions(tree: ast.Module) -> dict[int, ast.FunctionDef]:
     return out
 
 
-def _calls(tree: ast.Module) -> list[tuple[str, ast.AST, ast.FunctionDef | None]]:
-    """``(key prefix, plan argument, enclosing function)`` of every ``parallelize_module`` call."""
-    loops, funcs, out = _loop_prefixes(tree), _functions(tree), []
+def _guards(stmts: list[ast.stmt], guards: tuple, out: dict) -> None:
+    """``id(call)`` → the ``if`` conditions (test, branch) a call sits under."""
+    for s in stmts:
+        if isinstance(s, ast.If):
+            _guards(s.body, guards + ((s.test, True),), out)
+            _guards(s.orelse, guards + ((s.test, False),), out)
+        elif isinstance(s, (ast.For, ast.While, ast.With, ast.Try, ast.FunctionDef, ast.AsyncFunctionDef)):
+            for block in (s.body, getattr(s, "orelse", []), getattr(s, "finalbody", []),
+                          *[h.body for h in getattr(s, "handlers", [])]):
+                _guards(block, guards if not isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef)) else (), out)
+        else:
+            out.update({id(n): guards for n in ast.walk(s) if isinstance(n, ast.Call)})
+
+
+def _calls(tree: ast.Module) -> list[tuple[str, ast.AST, ast.FunctionDef | None, tuple]]:
+    """``(key prefix, plan argument, enclosing function, its if-conditions)`` of every ``parallelize_module``
+    call."""
+    loops, funcs, out, guards = _loop_prefixes(tree), _functions(tree), [], {}
+    _guards(tree.body, (), guards)
     for node in ast.walk(tree):
         if isinstance(node, ast.Call) and _name(node.func) == "parallelize_module":
             args = list(node.args) + [None] * 3
@@ -61,12 +77,13 @@ def _calls(tree: ast.Module) -> list[tuple[str, ast.AST, ast.FunctionDef | None]
             module, plan = kw.get("module", args[0]), kw.get("parallelize_plan", args[2])
             path = _dotted(module) if module is not None else None
             if plan is not None and path:
-                prefix = loops.get(path[0], "") if len(path) == 1 else ".".join(path[1:])
-                out.append((prefix, plan, funcs.get(id(node))))
+                base = loops.get(path[0])  # a loop variable: block → layers.*; block.moe → layers.*.moe
+                prefix = ".".join([base, *path[1:]] if base else path[1:])
+                out.append((prefix, plan, funcs.get(id(node)), guards.get(id(node), ())))
     return out
 
 
-def _module_dicts(tree: ast.Module, name: str | None, where: str) -> list[tuple[str, ast.AST, None]]:
+def _module_dicts(tree: ast.Module, name: str | None, where: str) -> list[tuple[str, ast.AST, None, tuple]]:
     """Without calls: the module-level dict literals of style calls (``name`` picks one)."""
     from meshplan.convert.torch_eval import STYLES
     dicts = {t.id: node.value for node in tree.body if isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict)
@@ -76,11 +93,11 @@ def _module_dicts(tree: ast.Module, name: str | None, where: str) -> list[tuple[
     if name is not None:
         if name not in named:
             raise PlanError(f"{where}: no dict of ParallelStyles named {name!r}; found {sorted(named) or 'none'}")
-        return [("", named[name], None)]
+        return [("", named[name], None, ())]
     if len(named) > 1:
         raise PlanError(f"{where}: found {len(named)} dicts of ParallelStyles ({', '.join(sorted(named))}) and no "
                         f"parallelize_module call; expected one, or pass --name to pick one")
-    return [("", d, None) for d in named.values()]
+    return [("", d, None, ()) for d in named.values()]
 
 
 def _nothing(tree: ast.Module, where: str) -> PlanError:
@@ -111,16 +128,18 @@ def _plans(tree: ast.Module, text: str, where: str, name: str | None, settings: 
     if not found:
         raise _nothing(tree, where)
     plans, unresolved, used, assumed = [], {}, set(), {}
-    for prefix, node, func in found:
+    for prefix, node, func, guards in found:
         ev = Evaluator(text, where, *scope_of(tree, func), settings)
-        plans.append((prefix, ev.value(node)))
-        unresolved.update(ev.unresolved)
+        if all(ev.truth(t, node if want else None, None if want else node) == want for t, want in guards):
+            plans.append((prefix, ev.value(node)))  # a call under a false condition is not made
+        unresolved = {**ev.unresolved, **unresolved}  # the first place each option was met
         used |= ev.used
         assumed.update(ev.assumed)
     if unresolved:
         raise _options_error(where, unresolved)
     for key in sorted(set(settings) - used):
-        notes.drop(f"--set {key}", "no condition of the plan reads it")
+        if not re.search(rf"\b{re.escape(key.rpartition('.')[2])}\b", text):  # read on no branch taken: fine
+            notes.drop(f"--set {key}", "the file names no such option")
     for key, why in assumed.items():
         notes.assume(key, why)
     return plans
