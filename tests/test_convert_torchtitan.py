@@ -61,10 +61,12 @@ def test_float8_branch_drops_rules_and_exits_nonzero_unless_allowed(capsys):
     without --allow-drop."""
     name = "torchtitan_llama_2024-08_36a00579.py"
     rc, text, err = _convert(capsys, name, "--set", "enable_float8=true")
-    assert rc == 2 and text == "" and "pass --allow-drop" in err
-    assert "dropped 'layers.*.attention.wq' (Float8ColwiseParallel: colwise_parallel())" in err
+    assert rc == 2 and text == "" and err.count("\n") == 1 and "pass --allow-drop" in err
+    assert "9 rule(s) for modules with parameters dropped ('layers.*.attention' (" in err
     rc, text, err = _convert(capsys, name, "--set", "enable_float8=true", "--allow-drop")
     assert rc == 0 and "layers.*.attention.wq" not in text and "output: lm_head" in text
+    assert "dropped 'layers.*.attention.wq' (Float8ColwiseParallel: colwise_parallel())" in err
+    assert sum("dropped 'layers." in x for x in err.splitlines()) == 9
 
 
 def test_newest_parallelize_without_parallelize_module_is_refused_naming_it(capsys):

@@ -45,15 +45,16 @@ def _convert(args: argparse.Namespace) -> int:
         raise
     except (Exception, SystemExit) as e:  # transformers rejecting a malformed config.json
         raise PlanError(f"convert {args.source!r}: transformers cannot use this config: {_failure(e)}") from None
+    if notes.lost and not args.allow_drop:  # one error line (the CLI's contract); --allow-drop lists them all
+        raise PlanError(f"convert {args.source!r}: {len(notes.lost)} rule(s) for modules with parameters dropped "
+                        f"({'; '.join(notes.lost[:3])}{'; …' if len(notes.lost) > 3 else ''}): the written plan would "
+                        f"leave them unsharded; nothing written; pass --allow-drop to write it anyway (each dropped "
+                        f"item then one line)")
     for line in notes.lines():
         print(line, file=sys.stderr)
-    if notes.lost and not args.allow_drop:
-        raise PlanError(f"convert {args.source!r}: {len(notes.lost)} rule(s) for modules with parameters dropped "
-                        f"({', '.join(notes.lost[:3])}{', …' if len(notes.lost) > 3 else ''}): the written plan would "
-                        f"leave them unsharded; nothing written; pass --allow-drop to write it anyway")
     write_output(text, args.output)
     if args.output is not None:
-        print(f"meshplan convert: wrote {args.output}", file=sys.stderr)
+        print(f"meshplan: wrote {args.output}", file=sys.stderr)  # as solve --write says it
     return 0
 
 
