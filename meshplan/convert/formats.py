@@ -32,6 +32,7 @@ class Options:
     loss_parallel: bool = True
     ep: int | None = None
     settings: tuple[tuple[str, Any], ...] = ()
+    read_back: bool = False  # reading a converter's own output: the sections a source lacks are not required
 
 
 def model_modules(model: Any) -> dict[str, str]:
@@ -80,7 +81,7 @@ def read(fmt: str, source: str, opts: Options, notes: Notes) -> dict:
     elif fmt != "meshplan" and "pattern" not in data.get("blocks", {}):
         _blocks_from_rules(data, notes)
     from meshplan.convert.common import context_section
-    if fmt != "meshplan":
+    if fmt != "meshplan" and not opts.read_back:
         context_section(data, opts.modules, notes, source)
     return data
 
@@ -136,7 +137,29 @@ def convert(source: str, from_: str, to: str, opts: Options = Options()) -> tupl
         text = text.replace("\n", f"\n# from {origin}\n", 1)
     if to == "meshplan":
         verify_plan_text(text, opts.world_size)
+    else:
+        _read_back(to, text, opts)
     return text, notes
+
+
+_SUFFIX = {"hf": ".json", "torch": ".py", "deepspeed": ".json", "accelerate": ".yaml"}
+
+
+def _read_back(fmt: str, text: str, opts: Options) -> None:
+    """The written text read back by meshplan's own reader into a valid plan (nothing written otherwise)."""
+    import os
+    import tempfile
+    from meshplan.plan_file.document import Plan
+    fd, path = tempfile.mkstemp(suffix=_SUFFIX[fmt], prefix="meshplan-convert-")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        Plan.from_data(read(fmt, path, Options(modules=opts.modules, tp=opts.tp, read_back=True), Notes()))
+    except PlanError as e:
+        raise PlanError(f"convert: the written {fmt} text does not read back as a plan meshplan accepts, nothing "
+                        f"written: {e}") from None
+    finally:
+        os.unlink(path)
 
 
 def verify_plan_text(text: str, world_size: int | None = None) -> None:
