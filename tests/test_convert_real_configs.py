@@ -59,6 +59,7 @@ def test_deepspeed_minimal_autotp_config_is_refused_or_writes_a_valid_plan(capsy
     assert rc == 2 and out == "" and err.count("\n") == 1 and "AutoTP's built-in specs" in err
     rc, out, err = _run(capsys, src, "--from", "deepspeed", "--allow-drop")
     assert rc == 0 and "  rules: {}" in out
+    assert "dropped train_micro_batch_size_per_gpu (1): a DeepSpeed training setting" in err
     verify_plan_text(out)
     assert "stage" not in out and "param_dtype: bfloat16" in out and "reshard_after_forward: false" in out
 

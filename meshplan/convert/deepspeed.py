@@ -187,5 +187,18 @@ def _read_zero(data: dict, out: dict, notes: Notes) -> None:
     for key, dtype in (("bf16", "bfloat16"), ("fp16", "float16")):
         if (data.get(key) or {}).get("enabled"):
             dp["param_dtype"] = dtype
+    zero = data.get("zero_optimization") or {}
+    for key in zero:
+        if key == "offload_param" and (zero[key] or {}).get("device") == "cpu":
+            dp["cpu_offload"] = True
+            notes.assume("data_parallel.cpu_offload true (offload_param: cpu)", "FSDP2's CPU offload moves the "
+                         "gradients and the optimizer state too")
+        elif key != "stage":
+            notes.drop(f"zero_optimization.{key} ({zero[key]!r})", "not a setting meshplan's data_parallel maps")
+    tp = data.get("tensor_parallel") or {}
+    for key in sorted(set(tp) - {"autotp_size", "tp_size", "partition_config", "preset_model"}):
+        notes.drop(f"tensor_parallel.{key} ({tp[key]!r})", "not a setting meshplan's tensor_parallel maps")
+    for key in sorted(set(data) - {"tensor_parallel", "zero_optimization", "bf16", "fp16"}):
+        notes.drop(f"{key} ({data[key]!r})"[:120], "a DeepSpeed training setting, not part of a plan")
     if dp:
         out["data_parallel"] = dp
