@@ -82,5 +82,6 @@ def test_a_written_plan_that_would_be_refused_is_not_written():
 
 def test_every_target_is_read_back_before_it_is_written(capsys):
     """A cp plan goes to accelerate (its read-back does not ask for the attention modules the text cannot hold)."""
-    rc, out, err = _run(capsys, "plans/hf_llama_cp.yaml", "--from", "meshplan", "--to", "accelerate")
+    rc, out, err = _run(capsys, "plans/hf_llama_cp.yaml", "--from", "meshplan", "--to", "accelerate",
+                        "--world-size", "4")
     assert rc == 0 and "parallelism_config_cp_size: 2" in out, err
