@@ -145,3 +145,26 @@ def test_plan_dicts_updated_under_conditions_and_loop_variable_paths(tmp_path, c
     assert main(base + ["--set", "shared=false", "--set", "ep_mesh=none"]) == 0
     out = capsys.readouterr().out
     assert "shared.w1" not in out and "moe.experts" not in out and "layers.*.w2: rowwise" in out
+
+
+#: the other rows of docs/conversion.md's table: file, --set options, exit code, rules written, a stderr line
+ROWS = [("torchtitan_llama3_2026-04_703b72ef.py", ["enable_loss_parallel=true", "enable_float8_tensorwise_tp=false",
+                                                  "use_fused_qkv=false"], 0, 13, "assumed enable_sp: True"),
+        ("qwen3_2026-01_d12ff2fc.py", ["loss_parallel=true", "enable_float8_tensorwise_tp=false",
+                                       "cp_enabled=false", "moe_enabled=false"], 0, 15, ""),
+        ("qwen3_2026-01_d12ff2fc.py", ["loss_parallel=true", "enable_float8_tensorwise_tp=false",
+                                       "cp_enabled=false"], 2, 0, "transformer_block.moe_enabled (line 270: "),
+        ("deepseek_v3_2026-01_1e8f9acd.py", ["loss_parallel=true", "cp_enabled=false", "q_lora_rank=0",
+                                             "moe_enabled=true"], 0, 12,
+         "assumed 'layers.*.attention.kv_norm' (NoParallel(use_local_output=False)): torchtitan's NoParallel"),
+        ("llama4_2026-01_a33d0e36.py", ["loss_parallel=true", "enable_float8_tensorwise_tp=false", "tp_mesh=true",
+                                        "ep_mesh=none", "shared_experts=true", "moe_enabled=true"], 2, 0,
+         "2 rule(s) for modules with parameters dropped ('layers.*.moe.experts' (TensorParallel())")]
+
+
+@pytest.mark.parametrize("name,sets,code,rules,line", ROWS, ids=[f"{r[0]}-{len(r[1])}" for r in ROWS])
+def test_other_torchtitan_files_give_the_documented_result(name, sets, code, rules, line, capsys):
+    rc, text, err = _convert(capsys, name, *[x for s in sets for x in ("--set", s)])
+    assert rc == code and sum(x.startswith("    ") for x in text.splitlines()) == rules and line in err, err
+    if code == 0:
+        meshplan.plan_file.document.Plan.from_data(__import__("yaml").safe_load(text))
