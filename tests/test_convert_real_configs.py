@@ -85,3 +85,14 @@ def test_every_target_is_read_back_before_it_is_written(capsys):
     rc, out, err = _run(capsys, "plans/hf_llama_cp.yaml", "--from", "meshplan", "--to", "accelerate",
                         "--world-size", "4")
     assert rc == 0 and "parallelism_config_cp_size: 2" in out, err
+
+
+def test_deepspeed_minimal_autotp_config_with_a_transformers_model_reads_its_tp_plan(capsys):
+    """AutoTP without layer_specs applies the model's transformers tp_plan (DeepSpeed's tutorial): with --model
+    meshplan does the same, and drops the embedding AutoTP leaves whole."""
+    rc, out, err = _run(capsys, DATA / "deepspeed_autotp_minimal_aa3914df.json", "--from", "deepspeed", "--model",
+                        "examples.hf_models:llama")
+    assert rc == 0, err
+    assert "model.layers.*.self_attn.q_proj: colwise" in out and "model.layers.*.mlp.down_proj: rowwise" in out
+    assert "lm_head: lm_head" in out and "embed_tokens" not in out
+    assert "dropped tp_plan 'model.embed_tokens' (embedding_rowwise)" in err

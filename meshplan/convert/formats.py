@@ -37,7 +37,8 @@ class Options:
 
 def model_modules(model: Any) -> dict[str, str]:
     """``{module path (and its wildcard pattern): class name}`` of a model, plus ``"(output)"``: its output head
-    path(s), ``"(parameters)"``: every parameter name, comma-joined, and ``"(blocks)"``: the pattern of its
+    path(s), ``"(parameters)"``: every parameter name, comma-joined, ``"(tp_plan)"``: a transformers model's
+    ``tp_plan`` as JSON, and ``"(blocks)"``: the pattern of its
     repeated blocks (:func:`meshplan.blocks.repeated_blocks`; the converters read only text)."""
     from meshplan.plan_file.patterns import wildcard
     out: dict[str, str] = {}
@@ -50,6 +51,8 @@ def model_modules(model: Any) -> dict[str, str]:
         [p for p, m in model.named_modules() if p.rpartition(".")[2] in HEAD_NAMES]
     out["(output)"] = ",".join(heads)
     out["(parameters)"] = ",".join(n for n, _ in model.named_parameters())
+    import json
+    out["(tp_plan)"] = json.dumps(getattr(model, "tp_plan", None) or {})  # a transformers model's full tp_plan
     from meshplan.blocks import repeated_blocks
     out["(blocks)"] = repeated_blocks(model) or ""
     return out
