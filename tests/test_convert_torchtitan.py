@@ -168,3 +168,15 @@ def test_other_torchtitan_files_give_the_documented_result(name, sets, code, rul
     assert rc == code and sum(x.startswith("    ") for x in text.splitlines()) == rules and line in err, err
     if code == 0:
         meshplan.plan_file.document.Plan.from_data(__import__("yaml").safe_load(text))
+
+
+def test_a_plan_changed_in_ways_not_followed_is_refused(tmp_path, capsys):
+    src = tmp_path / "p.py"
+    src.write_text("from torch.distributed.tensor.parallel import ColwiseParallel\n"
+                   "def apply(model, mesh):\n"
+                   "    plan = {'w1': ColwiseParallel(), 'w2': ColwiseParallel()}\n"
+                   "    del plan['w2']\n"
+                   "    parallelize_module(model, mesh, plan)\n")
+    assert main(["convert", str(src), "--from", "torch"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "p.py:4: cannot follow \"del plan['w2']\" on the plan 'plan'" in err

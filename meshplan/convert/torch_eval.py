@@ -66,6 +66,8 @@ def _bind(stmts: list[ast.stmt], guards: tuple, out: dict) -> None:
                     for name, value in zip(t.elts, s.value.elts):
                         if isinstance(name, ast.Name):
                             out.setdefault(name.id, []).append((guards, value))
+        elif _mutated(s):
+            out.setdefault(_mutated(s) + ".unread", []).append((guards, s))
         elif isinstance(s, ast.ImportFrom):
             for a in s.names:
                 out.setdefault(a.asname or a.name, []).append((guards, StyleClass(a.name)))
@@ -80,6 +82,21 @@ def _bind(stmts: list[ast.stmt], guards: tuple, out: dict) -> None:
             for block in (s.body, getattr(s, "orelse", []), getattr(s, "finalbody", []),
                           *[h.body for h in getattr(s, "handlers", [])]):
                 _bind(block, guards, out)
+
+
+def _mutated(s: ast.stmt) -> str | None:
+    """The name a statement changes in a way the reader does not follow (``plan.pop(k)``, ``del plan[k]``,
+    ``plan |= {...}``), else None."""
+    call = s.value if isinstance(s, ast.Expr) and isinstance(s.value, ast.Call) else None
+    if call is not None and isinstance(call.func, ast.Attribute) and isinstance(call.func.value, ast.Name) and \
+            call.func.attr in ("pop", "popitem", "setdefault", "clear", "__setitem__", "__delitem__"):
+        return call.func.value.id
+    targets = s.targets if isinstance(s, ast.Delete) else [s.target] if isinstance(s, ast.AugAssign) else []
+    for t in targets:
+        t = t.value if isinstance(t, ast.Subscript) else t
+        if isinstance(t, ast.Name):
+            return t.id
+    return None
 
 
 def scope_of(tree: ast.Module, func: ast.FunctionDef | None) -> tuple[dict, dict]:
@@ -219,6 +236,11 @@ class Evaluator:
             raise self.fail(node)
         try:
             found = self.value(live[-1])
+            if isinstance(found, dict) and node.id + ".unread" in self.names:
+                stmt = self.names[node.id + ".unread"][0][1]
+                raise PlanError(f"{self.where}:{stmt.lineno}: cannot follow {self.src(stmt, 80)!r} on the plan "
+                                f"{node.id!r} without running the file (meshplan never runs it); meshplan follows "
+                                f"assignments, .update({{...}}) and {node.id}[key] = style")
             if isinstance(found, dict):  # NAME.update({...}) calls, where their conditions hold
                 for guards, arg in self.names.get(node.id + ".update()", []):
                     if all(self.truth(t, arg if want else None, None if want else arg) == want for t, want in guards):
