@@ -96,3 +96,13 @@ def test_deepspeed_minimal_autotp_config_with_a_transformers_model_reads_its_tp_
     assert "model.layers.*.self_attn.q_proj: colwise" in out and "model.layers.*.mlp.down_proj: rowwise" in out
     assert "lm_head: lm_head" in out and "embed_tokens" not in out
     assert "dropped tp_plan 'model.embed_tokens' (embedding_rowwise)" in err
+
+
+def test_an_ep_plan_style_meshplan_cannot_map_is_a_dropped_rule(tmp_path, capsys):
+    """An ep_plan entry with a style meshplan has no mapping for was left out with no line."""
+    src = tmp_path / "doc.json"
+    src.write_text('{"tp_size": 1, "ep_size": 2, "tp_plan": {}, "ep_plan": {"model.layers.*.mlp.experts": '
+                   '"ep_dispatch_experts", "model.layers.*.mlp.gate": "grouped_gemm_magic"}}')
+    rc, out, err = _run(capsys, src, "--from", "hf")
+    assert rc == 2 and out == "" and err.count("\n") == 1
+    assert "ep_plan 'model.layers.*.mlp.gate' (grouped_gemm_magic)" in err
