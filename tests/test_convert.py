@@ -166,13 +166,24 @@ def test_torchtitan_style_source_reads_as_the_meshplan_plan(tmp_path):
 
 
 def test_torch_source_that_needs_running_is_refused(tmp_path, capsys):
+    """A condition is reported with both branches (one line) until --set decides it; a call that is not a literal,
+    a style or a bound name is refused with its line."""
     src = _write(tmp_path, "p.py", 'from torch.distributed.tensor.parallel import ColwiseParallel\n'
                                    'from torch.distributed.tensor import Shard, Replicate\n'
                                    'lp = True\nplan = {"output": ColwiseParallel(output_layouts=Shard(-1) if lp '
                                    'else Replicate())}\n')
     assert main(["convert", str(src), "--from", "torch", "--to", "meshplan"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "p.py:4: cannot read 'Shard(-1) if lp else Replicate()'" in err
+    assert err.count("\n") == 1 and "lp (line 4: Shard(-1) if true, Replicate() if false)" in err
+    assert "--set" in err
+    assert main(["convert", str(src), "--from", "torch", "--to", "meshplan", "--set", "lp=false"]) == 0
+    out = capsys.readouterr().out
+    assert "output: lm_head" in out and "loss_parallel: false" in out
+    src = _write(tmp_path, "q.py", 'from torch.distributed.tensor.parallel import ColwiseParallel\n'
+                                   'plan = {"output": ColwiseParallel(output_layouts=layout_of(3))}\n')
+    assert main(["convert", str(src), "--from", "torch", "--to", "meshplan"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "q.py:2: cannot read 'layout_of(3)'" in err
 
 
 def test_every_transformers_style_string_is_known():
@@ -219,7 +230,10 @@ def test_accelerate_sources(tmp_path):
     assert r.mesh_grid.groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]  # accelerate's (dp_rep, dp_shard, cp, tp)
     py = _write(tmp_path, "acc.py", "raise SystemExit\nfrom accelerate import ParallelismConfig\n"
                                     "pc = ParallelismConfig(tp_size=4, cp_size=2, dp_shard_size=1)\n")
-    assert read("accelerate", str(py), Options(), Notes())["layout"] == {"tp": 4, "cp": 2, "dp_shard": 1}
+    with pytest.raises(meshplan.PlanError, match="cp 2 needs a context_parallel section"):  # no model: refused
+        read("accelerate", str(py), Options(), Notes())
+    py.write_text(py.read_text().replace("cp_size=2", "cp_size=1"))
+    assert read("accelerate", str(py), Options(), Notes())["layout"] == {"tp": 4, "dp_shard": 1}
 
 
 def test_hf_document_pipeline_and_degrees(tmp_path):

@@ -21,12 +21,23 @@ def _modules(args: argparse.Namespace):
     return model_modules(build_model(args.model, _config_arg(args.config), args.path or []))
 
 
+def _setting(text: str) -> tuple[str, object]:
+    """An argparse ``type`` for ``--set NAME=VALUE``: true/false, None, an integer, else the text."""
+    name, eq, value = text.partition("=")
+    if not eq or not name.replace(".", "").replace("_", "").isalnum():
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE (e.g. loss_parallel=true), got {text[:60]!r}")
+    low = value.strip().lower()
+    if low in ("true", "false", "none"):
+        return name, {"true": True, "false": False, "none": None}[low]
+    return name, int(low) if low.lstrip("-").isdigit() else value
+
+
 def _convert(args: argparse.Namespace) -> int:
     from meshplan.checks.model_factory import _failure, _quiet_transformers, _silenced
     from meshplan.convert.formats import Options, convert
     opts = Options(modules=_modules(args), world_size=args.world_size, tp=args.tp, name=args.name,
                    sequence_parallel=not args.no_sequence_parallel, loss_parallel=not args.no_loss_parallel,
-                   ep=args.ep)
+                   ep=args.ep, settings=tuple(args.set or ()))
     try:
         with _quiet_transformers(), _silenced():
             text, notes = convert(args.source, args.from_, args.to, opts)
@@ -34,9 +45,16 @@ def _convert(args: argparse.Namespace) -> int:
         raise
     except (Exception, SystemExit) as e:  # transformers rejecting a malformed config.json
         raise PlanError(f"convert {args.source!r}: transformers cannot use this config: {_failure(e)}") from None
+    if notes.lost and not args.allow_drop:  # one error line (the CLI's contract); --allow-drop lists them all
+        raise PlanError(f"convert {args.source!r}: {len(notes.lost)} rule(s) for modules with parameters dropped "
+                        f"({'; '.join(notes.lost[:3])}{'; …' if len(notes.lost) > 3 else ''}): the written plan would "
+                        f"leave them unsharded; nothing written; pass --allow-drop to write it anyway (each dropped "
+                        f"item then one line)")
     for line in notes.lines():
         print(line, file=sys.stderr)
     write_output(text, args.output)
+    if args.output is not None:
+        print(f"meshplan: wrote {args.output}", file=sys.stderr)  # as solve --write says it
     return 0
 
 
@@ -61,6 +79,12 @@ def register(sub) -> None:
                    help="--to accelerate: resolves a dp_shard the plan infers")
     v.add_argument("--tp", type=int_arg(1, 1 << 20, " (2**20)"), default=None,
                    help="write layout.tp (a torch plan holds no degrees)")
+    v.add_argument("--set", action="append", type=_setting, metavar="NAME=VALUE",
+                   help="--from torch: the value of an option the file's conditions read (repeatable), e.g. "
+                        "--set loss_parallel=true; a parameter default is assumed (one line)")
+    v.add_argument("--allow-drop", action="store_true", help="write the result even when a rule for a module with "
+                                                             "parameters was dropped (exit 0; the lines still say "
+                                                             "what)")
     v.add_argument("--name", default=None, help="--from torch: the dict to read when the file holds several")
     v.add_argument("--ep", type=int_arg(1, 1 << 20, " (2**20)"), default=None,
                    help="--from hf, mixture-of-experts models: the expert-parallel degree (an expert_parallel section "

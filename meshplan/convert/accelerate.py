@@ -67,7 +67,7 @@ def _from_python(source: str, text: str) -> dict:
 def read_accelerate(source: str, notes: Notes) -> dict:
     """Plan data (the layout) from an accelerate config (see the module doc)."""
     from meshplan.plan_file.reading import read_plan_data
-    path = Path(source)
+    path, training = Path(source), {}
     if path.suffix == ".py":
         from meshplan.plan_file.reading import read_text
         text = read_text(path, "Python source file")  # bounded: a regular file of at most 4 MiB
@@ -78,6 +78,7 @@ def read_accelerate(source: str, notes: Notes) -> dict:
     else:
         data = dict(read_plan_data(source))
         raw = data.get("parallelism_config", data)
+        training = {k: v for k, v in data.items() if k != "parallelism_config"} if raw is not data else {}
         if not isinstance(raw, dict):
             raise PlanError(f"{source}: parallelism_config: expected a mapping of degrees, got {type(raw).__name__}")
         raw = {str(k).removeprefix("parallelism_config_"): v for k, v in raw.items()}
@@ -93,4 +94,50 @@ def read_accelerate(source: str, notes: Notes) -> dict:
             notes.drop(f"{key} ({value!r})", "not a ParallelismConfig degree meshplan maps")
     if layout.get("dp_shard") is None:
         layout["dp_shard"] = 1  # accelerate's default; meshplan's would infer it
-    return {"version": 1, "layout": layout}
+    out = {"version": 1, "layout": layout}
+    _read_training(training, out, notes)
+    if layout.get("tp", 1) > 1:
+        notes.lose(f"tp_size {layout['tp']}", "accelerate applies the model's transformers tp_plan, which is not in "
+                   "this file: write the rules with `meshplan convert MODEL_TYPE --from hf --tp N`")
+    return out
+
+
+#: accelerate's fsdp_config keys → data_parallel fields (value maps: None keeps the value)
+_FSDP = {"fsdp_reshard_after_forward": "reshard_after_forward", "fsdp_offload_params": "cpu_offload"}
+_STRATEGY = {"FULL_SHARD": {"reshard_after_forward": True}, "SHARD_GRAD_OP": {"reshard_after_forward": False},
+             "NO_SHARD": {"mode": "ddp"}, "HYBRID_SHARD": {"mode": "hsdp"}}
+_PRECISION = {"bf16": "bfloat16", "fp16": "float16"}
+
+
+def _read_training(raw: dict, out: dict, notes: Notes) -> None:
+    """The FSDP settings and mixed precision of an accelerate config; every other key one dropped line."""
+    dp: dict[str, Any] = {}
+    fsdp = raw.pop("fsdp_config", None) or {}
+    kind = str(raw.pop("distributed_type", "") or "")
+    if kind == "MULTI_GPU":
+        dp["mode"] = "ddp"
+    elif kind not in ("", "FSDP", "NO"):
+        notes.drop(f"distributed_type ({kind})", "meshplan's data parallelism is FSDP2, HSDP or DDP")
+    precision = str(raw.pop("mixed_precision", "no") or "no")
+    if precision in _PRECISION:
+        dp["param_dtype"] = _PRECISION[precision]
+        notes.assume(f"data_parallel.reduce_dtype {_PRECISION[precision]}", f"mixed_precision: {precision} "
+                     f"reduces in it too (meshplan's default: param_dtype)")
+    elif precision != "no":
+        notes.drop(f"mixed_precision ({precision})", "meshplan's mixed precision is bf16 or fp16 parameters")
+    for key, value in fsdp.items():
+        if key in _FSDP:
+            dp[_FSDP[key]] = value
+        elif key == "fsdp_sharding_strategy" and str(value) in _STRATEGY:
+            dp.update(_STRATEGY[str(value)])
+        elif key == "fsdp_activation_checkpointing" and value:
+            out["blocks"] = {"activation_checkpointing": {"mode": "full"}}
+        elif key == "fsdp_version" and value != 2:
+            notes.assume(f"fsdp_config.fsdp_version ({value})", "meshplan shards with FSDP2")
+        elif key not in ("fsdp_version", "fsdp_activation_checkpointing") and not (
+                key == "fsdp_auto_wrap_policy" and value == "TRANSFORMER_BASED_WRAP"):  # meshplan wraps each block
+            notes.drop(f"fsdp_config.{key} ({value!r})", "not a setting meshplan's data_parallel section maps")
+    for key, value in raw.items():
+        notes.drop(f"{key} ({value!r})", "an accelerate launcher setting, not part of a plan")
+    if dp:
+        out["data_parallel"] = dp

@@ -9,7 +9,7 @@ from typing import Any, Mapping
 
 from meshplan.axes import AXES
 
-__all__ = ["Notes", "unheld_sections", "acts", "layout_overrides", "rule_data", "is_replicate", "SECTION_NAMES", "HEAD_NAMES"]
+__all__ = ["Notes", "context_section", "unheld_sections", "acts", "layout_overrides", "rule_data", "is_replicate", "SECTION_NAMES", "HEAD_NAMES"]
 
 #: what each plan section is, for the dropped lines (in this order; an axis unit's section without its own words:
 #: "the <section> section")
@@ -33,13 +33,20 @@ def is_replicate(layout: Any) -> bool:
 @dataclass
 class Notes:
     """What a conversion could not carry (``dropped``) and what it had to guess (``assumed``): one line each,
-    printed on stderr by ``meshplan convert``."""
+    printed on stderr by ``meshplan convert``; ``lost``: the dropped rules that held parameters' sharding."""
 
     dropped: list[str] = field(default_factory=list)
     assumed: list[str] = field(default_factory=list)
+    lost: list[str] = field(default_factory=list)
 
     def drop(self, what: str, why: str) -> None:
         self.dropped.append(f"{what}: {why}")
+
+    def lose(self, what: str, why: str) -> None:
+        """A dropped rule for a module that has (or may have) parameters: ``meshplan convert`` refuses to write
+        the result unless ``--allow-drop``."""
+        self.drop(what, why)
+        self.lost.append(what)
 
     def assume(self, what: str, why: str) -> None:
         self.assumed.append(f"{what}: {why}")
@@ -79,3 +86,21 @@ def rule_data(style: str, overrides: Mapping[str, Any], stream: Any) -> str | di
     generated = spec.layouts({}, stream)
     kept = {k: v for k, v in overrides.items() if v is not None and generated.get(k, object()) != v}
     return {"style": style, **kept} if kept else style
+
+
+def context_section(data: dict, modules: Mapping[str, str] | None, notes: Notes, source: str) -> None:
+    """A plan with ``cp > 1`` gets its ``context_parallel`` section: the model's attention modules (``--model``:
+    the patterns of modules whose class ends in ``Attention``, outermost), or a refusal naming what to pass."""
+    from meshplan.errors import PlanError
+    cp = (data.get("layout") or {}).get("cp", 1)
+    if not isinstance(cp, int) or cp <= 1 or "context_parallel" in data:
+        return
+    found = sorted(k for k, cls in (modules or {}).items() if "*" in k and cls.endswith("Attention"))
+    found = [k for k in found if not any(k.startswith(o + ".") for o in found)]
+    if not found:
+        raise PlanError(f"{source}: cp {cp} needs a context_parallel section naming the attention modules, and "
+                        f"the source names none; pass --model MODULE:FACTORY (meshplan finds the modules whose "
+                        f"class ends in Attention){' - the model has none' if modules else ''}")
+    data["context_parallel"] = {"attention": found}
+    notes.assume(f"context_parallel: {{attention: {found}}}", f"cp {cp}: the model's attention modules (the source "
+                 f"names none)")

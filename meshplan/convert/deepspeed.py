@@ -129,6 +129,8 @@ def _rule(spec: dict, heads: set[str], path: str, where: str, notes: Notes) -> A
     rule: dict[str, Any] = {"style": "colwise" if kind == "column" else "rowwise"}
     if shape is not None:
         parts = shape[0] if kind == "column" else shape[-1]
+        if isinstance(parts, (list, tuple)) and len(parts) > 1 and len(set(parts)) == 1:
+            parts = len(parts)  # [[n, n, n], -1]: k equal parts, written out
         if not isinstance(parts, int) or parts < 2 or dim not in (None, 0 if kind == "column" else 1):
             notes.drop(f"{where}.shape ({shape}, partition_dim {dim})", "meshplan packs k equal parts only; the "
                        "layer is sharded as one block")
@@ -151,11 +153,10 @@ def read_deepspeed(source: str, notes: Notes, modules: dict[str, str] | None = N
         raise PlanError(f"{source}: no tensor_parallel section; expected DeepSpeed AutoTP's {{\"tensor_parallel\": "
                         f"{{\"autotp_size\": N, \"partition_config\": {{\"layer_specs\": [...]}}}}}}")
     pc = tp.get("partition_config") or {}
-    if pc.get("use_default_specs", True) and (tp.get("preset_model") or not pc.get("layer_specs")):
-        notes.drop("AutoTP's built-in specs (use_default_specs / preset_model)", "meshplan reads only the "
-                   "layer_specs written in the config")
     heads = set((modules or {}).get("(output)", "").split(",")) - {""}
     rules: dict[str, Any] = {}
+    if pc.get("use_default_specs", True) and (tp.get("preset_model") or not pc.get("layer_specs")):
+        rules = _builtin_specs(tp, modules, notes)
     for i, spec in enumerate(pc.get("layer_specs") or []):
         where = f"{source}: tensor_parallel.partition_config.layer_specs[{i}]"
         for regex in spec.get("patterns") or []:
@@ -165,6 +166,30 @@ def read_deepspeed(source: str, notes: Notes, modules: dict[str, str] | None = N
                            "tensor_parallel": {"sequence_parallel": False, "loss_parallel": False, "rules": rules}}
     _read_zero(data, out, notes)
     return out
+
+
+#: the transformers tp_plan styles AutoTP applies (docs/_tutorials/autotp-training.md); others fall back
+_AUTOTP_HF = {"colwise", "rowwise", "colwise_gather_output", "colwise_rep"}
+
+
+def _builtin_specs(tp: dict, modules: dict[str, str] | None, notes: Notes) -> dict:
+    """The rules AutoTP takes without layer_specs: the model's transformers tp_plan (its second priority, with
+    ``--model``), else a dropped rule set (the presets and heuristics are DeepSpeed's code, not this file)."""
+    import json
+    plan = json.loads((modules or {}).get("(tp_plan)") or "{}")
+    if tp.get("preset_model") or not plan:
+        which = f"preset_model {tp['preset_model']!r}" if tp.get("preset_model") else "no layer_specs"
+        notes.lose(f"AutoTP's built-in specs ({which})",
+                   "DeepSpeed shards by the model's transformers tp_plan or its own presets, which are not in "
+                   "this file; meshplan reads only the layer_specs written in it, or with --model a transformers "
+                   "model's tp_plan")
+        return {}
+    from meshplan.convert.hf_document import _rules
+    for key in [k for k, v in plan.items() if v not in _AUTOTP_HF]:
+        notes.drop(f"tp_plan {key!r} ({plan.pop(key)})", "AutoTP applies colwise, rowwise and "
+                   "colwise_gather_output only; the module stays whole, as under DeepSpeed")
+    notes.assume("the rules: the model's transformers tp_plan", "AutoTP uses it when the config has no layer_specs")
+    return _rules(plan, modules, notes)[0]
 
 
 def _read_zero(data: dict, out: dict, notes: Notes) -> None:
@@ -182,5 +207,18 @@ def _read_zero(data: dict, out: dict, notes: Notes) -> None:
     for key, dtype in (("bf16", "bfloat16"), ("fp16", "float16")):
         if (data.get(key) or {}).get("enabled"):
             dp["param_dtype"] = dtype
+    zero = data.get("zero_optimization") or {}
+    for key in zero:
+        if key == "offload_param" and (zero[key] or {}).get("device") == "cpu":
+            dp["cpu_offload"] = True
+            notes.assume("data_parallel.cpu_offload true (offload_param: cpu)", "FSDP2's CPU offload moves the "
+                         "gradients and the optimizer state too")
+        elif key != "stage":
+            notes.drop(f"zero_optimization.{key} ({zero[key]!r})", "not a setting meshplan's data_parallel maps")
+    tp = data.get("tensor_parallel") or {}
+    for key in sorted(set(tp) - {"autotp_size", "tp_size", "partition_config", "preset_model"}):
+        notes.drop(f"tensor_parallel.{key} ({tp[key]!r})", "not a setting meshplan's tensor_parallel maps")
+    for key in sorted(set(data) - {"tensor_parallel", "zero_optimization", "bf16", "fp16"}):
+        notes.drop(f"{key} ({data[key]!r})"[:120], "a DeepSpeed training setting, not part of a plan")
     if dp:
         out["data_parallel"] = dp

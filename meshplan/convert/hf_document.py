@@ -216,4 +216,8 @@ def read_hf(source: str, notes: Notes, opts: Any) -> dict:
         from meshplan.plan_file.expert_parallel import HF_EP_ALIASES as EP_ALIASES
         out["expert_parallel"] = {"rules": {k: dict(EP_ALIASES[v]) for k, v in doc["ep_plan"].items()
                                             if v in EP_ALIASES}}
+        for k, v in doc["ep_plan"].items():
+            if v not in EP_ALIASES:
+                notes.lose(f"ep_plan {k!r} ({v})", f"not an expert-parallel style meshplan maps "
+                           f"({', '.join(sorted(EP_ALIASES))})")
     return out

@@ -138,6 +138,8 @@ def _rule(key: str, cls: str, kw: dict, stream: Any, modules: dict | None, notes
     lay.pop("sequence_dim", None)
     if cls == "SequenceParallel":
         return "norm"
+    if cls == "NoParallel":
+        return {"style": "replicate", **kw}
     if cls in ("PrepareModuleInput", "PrepareModuleOutput"):
         return {"style": "prepare_input" if cls == "PrepareModuleInput" else "prepare_output", **kw}
     if cls == "RowwiseParallel" and is_replicate(lay["input_layouts"]) and \
@@ -163,15 +165,17 @@ def _gathers(kw: dict) -> bool:
     return len(want) == 1 and is_replicate(want[0])
 
 
-def read_torch(source: Any, notes: Notes, name: str | None = None, modules: dict[str, str] | None = None) -> dict:
+def read_torch(source: Any, notes: Notes, name: str | None = None, modules: dict[str, str] | None = None,
+               settings: Any = ()) -> dict:
     """Plan data from a Python file holding a ``parallelize_module`` plan (see the module doc).
 
     Args:
         source: the file. notes: gets what was assumed or dropped. name: the dict to read when the file has
         several. modules: ``{module pattern: class name}`` of the model (``"(output)"``: its output head), if known.
+        settings: ``(name, value)`` pairs deciding the file's conditions (``--set loss_parallel=true``).
     """
     from meshplan.convert.torch_read import read_torch_plans
-    styles = read_torch_plans(source, name, notes)
+    styles = read_torch_plans(source, name, notes, dict(settings))
     stream = _stream(styles)
     parents = {k.rpartition(".")[0] for k, (cls, _) in styles.items() if cls == "ColwiseParallel"}
     rules = {}
