@@ -5,9 +5,11 @@ import copy
 import warnings
 
 import pytest
+import yaml
 import torch
 
 import meshplan
+from _launch import ROOT
 from _float64 import RTOL, float64_model, keep_float64
 from examples.architectures import FACTORIES, gemma2, phi3, qwen3
 from examples.hf_models import llama
@@ -41,6 +43,18 @@ def test_architecture_plans_check_and_match_one_device(name):
         report = check_numerics(float64_model(factory()), plan, tp=2)
     assert report.ok, report.summary()
     assert report.loss_error <= RTOL and max(report.errors.values()) <= RTOL, report.summary()
+
+
+@pytest.mark.parametrize("mode", ["fsdp", "hsdp", "ddp"])
+def test_numerics_with_an_explicit_data_parallel_mode(mode):
+    """``check --numerics`` simulates tp alone (dp 1): a plan that names its data-parallel mode checks like one
+    that infers it (FSDP2's storage resizing crashed on simulated ranks: "resize_() on an invalid python storage")."""
+    data = yaml.safe_load((ROOT / "plans" / "hf_llama.yaml").read_text())
+    data["data_parallel"] = {"mode": mode}
+    torch.manual_seed(0)
+    with keep_float64():
+        report = check_numerics(float64_model(llama()), data, tp=2)
+    assert report.crash is None and report.ok, report.summary()
 
 
 def _errors(model, plan, **kw):
