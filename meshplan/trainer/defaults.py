@@ -4,7 +4,8 @@ into a file to edit.
 
 - ``tensor_parallel`` and ``blocks``: from transformers' own ``tp_plan`` (:func:`meshplan.hf.convert.from_hf`);
 - ``pipeline`` (pp > 1): the ``1f1b`` schedule with ``max(2·pp, training.microbatches)`` microbatches;
-- ``context_parallel`` (cp > 1): the blocks' ``self_attn`` modules, positions from ``position_ids``.
+- ``context_parallel`` (cp > 1): the blocks' ``self_attn`` modules, positions from ``position_ids``;
+- ``layout`` (none given): data parallelism over every process.
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ def fill_plan(plan: Plan, model: nn.Module, config_dir: str | None) -> tuple[Pla
     data = plan.model_dump(mode="json", exclude_unset=True)
     lay = plan.layout
     said: list[str] = []
+    if lay is None:
+        data["layout"] = {}
+        said.append("plan: no layout: data parallelism over every process (dp_shard inferred)")
     tp, pp, cp = (getattr(lay, k, 1) if lay is not None else 1 for k in ("tp", "pp", "cp"))
     if config_dir is not None and "tensor_parallel" not in data and (tp > 1 or cp > 1 or pp > 1):
         from meshplan.hf.convert import from_hf
