@@ -54,6 +54,32 @@ def _estimated(model, plan: Plan, world: int, rank: int) -> tuple[float, float, 
     return mem.params, mem.grads, mem.optimizer
 
 
+def _by_kind(rows) -> dict:
+    """``{(axis, kind, group size): (calls, bytes)}`` of a rank view's collectives."""
+    out: dict = {}
+    for x in rows:
+        c, b = out.get((x["axis"], x["kind"], x["group_size"]), (0, 0))
+        out[x["axis"], x["kind"], x["group_size"]] = (c + x["count"], b + x["bytes"])
+    return out
+
+
+def _solver_by_kind(model, plan: Plan, world: int, rank: int) -> dict:
+    """The same sums straight from the solver's terms (``step_collectives``, what ``estimate`` times)."""
+    from meshplan.checks.rank_view import _SEQ
+    from meshplan.solver.collectives import step_collectives
+    shape, _ = shape_of_model(model)
+    lay = plan.layout.resolve(world)
+    m = plan.pipeline.microbatches if plan.pipeline else 1
+    cand, train = candidate_from_plan(plan, world, _SEQ, lay.dp_replicate * lay.dp_shard * m)
+    place = Placement(cand, shape.layers, 8)
+    out: dict = {}
+    for x in step_collectives(shape, cand, train, place, place.pp_rank_of(rank)):
+        if x.group.size > 1:
+            c, b = out.get((x.axis, x.kind, x.group.size), (0, 0))
+            out[x.axis, x.kind, x.group.size] = (c + x.count, b + int(x.count * x.nbytes))
+    return out
+
+
 def _checked(report) -> tuple[int, int, int]:
     v = report.rank_view
     assert report.ok and v is not None, report.errors
@@ -76,10 +102,17 @@ def test_llama_405b_shape_on_the_meta_device_equals_the_estimate():
     data = yaml.safe_load(open("plans/llama_3d.yaml"))
     data["layout"], data["pipeline"]["microbatches"] = {"tp": 8, "pp": 16, "dp_shard": 128}, 16
     plan = Plan.from_data(data, source="llama_405b")
+    middle = None
     for rank in (0, 8 * 8 * 128 + 3, 16383):
         report = meshplan.check(model, plan, 16384, rank=rank)
+        middle = report.rank_view["collectives"] if rank == 8195 else middle
         assert _checked(report) == _estimated(model, plan, 16384, rank), rank
         assert report.totals["parameters_per_rank"] < 30_000_000  # 405e9 / 16384 = 24.7M on average
+        assert _by_kind(report.rank_view["collectives"]) == _solver_by_kind(model, plan, 16384, rank), rank
+    groups = {(x["kind"], x["group"]): x["ranks"] for x in middle}
+    assert groups["all_gather", "tp"] == list(range(8192, 8200))  # rank 8195: pp 8, dp 0, tp 3 (tp-cp-dp-pp)
+    assert groups["all_gather", "dp_shard"] == list(range(8195, 9216, 8))
+    assert groups["send", "pp"] == [7171, 9219]  # pp 7 and pp 9 at the same tp and dp
     assert report.rank_view["coordinates"] == {"tp": 7, "cp": 0, "pp": 15, "dp": 127, "dp_shard": 127,
                                                "dp_replicate": 0}
     assert report.rank_view["stages"] == ["stage 15: layers.119-125, norm, output"]
@@ -116,7 +149,11 @@ def test_cli_rank_view(capsys):
     assert lines[i + 2] == ("  parameters 20,640 in 20 tensors: 80.6 KiB, gradients 80.6 KiB, "
                             "optimizer (AdamW) 161.3 KiB")
     assert lines[i + 3] == "  FSDP2 shards the dense parameters over dp_shard (2 ranks)"
-    assert lines[i + 4].startswith("  collectives per step (group size): pp 2 send over 2; pp 2 recv over 2;")
+    assert lines[i + 4] == "  collectives per step (the solver's terms; bytes at sequence 8,192, one sequence per microbatch):"
+    assert lines[i + 5] == "    send over pp (peers 1): 2 calls, 2.0 MiB (pp: activations and their gradients)"
+    assert lines[i + 6].startswith("    recv over pp (peers 1): 2 calls, 2.0 MiB")
+    assert any(x.startswith("    all_gather over tp (ranks 4, 5): 26 calls, 52.0 MiB (tp: block inputs (forward)") for x in lines)
+    assert "    reduce_scatter over dp_shard (ranks 5, 7): 3 calls, 161.2 KiB (dp: block gradients, root gradients)" in lines
     assert "20,640 per rank (rank 5: 80.6 KiB" in out
     code, out, _ = _cli(capsys, "--rank", "5", "--format", "json")
     doc = json.loads(out)

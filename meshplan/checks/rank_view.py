@@ -17,9 +17,10 @@ import torch.nn as nn
 
 from meshplan.errors import PlanError
 
-__all__ = ["rank_view", "view_lines", "check_rank"]
+__all__ = ["rank_view", "view_lines", "check_rank", "ranks_text"]
 
-#: the sequence length the per-step collective counts are taken at (counts do not depend on it)
+#: the sequence length the per-step collectives are taken at (their counts do not depend on it, their bytes do:
+#: one sequence of it per microbatch)
 _SEQ = 8192
 
 
@@ -93,9 +94,21 @@ def _count(mods: dict[str, nn.Module], held: Any, exempt: list, d_dense: int, d_
     return {"numel": numel, "tensors": tensors, "bytes": nbytes}
 
 
-def _collectives(model: nn.Module, cand: Any, train: Any, stage_rank: int) -> list[dict] | None:
-    """The collectives the rank joins in one step (the solver's counts, exact), by axis, kind and group size; None
-    when the model's sizes cannot be read (no config) or its blocks are not the decoder the cost model describes."""
+def ranks_text(ranks: list[int]) -> str:
+    """A group's ranks, short: every rank up to 8, else an arithmetic run as ``0, 8, …, 1016 (128, stride 8)``."""
+    if len(ranks) <= 8:
+        return ", ".join(map(str, ranks))
+    steps = {b - a for a, b in zip(ranks, ranks[1:])}
+    tail = f"stride {steps.pop()}" if len(steps) == 1 else "not evenly spaced"
+    return f"{ranks[0]}, {ranks[1]}, …, {ranks[-1]} ({len(ranks)} ranks, {tail})"
+
+
+def _collectives(model: nn.Module, cand: Any, train: Any, rank: int) -> list[dict] | None:
+    """The collectives global ``rank`` issues in one step: the solver's own terms
+    (:func:`meshplan.solver.collectives.step_collectives`, what ``meshplan estimate`` times), summed by axis, kind
+    and group, each with its group's ranks, its calls and bytes per step (``bytes``: the sum over calls of each
+    call's buffer, as the cost model takes it). None when the model's sizes cannot be read (no config) or its
+    blocks are not the decoder the cost model describes."""
     from meshplan.checks.model_shape import shape_of_model
     from meshplan.solver.collectives import step_collectives
     from meshplan.solver.placement import Placement
@@ -106,12 +119,16 @@ def _collectives(model: nn.Module, cand: Any, train: Any, stage_rank: int) -> li
     if approximate is not None:  # the cost model does not describe this model's blocks: no counts, not wrong ones
         return None
     place = Placement(cand, shape.layers, 8)
-    out: dict[tuple, int] = {}
-    for x in step_collectives(shape, cand, train, place, stage_rank):
+    out: dict[tuple, dict] = {}
+    for x in step_collectives(shape, cand, train, place, place.pp_rank_of(rank)):
         if x.group.size > 1:
-            key = (x.axis, x.kind, x.group.size)
-            out[key] = out.get(key, 0) + x.count
-    return [{"axis": a, "kind": k, "group": g, "count": n} for (a, k, g), n in out.items()]
+            row = out.setdefault((x.axis, x.kind, x.group.name), {
+                "axis": x.axis, "kind": x.kind, "group": x.group.name, "group_size": x.group.size,
+                "ranks": place.group_ranks(x.group.name, rank), "count": 0, "bytes": 0, "what": []})
+            row["count"] += x.count
+            row["bytes"] += int(x.count * x.nbytes)
+            row["what"] += [x.what] if x.what not in row["what"] else []
+    return list(out.values())
 
 
 def rank_view(report: Any, model: nn.Module, plan: Any, resolved: Any, rank: int, applied: Any) -> dict:
@@ -135,7 +152,7 @@ def rank_view(report: Any, model: nn.Module, plan: Any, resolved: Any, rank: int
     stage_rank = place.pp_rank_of(rank)
     view: dict[str, Any] = {"rank": rank, "coordinates": place.coordinates(rank), "sizes": resolved.sizes(),
                             "shards": place.shard_words(), "parameters": None,
-                            "collectives": _collectives(model, cand, train, stage_rank)}
+                            "collectives": _collectives(model, cand, train, rank)}
     if rows and any(r["parameters"] is None for r in rows):
         view["reason"] = "the stages are known only once the first step traces the model"
         view["stages"] = [f"stage {r['stage']}: {r['blocks_text'][0]}" for r in rows if r["pp_rank"] == stage_rank]
@@ -164,7 +181,11 @@ def view_lines(view: dict, fmt_bytes: Any) -> list[str]:
     if view["collectives"] is None:
         out.append("  collectives per step: not counted (the model's sizes cannot be read, or its blocks are not "
                    "the decoder meshplan estimate describes)")
-    else:
-        per = "; ".join(f"{x['axis']} {x['count']} {x['kind']} over {x['group']}" for x in view["collectives"])
-        out.append(f"  collectives per step (group size): {per or 'none'}")
+        return out
+    out.append(f"  collectives per step (the solver's terms; bytes at sequence {_SEQ:,}, one sequence per "
+               f"microbatch):" + ("" if view["collectives"] else " none"))
+    for x in view["collectives"]:
+        peers = "peers" if x["kind"] in ("send", "recv") else "ranks"
+        out.append(f"    {x['kind']} over {x['group']} ({peers} {ranks_text(x['ranks'])}): {x['count']} calls, "
+                   f"{fmt_bytes(x['bytes'])} ({x['axis']}: {', '.join(x['what'])})")
     return out
