@@ -149,9 +149,10 @@ def test_cli_rank_view(capsys):
     assert lines[i + 2] == ("  parameters 20,640 in 20 tensors: 80.6 KiB, gradients 80.6 KiB, "
                             "optimizer (AdamW) 161.3 KiB")
     assert lines[i + 3] == "  FSDP2 shards the dense parameters over dp_shard (2 ranks)"
-    assert lines[i + 4] == "  collectives per step (the solver's terms; bytes at sequence 8,192, one sequence per microbatch):"
-    assert lines[i + 5] == "    send over pp (peers 1): 2 calls, 2.0 MiB (pp: activations and their gradients)"
-    assert lines[i + 6].startswith("    recv over pp (peers 1): 2 calls, 2.0 MiB")
+    assert lines[i + 4] == "  FSDP2 (fully_shard) wraps 2 blocks, then stage 1 over dp_shard (5, 7)"
+    assert lines[i + 5] == "  collectives per step (the solver's terms; bytes at sequence 8,192, one sequence per microbatch):"
+    assert lines[i + 6] == "    send over pp (peers 1): 2 calls, 2.0 MiB (pp: activations and their gradients)"
+    assert lines[i + 7].startswith("    recv over pp (peers 1): 2 calls, 2.0 MiB")
     assert any(x.startswith("    all_gather over tp (ranks 4, 5): 26 calls, 52.0 MiB (tp: block inputs (forward)") for x in lines)
     assert "    reduce_scatter over dp_shard (ranks 5, 7): 3 calls, 161.2 KiB (dp: block gradients, root gradients)" in lines
     assert "20,640 per rank (rank 5: 80.6 KiB" in out
@@ -174,3 +175,36 @@ def test_a_layout_given_beside_the_plan_is_the_one_counted():
     report = meshplan.check(model, plan, 4, layout={"tp": 1})
     n = sum(-(-p.shape[0] // 4) * (p.numel() // p.shape[0]) for p in model.parameters())
     assert report.rank_view["coordinates"]["dp_shard"] == 0 and report.totals["parameters_per_rank"] == n
+
+
+def test_explain_rows_are_the_ranks_bytes():
+    """The explain table's per-module column is the rank's (check --rank R): every parameter of llama_3d is under a
+    rule, so the rows sum to the rank's parameter bytes; a module on another stage holds 0 there."""
+    model, plan = _model("llama"), Plan.from_data(yaml.safe_load(open("plans/llama_3d.yaml")), source="3d")
+    for rank in range(8):
+        report = meshplan.check(model, plan, 8, rank=rank)
+        rows = {r["module"]: r["bytes_per_rank"] for r in report.modules}
+        assert sum(rows.values()) == report.rank_view["parameter_bytes"] == _estimated(model, plan, 8, rank)[0]
+        first = report.rank_view["coordinates"]["pp"] == 0
+        assert (rows["tok_embeddings"] > 0, rows["output"] > 0, rows["layers.3.attention.wq"] > 0) == \
+               (first, not first, not first)
+
+
+def test_each_axis_of_the_rank_layout():
+    """What each axis gives the rank: FSDP2's units and group, the pipeline stages, the experts, the chunks."""
+    model, plan = _model("moe"), Plan.from_data(yaml.safe_load(open("plans/moe.yaml")), source="moe")
+    lay = meshplan.check(model, plan, 4, rank=3).rank_view["layout"]
+    assert lay["experts"] == {"modules": [f"layers.{i}.moe.experts" for i in range(4)], "ep": 2, "ep_rank": 1,
+                              "first": 4, "last": 7, "of": 8}
+    w = lay["wrapping"]
+    assert (w["mode"], w["over_axes"], w["ranks"], w["experts_over"], w["experts_ranks"], w["roots"]) == \
+           ("fsdp", ["dp_shard"], [1, 3], "edp", [1, 3], ["(the model)"])
+    assert w["blocks"] == [f"layers.{i}" for i in range(4)] and lay["sequence"] is None and lay["stages"] == []
+    model, plan = _model("llama"), Plan.from_data(yaml.safe_load(open("plans/llama_cp.yaml")), source="cp")
+    lay = meshplan.check(model, plan, 4, rank=3).rank_view["layout"]
+    assert lay["sequence"] == {"cp": 2, "cp_rank": 1, "chunks": [1, 2], "of": 4}
+    model, plan = _model("llama"), Plan.from_data(yaml.safe_load(open("plans/llama_3d.yaml")), source="3d")
+    lay = meshplan.check(model, plan, 8, rank=5).rank_view["layout"]
+    assert [(s["stage"], s["pp_rank"], s["mine"], s["text"]) for s in lay["stages"]] == \
+           [(0, 0, False, "tok_embeddings, layers.0-1"), (1, 1, True, "layers.2-3, norm, output")]
+    assert lay["wrapping"]["blocks"] == ["layers.2", "layers.3"] and lay["wrapping"]["roots"] == ["stage 1"]

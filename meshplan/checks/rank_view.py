@@ -71,11 +71,13 @@ def _held(rows: list[dict] | None, stage_rank: int) -> tuple[Any, list[str]]:
 
 
 def _count(mods: dict[str, nn.Module], held: Any, exempt: list, d_dense: int, d_expert: int,
-           index: tuple) -> dict[str, int]:
+           index: tuple) -> dict[str, Any]:
     """Local elements, tensors and bytes of the parameters the rank holds, after every axis' division (``index``:
-    the rank's chunk of dim 0 in its dense and its expert FSDP2 group, :meth:`Placement.shard_index`)."""
+    the rank's chunk of dim 0 in its dense and its expert FSDP2 group, :meth:`Placement.shard_index`), and the
+    bytes of each module's own parameters (``modules``: path → bytes, held modules with parameters only; a shared
+    parameter counts at its first module)."""
     from meshplan.solver.memory import chunk_rows
-    seen, numel, tensors, nbytes = set(), 0, 0, 0
+    seen, numel, tensors, nbytes, per_module = set(), 0, 0, 0, {}
     for path, mod in mods.items():
         if not held(path):
             continue
@@ -91,7 +93,8 @@ def _count(mods: dict[str, nn.Module], held: Any, exempt: list, d_dense: int, d_
             d, i = (d_expert, index[1]) if own is not None else (d_dense, index[0])
             n = chunk_rows(rows, d, i if d > 1 else None) * per
             numel, tensors, nbytes = numel + n, tensors + 1, nbytes + n * local.element_size()
-    return {"numel": numel, "tensors": tensors, "bytes": nbytes}
+            per_module[path] = per_module.get(path, 0) + n * local.element_size()
+    return {"numel": numel, "tensors": tensors, "bytes": nbytes, "modules": per_module}
 
 
 def ranks_text(ranks: list[int]) -> str:
@@ -140,8 +143,10 @@ def rank_view(report: Any, model: nn.Module, plan: Any, resolved: Any, rank: int
         applied: the dry run's ``(meta copy, TpApplied)``, or None (no tensor-parallel section: whole tensors).
 
     Returns:
-        ``{rank, coordinates, sizes, stages, parameters, tensors, parameter_bytes, gradient_bytes,
-        optimizer_bytes, shards, collectives}``; the counts are None (``reason`` says why) when the stages are
+        ``{rank, coordinates, sizes, stages, parameters, tensors, parameter_bytes, module_bytes, gradient_bytes,
+        optimizer_bytes, shards, collectives, layout}`` (``layout``: what each axis gives the rank,
+        :func:`meshplan.checks.rank_layout.rank_layout`; ``module_bytes``: path → the bytes of the module's own
+        parameters on this rank, held modules only); the counts are None (``reason`` says why) when the stages are
         known only at the first step (a traced split).
     """
     from meshplan.axes import tp_exempt
@@ -157,12 +162,36 @@ def rank_view(report: Any, model: nn.Module, plan: Any, resolved: Any, rank: int
         view["reason"] = "the stages are known only once the first step traces the model"
         view["stages"] = [f"stage {r['stage']}: {r['blocks_text'][0]}" for r in rows if r["pp_rank"] == stage_rank]
         return view
+    from meshplan.checks.rank_layout import rank_layout
     held, view["stages"] = _held(rows, stage_rank)
     mods = dict((applied[0] if applied else meta_copy(model)).named_modules())
-    n = _count(mods, held, tp_exempt(model, plan, report), *shard_sizes(cand, place), place.shard_index(rank))
-    view.update(parameters=n["numel"], tensors=n["tensors"], parameter_bytes=n["bytes"],
+    exempt = tp_exempt(model, plan, report)
+    n = _count(mods, held, exempt, *shard_sizes(cand, place), place.shard_index(rank))
+    view["layout"] = rank_layout(model, plan, cand, place, rank, rows, held, exempt, view["sizes"])
+    view.update(parameters=n["numel"], tensors=n["tensors"], parameter_bytes=n["bytes"], module_bytes=n["modules"],
                 gradient_bytes=n["bytes"], optimizer_bytes=2 * n["bytes"] + 4 * n["tensors"])
     return view
+
+
+def _layout_lines(lay: dict | None) -> list[str]:
+    """The wrapping, the experts and the sequence chunks of the rank, one line each (where the axis is on)."""
+    if not lay:
+        return []
+    out, w, e, q = [], lay["wrapping"], lay["experts"], lay["sequence"]
+    if w is not None:
+        kind = {"ddp": "DDP (replicate) wraps", "hsdp": "HSDP (fully_shard, dp_replicate x dp_shard) wraps"}.get(
+            w["mode"], "FSDP2 (fully_shard) wraps")
+        units = ([f"{len(w['experts'])} experts modules over edp ({ranks_text(w['experts_ranks'])})"]
+                 if w["experts"] else []) + ([f"{len(w['blocks'])} blocks"] if w["blocks"] else []) + w["roots"]
+        over = " x ".join(w["over_axes"])
+        out.append(f"  {kind} " + ", then ".join(units) + f" over {over} ({ranks_text(w['ranks'])})")
+    if e is not None:
+        out.append(f"  experts {e['first']}-{e['last']} of {e['of']} (ep rank {e['ep_rank']} of {e['ep']}) in "
+                   f"{len(e['modules'])} modules")
+    if q is not None:
+        out.append(f"  sequence chunks {', '.join(map(str, q['chunks']))} of {q['of']} (cp rank {q['cp_rank']} of "
+                   f"{q['cp']})")
+    return out
 
 
 def view_lines(view: dict, fmt_bytes: Any) -> list[str]:
@@ -178,6 +207,7 @@ def view_lines(view: dict, fmt_bytes: Any) -> list[str]:
     else:
         out.append(f"  parameters not counted: {view['reason']}")
     out += [f"  {w}" for w in view["shards"]]
+    out += _layout_lines(view.get("layout"))
     if view["collectives"] is None:
         out.append("  collectives per step: not counted (the model's sizes cannot be read, or its blocks are not "
                    "the decoder meshplan estimate describes)")

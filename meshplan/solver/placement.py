@@ -77,7 +77,7 @@ class Placement:
         return Placement(cand, self.layers, self.gpus_per_node, base=self)
 
     @staticmethod
-    def _shard_axes(cand: Candidate) -> tuple[str, ...]:
+    def shard_axes(cand: Candidate) -> tuple[str, ...]:
         """The axes FSDP2 shards a dense tensor over (HSDP: dp_replicate replicates)."""
         if cand.dp_replicate == 1 or cand.mode != "fsdp":
             return ("dp_shard", "cp")
@@ -88,12 +88,12 @@ class Placement:
         in its edp group (the expert tensors'): which of the ``ceil(rows / d)``-row chunks of dim 0 it holds.
 
         Example: dp_shard 128, rank 127 of the group holds rows ``127·126 …`` of a 16,032-row tensor: 30."""
-        dense = self.layout.mesh_grid.group_of(rank, self._shard_axes(self.cand))
+        dense = self.layout.mesh_grid.group_of(rank, self.shard_axes(self.cand))
         expert = self.layout.expert_grid.group_of(rank, "edp")
         return dense.index(rank), expert.index(rank)
 
     def _groups(self, cand: Candidate) -> dict[str, Group]:
-        shard_axes = self._shard_axes(cand)
+        shard_axes = self.shard_axes(cand)
         mesh, dense, expert = self.layout.mesh_grid, self.layout.dense_grid, self.layout.expert_grid
         groups = {
             "tp": dense.group_of(0, "tp"), "cp": dense.group_of(0, "cp"),
@@ -119,7 +119,7 @@ class Placement:
                 return self._ends_group(line)
             i, p, ring = line.index(rank), len(line), self.cand.vpp > 1 and not self.v_shape
             return sorted({line[j % p] for j in (i - 1, i + 1) if ring or 0 <= j < p} - {rank})
-        axes = {"dp_shard": self._shard_axes(self.cand), "dp": ("dp_shard", "dp_replicate", "cp")}.get(name, name)
+        axes = {"dp_shard": self.shard_axes(self.cand), "dp": ("dp_shard", "dp_replicate", "cp")}.get(name, name)
         grid = expert if name in ("ep", "etp", "edp") else dense if name in ("tp", "cp") else mesh
         return grid.group_of(rank, axes)
 
