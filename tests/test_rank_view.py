@@ -80,6 +80,19 @@ def _solver_by_kind(model, plan: Plan, world: int, rank: int) -> dict:
     return out
 
 
+def _pictured(report, plan) -> int:
+    """The model picture's bytes of the rank (its title's ``data-bytes``), checked against its panel and boxes."""
+    from meshplan.viz.model_draw import model_picture
+    items = [dict(getattr(x, "data", ())) for x in model_picture(report, plan, []).items]
+    data = next(t for t in items if t.get("bytes"))
+    assert data["rank"] == report.rank_view["rank"] and data["parameters"] == report.rank_view["parameters"]
+    boxes = sum(t["rank-bytes"] for t in items if "rank-bytes" in t)
+    assert boxes == sum(r["bytes_per_rank"] for r in report.modules)
+    stages = [t["mine"] for t in items if "stage" in t]
+    assert stages == [str(s["mine"]).lower() for s in report.rank_view["layout"]["stages"]]
+    return data["bytes"]
+
+
 def _checked(report) -> tuple[int, int, int]:
     v = report.rank_view
     assert report.ok and v is not None, report.errors
@@ -92,7 +105,9 @@ def _checked(report) -> tuple[int, int, int]:
 def test_every_rank_equals_the_estimate(path, world, kind):
     model, plan = _model(kind), Plan.from_data(yaml.safe_load(open(path)), source=path)
     for rank in range(world):
-        assert _checked(meshplan.check(model, plan, world, rank=rank)) == _estimated(model, plan, world, rank), rank
+        report = meshplan.check(model, plan, world, rank=rank)
+        assert _checked(report) == _estimated(model, plan, world, rank), rank
+        assert _pictured(report, plan) == _estimated(model, plan, world, rank)[0], rank
 
 
 def test_llama_405b_shape_on_the_meta_device_equals_the_estimate():
@@ -109,6 +124,7 @@ def test_llama_405b_shape_on_the_meta_device_equals_the_estimate():
         assert _checked(report) == _estimated(model, plan, 16384, rank), rank
         assert report.totals["parameters_per_rank"] < 30_000_000  # 405e9 / 16384 = 24.7M on average
         assert _by_kind(report.rank_view["collectives"]) == _solver_by_kind(model, plan, 16384, rank), rank
+        assert _pictured(report, plan) == _estimated(model, plan, 16384, rank)[0], rank
     groups = {(x["kind"], x["group"]): x["ranks"] for x in middle}
     assert groups["all_gather", "tp"] == list(range(8192, 8200))  # rank 8195: pp 8, dp 0, tp 3 (tp-cp-dp-pp)
     assert groups["all_gather", "dp_shard"] == list(range(8195, 9216, 8))

@@ -16,8 +16,9 @@ from typing import Any
 import torch.nn as nn
 
 from meshplan.errors import PlanError
+from meshplan.mesh.ranks import ranks_text
 
-__all__ = ["rank_view", "view_lines", "check_rank", "ranks_text"]
+__all__ = ["rank_view", "view_lines", "check_rank"]
 
 #: the sequence length the per-step collectives are taken at (their counts do not depend on it, their bytes do:
 #: one sequence of it per microbatch)
@@ -95,15 +96,6 @@ def _count(mods: dict[str, nn.Module], held: Any, exempt: list, d_dense: int, d_
             numel, tensors, nbytes = numel + n, tensors + 1, nbytes + n * local.element_size()
             per_module[path] = per_module.get(path, 0) + n * local.element_size()
     return {"numel": numel, "tensors": tensors, "bytes": nbytes, "modules": per_module}
-
-
-def ranks_text(ranks: list[int]) -> str:
-    """A group's ranks, short: every rank up to 8, else an arithmetic run as ``0, 8, …, 1016 (128, stride 8)``."""
-    if len(ranks) <= 8:
-        return ", ".join(map(str, ranks))
-    steps = {b - a for a, b in zip(ranks, ranks[1:])}
-    tail = f"stride {steps.pop()}" if len(steps) == 1 else "not evenly spaced"
-    return f"{ranks[0]}, {ranks[1]}, …, {ranks[-1]} ({len(ranks)} ranks, {tail})"
 
 
 def _collectives(model: nn.Module, cand: Any, train: Any, rank: int) -> list[dict] | None:
