@@ -281,13 +281,15 @@ def _mib(n: float) -> str:
 
 
 def _calls(counts: dict) -> str:
-    return ", ".join(f"{k}: {v[0] if isinstance(v, list) else v}" for k, v in sorted(counts.items()))
+    """``kind@group: calls`` (``[calls, bytes]`` values: ``calls (MiB)``)."""
+    return ", ".join(f"{k}: {v[0]} ({_mib(v[1])} MiB)" if isinstance(v, list) else f"{k}: {v}"
+                     for k, v in sorted(counts.items()))
 
 
 def table(results: list[dict]) -> str:
     """The markdown table of the ranks' results."""
     head = ("| rank | pp, dp, tp, ep, edp | blocks | params MiB | grads MiB | AdamW MiB | = estimate | collectives / step "
-            "(solver; kind@group: calls) | one block measured (kind@group: calls) | = solver | FSDP2 units (= solver) "
+            "(solver; kind@group: calls) | one block measured (kind@group: calls (MiB)) | = solver | FSDP2 units (= solver) "
             "| parallelize s | peak RSS MiB (base) | process s |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in results:
@@ -322,7 +324,7 @@ def main(argv=None) -> None:
         print(json.dumps(rehearse_rank(args.preset, layout, args.world, args.rank, args.microbatches,
                                        args.schedule)))
         return
-    results = []
+    results, started = [], time.perf_counter()
     ranks = [int(r) for r in args.ranks.split(",")] if args.ranks else _ranks(args.world, layout.get("pp", 1))
     for rank in ranks:
         args.rank = rank
@@ -330,6 +332,7 @@ def main(argv=None) -> None:
         print(json.dumps(results[-1]), file=sys.stderr)
     print(f"{args.preset}, world {args.world}, layout {layout}, {args.schedule}, microbatches {args.microbatches}")
     print(table(results))
+    print(f"wall {time.perf_counter() - started:.0f} s")
 
 
 if __name__ == "__main__":
