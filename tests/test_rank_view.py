@@ -210,15 +210,19 @@ def test_each_axis_of_the_rank_layout():
     """What each axis gives the rank: FSDP2's units and group, the pipeline stages, the experts, the chunks."""
     model, plan = _model("moe"), Plan.from_data(yaml.safe_load(open("plans/moe.yaml")), source="moe")
     lay = meshplan.check(model, plan, 4, rank=3).rank_view["layout"]
-    assert lay["experts"] == {"modules": [f"layers.{i}.moe.experts" for i in range(4)], "ep": 2, "ep_rank": 1,
-                              "first": 4, "last": 7, "of": 8}
+    (share,) = lay["shares"]  # the experts of ep rank 1 (the axis' rank_share)
+    assert (share["axis"], share["text"], share["cells"]) == ("ep", "experts 4-7 of 8 (ep rank 1 of 2) in 4 modules", [])
+    assert share["data"]["modules"] == [f"layers.{i}.moe.experts" for i in range(4)]
     w = lay["wrapping"]
     assert (w["mode"], w["over_axes"], w["ranks"], w["experts_over"], w["experts_ranks"], w["roots"]) == \
            ("fsdp", ["dp_shard"], [1, 3], "edp", [1, 3], ["(the model)"])
-    assert w["blocks"] == [f"layers.{i}" for i in range(4)] and lay["sequence"] is None and lay["stages"] == []
+    assert w["blocks"] == [f"layers.{i}" for i in range(4)] and lay["stages"] == []
     model, plan = _model("llama"), Plan.from_data(yaml.safe_load(open("plans/llama_cp.yaml")), source="cp")
     lay = meshplan.check(model, plan, 4, rank=3).rank_view["layout"]
-    assert lay["sequence"] == {"cp": 2, "cp_rank": 1, "chunks": [1, 2], "of": 4}
+    (share,) = lay["shares"]
+    assert (share["axis"], share["text"], share["data"]["chunks"]) == ("cp", "sequence chunks 1, 2 of 4 (cp rank 1 of 2)", [1, 2])
+    assert share["cells"] == [["c0", False], ["c1", True], ["c2", True], ["c3", False]]
+    assert lay["wrapping"]["over_axes"] == ["cp"]  # FSDP2 over dp_shard x cp: cp 2 at world 4, tp 2
     model, plan = _model("llama"), Plan.from_data(yaml.safe_load(open("plans/llama_3d.yaml")), source="3d")
     lay = meshplan.check(model, plan, 8, rank=5).rank_view["layout"]
     assert [(s["stage"], s["pp_rank"], s["mine"], s["text"]) for s in lay["stages"]] == \

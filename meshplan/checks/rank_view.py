@@ -159,30 +159,25 @@ def rank_view(report: Any, model: nn.Module, plan: Any, resolved: Any, rank: int
     mods = dict((applied[0] if applied else meta_copy(model)).named_modules())
     exempt = tp_exempt(model, plan, report)
     n = _count(mods, held, exempt, *shard_sizes(cand, place), place.shard_index(rank))
-    view["layout"] = rank_layout(model, plan, cand, place, rank, rows, held, exempt, view["sizes"])
+    view["layout"] = rank_layout(model, plan, report, cand, place, rank, rows, held, exempt, view["sizes"])
     view.update(parameters=n["numel"], tensors=n["tensors"], parameter_bytes=n["bytes"], module_bytes=n["modules"],
                 gradient_bytes=n["bytes"], optimizer_bytes=2 * n["bytes"] + 4 * n["tensors"])
     return view
 
 
 def _layout_lines(lay: dict | None) -> list[str]:
-    """The wrapping, the experts and the sequence chunks of the rank, one line each (where the axis is on)."""
+    """The wrapping and each axis' share of the rank (:attr:`~meshplan.axis.Axis.rank_share`), a line each."""
     if not lay:
         return []
-    out, w, e, q = [], lay["wrapping"], lay["experts"], lay["sequence"]
+    out, w = [], lay["wrapping"]
     if w is not None:
         kind = {"ddp": "DDP (replicate) wraps", "hsdp": "HSDP (fully_shard, dp_replicate x dp_shard) wraps"}.get(
             w["mode"], "FSDP2 (fully_shard) wraps")
-        units = ([f"{len(w['experts'])} experts modules over edp ({ranks_text(w['experts_ranks'])})"]
+        units = ([f"{len(w['experts'])} modules over edp ({ranks_text(w['experts_ranks'])})"]
                  if w["experts"] else []) + ([f"{len(w['blocks'])} blocks"] if w["blocks"] else []) + w["roots"]
         over = " x ".join(w["over_axes"])
         out.append(f"  {kind} " + ", then ".join(units) + f" over {over} ({ranks_text(w['ranks'])})")
-    if e is not None:
-        out.append(f"  experts {e['first']}-{e['last']} of {e['of']} (ep rank {e['ep_rank']} of {e['ep']}) in "
-                   f"{len(e['modules'])} modules")
-    if q is not None:
-        out.append(f"  sequence chunks {', '.join(map(str, q['chunks']))} of {q['of']} (cp rank {q['cp_rank']} of "
-                   f"{q['cp']})")
+    out += [f"  {x['text']}" for x in lay["shares"]]
     return out
 
 

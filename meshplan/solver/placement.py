@@ -83,6 +83,11 @@ class Placement:
             return ("dp_shard", "cp")
         return ("dp_shard", "dp_replicate", "cp")
 
+    def wrap_axes(self) -> list[str]:
+        """The axes (above 1) of the group FSDP2 shards the dense tensors over, or DDP's replicas."""
+        axes = ("dp_shard", "dp_replicate", "cp") if self.cand.mode == "ddp" else self.shard_axes(self.cand)
+        return [a for a in axes if self.layout.sizes().get(a, 1) > 1]
+
     def shard_index(self, rank: int) -> tuple[int, int]:
         """``(dense, expert)``: global rank ``rank``'s index in the group FSDP2 shards its dense tensors over, and
         in its edp group (the expert tensors'): which of the ``ceil(rows / d)``-row chunks of dim 0 it holds.

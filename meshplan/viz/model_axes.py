@@ -2,12 +2,12 @@
 axis gives that rank, from the report's rank view (:mod:`meshplan.checks.rank_view`, nothing re-derived).
 
 * its coordinates and its parameter, gradient and AdamW bytes (``data-parameters``, ``data-bytes``: the figures
-  ``meshplan estimate --rank R`` gives, pp, tp, ep, cp and FSDP2 counted);
-* the pipeline stages as a strip, one cell per stage (``data-stage``, ``data-pp-rank``), the rank's own filled;
+  ``meshplan estimate --rank R`` gives, every axis counted);
+* the stages as a strip, one cell per stage (``data-stage``, ``data-stage-rank``), the rank's own filled;
 * the data-parallel wrapping: which modules FSDP2 wraps (``fully_shard``, the experts over edp, each block, each
   root) or DDP replicates, and over which ranks (``data-fsdp``);
-* the rank's experts (``data-experts``) and, under context parallelism, its chunks of each sequence as a strip
-  (``data-chunk``).
+* what every other axis gives the rank (:attr:`meshplan.axis.Axis.rank_share`: its experts, its chunks of each
+  sequence), a line each (``data-share``: the axis) and a strip where the axis has one (``data-cell``).
 
 Torch-free.
 """
@@ -69,7 +69,7 @@ def _strip(d: Drawing, y: float, label: str, cells: list[tuple[str, bool, dict]]
 
 def _wrapping_lines(w: dict | None) -> list[tuple[str, dict]]:
     if w is None:
-        return [("data parallel: none (no dp, dp_shard or cp above 1)", {"fsdp": "none"})]
+        return [("FSDP2/DDP: none (no data-parallel degree above 1)", {"fsdp": "none"})]
     over = " x ".join(w["over_axes"])
     if w["mode"] == "ddp":
         return [(f"DDP (replicate) wraps {', '.join(w['roots'])} over {over}: ranks {ranks_text(w['ranks'])}",
@@ -92,10 +92,10 @@ def rank_panel(d: Drawing, view: dict | None, y: float) -> float:
     d.text(24, y + 14, f"what each axis gives rank {view['rank']}", size=12, weight="bold")
     y += 22
     if lay["stages"]:
-        cells = [(f"s{s['stage']}", s["mine"], {"stage": s["stage"], "pp-rank": s["pp_rank"],
-                                                "title": f"stage {s['stage']} (pp rank {s['pp_rank']}): {s['text']}"})
+        cells = [(f"s{s['stage']}", s["mine"], {"stage": s["stage"], "stage-rank": s["pp_rank"],
+                                                "title": f"stage {s['stage']} (stage rank {s['pp_rank']}): {s['text']}"})
                  for s in lay["stages"]]
-        y = _strip(d, y, "pipeline stages", cells)
+        y = _strip(d, y, "stages", cells)
         mine = "; ".join(f"stage {s['stage']}: {s['text']}" for s in lay["stages"] if s["mine"])
         d.text(24 + 130, y + 10, f"rank {view['rank']} holds {mine}", size=10.5, data={"stages-held": mine})
         y += 18
@@ -103,12 +103,10 @@ def rank_panel(d: Drawing, view: dict | None, y: float) -> float:
         d.rect(24, y + 3, 12, 12, fill=FSDP if data["fsdp"] != "none" else OTHER)
         d.text(42, y + 13, text, size=10.5, data=data)
         y += 18
-    e, q = lay["experts"], lay["sequence"]
-    if e is not None:
-        d.text(24, y + 13, f"experts {e['first']}-{e['last']} of {e['of']} (ep rank {e['ep_rank']} of {e['ep']}) in "
-               f"{len(e['modules'])} modules", size=10.5, data={"experts": f"{e['first']}-{e['last']}"})
+    for share in lay["shares"]:
+        d.text(24, y + 13, share["text"], size=10.5, data={"share": share["axis"]})
         y += 18
-    if q is not None:
-        cells = [(f"c{k}", k in q["chunks"], {"chunk": k}) for k in range(q["of"])]
-        y = _strip(d, y + 2, f"cp rank {q['cp_rank']}/{q['cp']}: chunks", cells)
+        if share["cells"]:
+            y = _strip(d, y + 2, share["label"], [(c, mine, {"cell": c, "axis": share["axis"]})
+                                                   for c, mine in share["cells"]])
     return y + 6

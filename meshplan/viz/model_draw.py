@@ -114,14 +114,14 @@ def model_picture(report: Any, plan: Any, notes: list[str], order: dict[str, int
     Args:
         report: the :class:`~meshplan.checks.report.Report` of :func:`meshplan.check` (its explain rows).
         plan: the plan checked (section flags and rule overrides).
-        notes: text lines shown under the model (totals, pipeline stages, context and expert parallelism).
+        notes: text lines shown under the model (totals, each axis' summary lines).
         order: the modules' forward order (:func:`meshplan.checks.call_order.forward_order`); None: model order.
 
     Returns:
         The drawing: ``data-module``/``data-style`` on each box, ``data-activation``, ``data-forward`` and
         ``data-backward`` on each arrow; the rank view's rank (``report.rank_view``: ``check --rank R``, default
         0) in the title (``data-parameters``, ``data-bytes``), beside each box (``data-rank-bytes``) and in the
-        panel under the model (:mod:`meshplan.viz.model_axes`: stages, FSDP2 wrapping, experts, cp chunks).
+        panel under the model (:mod:`meshplan.viz.model_axes`: stages, FSDP2 wrapping, each axis' share).
     """
     items = model_items(report, plan, order)
     tp = plan.tensor_parallel
