@@ -77,17 +77,18 @@ def plan_data(layout: dict, microbatches: int, schedule: str = "1f1b", moe: bool
     return data
 
 
-def meta_model(preset: str):
+def meta_model(preset: str, layers: int | None = None):
     """The example Llama with the shapes of the solver's ``preset`` (or the example MoE with one of
-    :data:`MOE_SHAPES`), on the meta device."""
+    :data:`MOE_SHAPES`), on the meta device (``layers``: that many blocks instead of the preset's)."""
     import llama
     import moe
     from meshplan.solver.presets import model_preset
     if preset in MOE_SHAPES:
+        shapes = {**MOE_SHAPES[preset], **({"n_layers": layers} if layers else {})}
         with torch.device("meta"):
-            return moe.build(moe.ModelArgs(**MOE_SHAPES[preset], max_seq_len=SEQ, capacity_factor=None))
+            return moe.build(moe.ModelArgs(**shapes, max_seq_len=SEQ, capacity_factor=None))
     s = model_preset(preset)
-    args = llama.ModelArgs(dim=s.hidden, n_layers=s.layers, n_heads=s.heads, n_kv_heads=s.kv_heads,
+    args = llama.ModelArgs(dim=s.hidden, n_layers=layers or s.layers, n_heads=s.heads, n_kv_heads=s.kv_heads,
                            vocab_size=s.vocab, ffn_dim=s.ffn, max_seq_len=SEQ, tie_embeddings=s.tied_embeddings)
     with torch.device("meta"):
         return llama.build(args)
@@ -115,7 +116,8 @@ def measured_bytes(model) -> dict:
 
 
 def estimated(preset: str, plan, world: int, rank: int, pp_rank: int, microbatches: int) -> tuple[dict, dict]:
-    """``meshplan estimate``'s bytes for global ``rank`` and its step's collectives ``{kind@group size: calls}``."""
+    """``meshplan estimate``'s bytes for global ``rank``, its step's collectives ``{kind@group size: calls}`` and the
+    number of FSDP2 units the solver counts on its pipeline rank (blocks, experts, the root)."""
     from meshplan.solver.collectives import step_collectives
     from meshplan.solver.memory import rank_memory
     from meshplan.solver.placement import Placement
@@ -132,7 +134,9 @@ def estimated(preset: str, plan, world: int, rank: int, pp_rank: int, microbatch
     for x in step_collectives(shape, cand, train, place, pp_rank):
         if x.group.size > 1:
             counts[f"{x.kind}@{x.group.size}"] = counts.get(f"{x.kind}@{x.group.size}", 0) + x.count
-    return {"params": int(mem.params), "grads": int(mem.grads), "optimizer": int(mem.optimizer)}, counts
+    from meshplan.solver.collectives import _units
+    units = sum(n for _, _, _, n in _units(shape, cand, place, pp_rank, {})) if cand.mode in ("fsdp", "hsdp") else 0
+    return {"params": int(mem.params), "grads": int(mem.grads), "optimizer": int(mem.optimizer)}, counts, units
 
 
 def held_groups(model, topo) -> set[int]:
@@ -145,9 +149,85 @@ def held_groups(model, topo) -> set[int]:
     return sizes
 
 
+def _by_kind(rows) -> dict[str, list[int]]:
+    """``{kind@group size: [calls, bytes]}`` of ``(kind, group size, bytes)`` rows (groups of one dropped)."""
+    out: dict[str, list[int]] = {}
+    for kind, d, n in rows:
+        if d > 1:
+            c = out.setdefault(f"{kind}@{d}", [0, 0])
+            c[0], c[1] = c[0] + 1, c[1] + int(n)
+    return out
+
+
+def one_block(preset: str, data: dict, topo) -> dict | None:
+    """One block's worth at the preset's shapes, measured: the plan's tensor_parallel section on a one-block model
+    (embedding, the block, the head) over this rank's tp group, one forward and backward of one sequence of
+    ``SEQ`` tokens on the meta device under :class:`benchmarks._comm.CommLog` (every DTensor and c10d collective,
+    its group and buffer), the model's gradient finaliser run as ``train_step`` runs it; against the solver's tp
+    terms (:func:`meshplan.solver.collectives.step_collectives`) for that one-block model. FSDP2 cannot run here
+    (it refuses meta parameters), nor the pipeline's sends (its schedule infers shapes point to point) nor the
+    experts' all-to-alls (the example MoE's experts stay whole, without ep, in this one-block model). On meta
+    tensors the sequence-parallel re-gather of saved block inputs stands aside (it matches storages; meta has
+    none): the run is ``save_gathered_inputs: true``'s, and so is the prediction. None for the MoE presets: an MoE
+    block under sequence parallelism is a token region of expert parallelism, which needs the expert mesh (ep,
+    edp) of the whole layout, not the tp group alone."""
+    if preset in MOE_SHAPES:
+        return None
+    import dataclasses
+
+    import meshplan
+    from benchmarks._comm import CommLog
+    from meshplan.checks.model_shape import shape_of_model
+    from meshplan.solver.collectives import step_collectives
+    from meshplan.solver.placement import Placement
+    from meshplan.solver.plans import candidate_from_plan
+    tp = data["layout"]["tp"]
+    plan = meshplan.Plan.from_data({"version": data.get("version", 1), "layout": {"tp": tp},
+                                    "tensor_parallel": data["tensor_parallel"]}, source="one block")
+    model = meta_model(preset, layers=1)
+    t0 = time.perf_counter()
+    meshplan.parallelize(model, plan, topo["tp"])
+    t1 = time.perf_counter()
+    shape = dataclasses.replace(shape_of_model(meta_model(preset))[0], layers=1)
+    x = torch.randint(0, shape.vocab, (1, SEQ), device="meta")
+    sync = meshplan.parallel_state(model).grad_sync
+    with CommLog() as log:
+        with sync.deferred() if sync is not None else contextlib.nullcontext():
+            meshplan.cross_entropy(model(x), x).backward()
+        if sync is not None:
+            sync.finish()
+    t2 = time.perf_counter()
+    cand, train = candidate_from_plan(plan, tp, SEQ, 1, microbatches=1)
+    train = dataclasses.replace(train, save_gathered_inputs=True)  # on meta the re-gather stands aside (no storage)
+    rows = [(x.kind, x.group.size, x.nbytes) for x in step_collectives(shape, cand, train, Placement(cand, 1, 8))
+            for _ in range(x.count) if x.axis == "tp"]
+    return {"measured": _by_kind(log.records), "solver": _by_kind(rows), "parallelize_s": t1 - t0,
+            "forward_backward_s": t2 - t1}
+
+
+def fsdp_units(model) -> int:
+    """The modules FSDP2 wraps on this rank that gather parameters of their own (one all-gather group each: the
+    experts, each block, a stage root holding the embedding or the head; a root whose parameters are all in its
+    blocks gathers nothing)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    import meshplan
+    from meshplan.axes import roots
+    mods = {id(m): m for r in [model, *roots(model, meshplan.parallel_state(model))] for m in r.modules()}
+    units = [m for m in mods.values() if isinstance(m, FSDPModule)]
+
+    def own(u) -> bool:  # a parameter outside every FSDP2 module below it
+        inner = {id(p) for c in u.modules() if c is not u and isinstance(c, FSDPModule) for p in c.parameters()}
+        return any(id(p) not in inner for p in u.parameters())
+    return sum(own(u) for u in units)
+
+
 def rehearse_rank(preset: str, layout: dict, world: int, rank: int, microbatches: int,
-                  schedule: str = "1f1b") -> dict:
-    """Rank ``rank`` of ``world`` on a fake group: parallelize the meta model, measure and estimate (see above)."""
+                  schedule: str = "1f1b", block: bool = True) -> dict:
+    """Rank ``rank`` of ``world`` on a fake group: parallelize the meta model, measure and estimate (see above);
+    ``block``: also :func:`one_block`, which communicates on the fake group; run it once per process (a later
+    fake group in the same process meets a group name torch's DeviceMesh kept from the first; each rank of the
+    script runs in its own process)."""
     import meshplan
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     data = plan_data(layout, microbatches, schedule, moe=preset in MOE_SHAPES)
@@ -161,13 +241,16 @@ def rehearse_rank(preset: str, layout: dict, world: int, rank: int, microbatches
         t2 = time.perf_counter()
         got = measured_bytes(model)
         info = plan.layout.resolve(world).rank_info(rank)
-        est, counts = estimated(preset, plan, world, rank, info["pp"], microbatches)
+        est, counts, units = estimated(preset, plan, world, rank, info["pp"], microbatches)
         held = held_groups(model, topo)
+        wrapped = fsdp_units(model)
+        block = one_block(preset, data, topo) if block else None
     blocks = sorted({int(n.split(".")[1]) for n, _ in model.named_parameters() if n.startswith("layers.")})
     missing = sorted({k for k in counts if not k.startswith(("send", "recv")) and int(k.split("@")[1]) not in held})
     return {"rank": rank, "coords": {k: info[k] for k in ("pp", "dp", "tp", "cp", "ep", "edp")},
             "blocks": [len(blocks), blocks[0], blocks[-1]] if blocks else [0], "measured": got, "estimate": est,
             "collectives": counts, "groups_held": sorted(held), "groups_missing": missing,
+            "fsdp_units": [wrapped, units], "block": block,
             "mesh_s": t1 - t0, "parallelize_s": t2 - t1, "rss_base": base,
             "rss_peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
@@ -197,18 +280,30 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:,.1f}"
 
 
+def _calls(counts: dict) -> str:
+    """``kind@group: calls`` (``[calls, bytes]`` values: ``calls (MiB)``)."""
+    return ", ".join(f"{k}: {v[0]} ({_mib(v[1])} MiB)" if isinstance(v, list) else f"{k}: {v}"
+                     for k, v in sorted(counts.items()))
+
+
 def table(results: list[dict]) -> str:
     """The markdown table of the ranks' results."""
     head = ("| rank | pp, dp, tp, ep, edp | blocks | params MiB | grads MiB | AdamW MiB | = estimate | collectives / step "
-            "(kind@group: calls) | parallelize s | peak RSS MiB (base) | process s |")
+            "(solver; kind@group: calls) | one block measured (kind@group: calls (MiB)) | = solver | FSDP2 units (= solver) "
+            "| parallelize s | peak RSS MiB (base) | process s |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in results:
-        m, c = r["measured"], r["coords"]
+        m, c, b = r["measured"], r["coords"], r["block"] or {"measured": {}, "solver": {}}
         same = all(m[k] == r["estimate"][k] for k in ("params", "grads", "optimizer"))
-        colls = ", ".join(f"{k}: {v}" for k, v in sorted(r["collectives"].items()))
+        calls = {k: v[0] for k, v in b["measured"].items()} == {k: v[0] for k, v in b["solver"].items()}
+        nbytes = [k for k in b["measured"] if b["measured"][k][1] != b["solver"].get(k, [0, 0])[1]]
+        block = "not run (MoE)" if r["block"] is None else ("yes" if calls else "NO: " + _calls(b["solver"])) + (f" (bytes differ: {', '.join(nbytes)})"
+                                                                       if nbytes else ", bytes too")
+        units = f"{r['fsdp_units'][0]} ({'yes' if r['fsdp_units'][0] == r['fsdp_units'][1] else r['fsdp_units'][1]})"
         lines.append(f"| {r['rank']} | {c['pp']}, {c['dp']}, {c['tp']}, {c['ep']}, {c['edp']} | {r['blocks'][0]} ({'…'.join(map(str, r['blocks'][1:]))}) | "
                      f"{_mib(m['params'])} | {_mib(m['grads'])} | {_mib(m['optimizer'])} | "
-                     f"{'yes' if same else 'NO: ' + str(r['estimate'])} | {colls} | {r['parallelize_s']:.2f} | "
+                     f"{'yes' if same else 'NO: ' + str(r['estimate'])} | {_calls(r['collectives'])} | "
+                     f"{_calls(b['measured']) or '-'} | {block} | {units} | {r['parallelize_s']:.2f} | "
                      f"{_mib(r['rss_peak'])} ({_mib(r['rss_base'])}) | {r.get('process_s', 0):.1f} |")
     return "\n".join(lines)
 
@@ -229,7 +324,7 @@ def main(argv=None) -> None:
         print(json.dumps(rehearse_rank(args.preset, layout, args.world, args.rank, args.microbatches,
                                        args.schedule)))
         return
-    results = []
+    results, started = [], time.perf_counter()
     ranks = [int(r) for r in args.ranks.split(",")] if args.ranks else _ranks(args.world, layout.get("pp", 1))
     for rank in ranks:
         args.rank = rank
@@ -237,6 +332,7 @@ def main(argv=None) -> None:
         print(json.dumps(results[-1]), file=sys.stderr)
     print(f"{args.preset}, world {args.world}, layout {layout}, {args.schedule}, microbatches {args.microbatches}")
     print(table(results))
+    print(f"wall {time.perf_counter() - started:.0f} s")
 
 
 if __name__ == "__main__":

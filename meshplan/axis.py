@@ -209,6 +209,10 @@ class Axis:
             (``"pipeline.split: trace"``: no attention module left to route), or "" (default).
         sees_others: its ``check`` and ``prepare`` get the other axes of the plan, as the data axis' do
             (an axis that routes modules asks them for :attr:`graphs`). Default False.
+        rank_share: ``(plan, coordinates, sizes, shape, modules) -> dict | None``: what the axis gives one rank,
+            for ``check --rank R`` and the model picture (``modules``: the rank's modules of its
+            :attr:`tp_exempt`; ``shape``: the model's solver shape or None): ``{text, label, cells, data}``, a
+            line, and a strip of ``[label, mine]`` cells under ``label`` (empty: no strip); None (default).
     """
 
     name: str
@@ -245,6 +249,7 @@ class Axis:
     timeline: "Callable[..., Any] | None" = None
     graphs: Callable[[Any], str] = lambda plan: ""
     sees_others: bool = False
+    rank_share: Callable[..., Any] = lambda plan, coords, sizes, shape, modules: None
 
     def degree(self, layout: Any) -> int:
         """The axis' degree in ``layout`` (a resolved layout or a solver candidate)."""

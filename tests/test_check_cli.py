@@ -24,7 +24,7 @@ def test_table(capsys):
     lines = out.splitlines()
     assert lines[0] == "meshplan check: plans/hf_llama.yaml  model LlamaForCausalLM  tp=2  world_size=2"
     header = lines[2].split()
-    assert header[:3] == ["module", "(pattern)", "n"] and "bytes/rank" in lines[2]
+    assert header[:3] == ["module", "(pattern)", "n"] and "bytes on rank 0" in lines[2]
     row = next(x for x in lines if x.startswith("model.layers.*.self_attn.q_proj "))
     assert row.split()[1:] == ["2", "colwise", "ColwiseParallel(in=R,", "out=S(-1),", "local)", "weight[32x64]", "-",
                                "-", "16.0", "KiB"]
@@ -57,7 +57,8 @@ def test_json(capsys):
     assert t["parameters"] == 112384 and t["bytes_per_rank"] == 4 * t["parameters_per_rank"]
     attn = next(m for m in data["modules"] if m["module"] == "transformer.h.1.attn.c_attn")
     assert attn["params"]["bias"] == {"global": [192], "local": [96], "placement": "StridedShard(0,sf=3)"}
-    assert attn["forward"] == [] and attn["bytes_per_rank"] == (64 * 96 + 96) * 4
+    # rank 0's bytes: the tp shard [64, 96] + [96], then FSDP2's dim-0 half over dp_shard 2 (world 4 / tp 2)
+    assert attn["forward"] == [] and attn["bytes_per_rank"] == (64 // 2 * 96 + 96 // 2) * 4
 
 
 def test_invalid_plan_exit_2_with_all_errors(capsys):

@@ -200,3 +200,26 @@ def test_model_picture_png(capsys, tmp_path):
     code, _, _ = run(capsys, "check", "plans/hf_llama.yaml", "--model", "examples.hf_models:llama", "--format", "png",
                      "-o", str(f))
     assert code == 0 and f.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_model_picture_of_one_rank(capsys, tmp_path):
+    """``check --rank R --format svg``: the rank's figures in the title, its share beside each box, the pipeline
+    stages with its own marked, FSDP2's units (each block, then the stage root) and their ranks."""
+    f = tmp_path / "m.svg"
+    code, _, _ = run(capsys, "check", "plans/llama_3d.yaml", "--model", "examples.llama:build", "--config",
+                     LLAMA_CFG, "--world-size", "8", "--rank", "5", "--format", "svg", "-o", str(f))
+    root = _svg(f.read_text())
+    assert code == 0
+    texts = [t for t in root.iter(f"{NS}text")]
+    title = next(t for t in texts if t.get("data-bytes"))
+    assert (title.get("data-rank"), title.get("data-parameters"), title.get("data-bytes")) == ("5", "20640", "82560")
+    shares = {t.get("data-module"): t.text for t in texts if t.get("data-rank-bytes")}
+    assert shares["tok_embeddings"] == "rank 5: not held, 0 B" and shares["output"] == "rank 5: held, 8.00 KiB"
+    assert shares["layers.*.attention_norm"] == "rank 5: 2 of 4 held, 256 B"
+    assert sum(int(t.get("data-rank-bytes")) for t in texts if t.get("data-rank-bytes")) == 82560
+    stages = [(c.get("data-stage"), c.get("data-mine")) for c in root.iter(f"{NS}rect") if c.get("data-stage")]
+    assert stages == [("0", "false"), ("1", "true")]
+    fsdp = [t.text for t in texts if t.get("data-fsdp")]
+    assert fsdp == ["FSDP2 (fully_shard) wraps 2 blocks (layers.2 … layers.3), then the root stage 1 over "
+                    "dp_shard: ranks 5, 7"]
+    assert any((t.get("data-frame") or "").endswith("FSDP2 wraps each (dp_shard)") for t in texts)

@@ -54,6 +54,45 @@ def _estimated(model, plan: Plan, world: int, rank: int) -> tuple[float, float, 
     return mem.params, mem.grads, mem.optimizer
 
 
+def _by_kind(rows) -> dict:
+    """``{(axis, kind, group size): (calls, bytes)}`` of a rank view's collectives."""
+    out: dict = {}
+    for x in rows:
+        c, b = out.get((x["axis"], x["kind"], x["group_size"]), (0, 0))
+        out[x["axis"], x["kind"], x["group_size"]] = (c + x["count"], b + x["bytes"])
+    return out
+
+
+def _solver_by_kind(model, plan: Plan, world: int, rank: int) -> dict:
+    """The same sums straight from the solver's terms (``step_collectives``, what ``estimate`` times)."""
+    from meshplan.checks.rank_view import _SEQ
+    from meshplan.solver.collectives import step_collectives
+    shape, _ = shape_of_model(model)
+    lay = plan.layout.resolve(world)
+    m = plan.pipeline.microbatches if plan.pipeline else 1
+    cand, train = candidate_from_plan(plan, world, _SEQ, lay.dp_replicate * lay.dp_shard * m)
+    place = Placement(cand, shape.layers, 8)
+    out: dict = {}
+    for x in step_collectives(shape, cand, train, place, place.pp_rank_of(rank)):
+        if x.group.size > 1:
+            c, b = out.get((x.axis, x.kind, x.group.size), (0, 0))
+            out[x.axis, x.kind, x.group.size] = (c + x.count, b + int(x.count * x.nbytes))
+    return out
+
+
+def _pictured(report, plan) -> int:
+    """The model picture's bytes of the rank (its title's ``data-bytes``), checked against its panel and boxes."""
+    from meshplan.viz.model_draw import model_picture
+    items = [dict(getattr(x, "data", ())) for x in model_picture(report, plan, []).items]
+    data = next(t for t in items if t.get("bytes"))
+    assert data["rank"] == report.rank_view["rank"] and data["parameters"] == report.rank_view["parameters"]
+    boxes = sum(t["rank-bytes"] for t in items if "rank-bytes" in t)
+    assert boxes == sum(r["bytes_per_rank"] for r in report.modules)
+    stages = [t["mine"] for t in items if "stage" in t]
+    assert stages == [str(s["mine"]).lower() for s in report.rank_view["layout"]["stages"]]
+    return data["bytes"]
+
+
 def _checked(report) -> tuple[int, int, int]:
     v = report.rank_view
     assert report.ok and v is not None, report.errors
@@ -66,7 +105,9 @@ def _checked(report) -> tuple[int, int, int]:
 def test_every_rank_equals_the_estimate(path, world, kind):
     model, plan = _model(kind), Plan.from_data(yaml.safe_load(open(path)), source=path)
     for rank in range(world):
-        assert _checked(meshplan.check(model, plan, world, rank=rank)) == _estimated(model, plan, world, rank), rank
+        report = meshplan.check(model, plan, world, rank=rank)
+        assert _checked(report) == _estimated(model, plan, world, rank), rank
+        assert _pictured(report, plan) == _estimated(model, plan, world, rank)[0], rank
 
 
 def test_llama_405b_shape_on_the_meta_device_equals_the_estimate():
@@ -76,10 +117,18 @@ def test_llama_405b_shape_on_the_meta_device_equals_the_estimate():
     data = yaml.safe_load(open("plans/llama_3d.yaml"))
     data["layout"], data["pipeline"]["microbatches"] = {"tp": 8, "pp": 16, "dp_shard": 128}, 16
     plan = Plan.from_data(data, source="llama_405b")
+    middle = None
     for rank in (0, 8 * 8 * 128 + 3, 16383):
         report = meshplan.check(model, plan, 16384, rank=rank)
+        middle = report.rank_view["collectives"] if rank == 8195 else middle
         assert _checked(report) == _estimated(model, plan, 16384, rank), rank
         assert report.totals["parameters_per_rank"] < 30_000_000  # 405e9 / 16384 = 24.7M on average
+        assert _by_kind(report.rank_view["collectives"]) == _solver_by_kind(model, plan, 16384, rank), rank
+        assert _pictured(report, plan) == _estimated(model, plan, 16384, rank)[0], rank
+    groups = {(x["kind"], x["group"]): x["ranks"] for x in middle}
+    assert groups["all_gather", "tp"] == list(range(8192, 8200))  # rank 8195: pp 8, dp 0, tp 3 (tp-cp-dp-pp)
+    assert groups["all_gather", "dp_shard"] == list(range(8195, 9216, 8))
+    assert groups["send", "pp"] == [7171, 9219]  # pp 7 and pp 9 at the same tp and dp
     assert report.rank_view["coordinates"] == {"tp": 7, "cp": 0, "pp": 15, "dp": 127, "dp_shard": 127,
                                                "dp_replicate": 0}
     assert report.rank_view["stages"] == ["stage 15: layers.119-125, norm, output"]
@@ -116,7 +165,12 @@ def test_cli_rank_view(capsys):
     assert lines[i + 2] == ("  parameters 20,640 in 20 tensors: 80.6 KiB, gradients 80.6 KiB, "
                             "optimizer (AdamW) 161.3 KiB")
     assert lines[i + 3] == "  FSDP2 shards the dense parameters over dp_shard (2 ranks)"
-    assert lines[i + 4].startswith("  collectives per step (group size): pp 2 send over 2; pp 2 recv over 2;")
+    assert lines[i + 4] == "  FSDP2 (fully_shard) wraps 2 blocks, then stage 1 over dp_shard (5, 7)"
+    assert lines[i + 5] == "  collectives per step (the solver's terms; bytes at sequence 8,192, one sequence per microbatch):"
+    assert lines[i + 6] == "    send over pp (peers 1): 2 calls, 2.0 MiB (pp: activations and their gradients)"
+    assert lines[i + 7].startswith("    recv over pp (peers 1): 2 calls, 2.0 MiB")
+    assert any(x.startswith("    all_gather over tp (ranks 4, 5): 26 calls, 52.0 MiB (tp: block inputs (forward)") for x in lines)
+    assert "    reduce_scatter over dp_shard (ranks 5, 7): 3 calls, 161.2 KiB (dp: block gradients, root gradients)" in lines
     assert "20,640 per rank (rank 5: 80.6 KiB" in out
     code, out, _ = _cli(capsys, "--rank", "5", "--format", "json")
     doc = json.loads(out)
@@ -137,3 +191,40 @@ def test_a_layout_given_beside_the_plan_is_the_one_counted():
     report = meshplan.check(model, plan, 4, layout={"tp": 1})
     n = sum(-(-p.shape[0] // 4) * (p.numel() // p.shape[0]) for p in model.parameters())
     assert report.rank_view["coordinates"]["dp_shard"] == 0 and report.totals["parameters_per_rank"] == n
+
+
+def test_explain_rows_are_the_ranks_bytes():
+    """The explain table's per-module column is the rank's (check --rank R): every parameter of llama_3d is under a
+    rule, so the rows sum to the rank's parameter bytes; a module on another stage holds 0 there."""
+    model, plan = _model("llama"), Plan.from_data(yaml.safe_load(open("plans/llama_3d.yaml")), source="3d")
+    for rank in range(8):
+        report = meshplan.check(model, plan, 8, rank=rank)
+        rows = {r["module"]: r["bytes_per_rank"] for r in report.modules}
+        assert sum(rows.values()) == report.rank_view["parameter_bytes"] == _estimated(model, plan, 8, rank)[0]
+        first = report.rank_view["coordinates"]["pp"] == 0
+        assert (rows["tok_embeddings"] > 0, rows["output"] > 0, rows["layers.3.attention.wq"] > 0) == \
+               (first, not first, not first)
+
+
+def test_each_axis_of_the_rank_layout():
+    """What each axis gives the rank: FSDP2's units and group, the pipeline stages, the experts, the chunks."""
+    model, plan = _model("moe"), Plan.from_data(yaml.safe_load(open("plans/moe.yaml")), source="moe")
+    lay = meshplan.check(model, plan, 4, rank=3).rank_view["layout"]
+    (share,) = lay["shares"]  # the experts of ep rank 1 (the axis' rank_share)
+    assert (share["axis"], share["text"], share["cells"]) == ("ep", "experts 4-7 of 8 (ep rank 1 of 2) in 4 modules", [])
+    assert share["data"]["modules"] == [f"layers.{i}.moe.experts" for i in range(4)]
+    w = lay["wrapping"]
+    assert (w["mode"], w["over_axes"], w["ranks"], w["experts_over"], w["experts_ranks"], w["roots"]) == \
+           ("fsdp", ["dp_shard"], [1, 3], "edp", [1, 3], ["(the model)"])
+    assert w["blocks"] == [f"layers.{i}" for i in range(4)] and lay["stages"] == []
+    model, plan = _model("llama"), Plan.from_data(yaml.safe_load(open("plans/llama_cp.yaml")), source="cp")
+    lay = meshplan.check(model, plan, 4, rank=3).rank_view["layout"]
+    (share,) = lay["shares"]
+    assert (share["axis"], share["text"], share["data"]["chunks"]) == ("cp", "sequence chunks 1, 2 of 4 (cp rank 1 of 2)", [1, 2])
+    assert share["cells"] == [["c0", False], ["c1", True], ["c2", True], ["c3", False]]
+    assert lay["wrapping"]["over_axes"] == ["cp"]  # FSDP2 over dp_shard x cp: cp 2 at world 4, tp 2
+    model, plan = _model("llama"), Plan.from_data(yaml.safe_load(open("plans/llama_3d.yaml")), source="3d")
+    lay = meshplan.check(model, plan, 8, rank=5).rank_view["layout"]
+    assert [(s["stage"], s["pp_rank"], s["mine"], s["text"]) for s in lay["stages"]] == \
+           [(0, 0, False, "tok_embeddings, layers.0-1"), (1, 1, True, "layers.2-3, norm, output")]
+    assert lay["wrapping"]["blocks"] == ["layers.2", "layers.3"] and lay["wrapping"]["roots"] == ["stage 1"]

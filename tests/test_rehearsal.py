@@ -24,7 +24,7 @@ LAYOUT, WORLD = {"tp": 8, "pp": 2}, 1024
 
 @pytest.mark.parametrize("rank", [511, 512, 1023])  # first stage's last rank, last stage's first and last
 def test_rank_holds_what_estimate_says(rank, tmp_path, capsys):
-    got = rehearse_rank("llama3-8b", LAYOUT, WORLD, rank, microbatches=2)
+    got = rehearse_rank("llama3-8b", LAYOUT, WORLD, rank, microbatches=2, block=False)
     assert got["coords"]["pp"] == rank // 512
     assert got["measured"]["params"] == got["estimate"]["params"], got
     assert got["measured"]["grads"] == got["estimate"]["grads"], got
@@ -76,7 +76,25 @@ def test_estimate_rank_outside_the_world_is_refused(tmp_path, capsys):
 # before the inner-dim shard edp 0 held the expert whole, 33.8 GB, and edp 63 none, 20.9 MB)
 def test_expert_rank_holds_what_estimate_says(rank):
     layout = {"tp": 8, "ep": 8, "etp": 1, "pp": 2}  # world 1024: dp_shard 64, edp = 1024 / (etp·ep·pp) = 64
-    got = rehearse_rank("mixtral-8x22b", layout, WORLD, rank, microbatches=2)
+    got = rehearse_rank("mixtral-8x22b", layout, WORLD, rank, microbatches=2, block=False)
     assert got["coords"]["edp"] == (0 if rank == 0 else 63)
     assert {k: got["measured"][k] for k in got["estimate"]} == got["estimate"], got
+    assert got["fsdp_units"][0] == got["fsdp_units"][1], got["fsdp_units"]
     assert got["groups_missing"] == [], got
+
+
+def test_one_block_collectives_and_fsdp_units_are_the_solvers():
+    """One block's worth at the preset's shapes, forward and backward on the meta device over the rank's tp group:
+    every collective (kind, group size, calls) the solver's tp terms predict; FSDP2's units on the rank (those
+    gathering parameters of their own) the solver's count (blocks, experts, the root with the embedding/head)."""
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "benchmarks/rehearsal.py", "--preset", "llama3-8b", "--world", str(WORLD),
+                          "--layout", "tp=8,pp=2", "--microbatches", "2", "--rank", "1023"],
+                         capture_output=True, text=True, check=True)  # its own process: its own fake group
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    block = got["block"]
+    assert {k: v[0] for k, v in block["measured"].items()} == {k: v[0] for k, v in block["solver"].items()}, block
+    assert block["measured"]["all_gather@8"][1] == block["solver"]["all_gather@8"][1]
+    assert block["measured"]["reduce_scatter@8"][1] == block["solver"]["reduce_scatter@8"][1]
+    assert got["fsdp_units"][0] == got["fsdp_units"][1], got["fsdp_units"]

@@ -191,7 +191,8 @@ def render_table(report, rank_lines: bool = False) -> str:
         g = groups.setdefault(key, {**r, "n": 0, "bytes": 0})
         g["n"] += 1
         g["bytes"] += r["bytes_per_rank"] or 0
-    head = ("module (pattern)", "n", "style", "torch style", "local params", "fwd", "bwd", "bytes/rank")
+    rank = report.totals.get("rank", 0)  # the rank view's (check --rank R; default rank 0)
+    head = ("module (pattern)", "n", "style", "torch style", "local params", "fwd", "bwd", f"bytes on rank {rank}")
     body = []
     for (name, style), g in groups.items():
         shapes = " ".join(f"{k}[{'x'.join(map(str, v['local'] or v['global']))}]" for k, v in g["params"].items())

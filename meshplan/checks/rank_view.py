@@ -17,10 +17,12 @@ from typing import Any
 import torch.nn as nn
 
 from meshplan.errors import PlanError
+from meshplan.mesh.ranks import ranks_text
 
 __all__ = ["rank_view", "view_lines", "check_rank"]
 
-#: the sequence length the per-step collective counts are taken at (counts do not depend on it)
+#: the sequence length the per-step collectives are taken at (their counts do not depend on it, their bytes do:
+#: one sequence of it per microbatch)
 _SEQ = 8192
 
 
@@ -71,11 +73,13 @@ def _held(rows: list[dict] | None, stage_rank: int) -> tuple[Any, list[str]]:
 
 
 def _count(mods: dict[str, nn.Module], held: Any, exempt: list, d_dense: int, d_expert: int,
-           index: tuple) -> dict[str, int]:
+           index: tuple) -> dict[str, Any]:
     """Local elements, tensors and bytes of the parameters the rank holds, after every axis' division (``index``:
-    the rank's chunk of dim 0 in its dense and its expert FSDP2 group, :meth:`Placement.shard_index`)."""
+    the rank's chunk of dim 0 in its dense and its expert FSDP2 group, :meth:`Placement.shard_index`), and the
+    bytes of each module's own parameters (``modules``: path → bytes, held modules with parameters only; a shared
+    parameter counts at its first module)."""
     from meshplan.solver.memory import chunk_rows
-    seen, numel, tensors, nbytes = set(), 0, 0, 0
+    seen, numel, tensors, nbytes, per_module = set(), 0, 0, 0, {}
     for path, mod in mods.items():
         if not held(path):
             continue
@@ -93,12 +97,16 @@ def _count(mods: dict[str, nn.Module], held: Any, exempt: list, d_dense: int, d_
             if own is not None and d > 1 and rows % d and any(k % d == 0 for k in local.shape[1:]):
                 n = rows * per // d  # edp shards an inner dim (expert_parallel/edp.py): 1/d on every rank
             numel, tensors, nbytes = numel + n, tensors + 1, nbytes + n * local.element_size()
-    return {"numel": numel, "tensors": tensors, "bytes": nbytes}
+            per_module[path] = per_module.get(path, 0) + n * local.element_size()
+    return {"numel": numel, "tensors": tensors, "bytes": nbytes, "modules": per_module}
 
 
-def _collectives(model: nn.Module, cand: Any, train: Any, stage_rank: int) -> list[dict] | None:
-    """The collectives the rank joins in one step (the solver's counts, exact), by axis, kind and group size; None
-    when the model's sizes cannot be read (no config) or its blocks are not the decoder the cost model describes."""
+def _collectives(model: nn.Module, cand: Any, train: Any, rank: int) -> list[dict] | None:
+    """The collectives global ``rank`` issues in one step: the solver's own terms
+    (:func:`meshplan.solver.collectives.step_collectives`, what ``meshplan estimate`` times), summed by axis, kind
+    and group, each with its group's ranks, its calls and bytes per step (``bytes``: the sum over calls of each
+    call's buffer, as the cost model takes it). None when the model's sizes cannot be read (no config) or its
+    blocks are not the decoder the cost model describes."""
     from meshplan.checks.model_shape import shape_of_model
     from meshplan.solver.collectives import step_collectives
     from meshplan.solver.placement import Placement
@@ -109,12 +117,16 @@ def _collectives(model: nn.Module, cand: Any, train: Any, stage_rank: int) -> li
     if approximate is not None:  # the cost model does not describe this model's blocks: no counts, not wrong ones
         return None
     place = Placement(cand, shape.layers, 8)
-    out: dict[tuple, int] = {}
-    for x in step_collectives(shape, cand, train, place, stage_rank):
+    out: dict[tuple, dict] = {}
+    for x in step_collectives(shape, cand, train, place, place.pp_rank_of(rank)):
         if x.group.size > 1:
-            key = (x.axis, x.kind, x.group.size)
-            out[key] = out.get(key, 0) + x.count
-    return [{"axis": a, "kind": k, "group": g, "count": n} for (a, k, g), n in out.items()]
+            row = out.setdefault((x.axis, x.kind, x.group.name), {
+                "axis": x.axis, "kind": x.kind, "group": x.group.name, "group_size": x.group.size,
+                "ranks": place.group_ranks(x.group.name, rank), "count": 0, "bytes": 0, "what": []})
+            row["count"] += x.count
+            row["bytes"] += int(x.count * x.nbytes)
+            row["what"] += [x.what] if x.what not in row["what"] else []
+    return list(out.values())
 
 
 def rank_view(report: Any, model: nn.Module, plan: Any, resolved: Any, rank: int, applied: Any) -> dict:
@@ -126,8 +138,10 @@ def rank_view(report: Any, model: nn.Module, plan: Any, resolved: Any, rank: int
         applied: the dry run's ``(meta copy, TpApplied)``, or None (no tensor-parallel section: whole tensors).
 
     Returns:
-        ``{rank, coordinates, sizes, stages, parameters, tensors, parameter_bytes, gradient_bytes,
-        optimizer_bytes, shards, collectives}``; the counts are None (``reason`` says why) when the stages are
+        ``{rank, coordinates, sizes, stages, parameters, tensors, parameter_bytes, module_bytes, gradient_bytes,
+        optimizer_bytes, shards, collectives, layout}`` (``layout``: what each axis gives the rank,
+        :func:`meshplan.checks.rank_layout.rank_layout`; ``module_bytes``: path → the bytes of the module's own
+        parameters on this rank, held modules only); the counts are None (``reason`` says why) when the stages are
         known only at the first step (a traced split).
     """
     from meshplan.axes import tp_exempt
@@ -138,17 +152,36 @@ def rank_view(report: Any, model: nn.Module, plan: Any, resolved: Any, rank: int
     stage_rank = place.pp_rank_of(rank)
     view: dict[str, Any] = {"rank": rank, "coordinates": place.coordinates(rank), "sizes": resolved.sizes(),
                             "shards": place.shard_words(), "parameters": None,
-                            "collectives": _collectives(model, cand, train, stage_rank)}
+                            "collectives": _collectives(model, cand, train, rank)}
     if rows and any(r["parameters"] is None for r in rows):
         view["reason"] = "the stages are known only once the first step traces the model"
         view["stages"] = [f"stage {r['stage']}: {r['blocks_text'][0]}" for r in rows if r["pp_rank"] == stage_rank]
         return view
+    from meshplan.checks.rank_layout import rank_layout
     held, view["stages"] = _held(rows, stage_rank)
     mods = dict((applied[0] if applied else meta_copy(model)).named_modules())
-    n = _count(mods, held, tp_exempt(model, plan, report), *shard_sizes(cand, place), place.shard_index(rank))
-    view.update(parameters=n["numel"], tensors=n["tensors"], parameter_bytes=n["bytes"],
+    exempt = tp_exempt(model, plan, report)
+    n = _count(mods, held, exempt, *shard_sizes(cand, place), place.shard_index(rank))
+    view["layout"] = rank_layout(model, plan, report, cand, place, rank, rows, held, exempt, view["sizes"])
+    view.update(parameters=n["numel"], tensors=n["tensors"], parameter_bytes=n["bytes"], module_bytes=n["modules"],
                 gradient_bytes=n["bytes"], optimizer_bytes=2 * n["bytes"] + 4 * n["tensors"])
     return view
+
+
+def _layout_lines(lay: dict | None) -> list[str]:
+    """The wrapping and each axis' share of the rank (:attr:`~meshplan.axis.Axis.rank_share`), a line each."""
+    if not lay:
+        return []
+    out, w = [], lay["wrapping"]
+    if w is not None:
+        kind = {"ddp": "DDP (replicate) wraps", "hsdp": "HSDP (fully_shard, dp_replicate x dp_shard) wraps"}.get(
+            w["mode"], "FSDP2 (fully_shard) wraps")
+        units = ([f"{len(w['experts'])} modules over edp ({ranks_text(w['experts_ranks'])})"]
+                 if w["experts"] else []) + ([f"{len(w['blocks'])} blocks"] if w["blocks"] else []) + w["roots"]
+        over = " x ".join(w["over_axes"])
+        out.append(f"  {kind} " + ", then ".join(units) + f" over {over} ({ranks_text(w['ranks'])})")
+    out += [f"  {x['text']}" for x in lay["shares"]]
+    return out
 
 
 def view_lines(view: dict, fmt_bytes: Any) -> list[str]:
@@ -164,10 +197,15 @@ def view_lines(view: dict, fmt_bytes: Any) -> list[str]:
     else:
         out.append(f"  parameters not counted: {view['reason']}")
     out += [f"  {w}" for w in view["shards"]]
+    out += _layout_lines(view.get("layout"))
     if view["collectives"] is None:
         out.append("  collectives per step: not counted (the model's sizes cannot be read, or its blocks are not "
                    "the decoder meshplan estimate describes)")
-    else:
-        per = "; ".join(f"{x['axis']} {x['count']} {x['kind']} over {x['group']}" for x in view["collectives"])
-        out.append(f"  collectives per step (group size): {per or 'none'}")
+        return out
+    out.append(f"  collectives per step (the solver's terms; bytes at sequence {_SEQ:,}, one sequence per "
+               f"microbatch):" + ("" if view["collectives"] else " none"))
+    for x in view["collectives"]:
+        peers = "peers" if x["kind"] in ("send", "recv") else "ranks"
+        out.append(f"    {x['kind']} over {x['group']} ({peers} {ranks_text(x['ranks'])}): {x['count']} calls, "
+                   f"{fmt_bytes(x['bytes'])} ({x['axis']}: {', '.join(x['what'])})")
     return out

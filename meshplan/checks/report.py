@@ -73,13 +73,16 @@ class Report:
 
 def per_rank_totals(report: Report) -> None:
     """The totals' per-rank figures from the report's rank view (every axis' division: the rank's stages, tp,
-    the experts, FSDP2's shard), or None with the reason when there is no view."""
+    the experts, FSDP2's shard), or None with the reason when there is no view; each explain row's
+    ``bytes_per_rank`` becomes that rank's bytes of the module (0 for a module on another pipeline stage)."""
     v, t = report.rank_view, report.totals
     if v is None or v["parameters"] is None:
         t.update(parameters_per_rank=None, bytes_per_rank=None, gradient_bytes_per_rank=None,
                  optimizer_bytes_per_rank=None,
                  per_rank_reason=(v or {}).get("reason", "no dry run"))
         return
+    for row in report.modules:
+        row["bytes_per_rank"] = v["module_bytes"].get("" if row["module"] == "(root)" else row["module"], 0)
     t.update(rank=v["rank"], parameters_per_rank=v["parameters"], bytes_per_rank=v["parameter_bytes"],
              gradient_bytes_per_rank=v["gradient_bytes"], optimizer_bytes_per_rank=v["optimizer_bytes"])
 

@@ -44,8 +44,21 @@ def _report_lines(summary: dict) -> list[str]:
     return context_lines(summary)
 
 
+def _rank_share(plan: Any, coords: dict, sizes: dict, shape: Any, modules: list) -> dict | None:
+    """The chunks of each sequence the rank holds (:func:`~meshplan.context_parallel.chunks.rank_chunks`)."""
+    from meshplan.context_parallel.chunks import n_chunks, rank_chunks
+    cp, r = sizes.get("cp", 1), coords.get("cp", 0)
+    if cp <= 1:
+        return None
+    balance = plan.context_parallel.load_balance if plan.context_parallel is not None else True
+    mine, n = list(rank_chunks(cp, r, balance)), n_chunks(cp, balance)
+    return {"text": f"sequence chunks {', '.join(map(str, mine))} of {n} (cp rank {r} of {cp})",
+            "label": f"cp rank {r}/{cp}: chunks", "cells": [[f"c{k}", k in mine] for k in range(n)],
+            "data": {"chunks": mine, "of": n, "rank": r, "degree": cp}}
+
+
 #: context parallelism: sequences split over ``cp`` (head-tail chunks), attention exact across the shards
 AXIS = Axis(name="cp", section="context_parallel", title="context parallelism", mesh_dims=("cp",),
             state_field="context_parallel", report_key="context", check=_check, prepare=_prepare, apply=_apply,
             shard_batch=_shard_batch, report_lines=_report_lines,
-            terms=TERMS, sees_others=True)
+            terms=TERMS, sees_others=True, rank_share=_rank_share)

@@ -77,10 +77,22 @@ def _tp_exempt(model: Any, plan: Any, summary: dict) -> TpExempt | None:
                     region_reason="in an MoE block: each tp rank routes its own tokens; gradients summed over tp")
 
 
+def _rank_share(plan: Any, coords: dict, sizes: dict, shape: Any, modules: list) -> dict | None:
+    """The experts the rank holds: rank ``r`` of ``ep``, experts ``r·E/ep … (r+1)·E/ep − 1``, in ``modules``."""
+    ep, r = sizes.get("ep", 1), coords.get("ep", 0)
+    if ep <= 1 or shape is None or not shape.experts:
+        return None
+    k = shape.experts // ep
+    return {"text": f"experts {r * k}-{(r + 1) * k - 1} of {shape.experts} (ep rank {r} of {ep}) in "
+                    f"{len(modules)} modules", "label": "", "cells": [],
+            "data": {"first": r * k, "last": (r + 1) * k - 1, "of": shape.experts, "rank": r, "degree": ep,
+                     "modules": modules}}
+
+
 #: expert parallelism: MoE experts split over ``ep`` (their FFN over ``etp``), tokens dispatched by all-to-all
 AXIS = Axis(name="ep", section="expert_parallel", title="expert parallelism", mesh_dims=("ep", "etp"),
             state_field="expert_parallel", report_key="experts", check=_check, prepare=_prepare, apply=_apply,
             shard_batch=_shard_batch, report_lines=_report_lines,
             terms=TERMS, data_parallel=_data_parallel,
-            opaque=_opaque, dtensor=True, blocks_reason=_blocks_reason, data_shard=_data_shard,
+            opaque=_opaque, dtensor=True, blocks_reason=_blocks_reason, data_shard=_data_shard, rank_share=_rank_share,
             tp_exempt=_tp_exempt, token_regions=_opaque)

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from math import prod
 from typing import Callable, Iterable
 
-__all__ = ["AXES", "RankGrid", "parse_axes", "pipeline_end_groups", "divisors", "divisors_text", "not_dividing"]
+__all__ = ["AXES", "RankGrid", "parse_axes", "pipeline_end_groups", "divisors", "divisors_text", "not_dividing", "ranks_text"]
 
 #: Megatron's axis tokens, in their default (innermost-first) order.
 AXES: tuple[str, ...] = ("tp", "cp", "ep", "dp", "pp")
@@ -197,3 +197,13 @@ def not_dividing(axis: str, degree: int, what: str, n: int) -> str | None:
         return None
     size = what.format(n=n) if "{n}" in what else f"{what}({n})"
     return f"{axis}({degree}) does not divide {size}; valid {axis}: {divisors_text(n)}"
+
+
+def ranks_text(ranks: list[int]) -> str:
+    """A group's ranks, short: every rank up to 8, else an arithmetic run as ``0, 8, …, 1016 (128 ranks, stride
+    8)`` (``meshplan check --rank R`` and the model picture)."""
+    if len(ranks) <= 8:
+        return ", ".join(map(str, ranks))
+    steps = {b - a for a, b in zip(ranks, ranks[1:])}
+    tail = f"stride {steps.pop()}" if len(steps) == 1 else "not evenly spaced"
+    return f"{ranks[0]}, {ranks[1]}, …, {ranks[-1]} ({len(ranks)} ranks, {tail})"

@@ -8,7 +8,7 @@ of an axis is a translate of the one holding rank 0, which is the one measured h
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from meshplan.plan_file.layout import Layout, ResolvedLayout
 from meshplan.plan_file.pipeline import V_SCHEDULES
@@ -20,10 +20,12 @@ __all__ = ["Group", "Placement", "resolve"]
 
 @dataclass(frozen=True)
 class Group:
-    """One communication group: ``size`` ranks on ``nodes`` nodes."""
+    """One communication group: ``size`` ranks on ``nodes`` nodes; ``name``: its key in :attr:`Placement.groups`
+    (which ranks a given rank's group holds: :meth:`Placement.group_ranks`; not compared)."""
 
     size: int
     nodes: int
+    name: str = field(default="", compare=False)
 
 
 def resolve(cand: Candidate) -> ResolvedLayout:
@@ -75,43 +77,64 @@ class Placement:
         return Placement(cand, self.layers, self.gpus_per_node, base=self)
 
     @staticmethod
-    def _shard_axes(cand: Candidate) -> tuple[str, ...]:
+    def shard_axes(cand: Candidate) -> tuple[str, ...]:
         """The axes FSDP2 shards a dense tensor over (HSDP: dp_replicate replicates)."""
         if cand.dp_replicate == 1 or cand.mode != "fsdp":
             return ("dp_shard", "cp")
         return ("dp_shard", "dp_replicate", "cp")
+
+    def wrap_axes(self) -> list[str]:
+        """The axes (above 1) of the group FSDP2 shards the dense tensors over, or DDP's replicas."""
+        axes = ("dp_shard", "dp_replicate", "cp") if self.cand.mode == "ddp" else self.shard_axes(self.cand)
+        return [a for a in axes if self.layout.sizes().get(a, 1) > 1]
 
     def shard_index(self, rank: int) -> tuple[int, int]:
         """``(dense, expert)``: global rank ``rank``'s index in the group FSDP2 shards its dense tensors over, and
         in its edp group (the expert tensors'): which of the ``ceil(rows / d)``-row chunks of dim 0 it holds.
 
         Example: dp_shard 128, rank 127 of the group holds rows ``127·126 …`` of a 16,032-row tensor: 30."""
-        dense = self.layout.mesh_grid.group_of(rank, self._shard_axes(self.cand))
+        dense = self.layout.mesh_grid.group_of(rank, self.shard_axes(self.cand))
         expert = self.layout.expert_grid.group_of(rank, "edp")
         return dense.index(rank), expert.index(rank)
 
     def _groups(self, cand: Candidate) -> dict[str, Group]:
-        shard_axes = self._shard_axes(cand)
+        shard_axes = self.shard_axes(cand)
         mesh, dense, expert = self.layout.mesh_grid, self.layout.dense_grid, self.layout.expert_grid
-        return {
-            "tp": self._group(dense.group_of(0, "tp")), "cp": self._group(dense.group_of(0, "cp")),
-            "pp": self._group(dense.group_of(0, "pp")[:2]),  # a pipeline hop: rank 0 and its next stage
-            "dp_shard": self._group(mesh.group_of(0, shard_axes)),
-            "dp_replicate": self._group(mesh.group_of(0, "dp_replicate")),
-            "dp": self._group(mesh.group_of(0, ("dp_shard", "dp_replicate", "cp"))),
-            "ep": self._group(expert.group_of(0, "ep")), "etp": self._group(expert.group_of(0, "etp")),
-            "edp": self._group(expert.group_of(0, "edp")),
-            "embd": self._group(self._ends_group(dense.group_of(0, "pp"))),
-            "world": Group(cand.world, max(1, -(-cand.world // self.gpus_per_node))),
+        groups = {
+            "tp": dense.group_of(0, "tp"), "cp": dense.group_of(0, "cp"),
+            "pp": dense.group_of(0, "pp")[:2],  # a pipeline hop: rank 0 and its next stage
+            "dp_shard": mesh.group_of(0, shard_axes), "dp_replicate": mesh.group_of(0, "dp_replicate"),
+            "dp": mesh.group_of(0, ("dp_shard", "dp_replicate", "cp")),
+            "ep": expert.group_of(0, "ep"), "etp": expert.group_of(0, "etp"), "edp": expert.group_of(0, "edp"),
+            "embd": self._ends_group(dense.group_of(0, "pp")),
         }
+        out = {k: Group(*self._group(v), name=k) for k, v in groups.items()}
+        return {**out, "world": Group(cand.world, max(1, -(-cand.world // self.gpus_per_node)), "world")}
+
+    def group_ranks(self, name: str, rank: int) -> list[int]:
+        """The ranks of global ``rank``'s group ``name`` (a key of :attr:`groups`, the one holding rank 0 measured
+        there); ``pp``: its pipeline peers, the previous and the next stage's rank (around the ring when a rank
+        holds interleaved stages)."""
+        mesh, dense, expert = self.layout.mesh_grid, self.layout.dense_grid, self.layout.expert_grid
+        if name == "world":
+            return list(range(self.cand.world))
+        if name in ("pp", "embd"):
+            line = dense.group_of(rank, "pp")
+            if name == "embd":
+                return self._ends_group(line)
+            i, p, ring = line.index(rank), len(line), self.cand.vpp > 1 and not self.v_shape
+            return sorted({line[j % p] for j in (i - 1, i + 1) if ring or 0 <= j < p} - {rank})
+        axes = {"dp_shard": self.shard_axes(self.cand), "dp": ("dp_shard", "dp_replicate", "cp")}.get(name, name)
+        grid = expert if name in ("ep", "etp", "edp") else dense if name in ("tp", "cp") else mesh
+        return grid.group_of(rank, axes)
 
     @staticmethod
     def _ends_group(pp_group: list[int]) -> list[int]:
         """Megatron's embedding group of rank 0: the first and the last stage (:func:`pipeline_end_groups`)."""
         return [pp_group[0], pp_group[-1]] if len(pp_group) > 1 else pp_group
 
-    def _group(self, ranks: list[int]) -> Group:
-        return Group(len(ranks), len({r // self.gpus_per_node for r in ranks}))
+    def _group(self, ranks: list[int]) -> tuple[int, int]:
+        return len(ranks), len({r // self.gpus_per_node for r in ranks})
 
     def _stage_ids(self, pp_rank: int) -> list[int]:
         if self.cand.pp == 1:

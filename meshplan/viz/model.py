@@ -81,8 +81,10 @@ def _grouped(report: Any, order: dict[str, int] | None = None) -> list[dict]:
     groups: dict[tuple, dict] = {}
     for r in report.modules:
         key = (wildcard(r["module"]) if r["rule"] == "(colwise parent)" else r["rule"], r["style"])
-        g = groups.setdefault(key, {**r, "pattern": key[0], "n": 0})
+        g = groups.setdefault(key, {**r, "pattern": key[0], "n": 0, "rank_bytes": 0, "rank_held": 0})
         g["n"] += 1
+        g["rank_bytes"] += r["bytes_per_rank"] or 0  # the checked rank's bytes (meshplan.checks.rank_view)
+        g["rank_held"] += 1 if r["bytes_per_rank"] else 0
     rows = list(groups.values())
     if order:
         place = {id(r): (order.get(r["pattern"], order.get(_parent(r["pattern"]), len(order))), i)

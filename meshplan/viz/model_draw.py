@@ -7,6 +7,7 @@ from typing import Any
 
 from meshplan.viz.drawing import Drawing, ink_on, text_width
 from meshplan.viz.model import BOX_H, CONVERSION, EDGE_H, STYLE_COLOURS, WIDTH, Item, describe, model_items
+from meshplan.viz.model_axes import FSDP, box_note, rank_panel, rank_title, wrap_note
 
 __all__ = ["model_picture"]
 
@@ -61,14 +62,15 @@ def _arriving(prev: Item | None, item: Item) -> str:
     return a if a == b else f"{a} → {b}"
 
 
-def _frames(items: list[Item], spans: list[tuple[float, float]]) -> list[tuple[int, float, float, str]]:
-    """(depth, top, bottom, label) of the block frame and each input conversion's frame."""
+def _frames(items: list[Item], spans: list[tuple[float, float]], wrap: str = "") -> list[tuple[int, float, float, str]]:
+    """(depth, top, bottom, label) of the block frame and each input conversion's frame (``wrap``: the block
+    frame's data-parallel words, :func:`meshplan.viz.model_axes.wrap_note`)."""
     out = []
     blocks = [i for i, it in enumerate(items) if it.block]
     if blocks:
         first = items[blocks[0]]
         out.append((1, spans[blocks[0]][0], spans[blocks[-1]][1],
-                    f"{first.rows[0]['pattern'].split('.*.', 1)[0]}.* : {first.n} blocks (one drawn)"))
+                    f"{first.rows[0]['pattern'].split('.*.', 1)[0]}.* : {first.n} blocks (one drawn){wrap}"))
     for i, it in enumerate(items):
         if it.rows[0]["style"] == CONVERSION:
             inside = [j for j in range(i + 1, len(items)) if items[j].region and
@@ -79,7 +81,7 @@ def _frames(items: list[Item], spans: list[tuple[float, float]]) -> list[tuple[i
     return out
 
 
-def _body(d: Drawing, items: list[Item], y: float) -> tuple[float, list[tuple[float, float]]]:
+def _body(d: Drawing, items: list[Item], y: float, view: dict | None = None) -> tuple[float, list[tuple[float, float]]]:
     spans, prev = [], None
     for it in items:
         top = y
@@ -96,6 +98,10 @@ def _body(d: Drawing, items: list[Item], y: float) -> tuple[float, list[tuple[fl
             bw = (w - 8 * (len(it.rows) - 1)) / len(it.rows)
             for k, row in enumerate(it.rows):
                 _box(d, row, x + k * (bw + 8), y, bw, row["n"], it.region)
+            note = box_note(view, it.rows)
+            if note is not None:  # the checked rank's share, right of the box
+                d.text(X0 + WIDTH + 10, y + 26, note[0], size=10.5, fill="#8a4b08",
+                       data={"module": ",".join(r["pattern"] for r in it.rows), **note[1]})
             y += BOX_H
         spans.append((top, y))
         prev = it
@@ -108,32 +114,37 @@ def model_picture(report: Any, plan: Any, notes: list[str], order: dict[str, int
     Args:
         report: the :class:`~meshplan.checks.report.Report` of :func:`meshplan.check` (its explain rows).
         plan: the plan checked (section flags and rule overrides).
-        notes: text lines shown under the model (totals, pipeline stages, context and expert parallelism).
+        notes: text lines shown under the model (totals, each axis' summary lines).
         order: the modules' forward order (:func:`meshplan.checks.call_order.forward_order`); None: model order.
 
     Returns:
         The drawing: ``data-module``/``data-style`` on each box, ``data-activation``, ``data-forward`` and
-        ``data-backward`` on each arrow.
+        ``data-backward`` on each arrow; the rank view's rank (``report.rank_view``: ``check --rank R``, default
+        0) in the title (``data-parameters``, ``data-bytes``), beside each box (``data-rank-bytes``) and in the
+        panel under the model (:mod:`meshplan.viz.model_axes`: stages, FSDP2 wrapping, each axis' share).
     """
     items = model_items(report, plan, order)
     tp = plan.tensor_parallel
     flags = "no tensor_parallel section" if tp is None else \
         f"sequence_parallel {str(tp.sequence_parallel).lower()}, loss_parallel {str(tp.loss_parallel).lower()}"
+    view = report.rank_view
     d = Drawing(WIDTH + 2 * X0 + 260, 0)
     d.text(X0, 26, f"{report.source}: {report.model}, tp {report.tp}, world {report.world_size}; {flags}",
            size=14, weight="bold")
-    y, spans = _body(d, items, 44)
+    title, data = rank_title(view)
+    d.text(X0, 46, title, size=12, weight="bold", fill="#8a4b08", data=data)
+    y, spans = _body(d, items, 60, view)
     last = items[-1] if items else None
     if last is not None:
         _edge(d, X0 + INDENT * last.depth + 30, y, describe(last.out, " vocab-sharded logits") + " → loss",
               *last.collectives_out, {"before": "(loss)"})
         y += EDGE_H
-    for depth, top, bottom, label in _frames(items, spans):
+    for depth, top, bottom, label in _frames(items, spans, wrap_note(view)):
         x = X0 + INDENT * (depth - 1) - 8
         d.items.insert(0, _frame_rect(x, top - 4, WIDTH - 2 * INDENT * (depth - 1) + 16, bottom - top + 12, depth))
         d.text(x + 10, top + 14, label, size=11, weight="bold", fill="#5a4a00"
-               if depth > 1 else "#333333", data={"frame": label})
-    y += 10
+               if depth > 1 else FSDP if "FSDP2" in label else "#333333", data={"frame": label})
+    y = rank_panel(d, view, y + 10)
     for line in notes:
         d.text(X0, y + 14, line, size=11, fill="#333333")
         y += 18
