@@ -36,9 +36,9 @@ def _shape(args: argparse.Namespace):
             raise PlanError(f"{args.command}: --config goes with --model or alone, not with --preset")
         return model_preset(args.preset), None
     if args.model:
-        from meshplan.checks.model_factory import _config_arg, build_model
         from meshplan.checks.model_shape import shape_of_model
-        return shape_of_model(build_model(args.model, _config_arg(args.config), args.path or []))
+        from meshplan.cli.models import build_user_model
+        return shape_of_model(build_user_model(args))
     return shape_from_config(_read_config(args.config)), None
 
 
