@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -149,10 +150,13 @@ def _solve(args: argparse.Namespace) -> int:
                      reduce_dtype=args.master_dtype, sequence_parallel=not args.no_sequence_parallel,
                      save_gathered_inputs=args.save_gathered_inputs)
     cluster = _cluster(args)
+    args.progress.stage(f"searching the layouts of {args.gpus:,} devices")
     res = search(shape, train, cluster, args.gpus, _space(args))
     if warning:
         print(f"meshplan: warning: {warning}", file=sys.stderr)
-    _emit(args, search_text(res, shape, cluster, args.gpus, args.top, args.show_rejected), search_json(res, args.top))
+    width = shutil.get_terminal_size().columns if sys.stdout.isatty() else None  # wrapped to fit a terminal
+    _emit(args, search_text(res, shape, cluster, args.gpus, args.top, args.show_rejected, width),
+          search_json(res, args.top))
     if args.write:
         if not res.valid:
             raise PlanError(f"--write {args.write!r}: no valid layout to write")
