@@ -2,10 +2,11 @@
 
 Exit codes:
 
-* 0: done (``--help`` and ``--version`` too);
+* 0: done (``--help`` and ``--version`` too, and a bare ``meshplan``, which prints the help on stdout, as pip does:
+  an error would have to be one line);
 * 2: bad input: ONE line ``meshplan: error: …`` on stderr (several problems joined
-  with ``"; "``), never a traceback; a bare ``meshplan`` prints its usage on stderr and exits 2 too;
-  so does an output that cannot be written (a full disk: ``meshplan ranks … > /dev/full``);
+  with ``"; "``), never a traceback; so is an output that cannot be written (a full disk:
+  ``meshplan ranks … > /dev/full``);
 * 130: interrupted (Ctrl-C, during the imports too): the line ``meshplan: error: interrupted``; 128 + SIGINT,
   the Unix shells' convention;
 * 141: the reader of stdout went away (``meshplan ranks … | head``): nothing printed, the status of a
@@ -64,8 +65,8 @@ def _discard_stdout() -> None:
 def _run(argv: list[str]) -> int:
     parser = build_parser()
     if not argv:
-        parser.print_help(sys.stderr)
-        return EXIT_USAGE
+        parser.print_help(sys.stdout)
+        return 0
     args = parser.parse_args(argv)
     with Progress(f"meshplan {args.command}") as progress:
         args.progress = progress
