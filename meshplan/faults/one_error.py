@@ -7,9 +7,10 @@ by ``meshplan.init`` and ``meshplan.parallelize``, only under torchrun) sets a `
 uncaught meshplan error, prints ``meshplan: error (rank R): …`` on ONE rank — the first rank to claim it in the
 torchrun agent's store (``TORCHELASTIC_USE_AGENT_STORE``; rank 0 when there is no store) — and nothing on the
 others. Every rank still exits with Python's status for an uncaught exception, 1, so the job fails with the same
-status everywhere. Other exceptions go to the hook that was there before (a traceback, as usual). A
-:class:`~meshplan.errors.RankFailure` prints no line here: its report was logged when it was found
-(:mod:`meshplan.faults.watch`).
+status everywhere. Other exceptions go to the hook that was there before (a traceback, as usual), and so does a
+:class:`~meshplan.errors.RankFailure`: it is not one error of the job but each rank's own report (which peer it
+waited for, in which collective; logged when found, :mod:`meshplan.faults.watch`), and a hook that hid it would
+leave a rank whose logging is configured away with no word at all.
 
 torchrun's own summary (``ChildFailedError``, one block per failed rank) is printed by the launcher process when a
 child exits non-zero; nothing a child does can remove it short of exiting 0, which would hide the failure. A child
@@ -24,7 +25,7 @@ import os
 import sys
 from typing import Any
 
-from meshplan.errors import PlanError, RankFailure
+from meshplan.errors import PlanError
 
 __all__ = ["install", "under_torchrun"]
 
@@ -51,10 +52,10 @@ def _first_to_report() -> bool:
 
 def _hook(previous: Any) -> Any:
     def meshplan_excepthook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
-        if not issubclass(kind, (PlanError, RankFailure)):
+        if not issubclass(kind, PlanError):
             previous(kind, value, tb)
             return
-        if isinstance(value, PlanError) and _first_to_report():
+        if _first_to_report():
             text = " ".join(str(value).split())
             sys.stderr.write(f"meshplan: error (rank {os.environ.get('RANK', '?')}): {text}\n")
             sys.stderr.flush()
