@@ -81,7 +81,10 @@ def _check(args: argparse.Namespace) -> int:
             order = forward_order(model, layout.tp, notes) if report.modules else None
         write_output(_picture(model_picture(report, plan, notes, order), args.format), args.output)
     else:
-        write_output(render_table(report, rank_lines=args.rank is not None) + "\n" +
+        import shutil
+        import sys
+        width = shutil.get_terminal_size().columns if args.output is None and sys.stdout.isatty() else None
+        write_output(render_table(report, rank_lines=args.rank is not None, width=width) + "\n" +
                      (f"numerics: {numerics.summary()}\n" if numerics else ""),
                      args.output)
     return 0 if report.ok and (numerics is None or numerics.ok) else 2
