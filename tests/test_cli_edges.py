@@ -150,3 +150,23 @@ def test_check_takes_a_checkpoint_folder_as_convert_does(tmp_path, capsys):
     assert main(["check", "plans/hf_llama.yaml", "--model", str(tmp_path.parent)]) == 2
     assert capsys.readouterr().err.endswith("a folder without config.json; expected a transformers checkpoint folder "
                                             "or MODULE:FACTORY\n")
+
+
+def test_export_into_a_file_or_under_one_is_one_line(tmp_path, capsys):
+    """``export CKPT OUT`` where OUT is a file, or under one: one line, exit 2; a missing parent folder is made."""
+    import warnings
+
+    import torch
+
+    import llama
+    import meshplan
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    torch.manual_seed(0)
+    meshplan.save(tmp_path / "ck" / "step-00000001", llama.build(llama.tiny_args()), step=1)
+    (tmp_path / "afile").write_text("x")
+    for out, why in [("afile", "File exists"), ("afile/sub", "Not a directory")]:
+        assert main(["export", str(tmp_path / "ck"), str(tmp_path / out)]) == 2
+        assert capsys.readouterr().err == f"meshplan: error: {tmp_path / out}: cannot create the output folder: {why}\n"
+    assert main(["export", str(tmp_path / "ck"), str(tmp_path / "new" / "deeper")]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == "" and captured.out == f"{tmp_path / 'new' / 'deeper' / 'model.safetensors'}\n"
