@@ -209,7 +209,7 @@ def _train() -> None:
                        start_sample=position.samples_seen)
         if topo.rank == 0:
             n_local = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
-            print(f"{topo!r}\nplan {args.plan}: {n_local:,} local parameters on "
+            print(f"{topo}\nplan {args.plan}: {n_local:,} local parameters on "
                   f"rank 0; global batch {global_batch}", file=sys.stderr if args.json else sys.stdout, flush=True)
         last = time.perf_counter()
         for step in range(done + 1, args.steps + 1):

@@ -1,8 +1,6 @@
 """meshplan: plans that turn an ordinary ``nn.Module`` into an N-D parallel model."""
 
 from meshplan.errors import PlanError, RankFailure
-from meshplan.plan_file.layout import Layout, ResolvedLayout
-from meshplan.plan_file.document import Plan, load_plan
 from meshplan.version import __version__
 
 __all__ = ["PlanError", "RankFailure", "Layout", "ResolvedLayout", "Plan", "load_plan", "build_mesh", "init",
@@ -13,7 +11,14 @@ __all__ = ["PlanError", "RankFailure", "Layout", "ResolvedLayout", "Plan", "load
 
 
 def __getattr__(name: str):
-    # torch-dependent parts load lazily so `meshplan ranks` / `schema` stay fast and torch-free
+    # torch-dependent parts load lazily so `meshplan ranks` / `schema` stay fast and torch-free; the plan classes
+    # too (pydantic: 0.13 s), so that `import meshplan` is instant and a Ctrl-C in the CLI's imports is one line
+    if name in ("Layout", "ResolvedLayout"):
+        import meshplan.plan_file.layout as layout
+        return getattr(layout, name)
+    if name in ("Plan", "load_plan"):
+        import meshplan.plan_file.document as document
+        return getattr(document, name)
     if name in ("build_mesh", "Topology", "current_topology"):
         import meshplan.mesh.topology as topology
         return getattr(topology, name)

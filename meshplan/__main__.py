@@ -1,5 +1,5 @@
 import sys
 
-from meshplan.cli.main import main
+from meshplan.cli import main
 
 sys.exit(main())

@@ -9,6 +9,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshplan.errors import PlanError
+from meshplan.faults.one_error import install as install_one_error
 from meshplan.faults.watch import translating
 from meshplan.gradients import GradFinalizer
 from meshplan.mesh.topology import Topology, build_mesh, current_topology
@@ -50,6 +51,7 @@ def parallelize(model: nn.Module, plan: Plan | Mapping[str, Any] | str | Path | 
             model = meshplan.parallelize(Transformer(args), "plans/llama.yaml", topo)
             loss = meshplan.cross_entropy(model(tokens), labels)
     """
+    install_one_error()  # under torchrun: an uncaught meshplan error is one line per job
     if plan is None:
         plan = getattr(type(model), "__meshplan_plan__", None)
         if plan is None:

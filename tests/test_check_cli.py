@@ -18,6 +18,25 @@ def run(capsys, *argv):
     return code, out, err
 
 
+def test_table_fits_a_terminal_width():
+    """On a terminal the table leaves out the torch style column when it is too wide, and the text lines wrap."""
+    from examples.hf_models import llama
+    from meshplan.checks.explain import render_table
+    from meshplan.checks.offline import check
+    from meshplan.plan_file.document import load_plan
+    import torch
+    with torch.device("meta"):
+        model = llama()
+    report = check(model, load_plan("plans/hf_llama.yaml"), world_size=2)
+    wide = render_table(report).splitlines()
+    assert max(map(len, wide)) > 120 and "torch style" in wide[2]
+    lines = render_table(report, width=140).splitlines()
+    assert "torch style" not in lines[2] and "local params" in lines[2] and all(len(x) <= 140 for x in lines)
+    assert "(the torch style column is left out to fit 140 columns: --format json or a wider terminal shows it)" \
+        in lines
+    assert render_table(report, width=300).splitlines()[:17] == wide[:17]  # a table that fits is left alone
+
+
 def test_table(capsys):
     code, out, err = run(capsys, "check", "plans/hf_llama.yaml", "--model", "examples.hf_models:llama", "--tp", "2")
     assert code == 0 and err == ""

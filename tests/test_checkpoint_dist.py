@@ -114,3 +114,12 @@ def test_rank_killed_mid_save_restart_ignores_torn_folder():
         assert v["resumed"] == "step-00000001" and v["differ"] == []
         assert v["folders_after"] == ["step-00000001", "step-00000002"]
     assert values[0]["torn_files"], "the killed save left shard files (a torn folder)"
+
+
+def test_full_tensor_of_packed_weights_is_exact_under_tp_only(world4):
+    """The docs disagreed (issue 29): ``full_tensor()`` of a packed projection is the original weight under tp alone
+    (docs/plans-in-model-repos.md), and NOT under tp × FSDP2, whose label names other rows (docs/checkpoints.md);
+    meshplan's state dict, checkpoints and export place the rows by what each rank holds instead."""
+    for rank, v in case_result(world4, "full_tensor_packed", 4).items():
+        assert v["packed_tp4"] == {"packed": 4, "differ": []}, (rank, v)
+        assert v["packed_tp2"]["packed"] == 4 and len(v["packed_tp2"]["differ"]) == 4, (rank, v)

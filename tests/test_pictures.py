@@ -168,6 +168,15 @@ def test_check_schedule_cli(capsys, tmp_path):
     assert code == 2 and "the plan has no pipeline section" in err and err.count("\n") == 1
 
 
+def test_timeline_is_wide_enough_for_its_texts():
+    """A short schedule drew a canvas narrower than its title ("… 2 microbatche" clipped): every text fits."""
+    from meshplan.viz.drawing import Text, text_width
+    d = timeline(executed_steps("1f1b", 2, 1, 2), "plans/llama_3d.yaml: 1f1b, pp 2 × vpp 1, 2 microbatches")
+    texts = [t for t in d.items if isinstance(t, Text) and t.anchor == "start"]
+    assert texts and all(t.x + text_width(t.text, t.size) * (1.15 if t.weight == "bold" else 1) <= d.width
+                         for t in texts)
+
+
 # ---------------------------------------------------------------- the model picture
 
 

@@ -93,3 +93,30 @@ def test_profile_writes_a_cluster_solve_reads(tmp_path, capsys):
     rc, text, _ = _run(["solve", "--model", "examples.llama:build", "--config", EXAMPLE, "--gpus", "2", "--seq", "64",
                         "--global-batch", "8", "--dtype", "float32", "--cluster", str(path)], capsys)
     assert rc == 0 and "profiled-" in text
+
+
+@pytest.mark.fast
+def test_solve_folds_loop_schedule_twins_and_explains_the_label(capsys):
+    """interleaved_1f1b and looped_bfs priced alike were two rows of the top 10: now one row ``A|B`` (JSON keeps
+    both), and a legend says what ``dp1×16 mb1×16`` means."""
+    argv = ["solve", "--preset", "llama3-405b", "--gpus", "512", "--tp", "8", "--pp", "4", "--seq", "8192",
+            "--global-batch", "256", "--show-rejected", "0", "--top", "3", "--schedules", "interleaved_1f1b,looped_bfs"]
+    rc, out, _ = _run(argv + ["--format", "json"], capsys)
+    labels = [x["label"] for x in json.loads(out)["layouts"]]
+    assert rc == 0 and labels[1].replace("interleaved_1f1b", "looped_bfs") == labels[2]
+    rc, out, _ = _run(argv, capsys)
+    rows = [line for line in out.splitlines() if line[:3] in ("1  ", "2  ", "3  ")]
+    assert rc == 0 and len(rows) == 3 and "interleaved_1f1b|looped_bfs dp1×16(fsdp) mb1×16" in rows[1]
+    assert len({r.split("  ")[1] for r in rows}) == 3
+    assert "R data-parallel replicas × S shards" in out and "B sequences per micro-batch × M micro-batches" in out
+    assert "A|B: schedules with the same estimated step time" in out
+
+
+@pytest.mark.fast
+def test_tables_wrap_their_last_column_to_a_width():
+    from meshplan.solver.report import table
+    rows = [("1", "tp8 pp4", "compute 23.2, bubble 1.27, tp 3.89, pp 0.0119, dp 0.0366, optimizer 0.00991")]
+    lines = table(("#", "layout", "where the time goes (s)"), rows, width=40)
+    assert all(len(x) <= 40 for x in lines) and lines[1].startswith("1  tp8 pp4  compute 23.2,")
+    assert all(x.startswith(" " * 11) for x in lines[2:]) and len(lines) > 2
+    assert table(("#", "layout"), [("1", "tp8")]) == ["#  layout", "1  tp8"]

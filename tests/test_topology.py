@@ -128,3 +128,13 @@ def test_private_flatten_api_pinned():
     from torch.distributed.device_mesh import DeviceMesh
     import inspect
     assert "mesh_dim_name" in inspect.signature(DeviceMesh._flatten).parameters
+
+
+def test_str_is_one_readable_line(fake_pg):
+    """The banner examples/train.py prints: degrees above 1, outermost first, not the Topology(...) repr."""
+    with fake_pg(16, 5):
+        topo = meshplan.build_mesh(Layout(tp=2, pp=2, ep=2, etp=1))
+        assert str(topo) == ("rank 5 of 16: pp 2 × dp_shard 4 × tp 2 (order tp-cp-ep-dp-pp, innermost first); "
+                             "experts: pp 2 × edp 4 × ep 2")
+    with fake_pg(4, 0):
+        assert str(meshplan.build_mesh(Layout(tp=4))) == "rank 0 of 4: tp 4 (order tp-cp-ep-dp-pp, innermost first)"

@@ -182,9 +182,10 @@ def _counts(c: dict) -> str:
     return ", ".join(f"{v} {k}" for k, v in c.items()) or "none"
 
 
-def render_table(report, rank_lines: bool = False) -> str:
+def render_table(report, rank_lines: bool = False, width: int | None = None) -> str:
     """Human-readable report: one row per rule (modules of one pattern folded), totals, unsharded, errors
-    (``rank_lines``: the rank view's lines too, ``check --rank R``)."""
+    (``rank_lines``: the rank view's lines too, ``check --rank R``). ``width`` (a terminal's columns): a table
+    wider than that leaves out its ``torch style`` column (``--format json`` has it) and the text lines wrap."""
     groups: dict[tuple, dict] = {}
     for r in report.modules:
         key = (r["rule"] if r["rule"] != "(colwise parent)" else wildcard(r["module"]), r["style"])
@@ -200,10 +201,22 @@ def render_table(report, rank_lines: bool = False) -> str:
                      " ".join(g["backward"]) or "-", _fmt_bytes(g["bytes"]) if report.totals.get("bytes_per_rank")
                      is not None else "-"))
     widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)]
+    left_out = width is not None and sum(widths) + 2 * (len(widths) - 1) > width
+    if left_out:  # the torch style (the widest column) is what `style` says, in torch's words
+        drop = lambda cells: (*cells[:3], *cells[4:])  # noqa: E731
+        head, body, widths = drop(head), [drop(b) for b in body], drop(widths)
     line = lambda cells: "  ".join(c[:w].ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
     out = [f"meshplan check: {report.source}  model {report.model}  tp={report.tp}  world_size={report.world_size}",
            "", line(head), *(line(b) for b in body), ""]
-    return "\n".join(out + summary_lines(report, rank_lines=rank_lines))
+    if left_out:
+        out.insert(-1, f"(the torch style column is left out to fit {width} columns: --format json or a wider "
+                       f"terminal shows it)")
+    rest = summary_lines(report, rank_lines=rank_lines)
+    if width is not None:  # the text lines wrap; the table's rows do not
+        import textwrap
+        rest = [w for x in rest for w in (textwrap.wrap(x, width, subsequent_indent="  ", break_on_hyphens=False)
+                                          if len(x) > width else [x])]
+    return "\n".join(out + rest)
 
 
 def summary_lines(report, unsharded: bool = True, rank_lines: bool = False) -> list[str]:

@@ -56,7 +56,9 @@ def load_factory(spec: str, paths: list[str] = ()) -> Callable:
     try:
         with _silenced():
             obj: Any = importlib.import_module(module_name)
-    except (Exception, SystemExit) as e:  # ImportError, the module failing or exiting at import time
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:  # ImportError, the module failing, exiting or raising pytest.skip at import time
         raise PlanError(f"--model {spec!r}: cannot import {module_name!r}: {_failure(e)}") from None
     for part in attr.split("."):
         try:
@@ -170,9 +172,9 @@ def build_model(spec: str, config: dict | None = None, paths: list[str] = (), de
     try:
         with _quiet_transformers(), _silenced(), torch.device(device):
             model = _call(factory, dict(config or {}), spec)
-    except PlanError:
+    except (PlanError, KeyboardInterrupt):
         raise
-    except (Exception, SystemExit) as e:
+    except BaseException as e:  # SystemExit, and BaseException subclasses such as pytest.skip's
         raise PlanError(f"--model {spec!r}: the factory failed: {_failure(e)}") from None
     if not isinstance(model, torch.nn.Module):
         raise PlanError(f"--model {spec!r}: returned {type(model).__name__}, expected an nn.Module")

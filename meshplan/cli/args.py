@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 from typing import Callable
 
 from meshplan.errors import PlanError
@@ -11,8 +13,9 @@ __all__ = ["Parser", "int_arg", "float_arg", "add_layout_flags", "layout_from_ar
 
 
 class Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, exit 2
-        raise PlanError(f"{self.prog}: {message}")
+    def error(self, message: str) -> None:  # one line, exit 2: `meshplan: error: estimate: …`, the command once
+        where = self.prog.removeprefix("meshplan").strip()
+        raise PlanError(f"{where}: {message}" if where else message)
 
 
 def int_arg(lo: int, hi: int, why: str = "") -> Callable[[str], int]:
@@ -79,13 +82,12 @@ def error_line(message: str) -> str:
 
 
 def write_output(data: str | bytes, output: str | None) -> None:
-    """Write a command's result to ``output`` (a file path), or to stdout (bytes: its binary buffer).
+    """Write a command's result to ``output`` (a file path: then ``meshplan: wrote FILE (N bytes)`` on stderr), or
+    to stdout (bytes: its binary buffer).
 
     Raises:
         PlanError: ``output`` is a directory or cannot be written (one line: the path and why).
     """
-    import sys
-    from pathlib import Path
     if output is None:
         if isinstance(data, bytes):
             if sys.stdout.isatty():
@@ -104,5 +106,10 @@ def write_output(data: str | bytes, output: str | None) -> None:
             out.write_bytes(data)
         else:
             out.write_text(data, encoding="utf-8")
-    except (OSError, ValueError) as e:  # missing folder, no permission, a NUL in the path
+    except (OSError, ValueError) as e:  # missing folder, no permission, a NUL in the path, a full disk
         raise PlanError(f"-o {output!r}: cannot write: {getattr(e, 'strerror', None) or e}") from None
+    print(f"meshplan: wrote {output} ({_size(out.stat().st_size)})", file=sys.stderr)
+
+
+def _size(n: int) -> str:
+    return f"{n:,} bytes" if n < 1 << 20 else f"{n / (1 << 20):.1f} MiB"

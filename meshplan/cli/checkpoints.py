@@ -46,9 +46,14 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
+    import warnings
+
     from meshplan.checkpoint.export import checkpoint_to_safetensors
     src = _folder(args.checkpoint)
-    for f in checkpoint_to_safetensors(src, args.output, max_shard_bytes=args.max_shard_bytes):
+    with warnings.catch_warnings():  # torch's "torch.distributed is disabled … a single process": that is the intent
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        written = checkpoint_to_safetensors(src, args.output, max_shard_bytes=args.max_shard_bytes)
+    for f in written:
         print(f)
     return 0
 

@@ -30,7 +30,8 @@ from typing import Any
 
 from meshplan.cli.args import add_layout_flags, layout_from_args, write_output
 from meshplan.errors import PlanError
-from meshplan.checks.model_factory import _config_arg, _failure, _hf_config_of, _quiet_transformers, _silenced, build_model
+from meshplan.checks.model_factory import _failure, _hf_config_of, _quiet_transformers, _silenced
+from meshplan.cli.models import build_user_model
 
 __all__ = ["register"]
 
@@ -38,16 +39,15 @@ __all__ = ["register"]
 def _check(args: argparse.Namespace) -> int:
     import warnings
 
-    from meshplan.checks.explain import render_table
     from meshplan.plan_file.document import load_plan
-    from meshplan.checks.offline import check, smallest_world
-    from meshplan.checks.rank_view import check_rank
-    plan = load_plan(args.plan)
+    args.progress.stage("reading the plan")
+    plan = load_plan(args.plan)  # a bad plan is refused before torch is imported (3.5-13.5 s on 2 busy cores)
     base = plan.layout.model_dump(exclude_unset=True) if plan.layout else None
     layout = layout_from_args(args, base)
-    resolved = layout.resolve(args.world_size or smallest_world(layout))  # bad flags: one line, before the model
-    if args.rank is not None:
-        check_rank(args.rank, resolved.world_size, "check --rank")
+    resolved = layout.resolve(args.world_size or layout.smallest_world())  # bad flags: one line, before the model
+    if args.rank is not None and not 0 <= args.rank < resolved.world_size:
+        raise PlanError(f"check --rank: rank {args.rank} is outside the world: expected 0 <= rank < "
+                        f"{resolved.world_size}")  # checks.rank_view.check_rank's words, without importing torch
     if args.schedule and args.model is None:
         return _schedule(args, plan, resolved, None)
     if args.model is None:
@@ -55,12 +55,18 @@ def _check(args: argparse.Namespace) -> int:
     if plan.layout is None and args.tp is None:
         raise PlanError(f"{args.plan}: the plan has no layout and no --tp was given, so nothing would be sharded; "
                         f"add `layout: {{tp: N}}` to the plan or pass --tp N")
-    model = build_model(args.model, _config_arg(args.config), args.path or [])
+    args.progress.stage("building the model on the meta device")
+    model = build_user_model(args)
+    from meshplan.checks.explain import render_table
+    from meshplan.checks.offline import check
+    args.progress.stage("checking the plan (a dry run on fake ranks)")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         report = check(model, plan, world_size=args.world_size, layout=layout, rank=args.rank or 0)
     if args.schedule:
         return _schedule(args, plan, resolved, report)
+    if args.numerics and report.ok:
+        args.progress.stage("numerics: the plan on a small real instance")
     numerics = _numerics(args, model, plan, layout.tp) if args.numerics and report.ok else None
     if args.format == "json":
         doc = {**report.to_dict(), **({"numerics": numerics.to_dict()} if numerics else {})}
@@ -75,7 +81,10 @@ def _check(args: argparse.Namespace) -> int:
             order = forward_order(model, layout.tp, notes) if report.modules else None
         write_output(_picture(model_picture(report, plan, notes, order), args.format), args.output)
     else:
-        write_output(render_table(report, rank_lines=args.rank is not None) + "\n" +
+        import shutil
+        import sys
+        width = shutil.get_terminal_size().columns if args.output is None and sys.stdout.isatty() else None
+        write_output(render_table(report, rank_lines=args.rank is not None, width=width) + "\n" +
                      (f"numerics: {numerics.summary()}\n" if numerics else ""),
                      args.output)
     return 0 if report.ok and (numerics is None or numerics.ok) else 2
@@ -114,7 +123,7 @@ def _numerics(args: argparse.Namespace, meta_model: Any, plan: Any, tp: int):
         except Exception as e:
             raise PlanError(f"check --numerics: cannot build a small {type(meta_model).__name__}: {_failure(e)}") from None
     else:
-        model = build_model(args.model, _config_arg(args.config), args.path or [], device="cpu")
+        model = build_user_model(args, device="cpu")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return check_numerics(model, plan, tp=tp)
@@ -125,8 +134,8 @@ def register(sub) -> None:
     c = sub.add_parser("check", help="validate a plan against a model on the meta device and explain it",
                        description=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     c.add_argument("plan", help="plan file (.yaml/.json/.toml)")
-    c.add_argument("--model", default=None, help="MODULE:FACTORY building the model (see below); required but "
-                                                 "with --schedule")
+    c.add_argument("--model", default=None, help="MODULE:FACTORY building the model (see below), or a transformers "
+                                                 "checkpoint folder (its config.json); required but with --schedule")
     c.add_argument("--config", default=None, help="JSON object (or .json file) passed to the factory")
     c.add_argument("--path", action="append", help="extra import directory for MODULE (repeatable)")
     add_layout_flags(c, world_required=False)

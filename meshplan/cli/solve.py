@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -36,9 +37,9 @@ def _shape(args: argparse.Namespace):
             raise PlanError(f"{args.command}: --config goes with --model or alone, not with --preset")
         return model_preset(args.preset), None
     if args.model:
-        from meshplan.checks.model_factory import _config_arg, build_model
         from meshplan.checks.model_shape import shape_of_model
-        return shape_of_model(build_model(args.model, _config_arg(args.config), args.path or []))
+        from meshplan.cli.models import build_user_model
+        return shape_of_model(build_user_model(args))
     return shape_from_config(_read_config(args.config)), None
 
 
@@ -149,10 +150,13 @@ def _solve(args: argparse.Namespace) -> int:
                      reduce_dtype=args.master_dtype, sequence_parallel=not args.no_sequence_parallel,
                      save_gathered_inputs=args.save_gathered_inputs)
     cluster = _cluster(args)
+    args.progress.stage(f"searching the layouts of {args.gpus:,} devices")
     res = search(shape, train, cluster, args.gpus, _space(args))
     if warning:
         print(f"meshplan: warning: {warning}", file=sys.stderr)
-    _emit(args, search_text(res, shape, cluster, args.gpus, args.top, args.show_rejected), search_json(res, args.top))
+    width = shutil.get_terminal_size().columns if sys.stdout.isatty() else None  # wrapped to fit a terminal
+    _emit(args, search_text(res, shape, cluster, args.gpus, args.top, args.show_rejected, width),
+          search_json(res, args.top))
     if args.write:
         if not res.valid:
             raise PlanError(f"--write {args.write!r}: no valid layout to write")

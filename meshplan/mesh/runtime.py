@@ -22,6 +22,7 @@ from pydantic import ValidationError
 
 from meshplan.errors import PlanError
 from meshplan.faults.agree import _canonical, agree, model_signature, plan_fingerprint, software
+from meshplan.faults.one_error import install as install_one_error
 from meshplan.faults.watch import translating
 from meshplan.plan_file.faults import STALE_BEATS, Faults
 from meshplan.plan_file.layout import Layout
@@ -214,6 +215,7 @@ def init(layout_or_plan: Any = None, *, backend: str | None = None, timeout_s: f
         with meshplan.init("plans/llama.yaml") as topo:
             model = meshplan.parallelize(Transformer(args), "plans/llama.yaml", topo)
     """
+    install_one_error()  # under torchrun: an uncaught meshplan error is one line per job, not one per rank
     plan, layout = _plan_and_layout(layout_or_plan)
     settings, origin = _fault_settings(plan, timeout_s)
     owns = False

@@ -189,6 +189,16 @@ class Topology:
         if self.job is not None:
             self.job.adopt_group(group, axis)
 
+    def __str__(self) -> str:
+        """One readable line, e.g. ``rank 0 of 16: pp 2 × dp 4 × tp 2 (order tp-cp-ep-dp-pp, innermost first);
+        experts: pp 2 × edp 4 × ep 2`` (the dense and the expert mesh, degrees above 1, outermost first)."""
+        def dims(mesh: Any) -> str:
+            kept = [f"{n} {k}" for n, k in zip(mesh.mesh_dim_names, mesh.shape) if k > 1]
+            return " × ".join(kept) or "1 rank"
+        s = self.layout
+        expert = "" if s.ep == 1 else f"; experts: {dims(self.expert)}"
+        return f"rank {self.rank} of {s.world_size}: {dims(self.dense)} (order {s.order_str}, innermost first){expert}"
+
     def __repr__(self) -> str:
         s = self.layout
         return (f"Topology(world_size={s.world_size}, order={s.order_str!r}, dense={dict(zip(self.dense.mesh_dim_names, self.dense.shape))}, "

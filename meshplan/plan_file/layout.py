@@ -107,6 +107,10 @@ class Layout(Strict):
             raise ValueError("dp_shard must be -1 (inferred) or >= 1, got 0")
         return v
 
+    def smallest_world(self) -> int:
+        """The fewest ranks it runs on: tp·cp·pp times the dp degrees it fixes (``dp_shard: -1`` counts 1)."""
+        return self.tp * self.cp * self.pp * self.dp_replicate * max(self.dp_shard, 1)
+
     def resolve(self, world_size: int) -> "ResolvedLayout":
         """Check the layout against ``world_size`` and derive every size.
 

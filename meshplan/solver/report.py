@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 from meshplan.solver.cluster import Cluster
@@ -11,7 +11,7 @@ from meshplan.solver.search import SearchResult
 from meshplan.solver.shape import ModelShape
 from meshplan.solver.step import Estimate
 
-__all__ = ["estimate_text", "estimate_json", "search_text", "search_json", "fmt_bytes"]
+__all__ = ["estimate_text", "estimate_json", "search_text", "search_json", "fmt_bytes", "table", "LEGEND"]
 
 GiB = float(1 << 30)
 
@@ -33,7 +33,7 @@ def estimate_text(e: Estimate, s: ModelShape, cl: Cluster, source: str) -> str:
     m, c = e.memory, e.candidate
     usable = cl.memory * cl.usable_memory
     lines = [f"meshplan estimate: {source}  {s.describe()}",
-             f"layout: {c.label()} on {c.world} ranks (order {c.order})", "",
+             f"layout: {c.label()} on {c.world} ranks (order {c.order})", LEGEND, "",
              f"memory per rank (pipeline rank {e.memory_rank}, the most loaded): {fmt_bytes(m.total)} of "
              f"{fmt_bytes(usable)} usable on {cl.name}" + ("" if m.total <= usable else
                                                           " — DOES NOT FIT (meshplan solve rejects it: memory)"),
@@ -73,27 +73,86 @@ def estimate_json(e: Estimate) -> dict[str, Any]:
     return out
 
 
-def search_text(res: SearchResult, s: ModelShape, cl: Cluster, gpus: int, top: int, rejected: int) -> str:
-    """The ``meshplan solve`` report: the fastest valid layouts, then the rejections by rule."""
+#: what the layout column's words mean (``meshplan solve`` prints it under its table, ``estimate`` under its layout)
+LEGEND = ("layout: tpT cpC epE ppP×vV SCHEDULE dpR×S(MODE) mbB×M ac=AC [ORDER]: tensor, context, expert, "
+          "pipeline degrees (V stages per pp rank), R data-parallel replicas × S shards (fsdp/hsdp/ddp), B sequences "
+          "per micro-batch × M micro-batches per step, activation checkpointing; the Megatron order when not "
+          "tp-cp-ep-dp-pp")
+
+#: the loop schedules the cost model prices alike (the same bubble (p−1)/(v·m+p−1) and sends)
+_LOOPS = ("interleaved_1f1b", "looped_bfs")
+
+
+def _distinct(valid: list[Estimate]) -> list[tuple[Estimate, list[str]]]:
+    """``valid`` with each loop-schedule twin folded into the first of its tie: ``(estimate, twin schedules)``."""
+    rows: list[tuple[Estimate, list[str]]] = []
+    seen: dict[Any, list[str]] = {}
+    for e in valid:
+        c = e.candidate
+        key = (replace(c, schedule=None), f"{e.step_time:.9g}") if c.schedule in _LOOPS else None
+        if key is not None and key in seen:
+            seen[key].append(c.schedule)
+            continue
+        rows.append((e, []))
+        if key is not None:
+            seen[key] = rows[-1][1]
+    return rows
+
+
+def _label(e: Estimate, twins: list[str]) -> str:
+    c = e.candidate
+    return c.label().replace(f" {c.schedule} ", f" {'|'.join([c.schedule, *twins])} ", 1) if twins else c.label()
+
+
+def search_text(res: SearchResult, s: ModelShape, cl: Cluster, gpus: int, top: int, rejected: int,
+                width: int | None = None) -> str:
+    """The ``meshplan solve`` report: the fastest valid layouts (loop-schedule twins of equal step time on one row,
+    ``interleaved_1f1b|looped_bfs``), then the rejections by rule; ``width``: wrap the last column to fit."""
     lines = [f"meshplan solve: {s.describe()}",
              f"{gpus} devices of {cl.name} ({cl.gpus_per_node} per node): {res.enumerated:,} candidates enumerated, "
              f"{len(res.valid):,} valid, {len(res.rejected):,} rejected, in {res.seconds:.2f} s", ""]
     head = ("#", "layout", "step s", "tokens/s/dev", "MFU", "memory GiB", "where the time goes (s)")
-    rows = [(str(i + 1), e.candidate.label(), f"{e.step_time:.4g}", f"{e.tokens_per_s_device:,.1f}",
-             f"{100 * e.mfu:.1f}%", f"{e.memory.total / GiB:.1f}", _parts(e)) for i, e in enumerate(res.valid[:top])]
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(head)]
-    lines += ["  ".join(v.ljust(w) for v, w in zip(head, widths)).rstrip()]
-    lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
+    shown = _distinct(res.valid)[:top]
+    rows = [(str(i + 1), _label(e, twins), f"{e.step_time:.4g}", f"{e.tokens_per_s_device:,.1f}",
+             f"{100 * e.mfu:.1f}%", f"{e.memory.total / GiB:.1f}", _parts(e)) for i, (e, twins) in enumerate(shown)]
+    lines += table(head, rows, width)
     if not res.valid:
         lines.append("no valid layout: see the rejections below")
+    else:
+        lines.append(LEGEND if width is None else "\n".join(_wrap(LEGEND, width, 0)))
+        if any(twins for _, twins in shown):
+            lines.append("A|B: schedules with the same estimated step time, on one row (the first needs the least "
+                         "memory)")
     counts = res.reasons()
     lines += ["", "rejected, by rule: " + (", ".join(f"{k} {v:,}" for k, v in counts.most_common()) or "none")]
-    shown: dict[str, int] = defaultdict(int)
+    per_rule: dict[str, int] = defaultdict(int)
     for r in res.rejected:
-        if shown[r.reason] < rejected:
-            shown[r.reason] += 1
+        if per_rule[r.reason] < rejected:
+            per_rule[r.reason] += 1
             lines.append(f"  {r.label}: {r.message}")
     return "\n".join(lines)
+
+
+def _wrap(text: str, width: int, indent: int) -> list[str]:
+    """``text`` in lines of at most ``width`` characters (at spaces), every line but the first indented."""
+    import textwrap
+    return textwrap.wrap(text, max(width, indent + 20), subsequent_indent=" " * indent, break_on_hyphens=False) or [""]
+
+
+def table(head: tuple[str, ...], rows: list[tuple[str, ...]], width: int | None = None) -> list[str]:
+    """Columns padded to their widest cell; with ``width`` (a terminal's), the last column wraps under itself."""
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(head)]
+    start = sum(w + 2 for w in widths[:-1])
+    out = []
+    for r in [head, *rows]:
+        line = "  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip()
+        if width is None or len(line) <= width:
+            out.append(line)
+        else:
+            import textwrap
+            chunks = textwrap.wrap(r[-1], max(width - start, 20), break_on_hyphens=False) or [""]
+            out += [line[:start] + chunks[0], *(" " * start + c for c in chunks[1:])]
+    return out
 
 
 def search_json(res: SearchResult, top: int | None) -> dict[str, Any]:

@@ -248,5 +248,5 @@ def search(s: ModelShape, tr: Training, cl: Cluster, gpus: int, space: Space | N
         pinned = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in space.fixed.items())
         raise PlanError(f"no layout to consider on --gpus {gpus}: the pinned degrees ({pinned or 'none'}) leave none "
                         f"(their product must divide {gpus}); pin fewer degrees")
-    run.valid.sort(key=lambda e: e.step_time)
+    run.valid.sort(key=lambda e: (e.step_time, e.memory.total))  # a tie goes to the layout needing less memory
     return SearchResult(run.valid, run.rejected, run.enumerated, time.perf_counter() - t0)

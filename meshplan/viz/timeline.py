@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple, Sequence
 
-from meshplan.viz.drawing import Drawing, hsl, ink_on
+from meshplan.viz.drawing import Drawing, Text, hsl, ink_on, text_width
 
 __all__ = ["Placed", "simulate", "timeline", "schedule_table", "schedule_document", "DURATION", "KIND_COLOURS"]
 
@@ -150,7 +150,14 @@ def timeline(steps: Sequence[Sequence[Any]], title: str, stage_names: dict[int, 
                size=11, fill="#555555")
     for i, (s, text) in enumerate(sorted(names.items())):
         d.text(16, y + 50 + 16 * i, f"stage {s}: {text}", size=11, fill="#333333")
+    d.width = max(d.width, _text_right(d) + 16)  # a short schedule's canvas clipped its title ("2 microbatche")
     return d
+
+
+def _text_right(d: Drawing) -> float:
+    """The rightmost end of the left-anchored texts of ``d`` (bold measured 15 % wider)."""
+    return max((t.x + text_width(t.text, t.size) * (1.15 if t.weight == "bold" else 1.0) for t in d.items
+                if isinstance(t, Text) and t.anchor == "start"), default=0.0)
 
 
 def _idle(placed: list[list[Placed]]) -> tuple[int, float]:

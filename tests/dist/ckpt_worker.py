@@ -279,7 +279,21 @@ def refusals():
     return out
 
 
+def full_tensor_packed():
+    """Which doc is right (issue 29): DTensor's ``full_tensor()`` of Phi-3's packed q|k|v and gate|up against the
+    plain model's weight, under tp 4 alone and under tp 2 × FSDP2 2 (the names of the packed weights that differ)."""
+    ref = dict(_phi3(seed=0).named_parameters())
+    out = {}
+    for plan in ("packed_tp4", "packed_tp2"):
+        model = Run("phi3", plan, seed=0).model  # untrained: its weights are the plain model's of seed 0
+        packed = [(n, p) for n, p in model.named_parameters() if n.endswith(("qkv_proj.weight", "gate_up_proj.weight"))]
+        out[plan] = {"packed": len(packed),
+                     "differ": [n for n, p in packed if not torch.equal(p.full_tensor(), ref[n].detach())]}
+    return out
+
+
 CASES = {
+    "full_tensor_packed": full_tensor_packed,
     "tp2_same_plan": lambda: reshard("llama", "tp2", "tp2"),
     "tp2_to_tp4": lambda: reshard("llama", "tp2", "tp4"),
     "pp2_to_fsdp4": lambda: reshard("llama", "pp2", "fsdp4"),

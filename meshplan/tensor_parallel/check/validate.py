@@ -210,7 +210,7 @@ class _Checker:
 def smallest_world(lay: Layout) -> int:
     """The fewest ranks ``lay`` runs on: tp·cp·pp times the data-parallel degrees it fixes (``dp_shard: -1``
     counts as 1), e.g. 8 for ``{tp: 2, pp: 2, dp_shard: 2}``."""
-    return lay.tp * lay.cp * lay.pp * lay.dp_replicate * max(lay.dp_shard, 1)
+    return lay.smallest_world()
 
 
 def static_checks(model: nn.Module, p: Plan, tp: int, report: Report,
