@@ -52,9 +52,7 @@ def _convert(args: argparse.Namespace) -> int:
                         f"item then one line)")
     for line in notes.lines():
         print(line, file=sys.stderr)
-    write_output(text, args.output)
-    if args.output is not None:
-        print(f"meshplan: wrote {args.output}", file=sys.stderr)  # as solve --write says it
+    write_output(text, args.output)  # says "meshplan: wrote FILE (N bytes)" after -o
     return 0
 
 
