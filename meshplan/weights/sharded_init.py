@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from meshplan._torch import TorchDispatchMode, local_tensor
+from meshplan._torch import CHECKPOINT_PREFIX, TorchDispatchMode, local_tensor
 from meshplan.errors import PlanError
 from meshplan.weights.keyed import Keyed, fill_keyed, module_seed, tensor_key
 from meshplan.weights.shards import local_slices
@@ -58,6 +58,12 @@ def resolve_mode(model: nn.Module, mode: str | None) -> str:
     return mode
 
 
+def one_device_name(name: str) -> str:
+    """A parameter or module name as the one-device model spells it (activation checkpointing's and compile's
+    wrapper segments removed), so the keys do not depend on the plan's blocks section."""
+    return name.replace(CHECKPOINT_PREFIX, "").replace("_orig_mod.", "")
+
+
 def _ident(t: torch.Tensor) -> tuple:
     return t.data_ptr(), tuple(t.shape), tuple(t.stride())
 
@@ -76,7 +82,7 @@ def keyed_targets(model: nn.Module, seed: int) -> tuple[dict[tuple, Keyed], set[
     out: dict[tuple, Keyed] = {}
     storages: set[int] = set()
     for name, p in model.named_parameters():
-        local = local_tensor(p) if isinstance(p, DTensor) else p
+        name, local = one_device_name(name), local_tensor(p)
         if p.is_meta or local.numel() == 0:
             continue
         shape = tuple(p.shape)
@@ -99,7 +105,7 @@ class _KeyedDraws(TorchDispatchMode):
         self.targets, self.storages, self.views, self.where = targets, storages, [], ""
 
     def find(self, t) -> tuple[torch.Tensor, Keyed | None]:
-        local = local_tensor(t) if isinstance(t, DTensor) else t
+        local = local_tensor(t)
         if not isinstance(local, torch.Tensor) or local.is_meta:
             return local, None
         return local, self.targets.get(_ident(local))
@@ -250,7 +256,7 @@ def keyed_init(model: nn.Module, calls: list | None, whole: Callable | None, see
     global stream seeded by (seed, module name)."""
     import inspect
     targets, storages = keyed_targets(model, seed)
-    names = {id(m): n for n, m in model.named_modules()}
+    names = {id(m): one_device_name(n) for n, m in model.named_modules()}
     draws = _KeyedDraws(targets, storages)
     with torch.no_grad(), _whole_tensor_inits(draws, seed), draws:
         if whole is not None:
