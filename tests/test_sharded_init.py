@@ -129,3 +129,108 @@ def test_expert_parallel(fake_pg):
                     model = build(args)
                 model = meshplan.parallelize(model, plan, meshplan.build_mesh(layout))
                 assert_slices_of(meshplan.materialize(model, seed=0, mode="sharded"), full)
+
+
+# ---------------------------------------------------------------- distributions, fans, whole-tensor initializers
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(1024, 256, padding_idx=5)
+        self.up = nn.Linear(256, 512)
+        self.down = nn.Linear(512, 256)
+
+
+NET_PLAN = {"tensor_parallel": {"sequence_parallel": False,
+                                "rules": {"emb": "embedding", "up": "colwise", "down": "rowwise"}}}
+
+
+def net_init(m):
+    """transformers-like: a padded embedding's row zeroed through a view; xavier (fans from the full shape);
+    torch's kaiming-uniform reset (bias bound from the weight's full fan-in)."""
+    if isinstance(m, nn.Embedding):
+        nn.init.normal_(m.weight, std=0.02)
+        nn.init.zeros_(m.weight[m.padding_idx])
+    elif isinstance(m, nn.Linear) and m.out_features == 512:
+        nn.init.xavier_normal_(m.weight)
+        nn.init.zeros_(m.bias)
+    elif isinstance(m, nn.Linear):
+        m.reset_parameters()
+
+
+def assert_moments(x: torch.Tensor, mean: float, var: float, fourth: float) -> None:
+    """Sample mean and variance within 6 sigma of their sampling error, from n and the law's moments only."""
+    x = x.double().flatten()
+    n = x.numel()
+    assert abs(float(x.mean()) - mean) <= 6 * math.sqrt(var / n)
+    assert abs(float(x.var()) - var) <= 6 * math.sqrt((fourth - var ** 2) / n)
+
+
+def test_draws_have_the_initializers_distributions_and_global_fans(fake_pg):
+    torch.manual_seed(123)  # the global stream's state before does not matter: the keys do
+    with torch.device("meta"):
+        one = Net()
+    full = meshplan.materialize(one, net_init, seed=0, device="cpu", mode="sharded").state_dict()
+    emb = torch.cat([full["emb.weight"][:5], full["emb.weight"][6:]])
+    assert float(full["emb.weight"][5].abs().sum()) == 0
+    assert_moments(emb, 0.0, 0.02 ** 2, 3 * 0.02 ** 4)
+    s = math.sqrt(2 / (256 + 512))  # xavier: fan_in + fan_out of the FULL [512, 256] weight
+    assert_moments(full["up.weight"], 0.0, s ** 2, 3 * s ** 4)
+    assert float(full["up.bias"].abs().sum()) == 0
+    b = 1 / math.sqrt(512)  # kaiming_uniform(a=sqrt(5)) and the bias bound: the FULL fan-in 512 (a shard has 256)
+    assert float(full["down.weight"].abs().max()) <= b
+    assert_moments(full["down.weight"], 0.0, b * b / 3, b ** 4 / 5)
+    assert float(full["down.bias"].abs().max()) <= b
+    for rank in (0, 1):
+        with fake_pg(2, rank):
+            with torch.device("meta"):
+                model = Net()
+            model = meshplan.parallelize(model, NET_PLAN, meshplan.build_mesh({"tp": 2}))
+            assert_slices_of(meshplan.materialize(model, net_init, seed=0, mode="sharded"), full)
+
+
+def test_whole_tensor_initializer_runs_whole_for_its_tensor(fake_pg):
+    """orthogonal_ reads the whole tensor: drawn whole (keyed generator) for that one parameter, the shard kept."""
+    def init(m):
+        if isinstance(m, nn.Linear):
+            nn.init.orthogonal_(m.weight)
+            nn.init.zeros_(m.bias)
+
+    make = lambda: nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 64))  # noqa: E731
+    with torch.device("meta"):
+        one = make()
+    full = meshplan.materialize(one, init, seed=0, device="cpu", mode="sharded").state_dict()
+    w = full["0.weight"]
+    assert torch.allclose(w @ w.T, torch.eye(32), atol=1e-5)
+    plan = {"tensor_parallel": {"sequence_parallel": False, "rules": {"0": "colwise", "2": "rowwise"}}}
+    for rank in (0, 1):
+        with fake_pg(2, rank):
+            with torch.device("meta"):
+                model = make()
+            model = meshplan.parallelize(model, plan, meshplan.build_mesh({"tp": 2}))
+            assert_slices_of(meshplan.materialize(model, init, seed=0, mode="sharded"), full)
+
+
+@pytest.mark.parametrize("init,match", [
+    (lambda m: nn.init.normal_(m.weight.t()),
+     r"mode='sharded'\): 2 \(Linear\): normal_ into a tensor that is not a parameter or its \[i\] / \[a:b\] view "
+     r"\(\(16, 8\): torch.nn.init.normal_\); use mode='exact'"),
+    (lambda m: m.weight.bernoulli_(0.5),
+     r"mode='sharded'\): 2 \(Linear\): bernoulli_ into parameter '2.weight' has no keyed form"),
+    (lambda m: nn.init.orthogonal_(m.weight[2:]),
+     r"2 \(Linear\): orthogonal_ on a view of parameter '2.weight' reads the whole tensor; use mode='exact'"),
+])
+def test_what_cannot_be_done_per_shard_is_refused(fake_pg, init, match):
+    def first_only(m):
+        if isinstance(m, nn.Linear) and m.in_features == 16:
+            init(m)
+
+    for rank in (0, 1):
+        with fake_pg(2, rank):
+            with torch.device("meta"):
+                model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+            plan = {"tensor_parallel": {"sequence_parallel": False, "rules": {"0": "colwise", "2": "rowwise"}}}
+            model = meshplan.parallelize(model, plan, meshplan.build_mesh({"tp": 2}))
+            with pytest.raises(PlanError, match=match):
+                meshplan.materialize(model, first_only, seed=0, mode="sharded")

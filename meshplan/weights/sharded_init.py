@@ -196,13 +196,13 @@ def _is_view(func) -> bool:
 
 def _caller() -> str:
     """The ``nn.init`` (or transformers' ``initialization``) function on the stack, for an error."""
-    frame = sys._getframe(1)
+    frame, found = sys._getframe(1), "not an nn.init function"
     while frame is not None:
         module = frame.f_globals.get("__name__", "")
-        if module in ("torch.nn.init", "transformers.initialization"):
-            return f"{module}.{frame.f_code.co_name}"
+        if module in ("torch.nn.init", "transformers.initialization") and not frame.f_code.co_name.startswith("_"):
+            found = f"{module}.{frame.f_code.co_name}"  # the outermost public one
         frame = frame.f_back
-    return "not an nn.init function"
+    return found
 
 
 def _index(target: Keyed) -> tuple[torch.Tensor, ...]:
