@@ -234,3 +234,23 @@ def test_what_cannot_be_done_per_shard_is_refused(fake_pg, init, match):
             model = meshplan.parallelize(model, plan, meshplan.build_mesh({"tp": 2}))
             with pytest.raises(PlanError, match=match):
                 meshplan.materialize(model, first_only, seed=0, mode="sharded")
+
+
+def test_context_parallel_with_tp(fake_pg):
+    """cp 2 × tp 2 on the example Llama (model-level init_weights(), RoPE buffer rebuilt): the same tensors."""
+    import llama
+    args = llama.tiny_args()
+    make = lambda: llama.build(args)  # noqa: E731
+    with torch.device("meta"):
+        one = make()
+    one = meshplan.materialize(one, seed=0, device="cpu", mode="sharded")
+    full = one.state_dict()
+    plan = {**meshplan.load_plan("plans/llama.yaml").model_dump(exclude_none=True, exclude={"layout"}),
+            "context_parallel": {"attention": "layers.*.attention", "positions": {"buffer": "freqs_cis"}}}
+    for rank in range(4):
+        with fake_pg(4, rank):
+            with torch.device("meta"):
+                model = make()
+            model = meshplan.parallelize(model, plan, meshplan.build_mesh({"cp": 2, "tp": 2}))
+            assert_slices_of(meshplan.materialize(model, seed=0, mode="sharded"), full)
+            assert torch.equal(model.freqs_cis, one.freqs_cis)

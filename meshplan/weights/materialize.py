@@ -1,4 +1,4 @@
-"""Meta-device models made real: per-shard initialization that equals a one-device initialization.
+"""Meta-device models made real: ``exact`` initialization (equal to a one-device one) or ``sharded`` (per shard).
 
 The flow for a model too large for one device::
 
@@ -16,7 +16,9 @@ shard. Memory: per-module initializers (transformers' ``_init_weights``,
 ``reset_parameters``) hold one module's full parameters at a time; a
 model-level ``init_weights()`` (torchtitan style) is one opaque call, so it
 holds the full model once per rank, transiently. Compute: every rank does the
-whole model's initialization.
+whole model's initialization. ``mode="sharded"`` (the call's, else the plan's ``init.mode``) runs the
+initializers on the local shards instead, with draws keyed by (seed, name, global index):
+:mod:`meshplan.weights.sharded_init` (``docs/initialization.md``).
 
 Loading a checkpoint instead lives in :mod:`meshplan.weights.load`.
 """

@@ -17,6 +17,7 @@ its shard: exact per tensor, O(tensor)); anything else that would not act on the
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import sys
 from typing import Callable, Iterator
@@ -121,7 +122,7 @@ class _KeyedDraws(TorchDispatchMode):
             if target is not None:
                 return self._view(packet, first, local, target, args, kwargs)
         out = func(*args, **kwargs)
-        if isinstance(first, DTensor) and _is_view(func) and self.find(first)[1] is not None:
+        if isinstance(first, DTensor) and func.is_view and self.find(first)[1] is not None:
             src, got = local_tensor(first), local_tensor(out) if isinstance(out, DTensor) else out
             if not isinstance(got, torch.Tensor) or got.untyped_storage().data_ptr() != \
                     src.untyped_storage().data_ptr():
@@ -189,14 +190,9 @@ class _KeyedDraws(TorchDispatchMode):
         self.views.clear()
 
 
-def _is_view(func) -> bool:
-    rets = func._schema.returns
-    return bool(rets) and rets[0].alias_info is not None and not rets[0].alias_info.is_write
-
-
 def _caller() -> str:
     """The ``nn.init`` (or transformers' ``initialization``) function on the stack, for an error."""
-    frame, found = sys._getframe(1), "not an nn.init function"
+    frame, found = inspect.currentframe(), "not an nn.init function"
     while frame is not None:
         module = frame.f_globals.get("__name__", "")
         if module in ("torch.nn.init", "transformers.initialization") and not frame.f_code.co_name.startswith("_"):
@@ -254,7 +250,6 @@ def keyed_init(model: nn.Module, calls: list | None, whole: Callable | None, see
     """Run the initializer (per-module ``calls`` in order, or the model-level ``whole``) on the local shards,
     random draws into parameters keyed by (seed, name, global index); each module's temporaries drawn from the
     global stream seeded by (seed, module name)."""
-    import inspect
     targets, storages = keyed_targets(model, seed)
     names = {id(m): one_device_name(n) for n, m in model.named_modules()}
     draws = _KeyedDraws(targets, storages)
