@@ -3,9 +3,10 @@
 Element ``i`` (row-major index in the FULL tensor) of the tensor named ``name`` draws from
 ``splitmix64(key(seed, name) + (i + 1) * golden)``: a counter-based generator, so a rank computes the values of
 its own shard only, and every rank that holds element ``i`` (a replica, another layout, another rank order)
-computes the same bits. Uniforms take the top 53 bits; normals use Box-Muller on the two 32-bit halves (tails cut
-at about 6.7 standard deviations). The arithmetic is int64 with wrap-around (torch's CPU and CUDA integer ops),
-float64 for the transform, then a cast to the tensor's dtype.
+computes the same bits. A float64 tensor: uniforms from the top 53 bits, normals by Box-Muller on two 32-bit parts
+(tails cut at 6.7 standard deviations); other dtypes: computed in float32 from 24-bit parts (tails cut at 5.9
+standard deviations, a probability of 4e-9 per element), then cast. The arithmetic is int64 with wrap-around
+(torch's CPU and CUDA integer ops).
 """
 
 from __future__ import annotations
@@ -29,14 +30,14 @@ def _i64(c: int) -> int:
 
 def _shr(z: torch.Tensor, k: int) -> torch.Tensor:
     """Logical right shift of int64 bits (torch's ``>>`` on int64 is arithmetic)."""
-    return (z >> k) & ((1 << (64 - k)) - 1)
+    return (z >> k).bitwise_and_((1 << (64 - k)) - 1)
 
 
 def _mix(z: torch.Tensor) -> torch.Tensor:
     """splitmix64's finalizer, in place on int64 ``z``."""
-    z = (z ^ _shr(z, 30)).mul_(_i64(_M1))
-    z = (z ^ _shr(z, 27)).mul_(_i64(_M2))
-    return z ^ _shr(z, 31)
+    z.bitwise_xor_(_shr(z, 30)).mul_(_i64(_M1))
+    z.bitwise_xor_(_shr(z, 27)).mul_(_i64(_M2))
+    return z.bitwise_xor_(_shr(z, 31))
 
 
 def tensor_key(seed: int, name: str) -> int:
@@ -81,15 +82,18 @@ def _flat(target: Keyed, rows: slice) -> torch.Tensor:
     return flat
 
 
-def _values(bits: torch.Tensor, kind: str, a: float, b: float) -> torch.Tensor:
-    """float64 draws from int64 bits: ``uniform`` on [a, b), ``normal`` with mean a and std b."""
+def _values(bits: torch.Tensor, kind: str, a: float, b: float, dtype: torch.dtype) -> torch.Tensor:
+    """Draws from int64 bits: ``uniform`` on [a, b), ``normal`` with mean a and std b; computed in float64 for a
+    float64 tensor (53-bit uniforms, 32-bit Box-Muller halves), else in float32 (24-bit uniforms and halves)."""
+    wide = dtype == torch.float64
+    ftype, width = (torch.float64, 53) if wide else (torch.float32, 24)
     if kind == "uniform":
-        u = (_shr(bits, 11).to(torch.float64) + 0.5) * 2.0 ** -53
+        u = _shr(bits, 64 - width).to(ftype).add_(0.5).mul_(2.0 ** -width)
         return u.mul_(b - a).add_(a)
-    u1 = (_shr(bits, 32).to(torch.float64) + 0.5) * 2.0 ** -32
-    u2 = ((bits & 0xFFFFFFFF).to(torch.float64) + 0.5) * 2.0 ** -32
-    z = u1.log_().mul_(-2.0).sqrt_().mul_(torch.cos(u2.mul_(2 * math.pi)))
-    return z.mul_(b).add_(a)
+    half = 32 if wide else 24
+    u1 = _shr(bits, 64 - half).to(ftype).add_(0.5).mul_(2.0 ** -half)
+    u2 = bits.bitwise_and_((1 << half) - 1).to(ftype).add_(0.5).mul_(2 * math.pi * 2.0 ** -half)
+    return u1.log_().mul_(-2.0).sqrt_().mul_(u2.cos_()).mul_(b).add_(a)
 
 
 def fill_keyed(out: torch.Tensor, target: Keyed, kind: str, a: float, b: float) -> None:
@@ -97,12 +101,12 @@ def fill_keyed(out: torch.Tensor, target: Keyed, kind: str, a: float, b: float) 
     if out.numel() == 0:
         return
     if out.dim() == 0:
-        out.copy_(_values(_bits(_flat(target, slice(None)), target.key), kind, a, b))
+        out.copy_(_values(_bits(_flat(target, slice(None)), target.key), kind, a, b, out.dtype))
         return
     step = max(1, _CHUNK // max(1, out[0].numel()))
     for r0 in range(0, out.shape[0], step):
         rows = slice(r0, min(r0 + step, out.shape[0]))
-        out[rows].copy_(_values(_bits(_flat(target, rows).to(out.device), target.key), kind, a, b))
+        out[rows].copy_(_values(_bits(_flat(target, rows).to(out.device), target.key), kind, a, b, out.dtype))
 
 
 def _bits(flat: torch.Tensor, key: int) -> torch.Tensor:
