@@ -254,3 +254,30 @@ def test_context_parallel_with_tp(fake_pg):
             model = meshplan.parallelize(model, plan, meshplan.build_mesh({"cp": 2, "tp": 2}))
             assert_slices_of(meshplan.materialize(model, seed=0, mode="sharded"), full)
             assert torch.equal(model.freqs_cis, one.freqs_cis)
+
+
+def test_trunc_normal_is_keyed_by_inverse_cdf(fake_pg):
+    """torch 2.13's trunc_normal_ rejection-samples (temporaries, a reduction over ranks): in sharded mode it is the
+    inverse-CDF form on keyed uniforms, within its bounds, with the truncated law's variance."""
+    def init(m):
+        if isinstance(m, nn.Linear):
+            nn.init.trunc_normal_(m.weight, std=0.02, a=-0.03, b=0.03)
+            nn.init.zeros_(m.bias)
+
+    make = lambda: nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 256))  # noqa: E731
+    with torch.device("meta"):
+        one = make()
+    full = meshplan.materialize(one, init, seed=0, device="cpu", mode="sharded").state_dict()
+    beta = 1.5  # the bounds in standard deviations
+    pdf, mass = math.exp(-beta ** 2 / 2) / math.sqrt(2 * math.pi), math.erf(beta / math.sqrt(2))
+    var = 0.02 ** 2 * (1 - 2 * beta * pdf / mass)
+    for k in ("0.weight", "2.weight"):
+        assert float(full[k].abs().max()) <= 0.03
+        assert_moments(full[k], 0.0, var, 3 * 0.02 ** 4)  # the normal's 4th moment bounds the truncated one's
+    plan = {"tensor_parallel": {"sequence_parallel": False, "rules": {"0": "colwise", "2": "rowwise"}}}
+    for rank in (0, 1):
+        with fake_pg(2, rank):
+            with torch.device("meta"):
+                model = make()
+            model = meshplan.parallelize(model, plan, meshplan.build_mesh({"tp": 2}))
+            assert_slices_of(meshplan.materialize(model, init, seed=0, mode="sharded"), full)

@@ -3,11 +3,12 @@
 The initializers (transformers' ``_init_weights``, ``reset_parameters``, a model-level ``init_weights()``, the
 ``nn.init`` functions they call) run on the parameters as they are after :func:`meshplan.parallelize`: DTensors
 keep the GLOBAL shape, so fans (kaiming, xavier, a Linear bias's bound) are the one-device ones, and constant writes
-(``ones_``, ``zeros_``, ``fill_``) and elementwise steps (``trunc_normal_``'s transform) apply to the local shard.
+(``ones_``, ``zeros_``, ``fill_``) and elementwise steps apply to the local shard.
 A dispatch mode takes every random draw into a parameter and writes keyed values instead
 (:mod:`meshplan.weights.keyed`): element ``i`` of parameter ``name`` depends on (seed, name, i) only, so replicas are
 bit-identical without communication, the order ranks run in does not matter, and two layouts give the same full
-tensors. ``weight[i]`` / ``weight[a:b]`` of a parameter (the padding row of an embedding) become views of the local
+tensors. ``trunc_normal_`` (which torch 2.13 rejection-samples through temporaries) is keyed in its inverse-CDF
+form. ``weight[i]`` / ``weight[a:b]`` of a parameter (the padding row of an embedding) become views of the local
 shard that know their global indices. Initializers that read the whole tensor (``orthogonal_``, ``sparse_``,
 ``eye_``, ``dirac_``) are run whole for that one tensor (a transient full tensor, keyed generator, this rank keeps
 its shard: exact per tensor, O(tensor)); anything else that would not act on the shard is refused with a
@@ -19,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import math
 import sys
 from typing import Callable, Iterator
 
@@ -228,18 +230,33 @@ def _whole_tensor(draws: _KeyedDraws, name: str, orig: Callable, seed: int) -> C
     return run
 
 
+def _trunc_normal(draws: _KeyedDraws, name: str, orig: Callable, seed: int) -> Callable:
+    """``trunc_normal_`` keyed on a parameter (torch 2.13 rejection-samples, which would draw into temporaries and
+    reduce over ranks): the inverse-CDF form, a keyed uniform between the bounds' CDFs through ``erfinv``."""
+    def run(tensor, mean=0.0, std=1.0, a=-2.0, b=2.0, generator=None):
+        local, target = draws.find(tensor)
+        if target is None:
+            return orig(tensor, mean=mean, std=std, a=a, b=b, generator=generator)
+        cdf = lambda x: (1.0 + math.erf((x - mean) / std / math.sqrt(2.0))) / 2.0  # noqa: E731
+        fill_keyed(local, target, "uniform", 2 * cdf(a) - 1, 2 * cdf(b) - 1)
+        local.erfinv_().mul_(std * math.sqrt(2.0)).add_(mean).clamp_(min=a, max=b)
+        return tensor
+    return run
+
+
 @contextlib.contextmanager
 def _whole_tensor_inits(draws: _KeyedDraws, seed: int) -> Iterator[None]:
     """:data:`WHOLE_TENSOR_INITS` in ``torch.nn.init`` (and transformers' table of torch's originals) replaced by
-    :func:`_whole_tensor` for the block."""
+    :func:`_whole_tensor`, and ``trunc_normal_`` by :func:`_trunc_normal`, for the block."""
     tables = [vars(torch.nn.init)]
     hf = sys.modules.get("transformers.initialization")
     if hf is not None:
         tables.append(hf.TORCH_INIT_FUNCTIONS)
-    saved = [(table, name, table[name]) for table in tables for name in WHOLE_TENSOR_INITS if name in table]
+    names = (*WHOLE_TENSOR_INITS, "trunc_normal_")
+    saved = [(table, name, table[name]) for table in tables for name in names if name in table]
     try:
         for table, name, orig in saved:
-            table[name] = _whole_tensor(draws, name, orig, seed)
+            table[name] = (_trunc_normal if name == "trunc_normal_" else _whole_tensor)(draws, name, orig, seed)
         yield
     finally:
         for table, name, orig in reversed(saved):
@@ -249,11 +266,13 @@ def _whole_tensor_inits(draws: _KeyedDraws, seed: int) -> Iterator[None]:
 def keyed_init(model: nn.Module, calls: list | None, whole: Callable | None, seed: int, device) -> None:
     """Run the initializer (per-module ``calls`` in order, or the model-level ``whole``) on the local shards,
     random draws into parameters keyed by (seed, name, global index); each module's temporaries drawn from the
-    global stream seeded by (seed, module name)."""
+    global stream seeded by (seed, module name), the caller's random state restored afterwards."""
     targets, storages = keyed_targets(model, seed)
     names = {id(m): one_device_name(n) for n, m in model.named_modules()}
     draws = _KeyedDraws(targets, storages)
-    with torch.no_grad(), _whole_tensor_inits(draws, seed), draws:
+    rng = torch.random.fork_rng(devices=[torch.device(device).index or 0] if torch.device(device).type == "cuda"
+                                else [])  # the per-module seeds leave the caller's stream as it was
+    with rng, torch.no_grad(), _whole_tensor_inits(draws, seed), draws:
         if whole is not None:
             draws.where = f"{type(model).__name__}.init_weights"
             torch.manual_seed(module_seed(seed, ""))
