@@ -218,6 +218,9 @@ def test_whole_tensor_initializer_runs_whole_for_its_tensor(fake_pg):
      r"\(\(16, 8\): torch.nn.init.normal_\); use mode='exact'"),
     (lambda m: m.weight.bernoulli_(0.5),
      r"mode='sharded'\): 2 \(Linear\): bernoulli_ into parameter '2.weight' has no keyed form"),
+    (lambda m: nn.init.zeros_(m.weight.view(4, 32)),
+     r"2 \(Linear\): view of parameter '2.weight' \(placements \(Shard\(dim=1\),\)\) is a copy, not a view of this "
+     r"rank's shard, so a write through it would be lost"),
     (lambda m: nn.init.orthogonal_(m.weight[2:]),
      r"2 \(Linear\): orthogonal_ on a view of parameter '2.weight' reads the whole tensor; use mode='exact'"),
 ])
@@ -281,3 +284,38 @@ def test_trunc_normal_is_keyed_by_inverse_cdf(fake_pg):
                 model = make()
             model = meshplan.parallelize(model, plan, meshplan.build_mesh({"tp": 2}))
             assert_slices_of(meshplan.materialize(model, init, seed=0, mode="sharded"), full)
+
+
+def test_views_of_a_parameter_write_the_holders_elements(fake_pg):
+    """weight[:, j], weight.narrow(1, a, n), weight[i], slices of slices (strided) of a rowwise (column-sharded)
+    weight: each rank writes
+    the elements of the view it holds, draws keyed by the elements' full indices.
+
+    (In one process, DTensor's native sharding cache can hand a later simulated rank the mesh object, with its
+    coordinate, of the first rank that ran the same layout; comparing through the parameter's own mesh stays
+    consistent. The real ranks: tests/dist/init_sharded.py.)"""
+    def init(m):
+        if isinstance(m, nn.Linear) and m.in_features == 16:
+            nn.init.zeros_(m.weight)
+            nn.init.ones_(m.weight[:, 5])
+            nn.init.constant_(m.weight.narrow(1, 3, 6), 2.0)
+            nn.init.normal_(m.weight[2])
+            nn.init.uniform_(m.weight[4:6, 7:10])
+            nn.init.constant_(m.weight[1:7][2:4, 1:15:3], 3.0)  # a slice of a slice, strided: rows 3-4, cols 1, 4, ..
+            nn.init.constant_(m.weight[:, 2:14][6, -1], 4.0)  # row 6, col 13
+
+    make = lambda: nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))  # noqa: E731
+    with torch.device("meta"):
+        one = make()
+    full = meshplan.materialize(one, init, seed=0, device="cpu", mode="sharded").state_dict()
+    w = full["2.weight"]
+    assert float(w[0, 3:9].sum()) == 12 and float(w[0, 9:].abs().sum()) == 0 and float(w[2].abs().min()) > 0
+    assert w[3, 1:15:3].tolist() == [3.0] * 5 and float(w[6, 13]) == 4 and float(w[6, 12]) != 4
+    plan = {"tensor_parallel": {"sequence_parallel": False, "rules": {"0": "colwise", "2": "rowwise"}}}
+    for rank in (0, 1):
+        with fake_pg(2, rank):
+            with torch.device("meta"):
+                model = make()
+            model = meshplan.parallelize(model, plan, meshplan.build_mesh({"tp": 2}))
+            got = meshplan.materialize(model, init, seed=0, mode="sharded")[2].weight
+            assert torch.equal(got.to_local(), shard_of(got, w))  # the other tensors are not initialized here

@@ -61,6 +61,8 @@ class Keyed:
         base: the flat offset fixed by dims a view selected away (0 for a parameter).
         idx: per local dim, the global indices it holds (int64, as long as that dim).
         strides: per local dim, the full tensor's row-major stride.
+        lattice: per local dim, ``(origin, step, size)``: the view's index ``j`` along that dim is the full
+            tensor's index ``origin + step * j``, for ``j < size`` (``(0, 1, n)`` for a parameter).
         whole: True for the parameter itself (not a view of it).
     """
 
@@ -69,7 +71,31 @@ class Keyed:
     base: int
     idx: tuple[torch.Tensor, ...]
     strides: tuple[int, ...]
+    lattice: tuple[tuple[int, int, int], ...]
     whole: bool = True
+
+    def select(self, dim: int, j: int) -> tuple[int | None, "Keyed"]:
+        """``view[j]`` along ``dim`` (negative ``j`` from the end): the local position holding it (None: this
+        rank holds none of it) and the view's record."""
+        origin, step, size = self.lattice[dim]
+        full = origin + step * (j % size)
+        pos = torch.nonzero(self.idx[dim] == full).flatten()
+        drop = lambda t: t[:dim] + t[dim + 1:]  # noqa: E731
+        return (int(pos[0]) if pos.numel() else None,
+                Keyed(self.name, self.key, self.base + full * self.strides[dim], drop(self.idx), drop(self.strides),
+                      drop(self.lattice), False))
+
+    def slice(self, dim: int, start, stop, step) -> tuple[list[int], "Keyed"]:
+        """``view[start:stop:step]`` along ``dim``: the local positions it keeps and the view's record."""
+        origin, st, size = self.lattice[dim]
+        start, stop, step = slice(start, stop, step).indices(size)
+        j = (self.idx[dim] - origin) // st
+        mask = (j >= start) & (j < stop) & ((j - start) % step == 0)
+        lattice = (origin + st * start, st * step, len(range(start, stop, step)))
+        put = lambda t, v: t[:dim] + (v,) + t[dim + 1:]  # noqa: E731
+        return (torch.nonzero(mask).flatten().tolist(),
+                Keyed(self.name, self.key, self.base, put(self.idx, self.idx[dim][mask]), self.strides,
+                      put(self.lattice, lattice), False))
 
 
 def _flat(target: Keyed, rows: slice) -> torch.Tensor:

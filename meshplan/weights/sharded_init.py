@@ -95,7 +95,8 @@ def keyed_targets(model: nn.Module, seed: int) -> tuple[dict[tuple, Keyed], set[
         else:
             idx = tuple(torch.arange(n) for n in shape)
         assert tuple(len(i) for i in idx) == tuple(local.shape), (name, shape, tuple(local.shape))
-        out[_ident(local)] = Keyed(name, tensor_key(seed, name), 0, idx, _strides(shape))
+        out[_ident(local)] = Keyed(name, tensor_key(seed, name), 0, idx, _strides(shape),
+                                   tuple((0, 1, n) for n in shape))
         storages.add(local.untyped_storage().data_ptr())
     return out, storages
 
@@ -105,12 +106,16 @@ class _KeyedDraws(TorchDispatchMode):
 
     def __init__(self, targets: dict[tuple, Keyed], storages: set[int]):
         super().__init__()
-        self.targets, self.storages, self.views, self.where = targets, storages, [], ""
+        self.targets, self.storages, self.where = targets, storages, ""
+        self.views: dict[int, tuple[torch.Tensor, Keyed]] = {}  # by id: a view may share its parent's memory
 
     def find(self, t) -> tuple[torch.Tensor, Keyed | None]:
         local = local_tensor(t)
         if not isinstance(local, torch.Tensor) or local.is_meta:
             return local, None
+        view = self.views.get(id(t))
+        if view is not None and view[0] is t:
+            return local, view[1]
         return local, self.targets.get(_ident(local))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -156,39 +161,29 @@ class _KeyedDraws(TorchDispatchMode):
         return t
 
     def _view(self, packet, t, local, target: Keyed, args, kwargs):
-        """``t[i]`` or ``t[a:b:s]`` of a parameter: a view of the local tensor that knows its global indices."""
-        dim = args[1] % t.dim() if len(args) > 1 else kwargs.get("dim", 0) % t.dim()
-        idx, n = target.idx[dim], t.shape[dim]
+        """``t[j]`` or ``t[a:b:s]`` of a parameter (or of such a view): a view of the local tensor that knows
+        its elements' indices in the full tensor."""
+        dim = (args[1] if len(args) > 1 else kwargs.get("dim", 0)) % t.dim()
         if packet is _aten.select:
-            g = args[2] % n
-            pos = torch.nonzero(idx == g).flatten()
-            if pos.numel() == 0:
-                return local.new_empty((0,))  # this rank holds no element of the row
-            view = local.select(dim, int(pos[0]))
-            new = Keyed(target.name, target.key, target.base + g * target.strides[dim],
-                        target.idx[:dim] + target.idx[dim + 1:], target.strides[:dim] + target.strides[dim + 1:],
-                        False)
+            pos, new = target.select(dim, args[2])
+            if pos is None:
+                return local.new_empty((0,))  # this rank holds no element of it
+            view = local.select(dim, pos)
         else:
-            start, stop, step = slice(*(list(args[2:5]) + [None] * 3)[:3]).indices(n)
-            mask = (idx >= start) & (idx < stop) & ((idx - start) % step == 0)
-            pos = torch.nonzero(mask).flatten().tolist()
+            bounds = (list(args[2:5]) + [None] * 3)[:3]
+            pos, new = target.slice(dim, *bounds)
             gaps = {b - a for a, b in zip(pos, pos[1:])}
             if len(gaps) > 1:
-                raise PlanError(f"materialize(mode='sharded'): {self.where}: parameter {target.name!r}[{start}:"
-                                f"{stop}:{step}] is not one strided block of this rank's shard; use mode='exact'")
+                raise PlanError(f"materialize(mode='sharded'): {self.where}: parameter {target.name!r}, dim {dim}"
+                                f"[{':'.join('' if v is None else str(v) for v in bounds)}] is not one strided "
+                                f"block of this rank's shard; use mode='exact'")
             k = gaps.pop() if gaps else 1
-            sl = slice(pos[0], pos[-1] + 1, k) if pos else slice(0, 0)
-            view = local[(slice(None),) * dim + (sl,)]
-            new = Keyed(target.name, target.key, target.base, target.idx[:dim] + (idx[mask],) + target.idx[dim + 1:],
-                        target.strides, False)
+            view = local[(slice(None),) * dim + (slice(pos[0], pos[-1] + 1, k) if pos else slice(0, 0),)]
         if view.numel():
-            self.targets[_ident(view)] = new
-            self.views.append(_ident(view))
+            self.views[id(view)] = (view, new)
         return view
 
     def forget_views(self) -> None:
-        for k in self.views:
-            self.targets.pop(k, None)
         self.views.clear()
 
 

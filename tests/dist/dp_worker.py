@@ -299,6 +299,7 @@ CASES_BY_WORLD = {
         "regather_counts_tp4": lambda: regather_counts({"tp": 4}, n_kv_heads=4),
         "meta_init_and_load_fsdp_tp": lambda: meta_init_and_load({"dp_shard": 2, "tp": 2}),
         "sharded_init_fsdp_tp": lambda: sharded_init({"dp_shard": 2, "tp": 2}),
+        "sharded_init_views_tp4": lambda: __import__("init_sharded").views_on_real_ranks(),
         "fsdp_tp": lambda: compare({"dp_shard": 2, "tp": 2}, tp=True),
         "hsdp": lambda: compare({"dp_replicate": 2, "dp_shard": 2}, microbatches=2),
         "ddp_tp": lambda: compare({"dp_replicate": 2, "tp": 2}, tp=True),

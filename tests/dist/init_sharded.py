@@ -66,3 +66,34 @@ def sharded_then_train(make, plan, layout, vocab, mode="sharded"):
     assert _replicas(model) == replicated
     return {"worst": 0.0, "loss": losses, "held": held, "total": sum(t.numel() for t in full.values()),
             "replicated": replicated}
+
+
+def _view_init(m):
+    """Writes through views of a column-sharded weight (the in-process test's initializer)."""
+    if isinstance(m, torch.nn.Linear) and m.in_features == 16:
+        torch.nn.init.zeros_(m.weight)
+        torch.nn.init.ones_(m.weight[:, 5])
+        torch.nn.init.constant_(m.weight.narrow(1, 3, 6), 2.0)
+        torch.nn.init.normal_(m.weight[2])
+        torch.nn.init.uniform_(m.weight[4:6, 7:10])
+        torch.nn.init.constant_(m.weight[1:7][2:4, 1:15:3], 3.0)  # a slice of a slice, strided: rows 3-4, cols 1, 4, ..
+        torch.nn.init.constant_(m.weight[:, 2:14][6, -1], 4.0)  # row 6, col 13
+
+
+def views_on_real_ranks():
+    """weight[:, j], narrow, weight[i], weight[a:b, c:d] of a rowwise weight at tp 4: each real rank holds the
+    columns of the one-process tensor its coordinate names."""
+    make = lambda: torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))  # noqa: E731
+    with torch.device("meta"):
+        one = make()
+    want = meshplan.materialize(one, _view_init, seed=0, device="cpu", mode="sharded")[2].weight.detach()
+    with torch.device("meta"):
+        model = make()
+    plan = {"tensor_parallel": {"sequence_parallel": False, "rules": {"0": "colwise", "2": "rowwise"}}}
+    model = meshplan.parallelize(model, plan, meshplan.build_mesh({"tp": 4}))
+    got = meshplan.materialize(model, _view_init, seed=0, mode="sharded")[2].weight
+    rank = dist.get_rank()
+    assert tuple(got.device_mesh.get_coordinate()) == (rank,), got.device_mesh.get_coordinate()
+    mine = want[:, 4 * rank:4 * rank + 4]
+    assert torch.equal(_local(got), mine), (rank, (_local(got) != mine).nonzero().tolist(), _local(got), mine)
+    return {"columns": [4 * rank, 4 * rank + 4]}
