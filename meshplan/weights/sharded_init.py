@@ -170,7 +170,7 @@ class _KeyedDraws(TorchDispatchMode):
                 return local.new_empty((0,))  # this rank holds no element of it
             view = local.select(dim, pos)
         else:
-            bounds = (list(args[2:5]) + [None] * 3)[:3]
+            bounds = [args[i] if len(args) > i else kwargs.get(k) for i, k in ((2, "start"), (3, "end"), (4, "step"))]
             pos, new = target.slice(dim, *bounds)
             gaps = {b - a for a, b in zip(pos, pos[1:])}
             if len(gaps) > 1:
@@ -203,7 +203,7 @@ def _index(target: Keyed) -> tuple[torch.Tensor, ...]:
     return tuple(i.view([-1 if e == d else 1 for e in range(n)]) for d, i in enumerate(target.idx))
 
 
-def _whole_tensor(draws: _KeyedDraws, name: str, orig: Callable, seed: int) -> Callable:
+def _whole_tensor(draws: _KeyedDraws, name: str, orig: Callable) -> Callable:
     """``orig`` (an nn.init function that reads the whole tensor) run whole for one parameter: a transient full
     tensor, a generator keyed by (seed, name), this rank's shard kept."""
     def run(tensor, *args, **kwargs):
@@ -225,7 +225,7 @@ def _whole_tensor(draws: _KeyedDraws, name: str, orig: Callable, seed: int) -> C
     return run
 
 
-def _trunc_normal(draws: _KeyedDraws, name: str, orig: Callable, seed: int) -> Callable:
+def _trunc_normal(draws: _KeyedDraws, name: str, orig: Callable) -> Callable:
     """``trunc_normal_`` keyed on a parameter (torch 2.13 rejection-samples, which would draw into temporaries and
     reduce over ranks): the inverse-CDF form, a keyed uniform between the bounds' CDFs through ``erfinv``."""
     def run(tensor, mean=0.0, std=1.0, a=-2.0, b=2.0, generator=None):
@@ -240,7 +240,7 @@ def _trunc_normal(draws: _KeyedDraws, name: str, orig: Callable, seed: int) -> C
 
 
 @contextlib.contextmanager
-def _whole_tensor_inits(draws: _KeyedDraws, seed: int) -> Iterator[None]:
+def _whole_tensor_inits(draws: _KeyedDraws) -> Iterator[None]:
     """:data:`WHOLE_TENSOR_INITS` in ``torch.nn.init`` (and transformers' table of torch's originals) replaced by
     :func:`_whole_tensor`, and ``trunc_normal_`` by :func:`_trunc_normal`, for the block."""
     tables = [vars(torch.nn.init)]
@@ -251,7 +251,7 @@ def _whole_tensor_inits(draws: _KeyedDraws, seed: int) -> Iterator[None]:
     saved = [(table, name, table[name]) for table in tables for name in names if name in table]
     try:
         for table, name, orig in saved:
-            table[name] = (_trunc_normal if name == "trunc_normal_" else _whole_tensor)(draws, name, orig, seed)
+            table[name] = (_trunc_normal if name == "trunc_normal_" else _whole_tensor)(draws, name, orig)
         yield
     finally:
         for table, name, orig in reversed(saved):
@@ -267,7 +267,7 @@ def keyed_init(model: nn.Module, calls: list | None, whole: Callable | None, see
     draws = _KeyedDraws(targets, storages)
     rng = torch.random.fork_rng(devices=[torch.device(device).index or 0] if torch.device(device).type == "cuda"
                                 else [])  # the per-module seeds leave the caller's stream as it was
-    with rng, torch.no_grad(), _whole_tensor_inits(draws, seed), draws:
+    with rng, torch.no_grad(), _whole_tensor_inits(draws), draws:
         if whole is not None:
             draws.where = f"{type(model).__name__}.init_weights"
             torch.manual_seed(module_seed(seed, ""))
