@@ -82,6 +82,19 @@ def test_meta_init_and_load_under_fsdp_over_tp(world4):
     case_result(world4, "meta_init_and_load_fsdp_tp", 4)
 
 
+def test_sharded_init_under_fsdp_over_tp(world4):
+    """materialize(mode="sharded") at tp 2 × fsdp 2: shards are slices of one process's draws, replicas
+    bit-identical, before and after 3 SGD steps with finite losses (tests/dist/init_sharded.py)."""
+    values = case_result(world4, "sharded_init_fsdp_tp", 4)
+    assert all(v["replicated"] > 0 and v["held"] < v["total"] for v in values.values()), values
+
+
+def test_sharded_init_views_on_real_ranks(world4):
+    """Writes through views of a tp 4 column-sharded weight land in each real rank's own columns."""
+    values = case_result(world4, "sharded_init_views_tp4", 4)
+    assert [values[r]["columns"] for r in range(4)] == [[0, 4], [4, 8], [8, 12], [12, 16]]
+
+
 def test_mixed_precision(world2):
     case_result(world2, "mixed_precision", 2)
 

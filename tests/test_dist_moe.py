@@ -47,6 +47,13 @@ def test_meta_init_equals_one_device(results, n, case):
     case_result(results(n), case, n)  # every parameter exactly the one-device one (expert shards included)
 
 
+def test_sharded_init_then_training(results):
+    """materialize(mode="sharded") at ep 2 × tp 2: experts and shards are slices of one process's draws, replicas
+    bit-identical, before and after 3 SGD steps with finite losses (tests/dist/init_sharded.py)."""
+    values = case_result(results(4), "ep2_tp2_sharded_init", 4)
+    assert all(v["replicated"] > 0 and v["held"] < v["total"] for v in values.values()), values
+
+
 def test_tp_ranks_route_each_token_once(results):
     values = case_result(results(4), "tokens_once", 4)
     assert {v["copies"] for v in values.values()} == {512}  # 4 × 32 tokens × top-2 × dp 2 = the global batch's copies

@@ -19,6 +19,7 @@ from meshplan.plan_file.pipeline import Pipeline
 from meshplan.plan_file.context_parallel import ContextParallel
 from meshplan.plan_file.expert_parallel import ExpertParallel
 from meshplan.plan_file.faults import Faults
+from meshplan.plan_file.initialization import Init
 from meshplan.plan_file.training import Training
 
 __all__ = ["Plan", "load_plan", "as_plan"]
@@ -54,6 +55,10 @@ class Plan(Strict):
         None, description="Collective timeouts of every process group (until and after the first train_step), "
                           "heartbeats and the flight recorder: a silent or dead rank makes the others end with a "
                           "RankFailure naming it and the mesh axis, not hang.")
+    init: Init | None = Field(
+        None, description="How meshplan.materialize initializes a meta-device model: 'exact' (the one-device "
+                          "numbers, O(model) per rank) or 'sharded' (keyed per-shard draws, O(shard) per rank); "
+                          "the call's mode= wins.")
     training: Training | None = Field(
         None, description="What `meshplan train` trains (model, data) and how (steps, batch, optimizer, schedule, "
                           "evaluation, checkpoints, export, logging); ignored by parallelize.")

@@ -1,4 +1,4 @@
-"""Meta-device models made real: per-shard initialization that equals a one-device initialization.
+"""Meta-device models made real: ``exact`` initialization (equal to a one-device one) or ``sharded`` (per shard).
 
 The flow for a model too large for one device::
 
@@ -16,7 +16,9 @@ shard. Memory: per-module initializers (transformers' ``_init_weights``,
 ``reset_parameters``) hold one module's full parameters at a time; a
 model-level ``init_weights()`` (torchtitan style) is one opaque call, so it
 holds the full model once per rank, transiently. Compute: every rank does the
-whole model's initialization.
+whole model's initialization. ``mode="sharded"`` (the call's, else the plan's ``init.mode``) runs the
+initializers on the local shards instead, with draws keyed by (seed, name, global index):
+:mod:`meshplan.weights.sharded_init` (``docs/initialization.md``).
 
 Loading a checkpoint instead lives in :mod:`meshplan.weights.load`.
 """
@@ -133,8 +135,8 @@ def _device(model: nn.Module, device) -> torch.device:
 
 
 def materialize(model: nn.Module, init: Callable[[nn.Module], None] | None = None, *, device=None,
-                seed: int | None = None) -> nn.Module:
-    """Allocate a (parallelized) meta-device model's shards and initialize them as one device would.
+                seed: int | None = None, mode: str | None = None) -> nn.Module:
+    """Allocate a (parallelized) meta-device model's shards and initialize them (``exact``: as one device would).
 
     Args:
         model: a model whose parameters are on the meta device (DTensors after
@@ -144,27 +146,36 @@ def materialize(model: nn.Module, init: Callable[[nn.Module], None] | None = Non
             else a model-level ``init_weights()``, else each module's ``reset_parameters()``.
         device: where the shards live. Default: the tp mesh's device type.
         seed: ``torch.manual_seed(seed)`` first. Every rank must draw the same stream:
-            pass a seed, or seed every rank alike before calling.
+            pass a seed, or seed every rank alike before calling (``sharded``: the keys use
+            ``torch.initial_seed()`` then).
+        mode: ``"exact"`` (every rank replays the one-device stream for every full tensor: O(model) per
+            rank) or ``"sharded"`` (:mod:`meshplan.weights.sharded_init`: each rank runs the initializers on
+            its local shards with draws keyed by (seed, parameter name, global index): O(shard) per rank).
+            Default: the plan's ``init.mode``, else ``"exact"``.
 
     Returns:
-        ``model``, on ``device``, equal (shard for shard) to a one-device model built the same
-        way and initialized with the same seed and initializer.
+        ``model``, on ``device``. ``exact``: equal (shard for shard) to a one-device model built the same
+        way and initialized with the same seed and initializer. ``sharded``: the same distribution per
+        tensor; the same full tensors under every layout and rank order (replicas bit-identical).
 
     A pipelined model (split on the meta device) allocates its own stages only: the other stages' modules,
     kept as meta modules by the split, are put back for the walk, each initialized into a transient full
     tensor (one module at a time) and dropped, so the random stream is the one-device one.
 
     Raises:
-        PlanError: the model was cut into pipeline stages off the meta device (the other stages' modules are
-            gone, so the one-device random stream cannot be replayed).
+        PlanError: ``mode`` is not ``exact`` or ``sharded``; the model was cut into pipeline stages off the meta
+            device (the other stages' modules are gone, so the one-device module walk cannot be replayed);
+            ``sharded``: an initializer that cannot act on a shard (naming the module and the operation).
     """
+    from meshplan.weights.sharded_init import resolve_mode
+    mode = resolve_mode(model, mode)
     whole = whole_of(model, "materialize", "meshplan.load_state_dict")
     dev = _device(model, device)
     _to_empty(model, dev)
     if seed is not None:
         torch.manual_seed(seed)
     with whole:
-        _init(model, init, dev)
+        _init(model, init, dev, mode, torch.initial_seed() if seed is None else seed)
     return model
 
 
@@ -188,7 +199,7 @@ def whole_of(model: nn.Module, what: str, instead: str) -> contextlib.AbstractCo
     return whole
 
 
-def _init(model: nn.Module, init: Callable | None, dev: torch.device) -> None:
+def _init(model: nn.Module, init: Callable | None, dev: torch.device, mode: str = "exact", seed: int = 0) -> None:
     """Run the initializer over ``model``'s modules (whole or per module), storing each rank's shards."""
     for m in model.modules():
         m.__dict__.pop("_is_hf_initialized", None)
@@ -199,7 +210,10 @@ def _init(model: nn.Module, init: Callable | None, dev: torch.device) -> None:
         from transformers import initialization
         guard = initialization.guard_torch_init_functions()
     with torch.no_grad(), guard:
-        if whole is not None:
+        if mode == "sharded":
+            from meshplan.weights.sharded_init import keyed_init
+            keyed_init(model, calls, whole, seed, dev)
+        elif whole is not None:
             with _full(list(model.modules()), dev, keep):
                 kw = {"buffer_device": dev} if "buffer_device" in inspect.signature(whole).parameters else {}
                 whole(**kw)

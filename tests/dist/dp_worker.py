@@ -277,6 +277,14 @@ def regather_counts(layout, **model_kw):
     return out
 
 
+def sharded_init(layout):
+    """materialize(mode="sharded") under ``layout``, then 3 SGD steps (tests/dist/init_sharded.py)."""
+    from init_sharded import sharded_then_train  # imports pp_meta, which imports this module
+    args = tiny_args()
+    plan = {"layout": layout, "tensor_parallel": {"sequence_parallel": True, "rules": TP_RULES}}
+    return sharded_then_train(lambda: build(args), plan, layout, args.vocab_size)
+
+
 CASES_BY_WORLD = {
     4: {
         "regather_tp4": lambda: compare({"tp": 4}, tp=True, n_kv_heads=4, opt_kind="sgd"),
@@ -290,6 +298,8 @@ CASES_BY_WORLD = {
         "regather_tp2_fsdp_saved": lambda: compare({"dp_shard": 2, "tp": 2}, tp=True, save=True),
         "regather_counts_tp4": lambda: regather_counts({"tp": 4}, n_kv_heads=4),
         "meta_init_and_load_fsdp_tp": lambda: meta_init_and_load({"dp_shard": 2, "tp": 2}),
+        "sharded_init_fsdp_tp": lambda: sharded_init({"dp_shard": 2, "tp": 2}),
+        "sharded_init_views_tp4": lambda: __import__("init_sharded").views_on_real_ranks(),
         "fsdp_tp": lambda: compare({"dp_shard": 2, "tp": 2}, tp=True),
         "hsdp": lambda: compare({"dp_replicate": 2, "dp_shard": 2}, microbatches=2),
         "ddp_tp": lambda: compare({"dp_replicate": 2, "tp": 2}, tp=True),

@@ -104,6 +104,15 @@ def meta_init(layout, tp=None, args=None):
     return {"parameters": len(ref)}
 
 
+def sharded_init(layout):
+    """materialize(mode="sharded") of the MoE decoder (experts over ep, attention over tp), then 3 SGD steps."""
+    from init_sharded import sharded_then_train
+    args = _args(shared_expert=True)
+    plan = {"layout": layout, "expert_parallel": {"rules": EP_RULES},
+            "tensor_parallel": {"sequence_parallel": True, "loss_parallel": True, "rules": TP_RULES}}
+    return sharded_then_train(lambda: build(args), plan, layout, args.vocab_size)
+
+
 def _args(**kw):
     return tiny_args(aux_loss_coef=0.0, capacity_factor=None, **kw)
 
@@ -136,6 +145,7 @@ CASES_4 = {
     "ep4_tp2": lambda: model_case({"tp": 2, "ep": 4, "etp": 1}, tp=True, args=_args(n_experts=8)),
     "ep2_tp2_meta_init": lambda: meta_init({"tp": 2, "ep": 2, "etp": 1}, tp=True),
     "ep2_etp2_meta_init": lambda: meta_init({"tp": 2, "ep": 2, "etp": 2}, tp=True),
+    "ep2_tp2_sharded_init": lambda: sharded_init({"tp": 2, "ep": 2, "etp": 1}),
     "ep2_etp2": lambda: model_case({"tp": 2, "ep": 2, "etp": 2}, tp=True, args=_args(shared_expert=True)),
     "ep2_etp2_no_sp": lambda: model_case({"tp": 2, "ep": 2, "etp": 2}, tp=False),
     "pp2_ep2": lambda: model_case({"pp": 2, "ep": 2}, args=_args(n_layers=2),

@@ -216,6 +216,15 @@ SWEEP = ["cohere", "cohere2", "granite", "gemma2", "gemma3_text", "olmo2", "star
          "phi", "qwen2", "falcon", "gpt_neox", "exaone4", "olmo", "gemma", "glm4", "helium", "smollm3", "gpt2"]
 if os.environ.get("MESHPLAN_PP_ZOO"):
     CASES_2 = {f"sweep_{arch}": functools.partial(compare, P2, "1f1b", tiny=arch) for arch in SWEEP}
+def sharded_init(layout):
+    """materialize() with the plan's ``init: {mode: sharded}`` on pp 2 × tp 2 from meta, then 3 SGD steps."""
+    from init_sharded import sharded_then_train
+    from pp_meta import _plan
+    args = tiny_args(n_layers=4)
+    plan = {**_plan(layout, TP_RULES), "blocks": {"pattern": "layers.*"}, "init": {"mode": "sharded"}}
+    return sharded_then_train(lambda: build(args), plan, layout, args.vocab_size, mode=None)
+
+
 CASES_4 = {
     "pp2_tp2_sp_lp": lambda: compare({"pp": 2, "tp": 2}, "1f1b", n_layers=2, tp=True, sp=True, lp=True),
     "pp2_tp2_nosp": lambda: compare({"pp": 2, "tp": 2}, "gpipe", n_layers=2, tp=True, sp=False),
@@ -226,6 +235,7 @@ CASES_4 = {
                                               hf=True),
     "meta_checkpoint_tp2": lambda: meta_checkpoint({"pp": 2, "tp": 2}, HF_RULES),
     "meta_materialize_tp2": lambda: meta_materialize({"pp": 2, "tp": 2}, TP_RULES),
+    "sharded_init_pp2_tp2": lambda: sharded_init({"pp": 2, "tp": 2}),
 }
 CASES_8 = {
     "pp2_hsdp": lambda: compare({"pp": 2, "dp_replicate": 2, "dp_shard": 2}, "1f1b", microbatches=2, dp={"mode": "hsdp"}),
