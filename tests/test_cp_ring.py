@@ -1,0 +1,150 @@
+"""meshplan's ring attention and its block kernel, in one process, float64, against dense one-device attention.
+
+The ring's ranks run as threads joined by :class:`~meshplan.context_parallel.ring.QueueLinks` (the same schedule
+code as the real :class:`~meshplan.context_parallel.ring.RingLinks`, the transport swapped): LocalTensorMode
+simulates collectives but not point-to-point ``isend``/``irecv``, so the real links are tested by the torchrun
+cases (``tests/dist/cp_worker.py``). One fixed tolerance, ``RTOL`` (1e-9, ``tests/_float64.py``).
+"""
+
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from _float64 import RTOL
+from meshplan.context_parallel.blocks import attend_block, block_grads, merge
+from meshplan.context_parallel.chunks import rank_positions
+from meshplan.context_parallel.masks import AttentionMask
+from meshplan.context_parallel.ring import QueueLinks, Ring, ring_attend, ring_attention
+from meshplan.errors import PlanError
+
+pytestmark = pytest.mark.fast
+
+MASKS = [AttentionMask(causal=True), AttentionMask(causal=False), AttentionMask(causal=True, window=5),
+         AttentionMask(causal=True, softcap=2.0), AttentionMask(causal=False, window=3, softcap=1.0)]
+
+
+def dense(q, k, v, mask, scale):
+    """Plain attention over the whole sequence: the one-device reference (GQA by repeat_interleave)."""
+    pos = torch.arange(q.shape[-2])
+    keep = mask.keep(pos, pos)
+    g = q.shape[-3] // k.shape[-3]
+    s = q @ k.repeat_interleave(g, -3).transpose(-1, -2) * scale
+    if mask.softcap is not None:
+        s = mask.softcap * torch.tanh(s / mask.softcap)
+    if keep is not None:
+        s = s.masked_fill(~keep, float("-inf"))
+    return torch.softmax(s, -1) @ v.repeat_interleave(g, -3)
+
+
+def inputs(heads=4, kv_heads=2, seq=32, d=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(2, h, seq, d, generator=g, dtype=torch.float64) for h in (heads, kv_heads, kv_heads))
+    return q, k, v, torch.randn(2, heads, seq, d, generator=g, dtype=torch.float64)
+
+
+def close(got, want):
+    return float((got - want).norm()) <= RTOL * max(float(want.norm()), 1e-300)
+
+
+def run_ring(cp, load_balance, mask, q, k, v, dout):
+    """Every rank's (positions, out, dq, dk, dv), the ranks as threads over QueueLinks."""
+    queues, res, errors = {}, {}, []
+
+    def rank(r):
+        try:
+            idx = torch.tensor(rank_positions(q.shape[-2], cp, r, load_balance))
+            ql, kl, vl = (t[:, :, idx].clone().requires_grad_() for t in (q, k, v))
+            ring = Ring(QueueLinks(queues, cp, r), load_balance, mask, q.shape[-1] ** -0.5)
+            out = ring_attend(ql, kl, vl, ring)
+            out.backward(dout[:, :, idx])
+            res[r] = (idx, out.detach(), ql.grad, kl.grad, vl.grad)
+        except Exception as e:  # surfaced in the test's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(cp)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    return res
+
+
+@pytest.mark.parametrize("cp, load_balance", [(1, True), (2, True), (2, False), (4, True), (4, False)])
+@pytest.mark.parametrize("mask", MASKS, ids=repr)
+def test_ring_equals_one_device(cp, load_balance, mask):
+    """Forward and q/k/v gradients, causal and full, GQA (4 query heads, 2 kv heads), windows, soft-caps."""
+    q, k, v, dout = inputs()
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    want = dense(qr, kr, vr, mask, q.shape[-1] ** -0.5)
+    want.backward(dout)
+    got = [torch.zeros_like(t) for t in (q, q, k, v)]
+    for idx, *tensors in run_ring(cp, load_balance, mask, q, k, v, dout).values():
+        for whole, part in zip(got, tensors):
+            whole[:, :, idx] = part
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, (want.detach(), qr.grad, kr.grad, vr.grad)):
+        assert close(g, w), (name, float((g - w).abs().max()))
+
+
+def test_attend_block_and_merge_equal_sdpa():
+    """Two key blocks merged by lse give SDPA over both; the covered block builds no mask, the far one is skipped."""
+    q, k, v, _ = inputs(kv_heads=4)
+    kw = {"scale": q.shape[-1] ** -0.5, "mask": AttentionMask(causal=True)}
+    a = attend_block(q[:, :, 16:], k[:, :, :16], v[:, :, :16], q_pos=range(16, 32), k_pos=range(0, 16), **kw)
+    b = attend_block(q[:, :, 16:], k[:, :, 16:], v[:, :, 16:], q_pos=range(16, 32), k_pos=range(16, 32), **kw)
+    out, lse = merge(*a, *b)
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True)[:, :, 16:]
+    assert close(out, want)
+    scores = (q[:, :, 16:] @ k.transpose(-1, -2)) * kw["scale"]
+    assert close(lse, scores.masked_fill(~torch.ones(32, 32, dtype=torch.bool).tril()[16:], float("-inf"))
+                 .logsumexp(-1))
+
+
+def test_fully_masked_rows_give_minus_inf_and_no_nan():
+    """A query block before every key of the block: lse = -inf, out = 0, and merging it changes nothing."""
+    q, k, v, dout = inputs(kv_heads=4)
+    q.requires_grad_()
+    kw = {"scale": 0.3, "mask": AttentionMask(causal=True)}
+    out, lse = attend_block(q[:, :, :8], k[:, :, 8:16], v[:, :, 8:16], q_pos=range(0, 8), k_pos=range(8, 16), **kw)
+    assert bool(torch.isneginf(lse).all()) and not bool(out.any())
+    # a window of 1 keeps only the diagonal: rows partly masked in one block, fully in the other
+    win = {"scale": 0.3, "mask": AttentionMask(causal=True, window=1)}
+    a = attend_block(q[:, :, 8:16], k[:, :, :8], v[:, :, :8], q_pos=range(8, 16), k_pos=range(0, 8), **win)
+    b = attend_block(q[:, :, 8:16], k[:, :, 8:16], v[:, :, 8:16], q_pos=range(8, 16), k_pos=range(8, 16), **win)
+    merged, mlse = merge(*a, *b)
+    assert torch.equal(merged, b[0]) and torch.equal(mlse, b[1])
+    (merged * dout[:, :, 8:16]).sum().backward()
+    assert not bool(q.grad.isnan().any())
+    none = merge(out, lse, out, lse)
+    assert bool(torch.isneginf(none[1]).all()) and not bool(none[0].isnan().any())
+
+
+def test_block_grads_equal_autograd_with_documents_and_tiles(monkeypatch):
+    """The ring's recomputed block backward equals autograd through attend_block (documents, soft-cap, GQA,
+    query tiles of 3 rows: every tile asks the mask again)."""
+    import meshplan.context_parallel.blocks as blocks
+    monkeypatch.setattr(blocks, "TILE_SCORES", 2 * 4 * 3 * 16)
+    q, k, v, dout = inputs(seq=16)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    doc = torch.tensor([0] * 5 + [1] * 11)
+    kw = {"scale": 0.4, "mask": AttentionMask(causal=True, window=6, softcap=1.5), "q_pos": torch.arange(16),
+          "k_pos": range(16), "q_doc": doc, "k_doc": doc}
+    out, lse = attend_block(q, k, v, **kw)
+    out.backward(dout)
+    delta = (dout * out.detach()).sum(-1)
+    dq, dk, dv = block_grads(q.detach(), k.detach(), v.detach(), dout, lse.detach(), delta, **kw)
+    assert close(dq, q.grad) and close(dk, k.grad) and close(dv, v.grad)
+
+
+def test_ring_refuses_dropout_and_foreign_masks():
+    q, k, v, _ = inputs()
+    links = QueueLinks({}, 1, 0)
+    common = {"group": None, "cp": 1, "rank": 0, "load_balance": True, "where": "layers.0.attn", "links": links}
+    with pytest.raises(PlanError, match=r"layers\.0\.attn asks scaled_dot_product_attention for dropout_p=0\.1"):
+        ring_attention(q, k, v, dropout_p=0.1, **common)
+    with pytest.raises(PlanError, match=r"layers\.0\.attn passes scaled_dot_product_attention a mask"):
+        ring_attention(q, k, v, attn_mask=torch.randn(32, 32, dtype=torch.float64), **common)
+    out = ring_attention(q, k, v, is_causal=True, enable_gqa=True, **common)
+    assert close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
