@@ -27,7 +27,8 @@ def _check(results, case, n):
     assert len({tuple(v["loss"]) for v in values.values()}) == 1  # every rank reports the global loss
 
 
-@pytest.mark.parametrize("case", ["cp2", "cp2_unbalanced", "cp2_microbatches", "cp2_hf_llama", "cp2_hf_qwen2", "cp2_checkpointed"])
+@pytest.mark.parametrize("case", ["cp2", "cp2_unbalanced", "cp2_microbatches", "cp2_hf_llama", "cp2_hf_qwen2", "cp2_checkpointed",
+                                  "ring_kernel", "ring_cp2", "ring_cp2_unbalanced_checkpointed", "ring_cp2_hf_llama"])
 def test_cp2(world2, case):
     _check(world2, case, 2)
 
@@ -50,7 +51,8 @@ def world8():
     return launch("tests/dist/cp_worker.py", 8)
 
 
-@pytest.mark.parametrize("case", ["cp4", "cp2_tp2_sp", "cp2_dp_shard2", "cp2_tp2_hf_llama", "pp2_cp2"])
+@pytest.mark.parametrize("case", ["cp4", "cp2_tp2_sp", "cp2_dp_shard2", "cp2_tp2_hf_llama", "pp2_cp2", "ring_kernel_cp4",
+                                  "ring_cp4", "ring_cp2_tp2_sp", "ring_cp2_tp2_hf_llama"])
 def test_cp_composed(world4, case):
     _check(world4, case, 4)
 
