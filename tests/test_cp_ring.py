@@ -148,3 +148,46 @@ def test_ring_refuses_dropout_and_foreign_masks():
         ring_attention(q, k, v, attn_mask=torch.randn(32, 32, dtype=torch.float64), **common)
     out = ring_attention(q, k, v, is_causal=True, enable_gqa=True, **common)
     assert close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
+
+
+@pytest.mark.parametrize("offset", [0, 8, 24])
+def test_allgather_prefix_diagonal_equals_sdpa(offset):
+    """The all-gather method's CPU chunk (a mask-free prefix merged with a causal diagonal, no mask tensor): out
+    and gradients equal SDPA with the chunk's causal mask; GQA."""
+    from meshplan.context_parallel.attention import _PrefixDiagonal
+    q, k, v, dout = inputs(seq=32)
+    c = 8
+    keys = offset + c
+    qc = q[:, :, offset:keys].clone().requires_grad_()
+    kk, vv = k[:, :, :keys].clone().requires_grad_(), v[:, :, :keys].clone().requires_grad_()
+    out = _PrefixDiagonal.apply(qc, kk, vv, offset, 0.35)
+    out.backward(dout[:, :, :c])
+    q2, k2, v2 = (t.detach().clone().requires_grad_() for t in (qc, kk, vv))
+    keep = torch.ones(c, keys, dtype=torch.bool).tril(offset)
+    want = F.scaled_dot_product_attention(q2, k2, v2, attn_mask=keep, scale=0.35, enable_gqa=True)
+    want.backward(dout[:, :, :c])
+    for g, w in ((out, want), (qc.grad, q2.grad), (kk.grad, k2.grad), (vv.grad, v2.grad)):
+        assert close(g.detach(), w.detach())
+
+
+def test_ring_explicit_math_equals_one_device(monkeypatch):
+    """The explicit block math alone (torch's CPU flash kernel not used for any block): ring == one device."""
+    import meshplan.context_parallel.blocks as blocks
+    monkeypatch.setattr(blocks, "fused_causal", lambda *a, **kw: None)
+    test_ring_equals_one_device(2, True, AttentionMask(causal=True))
+    test_ring_equals_one_device(4, False, AttentionMask(causal=False))
+
+
+def test_ring_saves_only_the_local_shards():
+    """What autograd saves for the ring is this rank's q, k, v, out and lse: O(S/cp), measured with
+    saved_tensors_hooks (nothing of the other ranks' K/V)."""
+    q, k, v, _ = inputs(seq=64)
+    saved = []
+    links = QueueLinks({}, 1, 0)
+    ql, kl, vl = (t[:, :, :32].clone().requires_grad_() for t in (q, k, v))  # a rank's shard
+    ring = Ring(links, True, AttentionMask(causal=True), 0.3)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.untyped_storage().nbytes()) or t,
+                                                  lambda t: t):
+        ring_attend(ql, kl, vl, ring)
+    lse = 2 * 4 * 32 * 8  # float64 per (batch, head, row)
+    assert sum(saved) == 2 * ql.numel() * 8 + kl.numel() * 8 + vl.numel() * 8 + lse

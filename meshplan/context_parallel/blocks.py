@@ -19,9 +19,10 @@ from typing import Any
 
 import torch
 
+from meshplan._torch import CPU_FLASH_ATTENTION, CPU_FLASH_ATTENTION_BACKWARD
 from meshplan.context_parallel.masks import AttentionMask
 
-__all__ = ["attend_block", "merge", "block_grads", "work_dtype", "TILE_SCORES"]
+__all__ = ["attend_block", "merge", "block_grads", "work_dtype", "fused_causal", "TILE_SCORES"]
 
 #: most score elements one query tile holds (per tile: batch · heads · rows · keys)
 TILE_SCORES = 1 << 22
@@ -52,6 +53,44 @@ def _keep(mask: AttentionMask, q_pos: Any, k_pos: Any, q_doc: Any, k_doc: Any,
     if mask.covers(q_lo, q_hi, k_lo, k_hi) and q_doc is None:
         return True, None
     return True, mask.keep(_tensor(q_pos, device), _tensor(k_pos, device), q_doc, k_doc)
+
+
+def fused_causal(q: torch.Tensor, mask: AttentionMask | None, q_pos: Any, k_pos: Any,
+                 q_doc: Any = None) -> bool | None:
+    """Whether torch's CPU flash kernel computes this block exactly: None when it cannot (not CPU, a soft-cap,
+    documents, a mask tensor needed), else its ``is_causal`` (True: the causal diagonal, queries and keys the
+    same positions; False: a block the mask covers). The kernel returns the lse, and its backward takes the whole
+    row's output and lse, so the fused block is the explicit math's equal, without a score tile in Python."""
+    if q.device.type != "cpu" or q_doc is not None or not isinstance(q_pos, range) or not isinstance(k_pos, range):
+        return None
+    mask = mask if mask is not None else AttentionMask(causal=False)
+    if mask.softcap is not None:
+        return None
+    if mask.covers(q_pos.start, q_pos.stop, k_pos.start, k_pos.stop):
+        return False
+    if mask.causal and mask.window is None and q_pos == k_pos:
+        return True
+    return None
+
+
+def _repeat(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    g = q.shape[-3] // k.shape[-3]
+    return (k, v) if g == 1 else (k.repeat_interleave(g, -3), v.repeat_interleave(g, -3))
+
+
+def _fused_forward(q, k, v, scale, causal):
+    k, v = _repeat(q, k, v)
+    out, lse = CPU_FLASH_ATTENTION(q, k, v, 0.0, causal, scale=scale)
+    return out, lse.to(work_dtype(q.dtype))
+
+
+def _fused_backward(q, k, v, dout, out, lse, scale, causal):
+    kr, vr = _repeat(q, k, v)
+    dq, dk, dv = CPU_FLASH_ATTENTION_BACKWARD(dout, q, kr, vr, out, lse.to(q.dtype), 0.0, causal, scale=scale)
+    g = q.shape[-3] // k.shape[-3]
+    if g > 1:
+        dk, dv = (t.unflatten(-3, (k.shape[-3], g)).sum(-3) for t in (dk, dv))
+    return dq, dk, dv
 
 
 def _grouped(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -115,6 +154,9 @@ def attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: fl
         >>> out, lse = attend_block(q, k, v, scale=0.125, mask=AttentionMask(causal=True),
         ...                         q_pos=range(64, 128), k_pos=range(0, 64))     # covered: no mask tensor
     """
+    causal = fused_causal(q, mask, q_pos, k_pos, q_doc)
+    if causal is not None and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)):
+        return _fused_forward(q, k, v, scale, causal)  # no gradient through its lse is asked for
     mask = mask if mask is not None else AttentionMask(causal=False)
     qf, lead = _flat(q)
     kf, vf = _flat(k)[0], _flat(v)[0]
@@ -166,8 +208,8 @@ def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
 
 def block_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
                 delta: torch.Tensor, *, scale: float, mask: AttentionMask | None, q_pos: Any, k_pos: Any,
-                q_doc: torch.Tensor | None = None,
-                k_doc: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+                q_doc: torch.Tensor | None = None, k_doc: torch.Tensor | None = None,
+                out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """One block's share of ``(dq, dk, dv)``, its probabilities recomputed from the whole row's ``lse``.
 
     Args:
@@ -175,11 +217,16 @@ def block_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.T
         dout: the gradient of the whole attention output of ``q``'s rows ``(..., heads, Lq, d)``.
         lse: the rows' log-sum-exp over ALL key blocks ``(..., heads, Lq)``.
         delta: ``(dout · out).sum(-1)`` of the whole output ``(..., heads, Lq)``.
+        out: the whole output of the rows, or None; given, a block :func:`fused_causal` accepts runs torch's
+            CPU flash backward.
 
     Returns:
         ``(dq, dk, dv)`` of this block in the work dtype (float32 for half inputs; dk, dv summed over the query
         heads that share a kv head), or None when the mask reaches no pair of the block.
     """
+    causal = fused_causal(q, mask, q_pos, k_pos, q_doc)
+    if causal is not None and out is not None:
+        return _fused_backward(q, k, v, dout, out, lse, scale, causal)
     mask = mask if mask is not None else AttentionMask(causal=False)
     work = work_dtype(q.dtype)
     qf, _ = _flat(q)

@@ -147,7 +147,7 @@ def ring_backward(ring: Ring, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         for qo, qr, ko, kr in ring.pairs(source, chunk):
             g = block_grads(q[..., qo:qo + chunk, :], kv[0][..., ko:ko + chunk, :], kv[1][..., ko:ko + chunk, :],
                             dout[..., qo:qo + chunk, :], lse[..., qo:qo + chunk], delta[..., qo:qo + chunk],
-                            scale=ring.scale, mask=ring.mask, q_pos=qr, k_pos=kr)
+                            scale=ring.scale, mask=ring.mask, q_pos=qr, k_pos=kr, out=out[..., qo:qo + chunk, :])
             if g is not None:
                 dq[..., qo:qo + chunk, :] += g[0]
                 dk[..., ko:ko + chunk, :] += g[1]
