@@ -95,6 +95,18 @@ def _counting_sdpa(calls):
     return sdpa
 
 
+def _counting_blocks(calls):
+    """The CPU path's blocks (a mask-free prefix, a causal diagonal: no SDPA call), counted the same way."""
+    real = cp_attention.attend_block
+
+    def attend_block(q, k, v, *, mask, q_pos, k_pos, **kw):
+        rows = q.shape[:-2].numel()
+        calls.append((rows * len(q_pos) * len(k_pos), rows * mask.pairs(q_pos.start, q_pos.stop, k_pos.start,
+                                                                          k_pos.stop)))
+        return real(q, k, v, mask=mask, q_pos=q_pos, k_pos=k_pos, **kw)
+    return attend_block
+
+
 def _run_ranks(monkeypatch, q, k, v, cp, balance, gqa=False, **kw):
     """Every rank's call on its shards (``kw``: the model's sdpa arguments, default ``is_causal=True``), the
     all-gather simulated; returns the full-sequence output and each rank's ``(computed, unmasked)`` pairs."""
@@ -108,6 +120,7 @@ def _run_ranks(monkeypatch, q, k, v, cp, balance, gqa=False, **kw):
         return torch.cat([a for a, _ in shards], -2), torch.cat([b for _, b in shards], -2)
     monkeypatch.setattr(cp_attention, "_gather_kv", gather)
     monkeypatch.setattr(cp_attention, "F", types.SimpleNamespace(scaled_dot_product_attention=_counting_sdpa(calls)))
+    monkeypatch.setattr(cp_attention, "attend_block", _counting_blocks(calls))
     out, pairs = torch.zeros_like(q), []
     for r in range(cp):
         rank[0], before = r, len(calls)
