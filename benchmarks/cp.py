@@ -452,6 +452,10 @@ def _notes(shape: Shape, all_rows: list[dict], args) -> str:
 
 
 def main(argv=None) -> str:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--layer" in argv:  # one attention layer, allgather_kv vs ring, up to 32k tokens (benchmarks/cp_layer.py)
+        from cp_layer import main as layer_main
+        return layer_main([a for a in argv if a != "--layer"])
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4], help="cp degrees (world = cp); 1 is added")
     ap.add_argument("--seq", type=int, help="global sequence length (default 2048; --quick 512)")
