@@ -6,6 +6,7 @@ simulates collectives but not point-to-point ``isend``/``irecv``, so the real li
 cases (``tests/dist/cp_worker.py``). One fixed tolerance, ``RTOL`` (1e-9, ``tests/_float64.py``).
 """
 
+import dataclasses
 import threading
 
 import pytest
@@ -191,3 +192,19 @@ def test_ring_saves_only_the_local_shards():
         ring_attend(ql, kl, vl, ring)
     lse = 2 * 4 * 32 * 8  # float64 per (batch, head, row)
     assert sum(saved) == 2 * ql.numel() * 8 + kl.numel() * 8 + vl.numel() * 8 + lse
+
+
+def test_estimate_names_the_cheaper_cp_method():
+    """``meshplan estimate``'s cp line: each method's step time and memory at the plan's length; the ring keeps
+    less (1/cp of K/V instead of all of it), all-gather moves fewer bytes (2(cp-1)/cp vs (3cp-2)/cp of K/V)."""
+    from meshplan.context_parallel.costs import cp_method_line
+    from meshplan.plan_file.document import load_plan
+    from meshplan.solver.api import as_cluster, as_shape
+    from meshplan.solver.plans import candidate_from_plan
+    from meshplan.solver.step import evaluate
+    cand, train = candidate_from_plan(load_plan("plans/llama_cp.yaml"), 8, 8192, 8)
+    line = cp_method_line(evaluate, as_shape("llama3-8b"), cand, train, as_cluster("h100-80g"))
+    assert line.startswith("context_parallel.method at seq 8192, cp 2: allgather_kv ")
+    assert "; ring " in line and "torch_ring" in line and "least memory: ring" in line, line
+    assert cp_method_line(evaluate, as_shape("llama3-8b"), dataclasses.replace(cand, cp=1), train,
+                          as_cluster("h100-80g")) is None

@@ -21,7 +21,7 @@ from meshplan.axis import AxisCosts, AxisTerms
 from meshplan.context_parallel.chunks import check_seq_len
 
 __all__ = ["TERMS", "cp_collectives", "cp_block_activations", "cp_first_stage_activations", "cp_sequence_problem",
-           "cp_run_problem"]
+           "cp_run_problem", "cp_method_line"]
 
 
 def cp_collectives(s: Any, c: Any, tr: Any, place: Any, pp_rank: int, memo: dict) -> list:
@@ -68,6 +68,29 @@ def cp_run_problem(c: Any, tr: Any, device: str) -> tuple[str, str] | None:
     return None
 
 
+def cp_method_line(evaluate: Any, s: Any, c: Any, tr: Any, cl: Any) -> str | None:
+    """``meshplan estimate``'s line comparing the cp methods at this sequence length: each one's step time and
+    peak memory per rank under the same model (``evaluate``: :func:`meshplan.solver.step.evaluate`), and which is
+    cheaper in each; None at cp 1.
+
+    The model counts every cp transfer as exposed (the ring's hops hide behind the blocks' attention when a hop
+    takes less than a block's math, which it does not credit), so the ring's time is an upper bound.
+    """
+    from dataclasses import replace
+    if c.cp <= 1:
+        return None
+    methods = ("allgather_kv", "ring") + (("torch_ring",) if cl.device == "cuda" else ())
+    est = {m: evaluate(s, c, replace(tr, cp_method=m), cl) for m in methods}
+    usable = cl.memory * cl.usable_memory
+    fits = [m for m in methods if est[m].memory.total <= usable]
+    fast = min(fits, key=lambda m: est[m].step_time) if fits else "none fits"
+    small = min(methods, key=lambda m: est[m].memory.total)
+    each = "; ".join(f"{m} {est[m].step_time:.4g} s, {est[m].memory.total / 2 ** 30:.2f} GiB"
+                     + ("" if est[m].memory.total <= usable else " (does not fit)") for m in methods)
+    return (f"context_parallel.method at seq {tr.seq}, cp {c.cp}: {each} per step and rank -> fastest that fits: "
+            f"{fast}; least memory: {small} (ring hops counted as exposed: an upper bound on its time)")
+
+
 def cp_training(plan: Any) -> dict:
     """The solver's settings the section decides: its method."""
     return {"cp_method": plan.context_parallel.method if plan.context_parallel else "allgather_kv"}
@@ -77,4 +100,5 @@ def cp_training(plan: Any) -> dict:
 TERMS = AxisTerms(name="cp", section="context_parallel", training=cp_training, example_plan="plans/llama_cp.yaml",
                   costs=AxisCosts(collectives=cp_collectives, block_activations=cp_block_activations,
                                   first_stage_activations=cp_first_stage_activations,
-                                  sequence_problem=cp_sequence_problem, run_problem=cp_run_problem))
+                                  sequence_problem=cp_sequence_problem, run_problem=cp_run_problem,
+                                  estimate_line=cp_method_line))
