@@ -208,3 +208,16 @@ def test_estimate_names_the_cheaper_cp_method():
     assert "; ring " in line and "torch_ring" in line and "least memory: ring" in line, line
     assert cp_method_line(evaluate, as_shape("llama3-8b"), dataclasses.replace(cand, cp=1), train,
                           as_cluster("h100-80g")) is None
+
+
+@pytest.mark.parametrize("mask", [AttentionMask(causal=True), AttentionMask(causal=True, softcap=2.0)], ids=repr)
+def test_ring_in_bfloat16_follows_float64(mask):
+    """Half precision: blocks computed and merged in float32 (the CPU flash kernel's lse is float32; its backward
+    takes it so): out and gradients within bf16's rounding (2e-2, fixed) of the float64 ring."""
+    q, k, v, dout = inputs(seq=64)
+    exact = run_ring(2, True, mask, q, k, v, dout)
+    half = run_ring(2, True, mask, *(t.bfloat16() for t in (q, k, v, dout)))
+    for r in exact:
+        for a, b in zip(half[r][1:], exact[r][1:]):
+            assert a.dtype == torch.bfloat16
+            assert float((a.double() - b).norm() / b.norm()) <= 2e-2

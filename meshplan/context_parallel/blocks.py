@@ -86,7 +86,8 @@ def _fused_forward(q, k, v, scale, causal):
 
 def _fused_backward(q, k, v, dout, out, lse, scale, causal):
     kr, vr = _repeat(q, k, v)
-    dq, dk, dv = CPU_FLASH_ATTENTION_BACKWARD(dout, q, kr, vr, out, lse.to(q.dtype), 0.0, causal, scale=scale)
+    dq, dk, dv = CPU_FLASH_ATTENTION_BACKWARD(dout, q, kr, vr, out, lse.to(work_dtype(q.dtype)), 0.0, causal,
+                                              scale=scale)
     g = q.shape[-3] // k.shape[-3]
     if g > 1:
         dk, dv = (t.unflatten(-3, (k.shape[-3], g)).sum(-3) for t in (dk, dv))
