@@ -1,5 +1,9 @@
 """Context parallelism (``allgather_kv``, load-balanced): K/V traffic, saved activations and tokens/s vs cp = 1.
 
+``python benchmarks/cp.py --layer``: ONE attention layer up to 32k tokens, ``allgather_kv`` vs ``ring`` vs one
+device (saved bytes, ring bytes sent, time): ``benchmarks/cp_layer.py`` says what it measures. The rest of this
+docstring is the model benchmark.
+
 Run: ``python benchmarks/cp.py [--quick] [--json [PATH]]`` from the repo root (≈2 min on 2 idle cores;
 ``--quick``: seq 512, one launch each, ≈25 s; ``--json``: the rows as JSON too, on stdout after the table or into
 PATH). For each cp in ``--cp`` (default 1 2 4) the script launches itself under ``torchrun --standalone

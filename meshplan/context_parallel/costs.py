@@ -10,7 +10,8 @@
 * activations: ``allgather_kv`` keeps the gathered K and V of the other ``cp − 1`` shards and the chunked output;
   the rings keep only the local shards (O(S/cp)); the first stage keeps the positions of this rank's tokens
   (16 bytes a token);
-* refusals: a sequence the head-tail chunks (then sequence parallelism) cannot split; ``torch_ring`` off CUDA.
+* refusals: a sequence the head-tail chunks (then sequence parallelism) cannot split; ``torch_ring`` off CUDA;
+* ``meshplan estimate``'s line: each method's step time and memory at the length, the cheaper named.
 """
 
 from __future__ import annotations
