@@ -221,3 +221,35 @@ def test_ring_in_bfloat16_follows_float64(mask):
         for a, b in zip(half[r][1:], exact[r][1:]):
             assert a.dtype == torch.bfloat16
             assert float((a.double() - b).norm() / b.norm()) <= 2e-2
+
+
+@pytest.mark.parametrize("load_balance", [True, False])
+def test_ring_skips_the_blocks_no_query_reaches(monkeypatch, load_balance):
+    """Causal, cp 4: a rank computes only the (query chunk, key chunk) pairs with the key chunk not after the query
+    chunk; head-tail: 2·cp + 1 pairs on every rank (equal work), contiguous: rank r computes r + 1."""
+    import meshplan.context_parallel.ring as ring_mod
+    calls = {}
+    real = ring_mod.attend_block
+
+    def counting(q, k, v, *, q_pos, k_pos, **kw):
+        key = threading.current_thread().name
+        calls[key] = calls.get(key, 0) + 1
+        assert k_pos.start <= q_pos.start  # never a block wholly after the queries
+        return real(q, k, v, q_pos=q_pos, k_pos=k_pos, **kw)
+    monkeypatch.setattr(ring_mod, "attend_block", counting)
+    q, k, v, dout = inputs()
+    cp = 4
+    queues, counts = {}, []
+
+    def rank(r):
+        idx = torch.tensor(rank_positions(32, cp, r, load_balance))
+        with torch.no_grad():
+            ring_attend(q[:, :, idx], k[:, :, idx], v[:, :, idx],
+                        Ring(QueueLinks(queues, cp, r), load_balance, AttentionMask(causal=True), 0.3))
+    threads = [threading.Thread(target=rank, args=(r,), name=f"rank{r}") for r in range(cp)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    counts = [calls.get(f"rank{r}", 0) for r in range(cp)]
+    assert counts == ([2 * cp + 1] * cp if load_balance else [r + 1 for r in range(cp)]), counts
