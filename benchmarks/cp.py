@@ -98,8 +98,9 @@ class Shape:
 
 # --------------------------------------------------------------------------------------------- worker side
 def _plan(cp: int) -> dict:
-    return {"layout": {"cp": cp},
-            "context_parallel": {"attention": "layers.*.attention", "positions": {"buffer": "freqs_cis"}}}
+    method = os.environ.get("MESHPLAN_CP_BENCH_METHOD", "allgather_kv")  # --method, handed to the workers
+    return {"layout": {"cp": cp}, "context_parallel": {"method": method, "attention": "layers.*.attention",
+                                                       "positions": {"buffer": "freqs_cis"}}}
 
 
 def _comm_mode():
@@ -473,6 +474,9 @@ def main(argv=None) -> str:
     ap.add_argument("--no-threads-row", action="store_true", help="skip cp = 1 with 2 threads")
     ap.add_argument("--quick", action="store_true", help="seq 512, 4 timed steps")
     ap.add_argument("--json", nargs="?", const="-", help="also write the rows as JSON to PATH (no PATH: stdout)")
+    ap.add_argument("--method", default="allgather_kv", choices=("allgather_kv", "ring"),
+                    help="the plan's context_parallel.method (ring: its K/V hops are point-to-point, not in the "
+                         "K/V columns; benchmarks/cp_layer.py counts them)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--shape", help=argparse.SUPPRESS)
     ap.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
@@ -480,6 +484,7 @@ def main(argv=None) -> str:
     if args.worker:
         _worker(args)
         return ""
+    os.environ["MESHPLAN_CP_BENCH_METHOD"] = args.method
     args.seq = args.seq or (512 if args.quick else 2048)
     args.steps = args.steps or (4 if args.quick else 8)
     args.rounds = args.rounds or (1 if args.quick else 2)

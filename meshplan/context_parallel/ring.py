@@ -125,7 +125,10 @@ def ring_forward(ring: Ring, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) 
                                                       dtype=work_dtype(q.dtype)))
         outs.append(acc[qo][0])
         lses.append(acc[qo][1])
-    return torch.cat(outs, -2), torch.cat(lses, -1)
+    out = torch.cat(outs, -2)
+    if out.dim() >= 3:  # SDPA's layout (heads inside the sequence): the model's transpose + reshape is then a view,
+        out = out.transpose(-3, -2).contiguous().transpose(-3, -2)  # not a second copy saved for o_proj
+    return out, torch.cat(lses, -1)
 
 
 def ring_backward(ring: Ring, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
