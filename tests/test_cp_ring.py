@@ -2,8 +2,9 @@
 
 The ring's ranks run as threads joined by :class:`~meshplan.context_parallel.ring.QueueLinks` (the same schedule
 code as the real :class:`~meshplan.context_parallel.ring.RingLinks`, the transport swapped): LocalTensorMode
-simulates collectives but not point-to-point ``isend``/``irecv``, so the real links are tested by the torchrun
-cases (``tests/dist/cp_worker.py``). One fixed tolerance, ``RTOL`` (1e-9, ``tests/_float64.py``).
+simulates collectives, but its ``batch_isend_irecv`` fails in torch 2.13 (``AttributeError: 'LocalTensor' object
+has no attribute '__src_rank__'``), so the real links are tested by the torchrun cases
+(``tests/dist/cp_worker.py``). One fixed tolerance, ``RTOL`` (1e-9, ``tests/_float64.py``).
 """
 
 import dataclasses
