@@ -254,3 +254,12 @@ def test_ring_skips_the_blocks_no_query_reaches(monkeypatch, load_balance):
         t.join()
     counts = [calls.get(f"rank{r}", 0) for r in range(cp)]
     assert counts == ([2 * cp + 1] * cp if load_balance else [r + 1 for r in range(cp)]), counts
+
+
+def test_check_line_states_each_methods_costs():
+    from meshplan.context_parallel.check import context_lines
+    ctx = {"cp": 4, "load_balance": True, "attention": ["layers.*.attn"], "attention_modules": 2, "positions": "none"}
+    ring = context_lines({**ctx, "method": "ring"})[0]
+    assert "ring (per attention module and step: 3 K/V hops forward, 3 K/V and 4 dK/dV hops backward, each 1/4 " \
+           "of the sequence's K/V, overlapped with attention; saves 1/4 of K/V)" in ring, ring
+    assert "saves the whole sequence's K/V" in context_lines({**ctx, "method": "allgather_kv"})[0]
