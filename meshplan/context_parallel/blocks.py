@@ -156,7 +156,8 @@ def attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: fl
         ...                         q_pos=range(64, 128), k_pos=range(0, 64))     # covered: no mask tensor
     """
     causal = fused_causal(q, mask, q_pos, k_pos, q_doc)
-    if causal is not None and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)):
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    if causal is not None and not grad:
         return _fused_forward(q, k, v, scale, causal)  # no gradient through its lse is asked for
     mask = mask if mask is not None else AttentionMask(causal=False)
     qf, lead = _flat(q)
