@@ -503,7 +503,7 @@ def main(argv=None) -> str:
     results = [_pool(runs[c]) for c in configs]
     all_rows = rows(results, shape)
     text = table(all_rows)
-    print(f"Context parallelism (allgather_kv, load_balance: true), torch {torch.__version__}, gloo on CPU: "
+    print(f"Context parallelism ({args.method}, load_balance: true), torch {torch.__version__}, gloo on CPU: "
           f"examples/llama.py dim {shape.dim}, {shape.layers} layers, {shape.heads} heads / {shape.kv_heads} KV, "
           f"ffn {shape.ffn}, vocab {shape.vocab}, fp32; global batch {shape.batch} × seq {shape.seq}; "
           "train_step + AdamW; world = cp.")
