@@ -12,6 +12,11 @@ backward with dK/dV travelling home, GQA, windows and soft-caps run as CUDA kern
 world 1 (the ring over a real NCCL group of one: ``RingLinks`` built, no hop needed) and by one
 ``batch_isend_irecv`` of a rank to itself. Prints one PASS/FAIL line per check and exits 1 on any FAIL.
 
+Needs: torch with CUDA, and what ``import meshplan`` needs (pydantic, pyyaml): the lent GPU image (KINDS.md,
+2026-11) has torch 2.11 and pyyaml but no pydantic — carry its wheels (pydantic, pydantic-core, annotated-types,
+typing-inspection; /work/.library/device/README.md says how) or run where meshplan's environment is installed.
+``RING_DEVICE=cpu python tests/gpu/ring_cuda.py`` smoke-runs checks 1-2 on CPU (43 s on 2 cores).
+
 Checks:
 1. float64, cp 2 and 4, both layouts, causal / full / window / soft-cap, GQA: out, dq, dk, dv vs dense attention
    on the GPU within 1e-9 (relative norm);
