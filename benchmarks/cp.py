@@ -1,5 +1,9 @@
 """Context parallelism (``allgather_kv``, load-balanced): K/V traffic, saved activations and tokens/s vs cp = 1.
 
+``python benchmarks/cp.py --layer``: ONE attention layer up to 32k tokens, ``allgather_kv`` vs ``ring`` vs one
+device (saved bytes, ring bytes sent, time): ``benchmarks/cp_layer.py`` says what it measures. The rest of this
+docstring is the model benchmark.
+
 Run: ``python benchmarks/cp.py [--quick] [--json [PATH]]`` from the repo root (≈2 min on 2 idle cores;
 ``--quick``: seq 512, one launch each, ≈25 s; ``--json``: the rows as JSON too, on stdout after the table or into
 PATH). For each cp in ``--cp`` (default 1 2 4) the script launches itself under ``torchrun --standalone
@@ -94,8 +98,9 @@ class Shape:
 
 # --------------------------------------------------------------------------------------------- worker side
 def _plan(cp: int) -> dict:
-    return {"layout": {"cp": cp},
-            "context_parallel": {"attention": "layers.*.attention", "positions": {"buffer": "freqs_cis"}}}
+    method = os.environ.get("MESHPLAN_CP_BENCH_METHOD", "allgather_kv")  # --method, handed to the workers
+    return {"layout": {"cp": cp}, "context_parallel": {"method": method, "attention": "layers.*.attention",
+                                                       "positions": {"buffer": "freqs_cis"}}}
 
 
 def _comm_mode():
@@ -452,6 +457,10 @@ def _notes(shape: Shape, all_rows: list[dict], args) -> str:
 
 
 def main(argv=None) -> str:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--layer" in argv:  # one attention layer, allgather_kv vs ring, up to 32k tokens (benchmarks/cp_layer.py)
+        from cp_layer import main as layer_main
+        return layer_main([a for a in argv if a != "--layer"])
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4], help="cp degrees (world = cp); 1 is added")
     ap.add_argument("--seq", type=int, help="global sequence length (default 2048; --quick 512)")
@@ -465,6 +474,9 @@ def main(argv=None) -> str:
     ap.add_argument("--no-threads-row", action="store_true", help="skip cp = 1 with 2 threads")
     ap.add_argument("--quick", action="store_true", help="seq 512, 4 timed steps")
     ap.add_argument("--json", nargs="?", const="-", help="also write the rows as JSON to PATH (no PATH: stdout)")
+    ap.add_argument("--method", default="allgather_kv", choices=("allgather_kv", "ring"),
+                    help="the plan's context_parallel.method (ring: its K/V hops are point-to-point, not in the "
+                         "K/V columns; benchmarks/cp_layer.py counts them)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--shape", help=argparse.SUPPRESS)
     ap.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
@@ -472,6 +484,7 @@ def main(argv=None) -> str:
     if args.worker:
         _worker(args)
         return ""
+    os.environ["MESHPLAN_CP_BENCH_METHOD"] = args.method
     args.seq = args.seq or (512 if args.quick else 2048)
     args.steps = args.steps or (4 if args.quick else 8)
     args.rounds = args.rounds or (1 if args.quick else 2)
@@ -490,7 +503,7 @@ def main(argv=None) -> str:
     results = [_pool(runs[c]) for c in configs]
     all_rows = rows(results, shape)
     text = table(all_rows)
-    print(f"Context parallelism (allgather_kv, load_balance: true), torch {torch.__version__}, gloo on CPU: "
+    print(f"Context parallelism ({args.method}, load_balance: true), torch {torch.__version__}, gloo on CPU: "
           f"examples/llama.py dim {shape.dim}, {shape.layers} layers, {shape.heads} heads / {shape.kv_heads} KV, "
           f"ffn {shape.ffn}, vocab {shape.vocab}, fp32; global batch {shape.batch} × seq {shape.seq}; "
           "train_step + AdamW; world = cp.")

@@ -42,6 +42,8 @@ class AxisCosts:
         step_collectives: ``(candidate, training, placement, units) -> [Collective]``, or None: what the axis issues
             once per step over the parameter units of one pipeline rank (``(kind, parameters, shard degree,
             count)``; data parallelism's gradient reduction), after the per-microbatch terms.
+        estimate_line: ``(evaluate, shape, candidate, training, cluster) -> str | None``, or None: a line
+            ``meshplan estimate`` adds (which of its methods is cheaper at this length, say).
     """
 
     collectives: Callable[..., list]
@@ -54,6 +56,7 @@ class AxisCosts:
     idle_fraction: Callable[[Any], float] = lambda c: 0.0
     in_flight: Callable[[Any, int], float] = lambda c, pp_rank: 1.0
     step_collectives: "Callable[[Any, Any, Any, list], list] | None" = None
+    estimate_line: "Callable[..., str | None] | None" = None
 
 
 @dataclass(frozen=True)

@@ -50,7 +50,7 @@ def test_rank_chunks_and_positions():
 
 @pytest.mark.parametrize("s, cp", [(16, 2), (64, 4), (96, 3)])
 def test_layout_is_torchs_head_tail_balancer(s, cp):
-    """``method: ring`` relies on torch's own head-tail layout being the same as meshplan's."""
+    """``method: torch_ring`` relies on torch's own head-tail layout being the same as meshplan's."""
     from torch.distributed.tensor.experimental._context_parallel._load_balancer import _HeadTailLoadBalancer
     torch_order = _HeadTailLoadBalancer(s, cp, "cpu")._generate_indices().flatten().tolist()
     assert torch_order == [p for r in range(cp) for p in rank_positions(s, cp, r, True)]
@@ -95,6 +95,18 @@ def _counting_sdpa(calls):
     return sdpa
 
 
+def _counting_blocks(calls):
+    """The CPU path's blocks (a mask-free prefix, a causal diagonal: no SDPA call), counted the same way."""
+    real = cp_attention.attend_block
+
+    def attend_block(q, k, v, *, mask, q_pos, k_pos, **kw):
+        rows = q.shape[:-2].numel()
+        calls.append((rows * len(q_pos) * len(k_pos), rows * mask.pairs(q_pos.start, q_pos.stop, k_pos.start,
+                                                                          k_pos.stop)))
+        return real(q, k, v, mask=mask, q_pos=q_pos, k_pos=k_pos, **kw)
+    return attend_block
+
+
 def _run_ranks(monkeypatch, q, k, v, cp, balance, gqa=False, **kw):
     """Every rank's call on its shards (``kw``: the model's sdpa arguments, default ``is_causal=True``), the
     all-gather simulated; returns the full-sequence output and each rank's ``(computed, unmasked)`` pairs."""
@@ -108,6 +120,7 @@ def _run_ranks(monkeypatch, q, k, v, cp, balance, gqa=False, **kw):
         return torch.cat([a for a, _ in shards], -2), torch.cat([b for _, b in shards], -2)
     monkeypatch.setattr(cp_attention, "_gather_kv", gather)
     monkeypatch.setattr(cp_attention, "F", types.SimpleNamespace(scaled_dot_product_attention=_counting_sdpa(calls)))
+    monkeypatch.setattr(cp_attention, "attend_block", _counting_blocks(calls))
     out, pairs = torch.zeros_like(q), []
     for r in range(cp):
         rank[0], before = r, len(calls)
@@ -254,7 +267,7 @@ def test_plan_section_parses():
 
 @pytest.mark.parametrize("cp, needle", [
     ({"attention": "x", "bogus": 1}, r"context_parallel\.bogus: Extra inputs"),
-    ({"attention": "x", "method": "rings"}, r"context_parallel\.method: Input should be 'allgather_kv' or 'ring'"),
+    ({"attention": "x", "method": "rings"}, r"context_parallel\.method: Input should be 'allgather_kv', 'ring' or 'torch_ring'"),
     ({"attention": []}, r"context_parallel\.attention: "),
     ({}, r"context_parallel\.attention: Field required"),
     ({"attention": "x", "positions": "nonee"}, r"context_parallel\.positions"),
@@ -293,7 +306,7 @@ def test_check_example_llama(llama):
     ({"positions": PositionsBuffer(buffer="rope")}, r"no buffer 'rope'; its buffers: freqs_cis"),
     ({"positions": PositionsBuffer(buffer="freqs_cis", dim=3)}, r"positions\.dim: 3 but freqs_cis has 3 dims"),
     ({"positions": PositionsKwarg(kwarg="position_ids")}, r"no argument 'position_ids'; its arguments: tokens"),
-    ({"positions": "none", "method": "ring"}, r"where\.method: ring .* CUDA only; this mesh is on cpu"),
+    ({"positions": "none", "method": "torch_ring"}, r"where\.method: torch_ring .* CUDA only; this mesh is on cpu"),
 ])
 def test_check_example_llama_errors(llama, kw, needle):
     with pytest.raises(PlanError, match=needle):
@@ -459,7 +472,7 @@ CP_LLAMA = {"attention": LLAMA_ATTN, "positions": {"buffer": "freqs_cis"}}
     ({"cp": 2}, 2, {"context_parallel": CP_LLAMA, "blocks": {"pattern": "layers.*", "compile": True}},
      r"context_parallel: blocks\.compile is not supported with context parallelism"),
     ({"cp": 2}, 2, {"context_parallel": {"attention": LLAMA_ATTN}}, r"context_parallel\.positions: Transformer"),
-    ({"cp": 8}, 8, {"context_parallel": {**CP_LLAMA, "method": "ring"}}, r"ring .* CUDA only"),
+    ({"cp": 8}, 8, {"context_parallel": {**CP_LLAMA, "method": "torch_ring"}}, r"torch_ring .* CUDA only"),
 ])
 def test_parallelize_refusals(fake_pg, layout, world, extra, needle):
     model = build(tiny_args())
@@ -492,11 +505,11 @@ def test_parallelize_cp_with_pipeline_blocks(fake_pg):
 
 
 def test_check_plan_context_without_a_mesh(llama):
-    """``meshplan check`` knows no device (None): ``ring`` is not refused there; cp 1 applies nothing."""
-    plan = Plan.from_data({"context_parallel": {**CP_LLAMA, "method": "ring"}}, source="p.yaml")
+    """``meshplan check`` knows no device (None): ``torch_ring`` is not refused there; cp 1 applies nothing."""
+    plan = Plan.from_data({"context_parallel": {**CP_LLAMA, "method": "torch_ring"}}, source="p.yaml")
     assert check_plan_context(llama, plan, 2, 1, None) == "p.yaml: context_parallel"
     assert check_plan_context(llama, plan, 1, 1, None) is None
-    with pytest.raises(PlanError, match=r"p\.yaml: context_parallel\.method: ring .* CUDA only"):
+    with pytest.raises(PlanError, match=r"p\.yaml: context_parallel\.method: torch_ring .* CUDA only"):
         check_plan_context(llama, plan, 2, 1, "cpu")
     assert check_plan_context(llama, Plan.from_data({}), 1, 4, "cpu") is None
     with pytest.raises(PlanError, match=r"p\.yaml: layout\.cp\(4\) > 1 needs a context_parallel section"):

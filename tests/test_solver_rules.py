@@ -38,7 +38,7 @@ CASES = {
     "blocks": (SMALL, Candidate(pp=4, vpp=2, schedule="interleaved_1f1b", micro_batch=1, microbatches=8), RUN, "cuda"),
     "schedule": (SMALL, Candidate(pp=2, schedule="1f1b", micro_batch=8, microbatches=1), RUN, "cuda"),
     "batch": (SMALL, Candidate(dp_shard=3, micro_batch=1, microbatches=3), RUN, "cuda"),
-    "device": (SMALL, Candidate(cp=2, micro_batch=8), Training(seq=64, global_batch=8, cp_method="ring"), "cpu"),
+    "device": (SMALL, Candidate(cp=2, micro_batch=8), Training(seq=64, global_batch=8, cp_method="torch_ring"), "cpu"),
 }
 
 

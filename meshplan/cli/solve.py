@@ -98,6 +98,11 @@ def _estimate(args: argparse.Namespace) -> int:
     if warning:
         print(f"meshplan: warning: {warning}", file=sys.stderr)
     text, doc = estimate_text(est, shape, cluster, args.plan), estimate_json(est)
+    from meshplan.solver.units import UNITS
+    notes = [n for u in UNITS if u.costs.estimate_line for n in [u.costs.estimate_line(evaluate, shape, cand, train,
+                                                                                       cluster)] if n]
+    if notes:
+        text, doc["notes"] = "\n".join([text, *notes]), notes
     if args.rank is not None:
         line, doc["rank"] = _one_rank(args, shape, cand, train, cluster)
         text += "\n" + line

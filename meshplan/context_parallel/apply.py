@@ -2,7 +2,7 @@
 runtime (:class:`~meshplan.context_parallel.runtime.CpRuntime`) that makes its attention exact across ``cp``.
 
 What is refused, with the reason (before anything changes): an attention pattern that matches nothing, a model
-that does not say how it learns positions, ``method: ring`` off CUDA, and transformers models whose attention is
+that does not say how it learns positions, ``method: torch_ring`` off CUDA, and transformers models whose attention is
 not SDPA that the all-gather attention can make exact (eager/flash kernels, layer types other than full and
 sliding attention, logit soft-capping, dynamic mask attention); the per-layer sliding windows it honours are read
 there too (:func:`~meshplan.context_parallel.hf_check.layer_masks`), read from the config and its sub-configs (:mod:`~meshplan.context_parallel.hf_check`).
@@ -96,9 +96,9 @@ def check_context_parallel(model: nn.Module, section: ContextParallel, device_ty
     """
     paths = tuple(dict.fromkeys(p for pattern in section.attention
                                 for p in match_pattern(model, pattern, f"{where}.attention")))
-    if section.method == "ring" and device_type not in (None, "cuda"):
-        raise PlanError(f"{where}.method: ring is torch's ring attention, which torch 2.13 runs on CUDA only; this "
-                        f"mesh is on {device_type}. Use method: allgather_kv (any device)")
+    if section.method == "torch_ring" and device_type not in (None, "cuda"):
+        raise PlanError(f"{where}.method: torch_ring is torch's ring attention, which torch 2.13 runs on CUDA only; "
+                        f"this mesh is on {device_type}. Use method: ring or allgather_kv (any device)")
     check_hf_attention(model, where)
     kwarg, buffer, dim = _positions(model, section.positions, where)
     params = inspect.signature(model.forward).parameters
@@ -157,9 +157,13 @@ def apply_context_parallel(model: nn.Module, section: ContextParallel, topology:
     mesh = topology["cp"]
     resolved = check_context_parallel(model, section, mesh.device_type, where)
     rank = mesh.get_local_rank()
-    if section.method == "ring":
+    if section.method == "torch_ring":
+        from meshplan.context_parallel.torch_ring import torch_ring_attention
+        attend = functools.partial(torch_ring_attention, mesh=mesh, load_balance=section.load_balance)
+    elif section.method == "ring":
         from meshplan.context_parallel.ring import ring_attention
-        attend = functools.partial(ring_attention, mesh=mesh, load_balance=section.load_balance)
+        attend = functools.partial(ring_attention, group=mesh.get_group(), cp=mesh.size(), rank=rank,
+                                   load_balance=section.load_balance)
     else:
         from meshplan.context_parallel.attention import allgather_kv_attention
         attend = functools.partial(allgather_kv_attention, group=mesh.get_group(), cp=mesh.size(), rank=rank,

@@ -4,7 +4,10 @@ Each rank keeps its queries and gathers every rank's keys and values (ONE all-ga
 attention call); the backward of that all-gather is a reduce-scatter of dK and dV, so gradients are exact. Under
 a causal mask the gathered keys are put in true order and each local query chunk attends to the keys before its
 end only (:func:`~meshplan.context_parallel.chunks.causal_blocks`): with the head-tail layout every rank computes
-the same number of query-key pairs.
+the same number of query-key pairs. On CPU each chunk is two blocks merged by log-sum-exp
+(:mod:`~meshplan.context_parallel.blocks`): the keys before it mask-free, its own keys the causal diagonal, both
+torch's CPU flash kernel, so no float mask exists (before: one per block shape, ~1.25 GiB at 32k tokens, cp 2);
+on CUDA torch's lower-right causal bias needs none either.
 
 The model's own mask is accepted when it is the local causal mask or no mask (what a causal model builds for
 its local length); anything else (padding, sliding windows, a bias) is refused, as the local mask cannot say
@@ -21,6 +24,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from meshplan._torch import funcol
+from meshplan.context_parallel.blocks import attend_block, block_grads, merge
 from meshplan.context_parallel.chunks import causal_blocks, n_chunks, rank_chunks, rank_positions
 from meshplan.context_parallel.masks import AttentionMask
 from meshplan.errors import PlanError
@@ -129,7 +133,8 @@ def block_mask(chunk: int, keys: int, offset: int, dtype: torch.dtype, device: t
                masks: dict | None = None) -> Any:
     """The mask of a causal block (query ``i`` sees keys ``<= offset + i``): torch's lower-right causal bias on
     CUDA (its kernels apply it without a tensor), else an additive float mask, built once per shape in ``masks``
-    (SDPA keeps a float mask of the query's dtype by reference for backward: the layers share one tensor)."""
+    (SDPA keeps a float mask of the query's dtype by reference for backward: the layers share one tensor). On CPU
+    only with dropout: without it the CPU path needs no mask (:class:`_PrefixDiagonal`)."""
     if device.type == "cuda":
         from torch.nn.attention.bias import causal_lower_right
         return causal_lower_right(chunk, keys)
@@ -141,6 +146,37 @@ def block_mask(chunk: int, keys: int, offset: int, dtype: torch.dtype, device: t
     if masks is not None:
         masks[key] = mask
     return mask
+
+
+class _PrefixDiagonal(torch.autograd.Function):
+    """A causal query chunk against the gathered keys before its end, as two blocks merged by lse: the keys before
+    the chunk mask-free, its own keys the causal diagonal (torch's CPU flash kernel, ``is_causal``); no mask tensor.
+    Saves what SDPA would (the chunk's q, the keys and values, out, lse), not a (chunk × keys) float mask."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int, scale: float) -> Any:
+        c, causal = q.shape[-2], AttentionMask(causal=True)
+        rows = range(offset, offset + c)
+        out, lse = attend_block(q, k[..., offset:, :], v[..., offset:, :], scale=scale, mask=causal, q_pos=rows,
+                                k_pos=rows)
+        if offset:
+            out, lse = merge(*attend_block(q, k[..., :offset, :], v[..., :offset, :], scale=scale, mask=causal,
+                                           q_pos=rows, k_pos=range(offset)), out, lse)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.offset, ctx.scale = offset, scale
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple:
+        q, k, v, out, lse = ctx.saved_tensors
+        o, c, causal = ctx.offset, q.shape[-2], AttentionMask(causal=True)
+        dout, rows, delta = dout.contiguous(), range(o, o + c), None
+        kw = {"scale": ctx.scale, "mask": causal, "q_pos": rows, "out": out}
+        dq, dk, dv = block_grads(q, k[..., o:, :], v[..., o:, :], dout, lse, delta, k_pos=rows, **kw)
+        if o:
+            pq, pk, pv = block_grads(q, k[..., :o, :], v[..., :o, :], dout, lse, delta, k_pos=range(o), **kw)
+            dq, dk, dv = dq + pq, torch.cat([pk, dk], -2), torch.cat([pv, dv], -2)
+        return dq, dk, dv, None, None
 
 
 @on_local_heads
@@ -194,8 +230,12 @@ def _causal(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kw: dict, cp:
     outs = []
     for start, keys, offset in causal_blocks(cp, rank, load_balance, chunk):
         q = query[..., start:start + chunk, :]
-        m = block_mask(chunk, keys, offset, query.dtype, query.device, masks)
-        outs.append(F.scaled_dot_product_attention(q, k[..., :keys, :], v[..., :keys, :], attn_mask=m, **kw))
+        if query.device.type == "cpu" and not kw["dropout_p"]:  # no float mask per block shape (issue 30)
+            s = kw["scale"] if kw["scale"] is not None else query.shape[-1] ** -0.5
+            outs.append(_PrefixDiagonal.apply(q, k[..., :keys, :], v[..., :keys, :], offset, s))
+            continue
+        mask = block_mask(chunk, keys, offset, query.dtype, query.device, masks)
+        outs.append(F.scaled_dot_product_attention(q, k[..., :keys, :], v[..., :keys, :], attn_mask=mask, **kw))
     return torch.cat(outs, dim=-2)
 
 

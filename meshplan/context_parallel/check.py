@@ -41,9 +41,9 @@ def check_context(model: nn.Module, plan: Any, layout: Any, report: Any, graphs:
     report.context = {"cp": layout.cp, "method": section.method, "load_balance": section.load_balance,
                       "attention": list(section.attention), "attention_modules": len(resolved.paths),
                       "positions": positions, **_windows(model, resolved.paths)}
-    if section.method == "ring":
-        report.warnings.append(f"{report.source}: context_parallel.method: ring runs on CUDA only (torch 2.13); "
-                               f"meshplan.parallelize refuses it on a CPU mesh")
+    if section.method == "torch_ring":
+        report.warnings.append(f"{report.source}: context_parallel.method: torch_ring runs on CUDA only (torch "
+                               f"2.13); meshplan.parallelize refuses it on a CPU mesh (method: ring runs anywhere)")
 
 
 def _windows(model: nn.Module, paths: tuple[str, ...]) -> dict:
@@ -60,8 +60,13 @@ def context_lines(context: dict) -> list[str]:
     if not context:
         return []
     method = context["method"]
+    cp = context["cp"]
     if method == "allgather_kv":
-        method += " (per attention module and step: 1 all_gather of K and V over cp, 1 reduce_scatter of dK, dV)"
+        method += (" (per attention module and step: 1 all_gather of K and V over cp, 1 reduce_scatter of dK, dV; "
+                   "saves the whole sequence's K/V)")
+    else:
+        method += (f" (per attention module and step: {cp - 1} K/V hops forward, {cp - 1} K/V and {cp} dK/dV hops "
+                   f"backward, each 1/{cp} of the sequence's K/V, overlapped with attention; saves 1/{cp} of K/V)")
     chunks = ("head-tail chunks (rank r holds chunks r and 2·cp−1−r of 2·cp)" if context["load_balance"]
               else "contiguous chunks (rank r holds the r-th 1/cp)")
     return [f"context parallel: cp {context['cp']}, {method}, {chunks}; attention: "

@@ -3,11 +3,15 @@
 :data:`meshplan.context_parallel.unit.AXIS`).
 
 * collectives: ``allgather_kv``: one all-gather of K|V per attention forward (again in a recompute) and one
-  reduce-scatter of dK|dV per backward, K|V of the whole sequence for this rank's heads; ``ring``: ``cp − 1``
-  K/V hops per forward, twice that in backward;
+  reduce-scatter of dK|dV per backward, K|V of the whole sequence for this rank's heads; ``ring`` and
+  ``torch_ring``: ``cp − 1`` K/V hops per forward (again in a recompute), ``cp − 1`` K/V hops and ``cp`` dK/dV
+  hops per backward, each hop ``1/cp`` of the sequence's K/V (``(3·cp − 2)/cp`` of K/V per layer and step against
+  all-gather's ``2·(cp − 1)/cp``, but overlapped with the blocks' attention);
 * activations: ``allgather_kv`` keeps the gathered K and V of the other ``cp − 1`` shards and the chunked output;
-  the first stage keeps the positions of this rank's tokens (16 bytes a token);
-* refusals: a sequence the head-tail chunks (then sequence parallelism) cannot split; ``ring`` off CUDA.
+  the rings keep only the local shards (O(S/cp)); the first stage keeps the positions of this rank's tokens
+  (16 bytes a token);
+* refusals: a sequence the head-tail chunks (then sequence parallelism) cannot split; ``torch_ring`` off CUDA;
+* ``meshplan estimate``'s line: each method's step time and memory at the length, the cheaper named.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from meshplan.axis import AxisCosts, AxisTerms
 from meshplan.context_parallel.chunks import check_seq_len
 
 __all__ = ["TERMS", "cp_collectives", "cp_block_activations", "cp_first_stage_activations", "cp_sequence_problem",
-           "cp_run_problem"]
+           "cp_run_problem", "cp_method_line"]
 
 
 def cp_collectives(s: Any, c: Any, tr: Any, place: Any, pp_rank: int, memo: dict) -> list:
@@ -31,10 +35,10 @@ def cp_collectives(s: Any, c: Any, tr: Any, place: Any, pp_rank: int, memo: dict
     kv = 2 * kvw * c.micro_batch * tr.seq * tr.act_bytes  # K|V of the whole sequence, this rank's heads
     kinds = block_kinds(s, c, place, pp_rank, memo)
     blocks, recompute = sum(kinds.values()), sum(n for (_, ckpt), n in kinds.items() if ckpt)
-    if tr.cp_method == "ring":
+    if tr.cp_method in ("ring", "torch_ring"):
         hop = kv / c.cp
-        n = (c.cp - 1) * (2 * blocks + recompute) * c.microbatches
-        return [Collective("cp", "send", g, hop, n, "ring attention: K/V (and dK/dV) hops")]
+        n = ((c.cp - 1) * (2 * blocks + recompute) + c.cp * blocks) * c.microbatches
+        return [Collective("cp", "send", g, hop, n, "ring attention: K/V hops (forward, backward), dK/dV hops")]
     return [Collective("cp", "all_gather", g, kv, (blocks + recompute) * c.microbatches, "K|V (forward)"),
             Collective("cp", "reduce_scatter", g, kv, blocks * c.microbatches, "dK|dV (backward)")]
 
@@ -58,10 +62,34 @@ def cp_sequence_problem(seq: int, cp: int, tp_sequence: int) -> str | None:
 
 
 def cp_run_problem(c: Any, tr: Any, device: str) -> tuple[str, str] | None:
-    """``method: ring`` on a CPU cluster, refused as :func:`meshplan.parallelize` refuses it."""
-    if device == "cpu" and tr.cp_method == "ring" and c.cp > 1:
-        return "device", "context_parallel.method: ring runs torch's ring attention, CUDA only in torch 2.13"
+    """``method: torch_ring`` on a CPU cluster, refused as :func:`meshplan.parallelize` refuses it."""
+    if device == "cpu" and tr.cp_method == "torch_ring" and c.cp > 1:
+        return "device", ("context_parallel.method: torch_ring runs torch's ring attention, CUDA only in torch "
+                          "2.13; method: ring runs on any device")
     return None
+
+
+def cp_method_line(evaluate: Any, s: Any, c: Any, tr: Any, cl: Any) -> str | None:
+    """``meshplan estimate``'s line comparing the cp methods at this sequence length: each one's step time and
+    peak memory per rank under the same model (``evaluate``: :func:`meshplan.solver.step.evaluate`), and which is
+    cheaper in each; None at cp 1.
+
+    The model counts every cp transfer as exposed (the ring's hops hide behind the blocks' attention when a hop
+    takes less than a block's math, which it does not credit), so the ring's time is an upper bound.
+    """
+    from dataclasses import replace
+    if c.cp <= 1:
+        return None
+    methods = ("allgather_kv", "ring") + (("torch_ring",) if cl.device == "cuda" else ())
+    est = {m: evaluate(s, c, replace(tr, cp_method=m), cl) for m in methods}
+    usable = cl.memory * cl.usable_memory
+    fits = [m for m in methods if est[m].memory.total <= usable]
+    fast = min(fits, key=lambda m: est[m].step_time) if fits else "none fits"
+    small = min(methods, key=lambda m: est[m].memory.total)
+    each = "; ".join(f"{m} {est[m].step_time:.4g} s, {est[m].memory.total / 2 ** 30:.2f} GiB"
+                     + ("" if est[m].memory.total <= usable else " (does not fit)") for m in methods)
+    return (f"context_parallel.method at seq {tr.seq}, cp {c.cp}: {each} per step and rank -> fastest that fits: "
+            f"{fast}; least memory: {small} (ring hops counted as exposed: an upper bound on its time)")
 
 
 def cp_training(plan: Any) -> dict:
@@ -73,4 +101,5 @@ def cp_training(plan: Any) -> dict:
 TERMS = AxisTerms(name="cp", section="context_parallel", training=cp_training, example_plan="plans/llama_cp.yaml",
                   costs=AxisCosts(collectives=cp_collectives, block_activations=cp_block_activations,
                                   first_stage_activations=cp_first_stage_activations,
-                                  sequence_problem=cp_sequence_problem, run_problem=cp_run_problem))
+                                  sequence_problem=cp_sequence_problem, run_problem=cp_run_problem,
+                                  estimate_line=cp_method_line))

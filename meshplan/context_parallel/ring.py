@@ -1,44 +1,221 @@
-"""Torch's ring attention (``torch.distributed.tensor.experimental.context_parallel``'s SDPA handlers), the plan's
-``method: ring``: K/V blocks pass around the ``cp`` ring while each rank merges partial softmaxes, so no rank holds
-the whole K/V. torch 2.13 runs it on CUDA only (its handlers take the flash, efficient and cuDNN kernels); the
-plan check refuses it elsewhere. The layout is the same head-tail one (torch's ``_HeadTailLoadBalancer``).
+"""meshplan's ring (pass-K/V) attention, the plan's ``method: ring``: exact attention across ``cp`` shards on any
+device and backend (gloo included), keeping O(S/cp) per rank.
+
+Forward: each rank holds its queries and its K/V block; for ``cp`` steps it attends its queries to the block it
+holds (:func:`~meshplan.context_parallel.blocks.attend_block`, per pair of held chunks, skipping the pairs the
+:class:`~meshplan.context_parallel.masks.AttentionMask` does not reach) while the block moves on to the next rank
+(point-to-point ``isend``/``irecv``, posted before the block's math so they overlap it), and merges the partial
+results by log-sum-exp. Saved for backward: the local ``q, k, v, out, lse`` only.
+
+Backward: K/V go round again; each rank recomputes a block's probabilities from the saved ``lse``
+(:func:`~meshplan.context_parallel.blocks.block_grads`), adds to its own dQ, and adds its share to the block's dK/dV,
+which travel with the block (one hop behind it, overlapping the next block's math) and arrive home after ``cp``
+hops. Per attention call: ``cp − 1`` K/V hops forward; ``cp − 1`` K/V hops and ``cp`` dK/dV hops backward; each
+hop ``1/cp`` of the sequence's K/V.
 """
 
 from __future__ import annotations
 
+import queue
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch.distributed.tensor import DTensor, Shard
+import torch.distributed as dist
 
-from meshplan._torch import ring_attention_dispatch
 from meshplan.context_parallel.attention import causal_from_mask, on_local_heads
+from meshplan.context_parallel.blocks import attend_block, block_grads, merge, work_dtype
+from meshplan.context_parallel.chunks import rank_chunks
+from meshplan.context_parallel.masks import AttentionMask
+from meshplan.errors import PlanError
 
-__all__ = ["ring_attention"]
+__all__ = ["ring_attention", "RingLinks", "QueueLinks", "ring_forward", "ring_backward"]
+
+_K, _V, _DK, _DV = 0, 1, 2, 3  # point-to-point tags: at most one message of each kind in flight per direction
+
+
+class RingLinks:
+    """The ``cp`` group's point-to-point links: send to the next rank, receive from the previous one."""
+
+    def __init__(self, group: Any, cp: int, rank: int) -> None:
+        self.group, self.cp, self.rank = group, cp, rank
+        self.next = dist.get_global_rank(group, (rank + 1) % cp)
+        self.prev = dist.get_global_rank(group, (rank - 1) % cp)
+
+    def post(self, sends: list[torch.Tensor], recvs: list[torch.Tensor], tags: list[int]) -> list[Any]:
+        """Start sending ``sends`` to the next rank and receiving ``recvs`` from the previous; the works."""
+        ops = [op for s, r, t in zip(sends, recvs, tags)
+               for op in (dist.P2POp(dist.isend, s, self.next, self.group, t),
+                          dist.P2POp(dist.irecv, r, self.prev, self.group, t))]
+        return dist.batch_isend_irecv(ops)
+
+
+class QueueLinks:
+    """In-process links for ``cp`` ranks run as threads (tests): ``queues[(src, dst, tag)]`` carry copies."""
+
+    def __init__(self, queues: dict, cp: int, rank: int) -> None:
+        self.queues, self.cp, self.rank = queues, cp, rank
+
+    def post(self, sends: list[torch.Tensor], recvs: list[torch.Tensor], tags: list[int]) -> list[Any]:
+        nxt, prev = (self.rank + 1) % self.cp, (self.rank - 1) % self.cp
+        for s, t in zip(sends, tags):
+            self.queues.setdefault((self.rank, nxt, t), queue.Queue()).put(s.clone())
+        return [_QueueWork(self.queues.setdefault((prev, self.rank, t), queue.Queue()), r)
+                for r, t in zip(recvs, tags)]
+
+
+@dataclass
+class _QueueWork:
+    q: Any
+    into: torch.Tensor
+
+    def wait(self) -> None:
+        self.into.copy_(self.q.get(timeout=60))
+
+
+@dataclass(frozen=True)
+class Ring:
+    """One ring attention call's constants: the links, the layout and the mask."""
+
+    links: Any
+    load_balance: bool
+    mask: AttentionMask
+    scale: float
+
+    def pieces(self, source: int, chunk: int) -> list[tuple[int, range]]:
+        """``(local offset, global positions)`` of each chunk rank ``source`` holds."""
+        return [(i * chunk, range(j * chunk, (j + 1) * chunk))
+                for i, j in enumerate(rank_chunks(self.links.cp, source, self.load_balance))]
+
+    def pairs(self, source: int, chunk: int) -> list[tuple[int, range, int, range]]:
+        """The (query chunk, key chunk) pairs of this rank against ``source``'s block the mask reaches."""
+        return [(qo, qr, ko, kr) for qo, qr in self.pieces(self.links.rank, chunk)
+                for ko, kr in self.pieces(source, chunk)
+                if self.mask.reaches(qr.start, qr.stop, kr.start, kr.stop)]
+
+
+def _wait(works: list[Any]) -> None:
+    for w in works:
+        w.wait()
+
+
+def ring_forward(ring: Ring, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's ``(out, lse)`` over the whole sequence, K/V passed around the ring (see the module doc)."""
+    cp, rank = ring.links.cp, ring.links.rank
+    chunk = q.shape[-2] // len(rank_chunks(cp, rank, ring.load_balance))
+    acc: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    kv = (k.contiguous(), v.contiguous())
+    for step in range(cp):
+        source, works = (rank - step) % cp, []
+        if step < cp - 1:
+            nxt = (torch.empty_like(kv[0]), torch.empty_like(kv[1]))
+            works = ring.links.post(list(kv), list(nxt), [_K, _V])
+        for qo, qr, ko, kr in ring.pairs(source, chunk):
+            part = attend_block(q[..., qo:qo + chunk, :], kv[0][..., ko:ko + chunk, :], kv[1][..., ko:ko + chunk, :],
+                                scale=ring.scale, mask=ring.mask, q_pos=qr, k_pos=kr)
+            acc[qo] = part if qo not in acc else merge(*acc[qo], *part)
+        _wait(works)
+        if step < cp - 1:
+            kv = nxt
+    outs, lses = [], []
+    for qo, _ in ring.pieces(rank, chunk):
+        if qo not in acc:  # no key of the sequence reaches these queries
+            shape = (*q.shape[:-1], v.shape[-1])
+            acc[qo] = (q.new_zeros(shape), torch.full(q.shape[:-1], float("-inf"), device=q.device,
+                                                      dtype=work_dtype(q.dtype)))
+        outs.append(acc[qo][0])
+        lses.append(acc[qo][1])
+    out = torch.cat(outs, -2)
+    if out.dim() >= 3:  # SDPA's layout (heads inside the sequence): the model's transpose + reshape is then a view,
+        out = out.transpose(-3, -2).contiguous().transpose(-3, -2)  # not a second copy saved for o_proj
+    return out, torch.cat(lses, -1)
+
+
+def ring_backward(ring: Ring, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                  lse: torch.Tensor, dout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` of this rank's shards: K/V round the ring again, dK/dV travelling with their block."""
+    cp, rank = ring.links.cp, ring.links.rank
+    chunk = q.shape[-2] // len(rank_chunks(cp, rank, ring.load_balance))
+    work = lse.dtype
+    delta = (dout.to(work) * out.to(work)).sum(-1)
+    dq = torch.zeros(q.shape, dtype=work, device=q.device)
+    kv, incoming = (k.contiguous(), v.contiguous()), None
+    for step in range(cp):
+        source, works = (rank - step) % cp, []
+        if step < cp - 1:
+            nxt = (torch.empty_like(kv[0]), torch.empty_like(kv[1]))
+            works = ring.links.post(list(kv), list(nxt), [_K, _V])
+        dk = torch.zeros(kv[0].shape, dtype=work, device=q.device)
+        dv = torch.zeros(kv[1].shape, dtype=work, device=q.device)
+        for qo, qr, ko, kr in ring.pairs(source, chunk):
+            g = block_grads(q[..., qo:qo + chunk, :], kv[0][..., ko:ko + chunk, :], kv[1][..., ko:ko + chunk, :],
+                            dout[..., qo:qo + chunk, :], lse[..., qo:qo + chunk], delta[..., qo:qo + chunk],
+                            scale=ring.scale, mask=ring.mask, q_pos=qr, k_pos=kr, out=out[..., qo:qo + chunk, :])
+            if g is not None:
+                dq[..., qo:qo + chunk, :] += g[0]
+                dk[..., ko:ko + chunk, :] += g[1]
+                dv[..., ko:ko + chunk, :] += g[2]
+        if incoming is not None:  # the block's dK/dV from the ranks it visited before
+            _wait(incoming[0])
+            dk, dv = dk + incoming[1][0], dv + incoming[1][1]
+        recv = (torch.empty_like(dk), torch.empty_like(dv))
+        incoming = (ring.links.post([dk, dv], list(recv), [_DK, _DV]), recv)
+        _wait(works)
+        if step < cp - 1:
+            kv = nxt
+    _wait(incoming[0])
+    dk, dv = incoming[1]
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class _RingAttention(torch.autograd.Function):
+    """Autograd's view of the ring: saves the local ``q, k, v, out, lse`` (O(S/cp)), nothing gathered."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring) -> torch.Tensor:
+        out, lse = ring_forward(ring, q, k, v)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.ring = ring
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple:
+        q, k, v, out, lse = ctx.saved_tensors
+        return (*ring_backward(ctx.ring, q, k, v, out, lse, dout.contiguous()), None)
+
+
+def ring_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring) -> torch.Tensor:
+    """The ring's attention output of this rank's shards, differentiable (:class:`_RingAttention`)."""
+    return _RingAttention.apply(q, k, v, ring)
 
 
 @on_local_heads
 def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False,
-                   scale: float | None = None, enable_gqa: bool = False, *, mesh: Any, load_balance: bool,
-                   where: str = "attention") -> torch.Tensor:
-    """``F.scaled_dot_product_attention`` of this rank's shards, exact over the sequence, by ring attention.
+                   scale: float | None = None, enable_gqa: bool = False, *, group: Any, cp: int, rank: int,
+                   load_balance: bool, where: str = "attention", mask: AttentionMask | None = None,
+                   links: Any = None) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` of this rank's shards, exact over the sequence, by meshplan's ring.
 
-    Args: as :func:`~meshplan.context_parallel.attention.allgather_kv_attention`, with ``mesh`` the ``cp`` mesh.
+    Args:
+        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, group, cp, rank, load_balance,
+            where: as :func:`~meshplan.context_parallel.attention.allgather_kv_attention` (GQA is read from the
+            head counts whatever ``enable_gqa`` says).
+        mask: the :class:`~meshplan.context_parallel.masks.AttentionMask` (window, soft-cap) replacing the one
+            read from ``attn_mask``/``is_causal``, or None.
+        links: the point-to-point links (None: :class:`RingLinks` over ``group``; tests pass :class:`QueueLinks`).
 
     Returns:
         The output for this rank's queries (a DTensor when ``query`` is one).
 
     Raises:
-        PlanError: a mask other than causal or none.
+        PlanError: a mask other than causal or none, or dropout.
     """
-    is_causal = causal_from_mask(attn_mask, is_causal, query.shape[-2], where)
-    if enable_gqa and key.shape[-3] != query.shape[-3]:  # the ring handlers take equal head counts
-        rep = query.shape[-3] // key.shape[-3]
-        key, value = key.repeat_interleave(rep, dim=-3), value.repeat_interleave(rep, dim=-3)
-    seq = Shard(query.dim() - 2)
-    with ring_attention_dispatch(load_balance):
-        q, k, v = (DTensor.from_local(t, mesh, [seq], run_check=False) for t in (query, key, value))
-        out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=is_causal, scale=scale)
-    return out.to_local()
+    if dropout_p:
+        raise PlanError(f"context_parallel: {where} asks scaled_dot_product_attention for dropout_p={dropout_p}; "
+                        f"method: ring computes attention without dropout (set the model's attention dropout to 0)")
+    if mask is None:
+        mask = AttentionMask(causal=causal_from_mask(attn_mask, is_causal, query.shape[-2], where))
+    ring = Ring(links=links if links is not None else RingLinks(group, cp, rank), load_balance=load_balance,
+                mask=mask, scale=scale if scale is not None else query.shape[-1] ** -0.5)
+    return ring_attend(query, key, value, ring)

@@ -27,7 +27,7 @@ from meshplan.plan_file.strict import Strict
 
 __all__ = ["ContextParallel", "PositionsKwarg", "PositionsBuffer", "METHODS"]
 
-Method = Literal["allgather_kv", "ring"]
+Method = Literal["allgather_kv", "ring", "torch_ring"]
 #: every attention method a plan may write
 METHODS: tuple[str, ...] = Method.__args__
 
@@ -52,10 +52,18 @@ class ContextParallel(Strict):
     """The ``context_parallel`` plan section: sequences split across ``layout.cp``, attention made exact."""
 
     method: Method = Field(
-        "allgather_kv", description="allgather_kv: each attention layer all-gathers K and V over cp (Llama 3's "
-                                    "method; any device and backend, backward a reduce-scatter of dK/dV). ring: "
-                                    "torch's ring attention (torch.distributed.tensor.experimental.context_parallel;"
-                                    " CUDA only in torch 2.13).")
+        "allgather_kv", description="How attention sees the whole sequence. allgather_kv: each attention layer "
+                                    "all-gathers K and V over cp (Llama 3's method; any device and backend); "
+                                    "communication per layer: (cp-1)/cp of the sequence's K/V forward, a "
+                                    "reduce-scatter of dK/dV backward; memory: every rank saves the whole "
+                                    "sequence's K/V, O(S). ring: meshplan's ring attention (any device and "
+                                    "backend, gloo included): K/V blocks pass around cp by point-to-point sends "
+                                    "overlapped with each block's attention; communication: cp-1 hops of 1/cp of "
+                                    "K/V forward, cp-1 K/V and cp dK/dV hops backward; memory: saves only the "
+                                    "local q, k, v, out, O(S/cp); honours windows and soft-caps. torch_ring: "
+                                    "torch's ring attention (torch.distributed.tensor.experimental.context_"
+                                    "parallel), ring's costs with torch's fused kernels; CUDA only in torch 2.13, "
+                                    "causal or full attention only.")
     load_balance: bool = Field(
         True, description="Causal load balance: 2·cp chunks, rank r holds chunks r and 2·cp−1−r (equal attention "
                           "work per rank). false: rank r holds the r-th contiguous 1/cp (the last rank does most).")

@@ -27,7 +27,7 @@ class Training:
         master_dtype: parameters, gradients and optimizer state as stored. reduce_dtype: gradient reduction.
         sequence_parallel / loss_parallel / save_gathered_inputs: the ``tensor_parallel`` settings.
         reshard_after_forward / cpu_offload: the ``data_parallel`` settings.
-        cp_method: ``allgather_kv`` or ``ring``. clip: the step clips the gradient norm (one all-reduce).
+        cp_method: ``allgather_kv``, ``ring`` or ``torch_ring``. clip: the step clips the gradient norm (one all-reduce).
         optimizer_states: tensors the optimizer keeps per parameter (AdamW: 2).
         matmul_dtype: the dtype linear layers multiply in when it differs from ``dtype`` (``float8``: torchao's
             float8 training, activations and gathered parameters staying in ``dtype``).

@@ -122,7 +122,7 @@ GEMMA3_TP_RULES = {**HF_TP_RULES, "model.layers.*.self_attn.q_norm": "head_norm"
                    "model.layers.*.pre_feedforward_layernorm": "norm", "model.layers.*.post_feedforward_layernorm": "norm"}
 
 
-def hf_case(layout, tp=False, arch="llama", factory=None, packed=False, rules=HF_TP_RULES):
+def hf_case(layout, tp=False, arch="llama", factory=None, packed=False, rules=HF_TP_RULES, **cp):
     """A transformers causal LM (SDPA, causal, GQA, position_ids; Qwen2: q/k/v biases, the key bias's gradient ~0
     in exact arithmetic, which float32 AdamW turned into lr-sized moves) with its own shifted loss vs one device.
     ``factory``: another model (a tiny zoo config, sliding windows); ``packed``: each row packs documents
@@ -143,7 +143,7 @@ def hf_case(layout, tp=False, arch="llama", factory=None, packed=False, rules=HF
         assert abs(alone - docs) > 100 * RTOL * abs(alone), (alone, docs)
     ref_losses, ref_norms = _train_ref(ref, lambda s: (global_batch(s, vocab)[1], extra(s)),
                                        lambda m, y, kw: m(input_ids=y.clamp(min=0), labels=y, **kw).loss)
-    plan = {"layout": layout, "blocks": {"pattern": "model.layers.*"}, "context_parallel": CP_HF}
+    plan = {"layout": layout, "blocks": {"pattern": "model.layers.*"}, "context_parallel": {**CP_HF, **cp}}
     if tp:
         plan["tensor_parallel"] = {"sequence_parallel": True, "loss_parallel": True, "rules": rules}
     topo = meshplan.build_mesh(layout)
@@ -195,6 +195,33 @@ def refusals():
     assert "padding" in seen["padding"], seen
     assert "softmax" in seen["eager"] or "no scaled_dot_product_attention" in seen["eager"], seen
     return seen
+
+
+def ring_kernel():
+    """meshplan's ring over the real gloo links of the whole world (cp = world): forward and q/k/v gradients ==
+    dense attention on one device, causal and full, GQA, windows, soft-caps, both layouts (tests/test_cp_ring.py's
+    cases over :class:`RingLinks` instead of threads)."""
+    from meshplan.context_parallel.chunks import rank_positions
+    from meshplan.context_parallel.ring import ring_attention
+    from test_cp_ring import MASKS, close, dense, inputs
+    cp, rank, worst = WORLD, dist.get_rank(), 0.0
+    for load_balance in (True, False):
+        for mask in MASKS:
+            q, k, v, dout = inputs()
+            qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+            want = dense(qr, kr, vr, mask, q.shape[-1] ** -0.5)
+            want.backward(dout)
+            idx = torch.tensor(rank_positions(q.shape[-2], cp, rank, load_balance))
+            ql, kl, vl = (t[:, :, idx].clone().requires_grad_() for t in (q, k, v))
+            out = ring_attention(ql, kl, vl, group=dist.group.WORLD, cp=cp, rank=rank, load_balance=load_balance,
+                                 mask=mask)
+            out.backward(dout[:, :, idx])
+            for name, g, w in zip(("out", "dq", "dk", "dv"), (out, ql.grad, kl.grad, vl.grad),
+                                  (want, qr.grad, kr.grad, vr.grad)):
+                w = w.detach()[:, :, idx]
+                worst = max(worst, float((g.detach() - w).norm() / w.norm()))
+                assert close(g.detach(), w), (mask, load_balance, name)
+    return {"worst": worst, "loss": []}
 
 
 def _refused(model, batch):
@@ -261,6 +288,11 @@ CASES_2 = {
     "cp2_ministral": lambda: hf_case({"cp": 2}, factory=zoo("ministral")),
     "cp2_olmo3": lambda: hf_case({"cp": 2}, factory=zoo("olmo3")),
     "cp2_exaone4": lambda: hf_case({"cp": 2}, factory=zoo("exaone4")),
+    "ring_kernel": ring_kernel,
+    "ring_cp2": lambda: llama_case({"cp": 2}, method="ring"),
+    "ring_cp2_unbalanced_checkpointed": lambda: llama_case({"cp": 2}, method="ring", load_balance=False, blocks={
+        "pattern": "layers.*", "activation_checkpointing": {"mode": "full"}}),
+    "ring_cp2_hf_llama": lambda: hf_case({"cp": 2}, method="ring"),
 }
 CASES_4 = {
     "cp4": lambda: llama_case({"cp": 4}),
@@ -274,6 +306,10 @@ CASES_4 = {
     "cp2_tp2_gemma3_softcap": lambda: hf_case({"cp": 2, "tp": 2}, tp=True, rules=GEMMA3_TP_RULES,
                                               factory=zoo("gemma3_text", final_logit_softcapping=2.0)),
     "pp2_cp2": lambda: llama_case({"cp": 2, "pp": 2}, pipeline={"schedule": "1f1b", "microbatches": 2}),
+    "ring_kernel_cp4": ring_kernel,
+    "ring_cp4": lambda: llama_case({"cp": 4}, method="ring"),
+    "ring_cp2_tp2_sp": lambda: llama_case({"cp": 2, "tp": 2}, tp=True, lp=True, method="ring"),
+    "ring_cp2_tp2_hf_llama": lambda: hf_case({"cp": 2, "tp": 2}, tp=True, method="ring"),
 }
 CASES_8 = {
     "pp2_cp2_tp2": lambda: llama_case({"cp": 2, "pp": 2, "tp": 2}, tp=True, lp=True,
