@@ -18,6 +18,7 @@ import gc
 import json
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -46,6 +47,27 @@ def reset_peak() -> int:
         _LIBC.malloc_trim(0)
     Path("/proc/self/clear_refs").write_text("5")
     return status_kib("VmRSS")
+
+
+class Sampler:
+    """The peaks of ``RssAnon`` and ``RssFile`` (KiB), sampled every 5 ms in a thread: VmHWM is their sum's peak;
+    file-backed pages (a mapped checkpoint) are page cache, anonymous ones the process's own."""
+
+    def __init__(self):
+        self.peak = {"RssAnon": 0, "RssFile": 0}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.005):
+            for k in self.peak:
+                self.peak[k] = max(self.peak[k], status_kib(k))
+
+    def stop(self) -> dict:
+        self._stop.set()
+        self._thread.join()
+        return {"anon_kib": self.peak["RssAnon"], "file_kib": self.peak["RssFile"]}
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -120,8 +142,17 @@ def _train(model, spec: dict, layout: str, vocab: int) -> tuple[list[float], int
 
 def run_phase(spec: dict, layout: str, start: str) -> dict:
     """One (layout, start) on this rank: times, peaks and bytes (see the module docstring)."""
-    which = spec["layouts"][layout]["model"]
     out: dict = {"layout": layout, "start": start, "rss_start_kib": reset_peak()}
+    sampler = Sampler()
+    try:
+        _phase(spec, layout, start, out)
+    finally:
+        out.update(sampler.stop())
+    return out
+
+
+def _phase(spec: dict, layout: str, start: str, out: dict) -> None:
+    which = spec["layouts"][layout]["model"]
     t = time.perf_counter()
     model = _build(spec, which)
     plan = spec["layouts"][layout]["plan"]
@@ -133,7 +164,7 @@ def run_phase(spec: dict, layout: str, start: str) -> dict:
         out["note"] = _start(model, start, spec, which)
     except (meshplan.PlanError, NotImplementedError, TypeError, RuntimeError) as e:
         out["error"] = f"not supported yet: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
-        return out
+        return
     finally:
         out["start_s"] = time.perf_counter() - t
     out["hwm_start_kib"] = status_kib("VmHWM")
@@ -145,7 +176,6 @@ def run_phase(spec: dict, layout: str, start: str) -> dict:
                                                     if spec["steps"] else ([], 0, 0))
     out["steps_s"] = time.perf_counter() - t
     out["hwm_kib"] = status_kib("VmHWM")
-    return out
 
 
 def prepare(spec: dict) -> dict:

@@ -16,8 +16,8 @@ seed 0, ``--init-mode``), ``safetensors`` (→ ``load_safetensors`` of the ``sav
 parameter + gradient + AdamW bytes from its local tensors, ``meshplan estimate --rank R``'s bytes, and the
 ratio peak / (p + g + opt + the measured empty-process baseline: VmHWM after importing torch, meshplan and
 transformers and initializing the process group). One launch writes the checkpoints (one process, CPU-built
-seeded model) and times the one-process starts; one launch per world size runs every phase
-(``--launch-per-phase``: one launch each, a fresh process per phase).
+seeded model) and times the one-process starts; one launch per layout runs its three starts
+(``--launch-per all``: every phase in one launch, as the smoke test does; ``phase``: a fresh process each).
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ def _mib(n: float, kib: bool = False) -> str:
 def _row(ph: dict, rank: int, base: int, one: dict | None, est: dict | None) -> str:
     head = f"| {ph['layout']} | {ph['start']} | {rank} |"
     if "error" in ph:
-        return f"{head} {ph['error']} |" + " |" * 10
+        return f"{head} {ph['error']} |" + " |" * 11
     pgo = ph["params"] + ph["grads"] + ph["optimizer"]
     ratio = ph["hwm_kib"] * 1024 / (pgo + base * 1024)
     same = "n/a" if est is None else ("yes" if all(est[k] == ph[k] for k in est) else
@@ -126,28 +126,61 @@ def _row(ph: dict, rank: int, base: int, one: dict | None, est: dict | None) -> 
     speed = f"{ph['start_s']:.2f} ({t1 / ph['start_s']:.1f}×)" if t1 and ph["start_s"] else f"{ph['start_s']:.2f}"
     return (f"{head} {_mib(ph['params'])} | {_mib(ph['grads'])} | {_mib(ph['optimizer'])} | {same} | "
             f"{_mib(base, True)} | {_mib(ph['hwm_start_kib'], True)} | {_mib(ph['hwm_kib'], True)} | "
+            f"{_mib(ph.get('anon_kib', 0), True)} / {_mib(ph.get('file_kib', 0), True)} | "
             f"**{ratio:.2f}** | {ph['parallelize_s']:.2f} | {speed} | {ph.get('note') or ''} |")
 
 
 HEADER = ("| layout | start | rank | params MiB | grads MiB | AdamW MiB | = estimate | baseline MiB | peak RSS after "
-          "start MiB | peak RSS MiB | peak / (p+g+opt+base) | parallelize s | start s (one process ÷ this) | note |\n"
-          + "|" + "---|" * 14)
+          "start MiB | peak RSS MiB | peak anon / file MiB | peak / (p+g+opt+base) | parallelize s | "
+          "start s (one process ÷ this) | note |\n"
+          + "|" + "---|" * 15)
 
 
 def table(results: dict, layouts: dict) -> str:
-    """The markdown table: every phase of every rank (``results``: ``{"one": {rank: ...}, "world": ..., "est": ...}``)."""
+    """The markdown table of every phase of every rank (``results``: what :func:`run` returns)."""
     one = {(ph["layout"], ph["start"]): ph for ph in results["one"][0]["phases"]}
     rows = []
     for rank, res in results["world"].items():
         for ph in res["phases"]:
             ref = one.get(("one-" + layouts[ph["layout"]]["model"], ph["start"]))
             key = (list(layouts).index(ph["layout"]), STARTS.index(ph["start"]), int(rank))
-            rows.append((key, _row(ph, int(rank), res["baseline_kib"], ref, results["est"].get(f"{ph['layout']}:{rank}"))))
+            est = results["est"].get(f"{ph['layout']}:{rank}")
+            rows.append((key, _row(ph, int(rank), res["baseline_kib"], ref, est)))
     lines = [HEADER] + [r for _, r in sorted(rows)]
     ref_rows = [f"| {k[0]} | {k[1]} | 0 | " + (ph.get("error") or f"peak RSS {_mib(ph['hwm_kib'], True)} MiB, "
                 f"params {_mib(ph['params'])} MiB, start {ph['start_s']:.2f} s") + " |" for k, ph in one.items()]
-    return "\n".join(lines) + "\n\none process (no parallelize, no steps):\n\n| model | start | rank | |\n|---|---|---|---|\n" \
-        + "\n".join(ref_rows)
+    return ("\n".join(lines) + "\n\none process (no parallelize, no steps):\n\n| model | start | rank | |\n"
+            "|---|---|---|---|\n" + "\n".join(ref_rows))
+
+
+def summary(results: dict, layouts: dict) -> str:
+    """One line per (layout, start): the worst rank's ratio, its peak and p+g+opt, the slowest rank's start."""
+    one = {(ph["layout"], ph["start"]): ph for ph in results["one"][0]["phases"]}
+    lines = ["| layout | start | worst peak / (p+g+opt+base) | its peak MiB | its p+g+opt MiB | baseline MiB | "
+             "its RSS at the phase's start MiB | its peak anon / file MiB | slowest start s | one process start s "
+             "| note |", "|" + "---|" * 11]
+    for name in layouts:
+        for start in STARTS:
+            phs = [(r, ph) for r, res in results["world"].items() for ph in res["phases"]
+                   if (ph["layout"], ph["start"]) == (name, start)]
+            if not phs:
+                continue
+            bad = [ph["error"] for _, ph in phs if "error" in ph]
+            if bad:
+                lines.append(f"| {name} | {start} | {bad[0]} |" + " |" * 8)
+                continue
+            base = {r: results["world"][r]["baseline_kib"] * 1024 for r, _ in phs}
+            ratio = {r: ph["hwm_kib"] * 1024 / (ph["params"] + ph["grads"] + ph["optimizer"] + base[r])
+                     for r, ph in phs}
+            r, ph = max(phs, key=lambda rp: ratio[rp[0]])
+            ref = one.get(("one-" + layouts[name]["model"], start), {})
+            lines.append(f"| {name} | {start} | **{ratio[r]:.2f}** (rank {r}) | {_mib(ph['hwm_kib'], True)} | "
+                         f"{_mib(ph['params'] + ph['grads'] + ph['optimizer'])} | {_mib(base[r])} | "
+                         f"{_mib(ph['rss_start_kib'], True)} | {_mib(ph.get('anon_kib', 0), True)} / "
+                         f"{_mib(ph.get('file_kib', 0), True)} | "
+                         f"{max(p['start_s'] for _, p in phs):.2f} | {ref.get('start_s', float('nan')):.2f} | "
+                         f"{ph.get('note') or ''} |")
+    return "\n".join(lines)
 
 
 def run(args) -> dict:
@@ -163,13 +196,12 @@ def run(args) -> dict:
                   "phases": [(k, s) for k in one_layouts for s in args.starts]}, 1, work, "one")
     phases = [(k, s) for k in layouts for s in args.starts]
     spec = {**base, "steps": args.steps, "layouts": layouts}
-    if args.launch_per_phase:
-        world: dict = {}
-        for i, ph in enumerate(phases):
-            for r, res in launch({**spec, "phases": [ph]}, args.nproc, work, f"world-{i}").items():
-                world.setdefault(r, {**res, "phases": []})["phases"] += res["phases"]
-    else:
-        world = launch({**spec, "phases": phases}, args.nproc, work, "world")
+    groups = {"all": [phases], "phase": [[ph] for ph in phases],
+              "layout": [[ph for ph in phases if ph[0] == k] for k in layouts]}[args.launch_per]
+    world: dict = {}
+    for i, group in enumerate(groups):
+        for r, res in launch({**spec, "phases": group}, args.nproc, work, f"world-{i}").items():
+            world.setdefault(r, {**res, "phases": []})["phases"] += res["phases"]
     est = {}
     for name, lay in layouts.items():
         m = models[lay["model"]]
@@ -190,7 +222,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--batch", type=int, default=2, help="sequences per data rank (pp: ≥ its 2 microbatches)")
     ap.add_argument("--seq", type=int, default=32)
-    ap.add_argument("--launch-per-phase", action="store_true")
+    ap.add_argument("--launch-per", choices=("all", "layout", "phase"), default="layout",
+                    help="one torchrun launch for all phases, per layout (default) or per phase: a phase's peak "
+                         "starts from what the launch's earlier phases left (a pipeline phase: ~140 MiB)")
     ap.add_argument("--work", help="folder for checkpoints and rank files (default: a new temporary one)")
     ap.add_argument("--json", help="also write the raw results here")
     return ap.parse_args(argv)
@@ -199,7 +233,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     res = run(args)
-    print(table(res, res["layouts"]))
+    print(summary(res, res["layouts"]) + "\n\n" + table(res, res["layouts"]))
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1, default=str))
     return 0

@@ -23,7 +23,8 @@ pytestmark = pytest.mark.dist
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    args = scale.parse_args(["--size", "tiny", "--steps", "1", "--work", str(tmp_path_factory.mktemp("scale"))])
+    work = str(tmp_path_factory.mktemp("scale"))
+    args = scale.parse_args(["--size", "tiny", "--steps", "1", "--launch-per", "all", "--work", work])
     return scale.run(args)
 
 
