@@ -157,8 +157,8 @@ def summary(results: dict, layouts: dict) -> str:
     """One line per (layout, start): the worst rank's ratio, its peak and p+g+opt, the slowest rank's start."""
     one = {(ph["layout"], ph["start"]): ph for ph in results["one"][0]["phases"]}
     lines = ["| layout | start | worst peak / (p+g+opt+base) | its peak MiB | its p+g+opt MiB | baseline MiB | "
-             "its RSS at the phase's start MiB | its peak anon / file MiB | slowest start s | one process start s "
-             "| note |", "|" + "---|" * 11]
+             "its RSS at the phase's start MiB | its peak anon / file MiB | worst peak after the start / (p+base) "
+             "| slowest start s | one process start s | note |", "|" + "---|" * 12]
     for name in layouts:
         for start in STARTS:
             phs = [(r, ph) for r, res in results["world"].items() for ph in res["phases"]
@@ -167,17 +167,18 @@ def summary(results: dict, layouts: dict) -> str:
                 continue
             bad = [ph["error"] for _, ph in phs if "error" in ph]
             if bad:
-                lines.append(f"| {name} | {start} | {bad[0]} |" + " |" * 8)
+                lines.append(f"| {name} | {start} | {bad[0]} |" + " |" * 9)
                 continue
             base = {r: results["world"][r]["baseline_kib"] * 1024 for r, _ in phs}
             ratio = {r: ph["hwm_kib"] * 1024 / (ph["params"] + ph["grads"] + ph["optimizer"] + base[r])
                      for r, ph in phs}
             r, ph = max(phs, key=lambda rp: ratio[rp[0]])
+            loaded = max(p["hwm_start_kib"] * 1024 / (p["params"] + base[q]) for q, p in phs)
             ref = one.get(("one-" + layouts[name]["model"], start), {})
             lines.append(f"| {name} | {start} | **{ratio[r]:.2f}** (rank {r}) | {_mib(ph['hwm_kib'], True)} | "
                          f"{_mib(ph['params'] + ph['grads'] + ph['optimizer'])} | {_mib(base[r])} | "
                          f"{_mib(ph['rss_start_kib'], True)} | {_mib(ph.get('anon_kib', 0), True)} / "
-                         f"{_mib(ph.get('file_kib', 0), True)} | "
+                         f"{_mib(ph.get('file_kib', 0), True)} | {loaded:.2f} | "
                          f"{max(p['start_s'] for _, p in phs):.2f} | {ref.get('start_s', float('nan')):.2f} | "
                          f"{ph.get('note') or ''} |")
     return "\n".join(lines)
