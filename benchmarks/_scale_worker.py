@@ -123,8 +123,14 @@ def _start(model, start: str, spec: dict, which: str) -> str:
     return "load into meta shards not supported yet: materialize(seed) then load"
 
 
-def _train(model, spec: dict, layout: str, vocab: int) -> tuple[list[float], int, int]:
+def _train(model, spec: dict, layout: str, vocab: int) -> tuple[list[float], int, int, int]:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    step, before = opt.step, []
+
+    def timed_step(*a, **k):  # the peak of forward + backward, before AdamW's step runs
+        before.append(status_kib("VmHWM"))
+        return step(*a, **k)
+    opt.step = timed_step
     state = meshplan.parallel_state(model)
     topo = state.topology if state is not None else None
     data_world = topo.data_world_size if topo is not None else 1
@@ -137,7 +143,7 @@ def _train(model, spec: dict, layout: str, vocab: int) -> tuple[list[float], int
         inputs = x if spec["layouts"][layout]["plan"]["layout"].get("pp", 1) > 1 else {"input_ids": x}
         losses.append(meshplan.train_step(model, (inputs, x), _loss, opt).loss)
     moments = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-    return losses, _nbytes(moments), len(opt.state)
+    return losses, _nbytes(moments), len(opt.state), max(before, default=0)
 
 
 def run_phase(spec: dict, layout: str, start: str) -> dict:
@@ -172,8 +178,8 @@ def _phase(spec: dict, layout: str, start: str, out: dict) -> None:
     out["params"] = _nbytes(model.parameters())
     out["grads"] = _nbytes(params)  # what backward leaves: one gradient shaped like each local shard
     t = time.perf_counter()
-    out["loss"], out["optimizer"], out["states"] = (_train(model, spec, layout, model.config.vocab_size)
-                                                    if spec["steps"] else ([], 0, 0))
+    out["loss"], out["optimizer"], out["states"], out["hwm_backward_kib"] = (
+        _train(model, spec, layout, model.config.vocab_size) if spec["steps"] else ([], 0, 0, 0))
     out["steps_s"] = time.perf_counter() - t
     out["hwm_kib"] = status_kib("VmHWM")
 
