@@ -134,21 +134,29 @@ def _load_files(model: nn.Module, source: str | Path, targets: dict[str, torch.T
     from safetensors import safe_open
     from meshplan.hf.checkpoint_keys import converted_sources
     files = _sources(source)
-    with contextlib.ExitStack() as stack:
-        handles: dict[Path, Any] = {}
+    handles: dict[Path, Any] = {}
 
-        def open_slice(k: str) -> Any:
-            if files[k] not in handles:
-                handles[files[k]] = stack.enter_context(safe_open(str(files[k]), "pt", device="cpu"))
-            return handles[files[k]].get_slice(k)
+    def open_slice(k: str) -> Any:
+        if files[k] not in handles:
+            handles[files[k]] = safe_open(str(files[k]), "pt", device="cpu").__enter__()
+        return handles[files[k]].get_slice(k)
 
-        readers = {k: (lambda k=k: open_slice(k)) for k in files}
-        missing = {k for k in targets if k not in files}
-        converted, consumed = converted_sources(model, list(files), missing, open_slice) if missing else ({}, set())
-        readers.update(converted)
-        for k, t in targets.items():
-            if id(t) in loaded or k not in readers:
-                continue
+    def close() -> None:
+        for h in handles.values():
+            h.__exit__(None, None, None)
+        handles.clear()
+
+    readers = {k: (lambda k=k: open_slice(k)) for k in files}
+    missing = {k for k in targets if k not in files}
+    converted, consumed = converted_sources(model, list(files), missing, open_slice) if missing else ({}, set())
+    readers.update(converted)
+    for k, t in targets.items():
+        if id(t) in loaded or k not in readers:
+            continue
+        # the files are closed after each tensor: a mapped file's pages this rank touched count in its RSS
+        # until it is unmapped (a dim-1 slice touches every page of the tensor: the whole checkpoint by the end)
+        with contextlib.ExitStack() as stack:
+            stack.callback(close)
             sl = readers[k]()
             if tuple(sl.get_shape()) != tuple(t.shape):
                 raise PlanError(f"{files.get(k, source)}: {k}: checkpoint shape {tuple(sl.get_shape())}, model "
