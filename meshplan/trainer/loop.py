@@ -117,12 +117,16 @@ def _corpus(tr: Training, tok: Any, vocab: int, topo: Any) -> PackedTokens:
     return data if data is not None else open_data(tr, tok, vocab, topo.data_world_size)
 
 
-def _inputs(b: dict[str, torch.Tensor], tr: Training) -> Any:
-    """The model's inputs: the token ids, or with ``data.documents`` a dict with the restarting position ids (no
-    cache: transformers ignores packing when it builds one)."""
+def _batch(data: PackedTokens, step: int, tr: Training, topo: Any, split: str = "train") -> tuple[Any, torch.Tensor]:
+    """``(inputs, targets)`` of this rank's share of step ``step`` (0-based) on the mesh's device: the token ids,
+    or with ``data.documents`` a dict with the restarting position ids (no cache: transformers ignores packing when
+    it builds one)."""
+    b = data.batch(step, tr.global_batch, topo.data_rank, topo.data_world_size, split=split)
+    dev = topo.dense.device_type
+    b = {k: v.to(dev) for k, v in b.items()}
     if not tr.data.documents:
-        return b["input_ids"]
-    return {"input_ids": b["input_ids"], "position_ids": b["position_ids"], "use_cache": False}
+        return b["input_ids"], b["labels"]
+    return {"input_ids": b["input_ids"], "position_ids": b["position_ids"], "use_cache": False}, b["labels"]
 
 
 def _weights(model: torch.nn.Module, source: ModelSource, tr: Training, resuming: bool) -> None:
@@ -142,8 +146,7 @@ def _evaluate(model: torch.nn.Module, data: PackedTokens, tr: Training, topo: An
     model.eval()
     try:
         for k in range(tr.eval.batches):
-            b = data.batch(k, tr.global_batch, topo.data_rank, topo.data_world_size, split="eval")
-            res = meshplan.train_step(model, (_inputs(b, tr), b["labels"]), lm_loss, noop, topology=topo)
+            res = meshplan.train_step(model, _batch(data, k, tr, topo, "eval"), lm_loss, noop, topology=topo)
             total, tokens = total + res.loss * res.num_tokens, tokens + res.num_tokens
     finally:
         model.train()
@@ -214,9 +217,9 @@ def _loop(model, opt, data, tr, topo, log, ckpt, done, position, flops) -> None:
         for group in opt.param_groups:
             group["lr"] = lr
         torch.manual_seed(step_seed(tr.seed, step))
-        b = data.batch(step - 1, tr.global_batch, topo.data_rank, topo.data_world_size)
+        batch = _batch(data, step - 1, tr, topo)
         t0 = time.perf_counter()
-        res = meshplan.train_step(model, (_inputs(b, tr), b["labels"]), lm_loss, opt, topology=topo,
+        res = meshplan.train_step(model, batch, lm_loss, opt, topology=topo,
                                   microbatches=micro, max_grad_norm=clip)
         dt = time.perf_counter() - t0
         position = position.advanced()
