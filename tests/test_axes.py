@@ -32,7 +32,7 @@ ALLOWED = {
     "data_parallel/mode.py", "data_parallel/unit.py", "data_parallel/wrap.py",  # cp as a data axis, in dp's unit
     "tensor_parallel/check/validate.py",  # tp's static check: cp's degree in its world-size hints
     "solver/candidate.py", "solver/placement.py", "solver/search.py", "solver/rules.py",  # the degree searched
-    "cli/args.py", "cli/solve.py", "convert/accelerate.py",  # flags and other formats' keys
+    "cli/args.py", "cli/solve.py", "cli/solve_flags.py", "convert/accelerate.py",  # flags and other formats' keys
     "state.py", "_torch.py",
     # issues 27-30: the trainer (the sections it fills, the shapes it checks, the layout degrees it launches), the
     # converters' cp sections, the rank view's shares, packed documents under pp, numerics without the dp section
@@ -50,7 +50,7 @@ EP_ALLOWED = {
     "plan_file/document.py", "plan_file/expert_parallel.py", "plan_file/hf_aliases.py", "plan_file/layout.py",
     "plan_file/stages.py",
     "mesh/rank_table.py", "mesh/ranks.py", "mesh/topology.py", "viz/rank_grid.py", "viz/model_draw.py",
-    "cli/args.py", "cli/convert.py", "cli/solve.py",
+    "cli/args.py", "cli/convert.py", "cli/solve.py", "cli/solve_flags.py",
     "convert/accelerate.py", "convert/common.py", "convert/formats.py", "convert/hf_document.py",
     "solver/candidate.py", "solver/compute.py", "solver/memory.py", "solver/placement.py", "solver/rules.py",
     "solver/search.py", "solver/terms.py",  # the blocks' local tensors (moved from memory.py: tp's costs read them)
@@ -74,7 +74,7 @@ PP_ALLOWED = {
     "axes.py", "solver/units.py", "axis.py", "state.py", "_torch.py",
     "plan_file/document.py", "plan_file/layout.py", "plan_file/pipeline.py", "plan_file/stages.py",
     "mesh/rank_table.py", "mesh/ranks.py", "mesh/topology.py", "viz/rank_grid.py",
-    "cli/args.py", "cli/plans.py", "cli/solve.py", "convert/accelerate.py", "convert/hf_document.py",
+    "cli/args.py", "cli/plans.py", "cli/solve.py", "cli/solve_flags.py", "convert/accelerate.py", "convert/hf_document.py",
     "solver/candidate.py", "solver/cluster.py", "solver/collectives.py", "solver/memory.py", "solver/placement.py",
     "solver/plans.py", "solver/report.py", "solver/rules.py", "solver/search.py", "solver/step.py", "solver/terms.py",
     "weights/load.py", "weights/materialize.py", "data_parallel/wrap.py", "data_parallel/costs.py", "training/clip.py", "training/step.py",
@@ -103,7 +103,7 @@ DP_ALLOWED = {
     "plan_file/blocks.py", "plan_file/data_parallel.py", "plan_file/document.py", "plan_file/pipeline.py",
     "plan_file/stages.py",
     "mesh/runtime.py", "mesh/topology.py", "viz/rank_grid.py",
-    "solver/candidate.py", "solver/cluster.py", "solver/plans.py", "solver/rules.py", "cli/solve.py",
+    "solver/candidate.py", "solver/cluster.py", "solver/plans.py", "solver/rules.py", "cli/solve.py", "cli/solve_flags.py",
     "convert/common.py", "convert/deepspeed.py", "hf/convert.py", "context_parallel/hf_check.py",
     "expert_parallel/unit.py", "pipeline/probe.py", "pipeline/traced.py",
     "tensor_parallel/apply.py", "tensor_parallel/dropout/single_device.py", "gradients.py",

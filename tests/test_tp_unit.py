@@ -31,7 +31,7 @@ TP_ALLOWED = {
     "axes.py", "solver/units.py", "axis.py", "state.py", "_torch.py", "blocks.py", "decorator.py",
     "checkpoint/chunks.py", "weights/shards.py", "faults/agree.py", "mesh/runtime.py", "mesh/ranks.py",
     "checks/dry_run.py", "checks/explain.py", "checks/offline.py", "checks/shadow.py",
-    "cli/args.py", "cli/solve.py",
+    "cli/args.py", "cli/solve.py", "cli/solve_flags.py",
     "context_parallel/attention.py",
     "convert/__init__.py", "convert/common.py", "convert/deepspeed.py", "convert/formats.py", "convert/hf_document.py",
     "convert/torch_source.py",

@@ -40,7 +40,7 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
 
 from meshplan.context_parallel.chunks import rank_positions  # noqa: E402
 from meshplan.context_parallel.masks import AttentionMask  # noqa: E402
-from meshplan.context_parallel.ring import QueueLinks, Ring, ring_attend, ring_attention  # noqa: E402
+from meshplan.context_parallel.ring import QueueLinks, Ring, ring_attend, ring_attention, ring_backward, ring_forward  # noqa: E402
 
 DEV = torch.device(os.environ.get("RING_DEVICE", "cuda"))  # RING_DEVICE=cpu: a smoke run of the script itself
 FAILED = []
@@ -70,17 +70,22 @@ def dense(q, k, v, mask, scale):
 
 
 def ring_threads(cp, lb, mask, q, k, v, dout):
-    """Every rank's output and gradients, placed at its positions (ranks as threads on the GPU)."""
+    """Every rank's output and gradients, placed at its positions (ranks as threads on the GPU). The threads call
+    the ring's forward and backward functions directly: autograd runs every CUDA backward on ONE engine thread per
+    device, so two ranks' backwards through autograd would wait on each other's messages forever (on CPU each
+    backward runs in its caller's thread)."""
     queues, got, errors = {}, [torch.zeros_like(t) for t in (q, q, k, v)], []
 
     def rank(r):
         try:
             idx = torch.tensor(rank_positions(q.shape[-2], cp, r, lb), device=DEV)
-            ql, kl, vl = (t[:, :, idx].clone().requires_grad_() for t in (q, k, v))
-            out = ring_attend(ql, kl, vl, Ring(QueueLinks(queues, cp, r), lb, mask, q.shape[-1] ** -0.5))
-            out.backward(dout[:, :, idx])
+            ql, kl, vl = (t[:, :, idx].contiguous() for t in (q, k, v))
+            ring = Ring(QueueLinks(queues, cp, r), lb, mask, q.shape[-1] ** -0.5)
+            with torch.no_grad():
+                out, lse = ring_forward(ring, ql, kl, vl)
+                dq, dk, dv = ring_backward(ring, ql, kl, vl, out, lse, dout[:, :, idx].contiguous())
             sync()
-            for whole, part in zip(got, (out.detach(), ql.grad, kl.grad, vl.grad)):
+            for whole, part in zip(got, (out, dq, dk, dv)):
                 whole[:, :, idx] = part
         except Exception as e:
             errors.append(repr(e))
