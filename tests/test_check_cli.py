@@ -19,7 +19,8 @@ def run(capsys, *argv):
 
 
 def test_table_fits_a_terminal_width():
-    """On a terminal the table leaves out the torch style column when it is too wide, and the text lines wrap."""
+    """On a terminal the table leaves out the torch style column when it is too wide, then the shapes, then cuts
+    its widest column; the text lines wrap."""
     from examples.hf_models import llama
     from meshplan.checks.explain import render_table
     from meshplan.checks.offline import check
@@ -32,8 +33,11 @@ def test_table_fits_a_terminal_width():
     assert max(map(len, wide)) > 120 and "torch style" in wide[2]
     lines = render_table(report, width=140).splitlines()
     assert "torch style" not in lines[2] and "local params" in lines[2] and all(len(x) <= 140 for x in lines)
-    assert "(the torch style column is left out to fit 140 columns: --format json or a wider terminal shows it)" \
-        in lines
+    assert "(left out to fit 140 columns: torch style; --format json or a wider terminal shows them)" in lines
+    for narrow in (100, 80, 60):  # then the shapes, then the widest column is cut
+        lines = render_table(report, width=narrow).splitlines()
+        assert all(len(x) <= narrow for x in lines), (narrow, max(map(len, lines)))
+        assert "local params" not in lines[2] and "torch style, local params" in "\n".join(lines)
     assert render_table(report, width=300).splitlines()[:17] == wide[:17]  # a table that fits is left alone
 
 

@@ -182,10 +182,37 @@ def _counts(c: dict) -> str:
     return ", ".join(f"{v} {k}" for k, v in c.items()) or "none"
 
 
+#: the columns a narrow terminal loses first (each is in --format json): torch's words for `style`, the shapes
+_DROPPABLE = ("torch style", "local params")
+
+
+def _cut(cell: str, width: int) -> str:
+    return cell if len(cell) <= width else cell[:max(width - 1, 0)] + "…"
+
+
+def _fit(head: tuple, body: list, width: int | None) -> tuple[tuple, list, list[int], list[str]]:
+    """The table narrowed to ``width`` columns: droppable columns left out first, then the widest column cut
+    (ending in "…"), never below 8 characters. Returns ``(head, body, widths, left out)``."""
+    widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)]
+    left_out: list[str] = []
+    total = lambda ws: sum(ws) + 2 * (len(ws) - 1)  # noqa: E731
+    for name in _DROPPABLE:
+        if width is None or total(widths) <= width:
+            break
+        i = head.index(name)
+        head, body = head[:i] + head[i + 1:], [b[:i] + b[i + 1:] for b in body]
+        widths, left_out = widths[:i] + widths[i + 1:], left_out + [name]
+    while width is not None and total(widths) > width and max(widths) > 8:
+        i = widths.index(max(widths))
+        widths[i] -= min(widths[i] - 8, total(widths) - width)
+    return head, body, widths, left_out
+
+
 def render_table(report, rank_lines: bool = False, width: int | None = None) -> str:
     """Human-readable report: one row per rule (modules of one pattern folded), totals, unsharded, errors
     (``rank_lines``: the rank view's lines too, ``check --rank R``). ``width`` (a terminal's columns): a table
-    wider than that leaves out its ``torch style`` column (``--format json`` has it) and the text lines wrap."""
+    wider than that leaves out its ``torch style`` then ``local params`` columns (``--format json`` has them), then
+    cuts its widest column; the text lines wrap."""
     groups: dict[tuple, dict] = {}
     for r in report.modules:
         key = (r["rule"] if r["rule"] != "(colwise parent)" else wildcard(r["module"]), r["style"])
@@ -200,22 +227,20 @@ def render_table(report, rank_lines: bool = False, width: int | None = None) -> 
         body.append((name, str(g["n"]), style, g["torch_style"] or "-", shapes or "-", " ".join(g["forward"]) or "-",
                      " ".join(g["backward"]) or "-", _fmt_bytes(g["bytes"]) if report.totals.get("bytes_per_rank")
                      is not None else "-"))
-    widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)]
-    left_out = width is not None and sum(widths) + 2 * (len(widths) - 1) > width
-    if left_out:  # the torch style (the widest column) is what `style` says, in torch's words
-        drop = lambda cells: (*cells[:3], *cells[4:])  # noqa: E731
-        head, body, widths = drop(head), [drop(b) for b in body], drop(widths)
-    line = lambda cells: "  ".join(c[:w].ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
+    head, body, widths, left_out = _fit(head, body, width)
+    line = lambda cells: "  ".join(_cut(c, w).ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
     out = [f"meshplan check: {report.source}  model {report.model}  tp={report.tp}  world_size={report.world_size}",
            "", line(head), *(line(b) for b in body), ""]
-    if left_out:
-        out.insert(-1, f"(the torch style column is left out to fit {width} columns: --format json or a wider "
-                       f"terminal shows it)")
     rest = summary_lines(report, rank_lines=rank_lines)
-    if width is not None:  # the text lines wrap; the table's rows do not
+    if left_out:
+        out.pop()
+        rest = [f"(left out to fit {width} columns: {', '.join(left_out)}; --format json or a wider terminal shows "
+                f"them)", "", *rest]
+    if width is not None:  # the text lines wrap (the title too); the table's rows are cut to fit
         import textwrap
-        rest = [w for x in rest for w in (textwrap.wrap(x, width, subsequent_indent="  ", break_on_hyphens=False)
-                                          if len(x) > width else [x])]
+        wrap = lambda xs: [w for x in xs for w in (textwrap.wrap(x, width, subsequent_indent="  ",  # noqa: E731
+                                                                 break_on_hyphens=False) if len(x) > width else [x])]
+        out, rest = wrap(out[:1]) + out[1:], wrap(rest)
     return "\n".join(out + rest)
 
 
