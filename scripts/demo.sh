@@ -3,7 +3,7 @@
 # (examples/tiny_model.py → runs/tiny-llama: 1.6M parameters, BPE vocab 4096 trained on docs/ + README.md),
 # then `meshplan train plans/train.yaml --nproc 4`: tp 2 × dp 2 on 4 CPU processes (gloo) over the repo's docs/,
 # printing loss, grad norm, lr, tokens/s and eval loss, checkpointing under runs/ and exporting runs/tiny-llama-trained.
-# PLAN and NPROC override the plan and the process count; extra arguments are settings (--steps 10, --optimizer.lr 1e-3).
+# PLAN and NPROC override the plan and the process count; extra arguments are settings (--steps 20, --optimizer.lr 1e-3).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/setup.sh"
