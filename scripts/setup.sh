@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create .venv (once) and install torch==2.13.0 (the CPU build) before the project, then meshplan[test].
-# Sourced by scripts/test.sh and scripts/demo.sh; safe to run again (reinstalls only when pyproject.toml changed).
+# Sourced by scripts/test.sh, scripts/demo.sh and scripts/demo_llama.sh; safe to run again (reinstalls only when pyproject.toml changed).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${MESHPLAN_VENV:-$ROOT/.venv}"
