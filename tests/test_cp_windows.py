@@ -252,3 +252,23 @@ def test_config_window_only_where_the_attention_reads_it():
     config = NS(sliding_window=8)
     assert _window(Reads(), config) == 8 and _window(Ignores(), config) is None
     assert _window(Reads(), NS(sliding_window=8, use_sliding_window=False)) is None
+
+
+def test_keep_matrices_built_once_per_forward_and_shared(monkeypatch):
+    """The layers of one forward share the keep-matrices (one per query chunk, off CUDA the additive float mask
+    SDPA keeps for backward): a second layer adds no entry and gets the same tensors; a new documents tensor (the
+    next batch) gets its own; outputs equal those without a cache."""
+    q, k, v = _qkv(4)
+    mask, keeps, built = AttentionMask(window=9), {}, []
+    real = cp_attention.keep_matrix
+    monkeypatch.setattr(cp_attention, "keep_matrix", lambda *a: built.append(real(*a)) or built[-1])
+    docs, local = DOCS.clone(), torch.arange(S // 2)
+    kw = {"mask": mask, "attn_mask": mask.keep(local, local)}
+    plain = _ranks(monkeypatch, q, k, v, 2, True, False, documents=docs, **kw)
+    for layer in range(2):
+        out = _ranks(monkeypatch, q, k, v, 2, True, False, documents=docs, keeps=keeps, **kw)
+        assert torch.equal(out, plain) and len(keeps) == 4  # 2 ranks x 2 chunks
+    firsts, seconds = built[4:8], built[8:12]
+    assert all(a is b and a.dtype == torch.float64 and a.shape[:2] == (2, 1) for a, b in zip(firsts, seconds))
+    _ranks(monkeypatch, q, k, v, 2, True, False, documents=DOCS.clone(), keeps=keeps, **kw)
+    assert len(keeps) == 8 and all(a is not b for a, b in zip(firsts, built[12:16]))

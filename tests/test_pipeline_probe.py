@@ -9,6 +9,7 @@ output and gradients; a forward that depends on its input's values, or fails on 
 the refusal suggests ``split: trace`` only where the probe traced the same copy and got the model's output.
 """
 
+import functools
 import warnings
 
 import pytest
@@ -232,3 +233,28 @@ def test_the_probe_keeps_to_the_models_longest_input():
     report = meshplan.check(llama.build(llama.tiny_args(max_seq_len=16)), plan)
     assert report.ok, report.errors
     assert probe._max_len(llama.build(llama.tiny_args(max_seq_len=16))) == 16
+
+
+def test_later_stages_get_no_keyword_inputs_so_train_step_refuses_them():
+    """The schedule hands a later stage only the previous stage's hidden state: position ids 0, 2, 4, … given to the
+    first stage (an offset alone would not show: RoPE is relative) change the whole model's logits, but the chained stages' logits are those of the default
+    positions (silently wrong), so a pipelined train_step refuses any input beyond the token ids, on every rank."""
+    from types import SimpleNamespace as NS
+    from meshplan.pipeline.step import pipeline_step
+    model = _model("llama")
+    split = plan_split(model, SECTION, "model.layers.*", 2)
+    x = torch.arange(12).reshape(1, 12) % 50
+    pos = torch.arange(0, 24, 2).reshape(1, 12)
+    with torch.no_grad():
+        shifted, plain = model(x, position_ids=pos).logits, model(x).logits
+        hidden = stage_view(model, split, 0)(x, position_ids=pos)
+        chained = stage_view(model, split, 1)(hidden).logits
+    assert (shifted - plain).abs().max() > 1e-3  # the positions matter
+    assert (chained - shifted).abs().max() > 1e-3  # the last stage used the default positions
+    step = functools.partial(pipeline_step, None, NS(topology=None), loss_fn=lambda o, y: o, optimizer=None,
+                             shard_batch=None, attach=None)
+    with pytest.raises(PlanError, match=r"inputs are a dict \(keys \['input_ids', 'position_ids'\]\).*not "
+                                        r"\['position_ids'\].*layout.pp 1"):
+        step(({"input_ids": x, "position_ids": pos}, x))
+    with pytest.raises(PlanError, match=r"inputs are a tuple of 2.*not inputs 2..2.*layout.pp 1"):
+        step(((x, torch.ones_like(x)), x))

@@ -184,7 +184,8 @@ def allgather_kv_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
                            attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False,
                            scale: float | None = None, enable_gqa: bool = False, *, group: Any, cp: int, rank: int,
                            load_balance: bool, where: str = "attention", masks: dict | None = None,
-                           mask: AttentionMask | None = None, documents: torch.Tensor | None = None) -> torch.Tensor:
+                           mask: AttentionMask | None = None, documents: torch.Tensor | None = None,
+                           keeps: dict | None = None) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` of this rank's queries against the whole sequence's keys and values.
 
     Args:
@@ -199,6 +200,7 @@ def allgather_kv_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
             causal or full as the call says. The model's own (local) mask must then be what the layer builds for
             its local length: none, causal, or causal within the same window.
         documents: ``(batch, seq)`` document ids per global position (packed sequences), or None (one each).
+        keeps: a cache of the keep-matrices (the runtime keeps one per forward, shared by the layers), or None.
 
     Returns:
         The attention output for this rank's queries (a DTensor when ``query`` is one).
@@ -220,7 +222,7 @@ def allgather_kv_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
     k, v = k.index_select(-2, order), v.index_select(-2, order)
     if mask.window is None and mask.softcap is None and documents is None and mask.causal:
         return _causal(query, k, v, kw, cp, rank, load_balance, masks)
-    return _masked(query, k, v, kw, mask, documents, cp, rank, load_balance)
+    return _masked(query, k, v, kw, mask, documents, (cp, rank, load_balance), keeps)
 
 
 def _causal(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kw: dict, cp: int, rank: int,
@@ -240,10 +242,11 @@ def _causal(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kw: dict, cp:
 
 
 def _masked(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kw: dict, mask: AttentionMask,
-            documents: torch.Tensor | None, cp: int, rank: int, load_balance: bool) -> torch.Tensor:
+            documents: torch.Tensor | None, where: tuple[int, int, bool], keeps: dict | None) -> torch.Tensor:
     """Any :class:`AttentionMask` (window, soft-cap) and documents: each local query chunk against the key chunks
     its mask reaches (:meth:`AttentionMask.reaches`), through the boolean keep-matrix of
-    :meth:`AttentionMask.keep` (documents ``(batch, seq)`` give one per row)."""
+    :meth:`AttentionMask.keep` (documents ``(batch, seq)`` give one per row); ``where``: (cp, rank, load_balance)."""
+    cp, rank, load_balance = where
     held = rank_chunks(cp, rank, load_balance)
     chunk = query.shape[-2] // len(held)
     every = range(n_chunks(cp, load_balance))
@@ -252,18 +255,36 @@ def _masked(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kw: dict, mas
         q_lo, q_hi = j * chunk, (j + 1) * chunk
         reached = [c for c in every if mask.reaches(q_lo, q_hi, c * chunk, (c + 1) * chunk)]
         k_lo, k_hi = reached[0] * chunk, (reached[-1] + 1) * chunk
-        q_pos = torch.arange(q_lo, q_hi, device=query.device)
-        k_pos = torch.arange(k_lo, k_hi, device=query.device)
-        q_doc = k_doc = None
-        if documents is not None:
-            docs = documents.to(query.device)
-            q_doc, k_doc = docs[:, q_lo:q_hi], docs[:, k_lo:k_hi]
-        keep = mask.keep(q_pos, k_pos, q_doc, k_doc)
-        if keep is not None and keep.dim() == 3:
-            keep = keep[:, None]  # (batch, 1, queries, keys): one per row, every head
+        keep = keep_matrix(mask, (q_lo, q_hi, k_lo, k_hi), documents, query, keeps)
         q = query[..., i * chunk:(i + 1) * chunk, :]
         outs.append(_attend(q, k[..., k_lo:k_hi, :], v[..., k_lo:k_hi, :], keep, mask.softcap, kw))
     return torch.cat(outs, dim=-2)
+
+
+def keep_matrix(mask: AttentionMask, span: tuple[int, int, int, int], documents: torch.Tensor | None,
+                query: torch.Tensor, keeps: dict | None = None) -> torch.Tensor | None:
+    """The keep-matrix of queries ``span[0]:span[1]`` against keys ``span[2]:span[3]`` (global positions), built
+    once per (mask, span, documents, dtype) in ``keeps``: boolean ``(queries, keys)`` or ``(batch, 1, queries,
+    keys)`` with documents; off CUDA without a soft-cap the additive float mask SDPA would make of it (its math
+    kernel keeps a float copy per call for backward: cached, the layers share one). The documents tensor is held
+    in the entry, so a key with its ``id`` never names another batch's."""
+    key = (mask, span, id(documents), query.dtype, query.device)
+    if keeps is not None and key in keeps:
+        return keeps[key][1]
+    q_lo, q_hi, k_lo, k_hi = span
+    q_pos, k_pos = (torch.arange(lo, hi, device=query.device) for lo, hi in ((q_lo, q_hi), (k_lo, k_hi)))
+    q_doc = k_doc = None
+    if documents is not None:
+        docs = documents.to(query.device)
+        q_doc, k_doc = docs[:, q_lo:q_hi], docs[:, k_lo:k_hi]
+    keep = mask.keep(q_pos, k_pos, q_doc, k_doc)
+    if keep is not None and keep.dim() == 3:
+        keep = keep[:, None]  # (batch, 1, queries, keys): one per row, every head
+    if keep is not None and mask.softcap is None and query.device.type != "cuda":
+        keep = torch.zeros(keep.shape, dtype=query.dtype, device=query.device).masked_fill_(~keep, float("-inf"))
+    if keeps is not None:
+        keeps[key] = (documents, keep)
+    return keep
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor | None, softcap: float | None,

@@ -81,6 +81,8 @@ class CpRuntime:
             model says it (transformers' per-layer sliding windows); the others follow their call.
         masked: ``attend`` takes ``mask`` and ``documents`` (all-gather); else a window or documents are refused.
         documents: this forward's ``(batch, seq)`` document ids per global position (packed sequences), or None.
+        keeps: this forward's keep-matrices, built by the first layer that needs one and shared by the others
+            (emptied at each forward's start; keyed by the documents they were built from).
     """
 
     group: Any
@@ -98,6 +100,7 @@ class CpRuntime:
     layer_masks: dict = field(default_factory=dict)
     masked: bool = True
     documents: Any = None
+    keeps: dict = field(default_factory=dict)
     depth: int = 0
     local_len: int | None = None
     audited: set = field(default_factory=set)
@@ -132,7 +135,7 @@ class CpRuntime:
         if not self.masked:
             raise PlanError(f"context_parallel: {path} needs {mask or 'document masks (packed sequences)'}; "
                             f"method: ring does not take them yet; use method: allgather_kv")
-        return {"mask": mask, "documents": self.documents}
+        return {"mask": mask, "documents": self.documents, "keeps": self.keeps}
 
     def _documents(self, model: nn.Module, kwargs: dict, rows: int) -> torch.Tensor | None:
         """Document ids per global position from the caller's position ids (transformers' packed sequences:
@@ -188,6 +191,7 @@ class CpRuntime:
         self.local_len = first.shape[self.seq_dim]
         pos = self.positions(self.local_len, first.device)
         self.documents = self._documents(model, kwargs, first.shape[0])
+        self.keeps = {}  # per forward; keyed by the documents tensor (held), so a later recompute never takes another batch's
         if self.positions_kwarg is not None and kwargs.get(self.positions_kwarg) is None:
             kwargs = {**kwargs, self.positions_kwarg: pos.unsqueeze(0).expand(first.shape[0], -1)}
         if self.inject_mask and kwargs.get("attention_mask") is None:  # else a jump in positions reads as packing

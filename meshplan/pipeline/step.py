@@ -32,6 +32,23 @@ def _check_batch(inputs: Any, m: int) -> None:
                         f"valid microbatches: {divisors_text(n)}")
 
 
+def _check_inputs(inputs: Any) -> None:
+    """Refuse inputs beyond the token ids: the schedule hands a later stage only the previous stage's hidden
+    state, so its model code would make default position ids (``arange``) and no attention mask: silently wrong
+    for offset or restarting positions and padding masks."""
+    if isinstance(inputs, dict):
+        extra = list(inputs)[1:] or list(inputs)  # the keys after the token ids (a lone key: the dict itself)
+        raise PlanError(f"train_step: a pipelined model's inputs are a dict (keys {list(inputs)}); the later "
+                        f"pipeline stages get only the previous stage's hidden state, not {extra} (their positions "
+                        f"would be the default arange, their attention unmasked); expected the token ids tensor "
+                        f"alone (default positions, no mask), or layout.pp 1 to pass keyword inputs")
+    if isinstance(inputs, tuple) and len(inputs) > 1:
+        raise PlanError(f"train_step: a pipelined model's inputs are a tuple of {len(inputs)}; the later pipeline "
+                        f"stages get only the previous stage's hidden state, not inputs 2..{len(inputs)} (e.g. an "
+                        f"attention mask or position ids: their attention would be unmasked, their positions the "
+                        f"default arange); expected the token ids tensor alone, or layout.pp 1")
+
+
 def _run(state: Any, inputs: Any, targets: torch.Tensor) -> torch.Tensor:
     """The schedule's step: the first stage feeds the inputs, the last takes the targets.
 
@@ -77,6 +94,7 @@ def pipeline_step(model: nn.Module, state: Any, batch: tuple[Any, torch.Tensor],
                         "stage computes the loss on the schedule's microbatches")
     topology = topology or state.topology
     inputs, targets = batch
+    _check_inputs(inputs)  # the caller's inputs, the same structure on every rank
     inputs, targets, _ = shard_batch(state, inputs, targets, ignore_index=ignore_index)  # each axis' share
     record = state.pipeline
     _check_batch(inputs, record.section.microbatches)
