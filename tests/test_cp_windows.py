@@ -41,7 +41,7 @@ def _ranks(monkeypatch, q, k, v, cp, balance, gqa, **kw):
     shards = [(k.index_select(-2, p), v.index_select(-2, p)) for p in pos]
     monkeypatch.setattr(cp_attention, "_gather_kv", lambda *_: (torch.cat([a for a, _ in shards], -2),
                                                                 torch.cat([b for _, b in shards], -2)))
-    out = torch.zeros_like(q)
+    out = q.new_zeros(*q.shape[:-1], v.shape[-1])  # V's head size (MLA's differs from Q's)
     for r in range(cp):
         o = allgather_kv_attention(q.index_select(-2, pos[r]), *shards[r], enable_gqa=gqa, group=None, cp=cp,
                                    rank=r, load_balance=balance, **kw)
@@ -161,6 +161,7 @@ def test_exaone4_slides_by_layer_type():
     ("gpt_oss", r"GptOssForCausalLM has attention sinks \(model.layers.0.self_attn.sinks"),
     ("llama4_text", r"layer types \['chunked_attention', 'full_attention'\] \(config.layer_types\).*got "
                     r"\['chunked_attention'\]"),
+    ("neomme", r"NeoMMEModel's config.sliding_window varies per layer"),  # check raised transformers' error
 ])
 def test_still_refused_names_the_feature(model_type, needle):
     with pytest.raises(PlanError, match=needle):
@@ -272,3 +273,29 @@ def test_keep_matrices_built_once_per_forward_and_shared(monkeypatch):
     assert all(a is b and a.dtype == torch.float64 and a.shape[:2] == (2, 1) for a, b in zip(firsts, seconds))
     _ranks(monkeypatch, q, k, v, 2, True, False, documents=DOCS.clone(), keeps=keeps, **kw)
     assert len(keeps) == 8 and all(a is not b for a, b in zip(firsts, built[12:16]))
+
+
+def test_mla_value_head_size_stays_exact(monkeypatch):
+    """MLA (DeepSeek V2/V3, MiniCPM3, GLM-4 MoE lite, …: V's head size differs from Q/K's): torch's CPU flash kernel
+    takes one head size, so the mask-free causal path and the ring's fused blocks step aside for them (the zoo's cp
+    sweep crashed on 8 such models) and the result stays one device's."""
+    from meshplan.context_parallel.blocks import attend_block
+    g = torch.Generator().manual_seed(1)
+    q, k = (torch.randn(2, 4, S, 12, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    v = torch.randn(2, 4, S, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(_ranks(monkeypatch, q, k, v, 2, True, False, is_causal=True), ref, atol=1e-12, rtol=0)
+    with torch.no_grad():
+        out, _ = attend_block(q, k, v, scale=12 ** -0.5, mask=AttentionMask(causal=True), q_pos=range(S),
+                              k_pos=range(S))
+    torch.testing.assert_close(out, ref.detach(), atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("model_type", ["embedding_gemma2_text", "ultrabert"])
+def test_bidirectional_windows_are_refused(model_type):
+    """An encoder's window reaches both sides of a query; AttentionMask's window is causal (keys before the query):
+    reading it as one ran EmbeddingGemma 2 and UltraBERT 1.6e-2 / 4.9e-2 off one device at cp 2 (the zoo)."""
+    model = _tiny(model_type)
+    paths = tuple(n for n, m in model.named_modules() if n.endswith("self_attn"))
+    with pytest.raises(PlanError, match="bidirectional attention"):
+        layer_masks(model, paths)

@@ -170,7 +170,8 @@ def _causal(query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kw: dict, cp:
     outs = []
     for start, keys, offset in causal_blocks(cp, rank, load_balance, chunk):
         q = query[..., start:start + chunk, :]
-        if query.device.type == "cpu" and not kw["dropout_p"]:  # no float mask per block shape (issue 30)
+        # no float mask per block shape (issue 30); MLA's V head size differs and the flash kernel takes one size
+        if query.device.type == "cpu" and not kw["dropout_p"] and v.shape[-1] == query.shape[-1]:
             s = kw["scale"] if kw["scale"] is not None else query.shape[-1] ** -0.5
             outs.append(_PrefixDiagonal.apply(q, k[..., :keys, :], v[..., :keys, :], offset, s))
             continue

@@ -56,12 +56,14 @@ def _keep(mask: AttentionMask, q_pos: Any, k_pos: Any, q_doc: Any, k_doc: Any,
 
 
 def fused_causal(q: torch.Tensor, mask: AttentionMask | None, q_pos: Any, k_pos: Any,
-                 q_doc: Any = None) -> bool | None:
+                 q_doc: Any = None, v: Any = None) -> bool | None:
     """Whether torch's CPU flash kernel computes this block exactly: None when it cannot (not CPU, a soft-cap,
     documents, a mask tensor needed), else its ``is_causal`` (True: the causal diagonal, queries and keys the
     same positions; False: a block the mask covers). The kernel returns the lse, and its backward takes the whole
     row's output and lse, so the fused block is the explicit math's equal, without a score tile in Python."""
     if q.device.type != "cpu" or q_doc is not None or not isinstance(q_pos, range) or not isinstance(k_pos, range):
+        return None
+    if v is not None and v.shape[-1] != q.shape[-1]:  # MLA: the flash kernel takes one head size for q, k and v
         return None
     mask = mask if mask is not None else AttentionMask(causal=False)
     if mask.softcap is not None:
@@ -155,7 +157,7 @@ def attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: fl
         >>> out, lse = attend_block(q, k, v, scale=0.125, mask=AttentionMask(causal=True),
         ...                         q_pos=range(64, 128), k_pos=range(0, 64))     # covered: no mask tensor
     """
-    causal = fused_causal(q, mask, q_pos, k_pos, q_doc)
+    causal = fused_causal(q, mask, q_pos, k_pos, q_doc, v)
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     if causal is not None and not grad:
         return _fused_forward(q, k, v, scale, causal)  # no gradient through its lse is asked for
@@ -226,7 +228,7 @@ def block_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.T
         ``(dq, dk, dv)`` of this block in the work dtype (float32 for half inputs; dk, dv summed over the query
         heads that share a kv head), or None when the mask reaches no pair of the block.
     """
-    causal = fused_causal(q, mask, q_pos, k_pos, q_doc)
+    causal = fused_causal(q, mask, q_pos, k_pos, q_doc, v)
     if causal is not None and out is not None:
         return _fused_backward(q, k, v, dout, out, lse, scale, causal)
     mask = mask if mask is not None else AttentionMask(causal=False)

@@ -82,9 +82,14 @@ def _check_one(name: str, key: str, config: Any, where: str) -> None:
         raise PlanError(f"{where}: {name} has layer types {sorted(kinds)} ({key}.layer_types); context parallelism "
                         f"supports {' and '.join(LAYER_TYPES)} layers (got {sorted(kinds - set(LAYER_TYPES))}): "
                         f"{_WITHOUT_CP}")
-    if "sliding_attention" in kinds and not getattr(config, "sliding_window", None):
+    try:
+        window = getattr(config, "sliding_window", None)
+    except RuntimeError as e:  # transformers' per-layer configs refuse a global read (NeoMME's per_layer_config)
+        raise PlanError(f"{where}: {name}'s {key}.sliding_window varies per layer ({type(e).__name__}); context "
+                        f"parallelism reads a global or per-layer-type window only: {_WITHOUT_CP}") from None
+    if "sliding_attention" in kinds and not window:
         raise PlanError(f"{where}: {name} has sliding_attention layers ({key}.layer_types) but {key}.sliding_window "
-                        f"is {getattr(config, 'sliding_window', None)!r}; expected the window in tokens")
+                        f"is {window!r}; expected the window in tokens")
     if getattr(config, "attn_logit_softcapping", None):
         raise PlanError(f"{where}: {name} sets attn_logit_softcapping={config.attn_logit_softcapping} ({key}); "
                         f"transformers' sdpa attention refuses soft-capping and its eager attention is written by "
@@ -137,7 +142,17 @@ def layer_masks(model: nn.Module, paths: tuple[str, ...]) -> dict:
     found = {}
     for path in paths:
         module = model.get_submodule(path)
-        window = _window(module, text)
+        try:
+            window = _window(module, text)
+        except (AttributeError, RuntimeError) as e:  # per-layer configs refuse a global read (NeoMME)
+            raise PlanError(f"context_parallel: cannot read the sliding window of {path} ({type(e).__name__}: "
+                            f"{' '.join(str(e).split())[:160]}); context parallelism reads a global or per-layer-"
+                            f"type window only; use cp 1 for {type(model).__name__}") from None
+        if window and not getattr(module, "is_causal", True):
+            raise PlanError(f"context_parallel: {path} slides a window of {int(window)} tokens over bidirectional "
+                            f"attention (is_causal False: an encoder's window reaches both sides); context "
+                            f"parallelism makes causal sliding windows exact, not two-sided ones; use cp 1 for "
+                            f"{type(model).__name__}")
         if window:
             found[path] = AttentionMask(causal=getattr(module, "is_causal", True), window=int(window))
     return found
