@@ -55,16 +55,7 @@ import llama  # noqa: E402
 import moe  # noqa: E402
 
 import meshplan  # noqa: E402
-
-
-_MASK = (1 << 64) - 1
-
-
-def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _MASK
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
-    return x ^ (x >> 31)
+from meshplan.data.order import splitmix64, step_seed  # noqa: E402
 
 
 def sample(vocab: int, seq: int, seed: int, index: int) -> torch.Tensor:
@@ -73,7 +64,7 @@ def sample(vocab: int, seq: int, seed: int, index: int) -> torch.Tensor:
     A counter-based hash (splitmix64 of ``seed·2³² + index``) picks the start token and the stride, so no rank,
     layout or RNG state enters.
     """
-    h = _splitmix64(((seed & 0xFFFFFFFF) << 32) | (index & 0xFFFFFFFF))
+    h = splitmix64(((seed & 0xFFFFFFFF) << 32) | (index & 0xFFFFFFFF))
     start, stride = h % vocab, 1 + (h >> 32) % 3
     return (start + stride * torch.arange(seq + 1)) % vocab
 
@@ -96,12 +87,6 @@ def batches(vocab: int, seq: int, global_batch: int, data_rank: int = 0, data_wo
         seqs = torch.stack([sample(vocab, seq, seed, i) for i in range(first, first + local)])
         yield seqs[:, :-1], seqs[:, 1:]
         step += 1
-
-
-def step_seed(seed: int, step: int) -> int:
-    """The torch RNG seed of step ``step``: any randomness in a step (dropout) is a function of ``(seed, step)``,
-    so a resumed run draws what the uninterrupted one drew, on any layout (the data never touches it)."""
-    return _splitmix64((((seed & 0xFFFFFFFF) << 32) | (step & 0xFFFFFFFF)) ^ 0xD1B54A32D192ED03) >> 1
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -45,24 +45,6 @@ def _plan(path: str, settings: list[str]):
     return with_overrides(load_plan(path), parse_overrides(settings))
 
 
-def _world(plan) -> int:
-    lay = plan.layout
-    if lay is None:
-        return 1
-    sizes = [getattr(lay, k, None) for k in ("tp", "cp", "ep", "pp", "dp_replicate", "dp_shard")]
-    n = 1
-    for k, s in zip(("tp", "cp", "ep", "pp", "dp_replicate", "dp_shard"), sizes):
-        if isinstance(s, int) and s > 0 and k != "ep":
-            n *= s
-    return n
-
-
-def _data_world(plan, world: int) -> int:
-    from meshplan.plan_file.layout import Layout
-    lay = (plan.layout or Layout()).resolve(world)
-    return lay.dp_replicate * lay.dp_shard
-
-
 def _run(args: argparse.Namespace) -> int:
     launch, settings = _launcher(args.settings)
     plan = _plan(args.plan, settings)
@@ -71,9 +53,11 @@ def _run(args: argparse.Namespace) -> int:
         train(plan)
         return 0
     from meshplan.trainer.loop import open_data, prepare
-    n = launch.get("nproc") or _world(plan)
+    from meshplan.plan_file.layout import Layout
+    layout = plan.layout or Layout()
+    n = launch.get("nproc") or layout.smallest_world()
     plan, _, tok, vocab, _ = prepare(plan, n)  # bad settings, model, tokenizer: one line, before any process starts
-    open_data(plan.training, tok, vocab, _data_world(plan, n))  # tokenized once here; a short corpus refused
+    open_data(plan.training, tok, vocab, layout.resolve(n).dp)  # tokenized once here; a short corpus refused
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
            f"--max-restarts={launch.get('max_restarts', 0)}", "-m", "meshplan", "train", args.plan, *settings]
     return subprocess.call(cmd)

@@ -9,7 +9,7 @@ a shuffle buffer or a saved permutation.
 
 from __future__ import annotations
 
-__all__ = ["splitmix64", "permute", "held_out"]
+__all__ = ["splitmix64", "permute", "held_out", "step_seed"]
 
 _MASK = (1 << 64) - 1
 
@@ -62,3 +62,9 @@ def held_out(window: int, seed: int, fraction: float) -> bool:
     """Whether window ``window`` belongs to the held-out (evaluation) split: a hash of ``(seed, window)`` below
     ``fraction`` of the 64-bit range, so the split never depends on how many windows the corpus has."""
     return splitmix64(splitmix64(seed ^ 0x5EED5EED) ^ window) < int(fraction * (1 << 64))
+
+
+def step_seed(seed: int, step: int) -> int:
+    """The torch seed of step ``step`` (dropout): a function of ``(seed, step)``, so a resumed run redraws what the
+    uninterrupted one drew, on any layout (the data never touches it)."""
+    return splitmix64((((seed & 0xFFFFFFFF) << 32) | (step & 0xFFFFFFFF)) ^ 0xD1B54A32D192ED03) >> 1

@@ -39,7 +39,7 @@ def check_shapes(plan: Plan, world: int) -> None:
         raise PlanError(f"training.seq_len: {tr.seq_len} is not divisible by tp = {sp} (sequence parallelism "
                         f"splits each sequence over the tp ranks); valid: multiples of {sp}, e.g. "
                         f"{_valid(tr.seq_len, sp)}")
-    dp = lay.dp_replicate * lay.dp_shard
+    dp = lay.dp
     if tr.global_batch % dp:
         raise PlanError(f"training.global_batch: {tr.global_batch} is not divisible by the {dp} data-parallel ranks "
                         f"of {world} processes; valid: multiples of {dp}, e.g. {_valid(tr.global_batch, dp)}")

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 import meshplan
 from meshplan.data import PackedTokens, TokenFile, corpus_files, tokenize_corpus
-from meshplan.data.order import splitmix64
+from meshplan.data.order import step_seed
 from meshplan.errors import PlanError
 from meshplan.plan_file.document import Plan
 from meshplan.plan_file.training import Training
@@ -26,11 +26,6 @@ from meshplan.trainer.model import ModelSource, load_tokenizer, meta_model, mode
 from meshplan.trainer.schedule import lr_factor
 
 __all__ = ["train", "lm_loss", "step_seed", "prepare"]
-
-
-def step_seed(seed: int, step: int) -> int:
-    """The torch seed of step ``step`` (dropout): a function of ``(seed, step)``, so a resumed run redraws it."""
-    return splitmix64((((seed & 0xFFFFFFFF) << 32) | (step & 0xFFFFFFFF)) ^ 0xD1B54A32D192ED03) >> 1
 
 
 def lm_loss(out: Any, targets: torch.Tensor) -> torch.Tensor:
