@@ -128,14 +128,12 @@ def _resolve_ops(ac: ActivationCheckpointing) -> list:
 def _checkpoint(model: "nn.Module", blocks: list[str], ac: ActivationCheckpointing, ops: list) -> None:
     if ac.mode == "none":
         return
-    from functools import partial
-
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
-
     from meshplan._torch import checkpoint_wrapper
-    kwargs = {"context_fn": partial(create_selective_checkpoint_contexts, ops)} if ops else {}
+    from meshplan.recompute import context_fn
+    fn = context_fn(ops, ac.policy)
+    kwargs = {"context_fn": fn} if fn is not None else {}
     for k, path in enumerate(blocks, start=1):
-        if ac.mode == "full" or k % ac.every == 0:
+        if ac.mode == "full" or k % ac.every == 0:  # op level (ops, policy): every 1
             parent, _, name = path.rpartition(".")
             wrapped = checkpoint_wrapper(model.get_submodule(path), preserve_rng_state=True, **kwargs)
             model.get_submodule(parent).register_module(name, wrapped)

@@ -51,7 +51,7 @@ def test_defaults_and_yaml_like_data():
     (DataParallel, {"reshard_after_forward": 1}, "group size >= 2"),
     (Blocks, {"pattern": "layers..x"}, "empty path segment"),
     (Blocks, {"activation_checkpointing": {"mode": "full", "every": 2}}, "need mode: selective"),
-    (Blocks, {"activation_checkpointing": {"mode": "selective"}}, "every > 1 or a list of ops"),
+    (Blocks, {"activation_checkpointing": {"mode": "selective"}}, "every > 1, a list of ops or policy: megatron"),
     (Blocks, {"activation_checkpointing": {"mode": "selective", "ops": ["mm"]}}, "ops[0]"),
 ])
 def test_invalid_sections(section, data, needle):

@@ -59,8 +59,8 @@ def test_parity_world8(world8, case):
 
 
 @pytest.mark.parametrize("case", ["regather_tp4", "regather_tp4_saved", "regather_tp2_fsdp_ac_full",
-                                  "regather_tp2_fsdp_ac_selective", "regather_tp2_fsdp_every2",
-                                  "regather_tp2_fsdp_saved"])
+                                  "regather_tp2_fsdp_ac_selective", "regather_tp2_fsdp_ac_megatron",
+                                  "regather_tp2_fsdp_every2", "regather_tp2_fsdp_saved"])
 def test_sp_regather_parity_world4(world4, case):
     """save_gathered_inputs false (the default) and true, tp 4; tp 2 with FSDP, ± activation checkpointing."""
     _parity(world4, case, 4)

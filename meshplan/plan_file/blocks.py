@@ -32,14 +32,22 @@ class ActivationCheckpointing(Strict):
     Example (YAML)::
 
         activation_checkpointing: {mode: selective, ops: [aten.mm.default]}
+        activation_checkpointing: {mode: selective, policy: megatron}
     """
 
     mode: Literal["none", "full", "selective"] = Field(
-        "none", description="none; full: every block; selective: every k-th block (every) and/or op-level (ops).")
+        "none", description="none; full: every block; selective: every k-th block (every) and/or op-level (ops or "
+                            "policy).")
     every: int = Field(1, ge=1, description="selective: checkpoint blocks k, 2k, 3k, … (counting from 1).")
     ops: tuple[str, ...] = Field(
         (), description="selective, op level: ops whose outputs are SAVED (e.g. aten.mm.default); everything "
                         "else in a checkpointed block is recomputed.")
+    policy: Literal["megatron"] | None = Field(
+        None, description="selective, op level: a built-in policy instead of ops. megatron: keep the colwise "
+                          "matmul outputs and the REDUCED row-parallel outputs (reduce-scatter / all-reduce / "
+                          "all-to-all results, sharded over the sequence under sequence parallelism), recompute "
+                          "the rest: the attention core, the row-parallel matmuls, norms, activations, dropout "
+                          "and all-gathers; the kept bytes fall as 1/tp (docs/data-parallel.md).")
 
     @field_validator("ops", mode="before")
     @classmethod
@@ -57,11 +65,15 @@ class ActivationCheckpointing(Strict):
 
     @model_validator(mode="after")
     def _check_mode(self) -> "ActivationCheckpointing":
-        if self.mode != "selective" and (self.every != 1 or self.ops):
-            raise ValueError(f"every ({self.every}) and ops ({list(self.ops)}) need mode: selective, got "
-                             f"mode: {self.mode}")
-        if self.mode == "selective" and self.every == 1 and not self.ops:
-            raise ValueError("mode: selective needs every > 1 or a list of ops (every: 1 without ops is mode: full)")
+        if self.mode != "selective" and (self.every != 1 or self.ops or self.policy):
+            raise ValueError(f"every ({self.every}), ops ({list(self.ops)}) and policy ({self.policy}) need mode: "
+                             f"selective, got mode: {self.mode}")
+        if self.ops and self.policy:
+            raise ValueError(f"ops ({list(self.ops)}) and policy ({self.policy}) are both given; expected one: "
+                             f"policy: {self.policy} chooses the kept ops itself")
+        if self.mode == "selective" and self.every == 1 and not self.ops and not self.policy:
+            raise ValueError("mode: selective needs every > 1, a list of ops or policy: megatron (every: 1 without "
+                             "ops is mode: full)")
         return self
 
 

@@ -293,6 +293,8 @@ CASES_BY_WORLD = {
             "activation_checkpointing": {"mode": "full"}}),
         "regather_tp2_fsdp_ac_selective": lambda: compare({"dp_shard": 2, "tp": 2}, tp=True, blocks={
             "activation_checkpointing": {"mode": "selective", "ops": ["aten.mm.default"]}}),
+        "regather_tp2_fsdp_ac_megatron": lambda: compare({"dp_shard": 2, "tp": 2}, tp=True, blocks={
+            "activation_checkpointing": {"mode": "selective", "policy": "megatron"}}),
         "regather_tp2_fsdp_every2": lambda: compare({"dp_shard": 2, "tp": 2}, tp=True, n_layers=4, blocks={
             "activation_checkpointing": {"mode": "selective", "every": 2}}),
         "regather_tp2_fsdp_saved": lambda: compare({"dp_shard": 2, "tp": 2}, tp=True, save=True),
