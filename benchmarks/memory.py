@@ -1,7 +1,7 @@
 """Activation memory under tensor + sequence parallelism: meshplan vs stock DTensor TP+SP vs Megatron's formula.
 
-Run: ``python benchmarks/memory.py [--seq 512] [--batch 2] [--hidden 256] [--heads 8] [--layers 2]`` from the repo
-root (≈1 min on 2 cores). Everything runs in one process on ``fake`` process groups of world t (collectives move
+Run: ``python benchmarks/memory.py [--seq 512] [--batch 2] [--hidden 256] [--heads 8] [--layers 2] [--only
+selective]`` from the repo root (≈1 min on 2 cores). Everything runs in one process on ``fake`` process groups of world t (collectives move
 nothing; shapes and bytes are exact) with :func:`meshplan.memory`, which counts the bytes of every tensor the step
 creates that is still alive when the forward returns (what autograd keeps for the backward), per block.
 
@@ -21,6 +21,14 @@ not fall as 1/t). The GPT model uses bias (``addmm``), so the policy lists ``ate
 torch's CPU dropout keeps its mask in the activation dtype (2 bytes; CUDA's fused kernel keeps a 1-byte bool
 mask), so on this machine the formula's dropout terms are ``2·s·b·h`` and ``6·a·s²·b`` instead of ``s·b·h`` and
 ``5·a·s²·b``: the column *formula, 2-byte masks* is ``s·b·h·(36 + 6·a·s/h)/t``, what this machine can reach.
+
+**Table 1b — selective recomputation at Megatron's level** (``activation_checkpointing: {mode: selective, policy:
+megatron}``, :mod:`meshplan.recompute`): the saved bytes per layer MEASURED with the real policy on the fake group
+(``meshplan.memory``: every storage the block created that is alive when the forward returns: autograd's saved
+tensors, the selective-checkpoint cache, the block's output), next to Megatron's selective formula ``34·s·b·h/t``
+(the attention core recomputed, the rest kept sharded) and to meshplan's estimate
+(:func:`meshplan.solver.memory.block_activations`); the ``ops mm`` policy beside it. Goal: ≤ 1.00× the formula at
+every t.
 
 **Table 2 — the example Llama** (``examples/llama.py``: RMSNorm, SwiGLU, fused SDPA on CPU, fp32): per-layer bytes
 stock vs meshplan vs (t = 1 bytes) / t, and the peak of the step.
@@ -49,7 +57,8 @@ LLAMA_RULES = {"tok_embeddings": "embedding", "layers.*.attention_norm": "norm",
                "layers.*.feed_forward.w3": "colwise", "layers.*.feed_forward.w2": "rowwise", "norm": "norm",
                "output": "lm_head"}
 CHECKPOINTING = {"none": None, "full": {"mode": "full"}, "every 2": {"mode": "selective", "every": 2},
-                 "ops mm": {"mode": "selective", "ops": ["aten.mm.default", "aten.addmm.default"]}}
+                 "ops mm": {"mode": "selective", "ops": ["aten.mm.default", "aten.addmm.default"]},
+                 "megatron": {"mode": "selective", "policy": "megatron"}}
 
 
 class Attention(nn.Module):
@@ -135,7 +144,7 @@ def gpt_table(args) -> None:
     print("|---|---|---|---|---|---|---|---|---|---|")
     for t in args.tp:
         for name, ckpt in CHECKPOINTING.items():
-            if t == 1 and name != "none":
+            if (t == 1 and name != "none") or name == "megatron":  # megatron: selective_table
                 continue
             (stock, p_stock), (mine, p_mine) = (measure(build, GPT_RULES, "h.*", t, save, ckpt, ids)
                                                 for save in (True, False))
@@ -148,6 +157,31 @@ def gpt_table(args) -> None:
             print(f"| {t} | {label} | {stock / 2**20:.2f} | {mine / 2**20:.2f} | {formula / 2**20:.2f} | "
                   f"{stock / formula:.2f} | {mine / formula:.2f} | {cpu / 2**20:.2f} | {mine / cpu:.2f} | "
                   f"{p_stock / 2**20:.1f} / {p_mine / 2**20:.1f} |")
+
+
+def selective_table(args) -> None:
+    from meshplan.solver.candidate import Candidate, Training
+    from meshplan.solver.memory import block_activations
+    from meshplan.solver.shape import ModelShape
+    s, b, h, a = args.seq, args.batch, args.hidden, args.heads
+
+    def build():
+        return GPT(args.vocab, h, a, args.layers, seq=s).to(torch.bfloat16).train()
+    ids = torch.randint(0, args.vocab, (b, s))
+    shape = ModelShape(layers=args.layers, hidden=h, heads=a, kv_heads=a, ffn=4 * h, vocab=args.vocab, mlp="gelu",
+                       norm="layernorm", bias=True)
+    print(f"\nSelective recomputation, GPT layer as above; MiB per layer\n")
+    print("| t | policy megatron, measured | Megatron selective 34sbh/t | measured / formula | meshplan estimate | "
+          "estimate / measured | ops mm, measured | ops mm / formula |")
+    print("|---|---|---|---|---|---|---|---|")
+    for t in [t for t in args.tp if t > 1]:
+        got, _ = measure(build, GPT_RULES, "h.*", t, False, CHECKPOINTING["megatron"], ids)
+        mm, _ = measure(build, GPT_RULES, "h.*", t, False, CHECKPOINTING["ops mm"], ids)
+        formula = 34 * s * b * h / t
+        cand = Candidate(tp=t, micro_batch=b, ac="selective", ac_policy="megatron")
+        est = block_activations(shape, cand, Training(seq=s, global_batch=b), False, False)
+        print(f"| {t} | {got / 2**20:.3f} | {formula / 2**20:.3f} | {got / formula:.2f} | {est / 2**20:.3f} | "
+              f"{est / got:.3f} | {mm / 2**20:.3f} | {mm / formula:.2f} |")
 
 
 def llama_table(args) -> None:
@@ -175,10 +209,12 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--vocab", type=int, default=512)
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--only", choices=["gpt", "selective", "llama"], help="print one table")
     args = ap.parse_args()
     torch.set_num_threads(max(1, os.cpu_count() or 1))
-    gpt_table(args)
-    llama_table(args)
+    for name, table in (("gpt", gpt_table), ("selective", selective_table), ("llama", llama_table)):
+        if args.only in (None, name):
+            table(args)
 
 
 if __name__ == "__main__":

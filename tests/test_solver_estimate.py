@@ -57,6 +57,8 @@ PLANS = {
                   "llama", 1),
     "op_level_ac": (1, {"layout": {}, "blocks": {"activation_checkpointing": {"mode": "selective",
                                                                             "ops": ["aten.mm.default"]}}}, "llama", 1),
+    "tp2_megatron_ac": (2, {"layout": {"tp": 2}, "tensor_parallel": TP, "blocks": {"activation_checkpointing": {
+        "mode": "selective", "policy": "megatron"}}}, "llama", 1),
     "cp2": (2, {"layout": {"cp": 2}, "context_parallel": CP}, "llama", 1),
     "cp2_tp2": (4, {"layout": {"cp": 2, "tp": 2}, "context_parallel": CP, "tensor_parallel": TP}, "llama", 1),
     "cp2_full_ac": (2, {"layout": {"cp": 2}, "context_parallel": CP, "blocks": FULL}, "llama", 1),

@@ -80,7 +80,8 @@ class Candidate:
         micro_batch: sequences per microbatch on one data-parallel rank.
         microbatches: microbatches per step on one data-parallel rank (the pipeline's, or gradient accumulation).
         ac: ``none``, ``full`` or ``selective`` (every ``ac_every``-th block; ``ac_ops``: op level, matmul
-            outputs kept). dp_mode: ``fsdp``, ``hsdp``, ``ddp`` or ``none`` (default: from the degrees).
+            outputs kept; ``ac_policy`` ``megatron``: op level, colwise matmul outputs and reduced row-parallel
+            outputs kept, :mod:`meshplan.recompute`). dp_mode: ``fsdp``, ``hsdp``, ``ddp`` or ``none`` (default: from the degrees).
         accumulate_unsharded: ``data_parallel.accumulate_unsharded``: FSDP keeps parameters and gradients
             unsharded between accumulated microbatches (fewer collectives, more memory).
     """
@@ -100,6 +101,7 @@ class Candidate:
     ac: str = "none"
     ac_every: int = 1
     ac_ops: bool = False
+    ac_policy: str | None = None
     dp_mode: str | None = None
     accumulate_unsharded: bool = True
 
@@ -129,7 +131,17 @@ class Candidate:
         """Does block ``block`` (from 0) recompute its forward in backward?"""
         if self.ac == "full":
             return True
-        return self.ac == "selective" and not self.ac_ops and (block + 1) % self.ac_every == 0
+        return self.ac == "selective" and not self.op_level and (block + 1) % self.ac_every == 0
+
+    @property
+    def op_level(self) -> bool:
+        """Selective checkpointing at the op level (``ops`` or ``policy``): every block keeps part of its ops."""
+        return self.ac == "selective" and (self.ac_ops or self.ac_policy is not None)
+
+    @property
+    def megatron(self) -> bool:
+        """``policy: megatron`` (:mod:`meshplan.recompute`)."""
+        return self.ac == "selective" and self.ac_policy == "megatron"
 
     def layout_dict(self) -> dict:
         """The plan's ``layout`` section."""
@@ -151,7 +163,8 @@ class Candidate:
                          + (f" {self.schedule}" if self.schedule else ""))
         parts.append(f"dp{self.dp_replicate}×{self.dp_shard}({self.mode})")
         parts.append(f"mb{self.micro_batch}×{self.microbatches}")
-        ac = self.ac if self.ac != "selective" else ("selective(ops)" if self.ac_ops else f"every{self.ac_every}")
+        ac = self.ac if self.ac != "selective" else (f"selective({self.ac_policy})" if self.ac_policy else
+                                                     "selective(ops)" if self.ac_ops else f"every{self.ac_every}")
         parts.append(f"ac={ac}")
         if not self.accumulate_unsharded and self.microbatches > 1 and self.pp == 1:
             parts.append("reshard-each-microbatch")

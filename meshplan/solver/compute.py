@@ -6,7 +6,10 @@ Two counts:
   ``N`` matmul parameters a token meets (the output projection included, the embedding not), plus
   ``12·layers·seq·q_width`` for attention scores and values, without halving for the causal mask;
 * **executed FLOPs** per microbatch on one rank, what the time is computed from: the rank's share of each matmul
-  (forward ×3 with the backward), attention over the causal half, a checkpointed block's forward once more.
+  (forward ×3 with the backward), attention over the causal half, a checkpointed block's forward once more;
+  op-level checkpointing runs the attention once more, and ``policy: megatron`` (:mod:`meshplan.recompute`)
+  also the row-parallel matmuls, the element-wise ops and the launches (it keeps colwise matmul outputs and
+  reduced row-parallel outputs only).
 
 Time = matmuls at the cluster's matmul rate (measured by size with ``meshplan profile``, else peak × efficiency)
 + attention at its efficiency + element-wise traffic at memory bandwidth + the operator launches. The
@@ -57,24 +60,34 @@ def block_time(s: ModelShape, c: Candidate, tr: Training, cl: Cluster, moe: bool
                checkpointed: bool) -> tuple[float, float]:
     """``(seconds, executed FLOPs)`` of one block's forward and backward for one microbatch on one rank."""
     tokens = c.rank_tokens(tr.seq)
+    passes = 3 + (1 if checkpointed else 0)  # forward + backward (2×), a recompute adds a forward
     mm_time = mm_flops = 0.0
-    for m, n, k in _matmuls(s, c, moe, tokens):
-        f = 2 * m * n * k
+    for i, (m, n, k) in enumerate(_matmuls(s, c, moe, tokens)):
+        f = 2 * m * n * k * (passes + (1 if i in _recomputed_matmuls(s, c, moe) else 0))
         if f:
             mm_flops += f
             mm_time += f / cl.matmul_rate((m * n * k) ** (1 / 3), tr.matmul_dtype or tr.dtype)
     attn = 2 * tokens * tr.seq * s.q_width / c.tp  # QK^T and AV over the causal half, this rank's heads
     attn_time = attn / (cl.peak(tr.dtype) * cl.attention_efficiency)
-    passes = 3 + (1 if checkpointed else 0)  # forward + backward (2×), a recompute adds a forward
-    attn_passes = passes + (1 if c.ac == "selective" and c.ac_ops else 0)  # op level: attention recomputed
+    attn_passes = passes + (1 if c.op_level else 0)  # op level: attention recomputed
+    replay = passes + (1 if c.megatron else 0)  # policy megatron: the element-wise ops and launches once more
     sh = c.tp if tr.sequence_parallel and c.tp > 1 else 1
     ffn = (s.expert_width * s.top_k / c.etp * (1 / c.tp if c.etp == 1 else 1)) if moe else s.ffn / c.tp
     stream, heads, hidden = TOUCHES
     touched = stream * s.hidden / sh + heads * s.q_width / c.tp + hidden * ffn
     rate = cl.memory_rate(tokens * s.hidden / sh * tr.act_bytes)  # by the size of the tensors touched
-    elementwise = tokens * touched * tr.act_bytes / rate * (passes / 3) / (1 if s.kernels == "eager" else 3)
-    seconds = mm_time * passes + attn_time * attn_passes + elementwise + OPS_PER_BLOCK * (passes / 3) * cl.op_overhead
-    return seconds, mm_flops * passes + attn * attn_passes
+    elementwise = tokens * touched * tr.act_bytes / rate * (replay / 3) / (1 if s.kernels == "eager" else 3)
+    seconds = mm_time + attn_time * attn_passes + elementwise + OPS_PER_BLOCK * (replay / 3) * cl.op_overhead
+    return seconds, mm_flops + attn * attn_passes
+
+
+def _recomputed_matmuls(s: ModelShape, c: Candidate, moe: bool) -> tuple[int, ...]:
+    """Indices into :func:`_matmuls` of the matmuls ``policy: megatron`` runs again in backward: the row-parallel
+    ones (their output is unreduced, :mod:`meshplan.recompute`): the attention output and, in a dense block, the
+    FFN's down projection; none without tp (nothing is Partial)."""
+    if not c.megatron or c.tp == 1:
+        return ()
+    return (2,) if moe else (2, 4)
 
 
 def end_time(s: ModelShape, c: Candidate, tr: Training, cl: Cluster, first: bool, last: bool) -> float:

@@ -15,7 +15,10 @@ log-sum-exp and the norms' ``rstd`` in float32, and ``4f/t`` in a SwiGLU MLP (``
 Variants: without sequence parallelism the stream is whole; ``save_gathered_inputs`` keeps ``2h(1−1/t)`` more;
 each axis unit keeps its own terms (``costs.block_activations``, :data:`meshplan.solver.units.UNITS`); an MoE
 block keeps ``top_k·(3h + 4·f_e/etp)`` per routed token plus the dispatch buffers; full checkpointing keeps the
-block input only; op-level checkpointing the matmul outputs. The pipeline schedule multiplies by the microbatches in flight
+block input only; op-level checkpointing the matmul outputs; ``policy: megatron`` (:mod:`meshplan.recompute`)
+``(q + 2·kv)/t + (m−1)·f/t`` of colwise matmul outputs and ``3h/sh`` (the two reduced row-parallel outputs and
+the block's output) in a dense block (``20·s·b·h/t`` bytes on Megatron's GPT layer; an MoE block is counted as
+without checkpointing, an upper bound). The pipeline schedule multiplies by the microbatches in flight
 (``docs/pipeline.md``).
 """
 
@@ -137,6 +140,8 @@ def block_activations(s: ModelShape, c: Candidate, tr: Training, moe: bool, chec
     tokens = c.rank_tokens(tr.seq)
     if checkpointed:
         return tokens * h / sh * b
+    if c.megatron and not moe:  # colwise matmul outputs, the reduced row-parallel outputs, the block's output
+        return tokens * ((s.q_width + 2 * s.kv_width) / t + (s.mlp_matrices - 1) * s.ffn / t + 3 * h / sh) * b
     if c.ac == "selective" and c.ac_ops:  # op level: the matmul outputs (rowwise ones before their reduction)
         mm = (s.q_width + 2 * s.kv_width) / t + 2 * h + (s.mlp_matrices - 1) * s.ffn / t
         return tokens * (mm + h / sh) * b

@@ -52,6 +52,7 @@ def candidate_from_plan(plan: Plan, world: int, seq: int, global_batch: int, *, 
                      schedule=decided.get("schedule"),
                      micro_batch=global_batch // (data * m), microbatches=m,
                      ac=ac.mode if ac else "none", ac_every=ac.every if ac else 1, ac_ops=bool(ac and ac.ops),
+                     ac_policy=ac.policy if ac else None,
                      dp_mode=dp_sec.mode if dp_sec else None,
                      accumulate_unsharded=dp_sec.accumulate_unsharded if dp_sec else True)
     compute = (dp_sec.param_dtype if dp_sec else None) or dtype
@@ -87,7 +88,9 @@ def plan_from_candidate(cand: Candidate, train: Training, base: dict[str, Any] |
                                   "loss_parallel": train.loss_parallel}
     ac: dict[str, Any] = {"mode": cand.ac}
     if cand.ac == "selective":
-        ac = {"mode": "selective", **({"ops": ["aten.mm.default"]} if cand.ac_ops else {"every": cand.ac_every})}
+        kept = ({"policy": cand.ac_policy} if cand.ac_policy else {"ops": ["aten.mm.default"]} if cand.ac_ops
+                else {"every": cand.ac_every})
+        ac = {"mode": "selective", **kept}
     blocks = dict(base.get("blocks") or {"pattern": blocks_pattern})
     out["blocks"] = {**blocks, "activation_checkpointing": ac}
     for axis in UNITS:  # the sections a candidate decides (the pipeline's schedule)

@@ -88,7 +88,7 @@ def _rank_microbatch(s: ModelShape, c: Candidate, tr: Training, cl: Cluster, pla
 def _ranks(s: ModelShape, c: Candidate, place: Placement, memo: dict) -> list[int]:
     """One pipeline rank per distinct ``(blocks by kind, ends)``: the lowest, which holds the most microbatches
     (kept on the placement per checkpointing choice: the same for every microbatching)."""
-    key = ("ranks", c.ac, c.ac_every, c.ac_ops)
+    key = ("ranks", c.ac, c.ac_every, c.ac_ops, c.ac_policy)
     if key in place.memo:
         ranks, kinds = place.memo[key]
         memo.update(kinds)

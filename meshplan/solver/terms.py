@@ -42,7 +42,7 @@ def block_kinds(s: ModelShape, c: Candidate, place: Placement, pp_rank: int,
             memo[key] = block_kinds(s, c, place, pp_rank)
         return memo[key]
     out: dict[tuple[bool, bool], int] = {}
-    every = c.ac_every if c.ac == "selective" and not c.ac_ops else 0
+    every = c.ac_every if c.ac == "selective" and not c.op_level else 0
     for lo, hi in place.ranges_of(pp_rank):
         for moe, (a, b) in ((False, (lo, min(hi, s.dense_layers) if s.experts else hi)),
                             (True, (max(lo, s.dense_layers), hi) if s.experts else (0, 0))):

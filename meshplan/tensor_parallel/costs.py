@@ -6,7 +6,8 @@ step recorded op by op; ``docs/tensor-parallel.md`` states them), per microbatch
 forward one all-gather per block input (2 in a dense block, 1 in an MoE block whose experts are not tp-split) and
 one reduce-scatter per row-parallel output; backward the reverse, plus the re-gather of each block input
 (``save_gathered_inputs: false``) unless the block is checkpointed, whose recompute repeats the forward's
-collectives up to the last one it needs. Without sequence parallelism all-reduces take their place. The embedding
+collectives up to the last one it needs; ``policy: megatron`` keeps the reduced outputs and repeats the
+all-gathers only. Without sequence parallelism all-reduces take their place. The embedding
 reduces its output, the head gathers its input; ``loss_parallel`` adds three small all-reduces; replicated
 parameters' gradients are summed once per step. The dense model's sharding over tp (parameters, activations) is
 the solver's own (:mod:`meshplan.solver.memory`): every term there divides by the degree.
@@ -35,7 +36,9 @@ def _tp_block(c: Any, tr: Any, moe: bool, ckpt: bool, g: Any, nbytes: float) -> 
            Collective("tp", "reduce_scatter", g, nbytes, n_out, "row-parallel outputs (forward)"),
            Collective("tp", "reduce_scatter", g, nbytes, n_in, "block input gradients (backward)"),
            Collective("tp", "all_gather", g, nbytes, n_out, "row-parallel output gradients (backward)")]
-    if ckpt:
+    if c.ac == "selective" and c.ac_policy == "megatron":  # policy megatron keeps the reductions: gathers rerun
+        out.append(Collective("tp", "all_gather", g, nbytes, n_in, "recompute: block inputs"))
+    elif ckpt:
         out += [Collective("tp", "all_gather", g, nbytes, n_in, "recompute: block inputs"),
                 Collective("tp", "reduce_scatter", g, nbytes, n_out - trailing, "recompute: row-parallel outputs")]
     elif not tr.save_gathered_inputs:
