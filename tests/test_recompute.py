@@ -56,3 +56,25 @@ def test_megatron_policy_step_equals_no_checkpointing_exactly():
 def test_policy_is_refused_where_it_cannot_apply(data, msg):
     with pytest.raises(ValueError, match=msg):
         ActivationCheckpointing.model_validate(data)
+
+
+def test_solver_prices_the_policy_recompute_and_round_trips_it():
+    """compute: the attention, the two row-parallel matmuls once more (forward FLOPs), nothing else;
+    a plan written from the candidate reads back to it."""
+    from meshplan.plan_file.document import Plan
+    from meshplan.solver.candidate import Candidate, Training
+    from meshplan.solver.presets import cluster_preset
+    from meshplan.solver.compute import block_time
+    from meshplan.solver.plans import candidate_from_plan, plan_from_candidate
+    from meshplan.solver.shape import ModelShape
+    s = ModelShape(layers=2, hidden=256, heads=8, kv_heads=8, ffn=1024, vocab=512, mlp="gelu")
+    tr, cl, t, tokens = Training(seq=512, global_batch=2), cluster_preset("h100-80g"), 4, 2 * 512
+    plain = block_time(s, Candidate(tp=t, micro_batch=2), tr, cl, False, False)[1]
+    cand = Candidate(tp=t, micro_batch=2, ac="selective", ac_policy="megatron")
+    rowwise = 2 * tokens * (s.hidden * s.q_width + s.ffn * s.hidden) / t
+    attention = 2 * tokens * tr.seq * s.q_width / t
+    assert block_time(s, cand, tr, cl, False, False)[1] == plain + rowwise + attention
+    data = plan_from_candidate(cand, tr, {"tensor_parallel": TP})
+    assert data["blocks"]["activation_checkpointing"] == MEGATRON
+    back, _ = candidate_from_plan(Plan.from_data(data), 4, 512, 2)
+    assert (back.ac, back.ac_policy, back.megatron, back.op_level) == ("selective", "megatron", True, True)
