@@ -78,3 +78,11 @@ def test_solver_prices_the_policy_recompute_and_round_trips_it():
     assert data["blocks"]["activation_checkpointing"] == MEGATRON
     back, _ = candidate_from_plan(Plan.from_data(data), 4, 512, 2)
     assert (back.ac, back.ac_policy, back.megatron, back.op_level) == ("selective", "megatron", True, True)
+
+
+def test_search_space_takes_the_policy():
+    from meshplan.errors import PlanError
+    from meshplan.solver.search import Space
+    assert Space(ac_policy="megatron").ac_policy == "megatron"
+    with pytest.raises(PlanError, match="valid: megatron"):
+        Space(ac_policy="titan")

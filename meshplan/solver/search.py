@@ -37,7 +37,8 @@ class Space:
         orders: Megatron order strings tried. schedules: pipeline schedules tried. vpps: stages per rank tried
             by the loop schedules with several (the V-shaped ones take 2). micro_batches: sequences per microbatch.
         ac: activation checkpointing tried (``selective``: every ``ac_every``-th block, or op level with
-            ``ac_ops``: matmul outputs kept, the rest recomputed).
+            ``ac_ops``: matmul outputs kept, the rest recomputed; ``ac_policy`` ``megatron``: op level,
+            :mod:`meshplan.recompute`).
         fixed: degrees pinned by the user (``{"tp": 8}``).
     """
 
@@ -48,6 +49,7 @@ class Space:
     ac: tuple[str, ...] = ("none", "selective", "full")
     ac_every: int = 2
     ac_ops: bool = False
+    ac_policy: str | None = None
     fixed: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -61,6 +63,8 @@ class Space:
         bad = [x for x in self.ac if x not in ("none", "selective", "full")]
         if bad:
             raise PlanError(f"ac: {bad} are not checkpointing modes; valid: none, selective, full")
+        if self.ac_policy not in (None, "megatron"):
+            raise PlanError(f"ac_policy: {self.ac_policy!r} is not a checkpointing policy; valid: megatron")
         if any(v < 1 for v in self.vpps + self.micro_batches) or self.ac_every < 1:
             raise PlanError(f"vpps {self.vpps}, micro_batches {self.micro_batches} and ac_every must be >= 1")
         for order in self.orders:
@@ -208,7 +212,9 @@ class _Search:
                     self.enumerated += 1
                     selective = ac == "selective"
                     self.evaluate(c.with_(ac=ac, ac_every=self.space.ac_every if selective else 1,
-                                          ac_ops=selective and self.space.ac_ops, accumulate_unsharded=keep), place)
+                                          ac_ops=selective and self.space.ac_ops,
+                                          ac_policy=self.space.ac_policy if selective else None,
+                                          accumulate_unsharded=keep), place)
 
     def evaluate(self, c: Candidate, place: Placement) -> None:
         memo: dict = {}
