@@ -213,16 +213,16 @@ def test_document_work_per_rank(lengths, cp):
     assert (len(set(row)) == 1) == (len(set(lengths)) == 1 or lengths == [16, 16])
 
 
-def test_packed_documents_refused_with_a_pipeline():
-    """Later pipeline stages get no position ids: packed documents under pp are refused on every rank alike."""
+def test_packed_documents_sharded_with_a_pipeline():
+    """Every pipeline stage gets the keyword inputs (docs/pipeline.md), so packed documents under pp are sharded
+    like any other position ids (they were refused while later stages got none)."""
     from types import SimpleNamespace as NS
     from meshplan.context_parallel.batch import shard_for_state
     rt = NS(cp=2, rank=0, load_balance=True, seq_dim=1, positions_kwarg="position_ids")
     state = NS(context_parallel=NS(runtime=rt), topology=NS(layout=NS(pp=2, tp=1)), sequence_parallel=False)
     ids = torch.zeros(1, 8, dtype=torch.long)
     batch = {"input_ids": ids, "labels": ids, "position_ids": position_ids_of([4, 4])}
-    with pytest.raises(PlanError, match=r"packs documents \(position_ids restarting.*layout.pp is 2"):
-        shard_for_state(state, batch, None, shift=True)
+    assert shard_for_state(state, batch, None, shift=True)[0]["position_ids"].tolist() == [[0, 1, 2, 3]]
     whole = {**batch, "position_ids": position_ids_of([8])}
     assert shard_for_state(state, whole, None, shift=True)[0]["position_ids"].tolist() == [[0, 1, 6, 7]]
 

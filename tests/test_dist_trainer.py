@@ -1,6 +1,6 @@
 """``meshplan train`` end to end on real processes: a transformers model this repo ships no plan for (Starcoder2)
-trains on a text corpus with the losses of one process under tp 2 × dp 2, pp 2 × tp 2 and cp 2 × tp 2 (also with
-attention masked to each packed document); a rank
+trains on a text corpus with the losses of one process under tp 2 × dp 2, pp 2 × tp 2 and cp 2 × tp 2 (cp and pp
+also with attention masked to each packed document: every pipeline stage gets the position ids); a rank
 killed mid-run under ``--max-restarts`` resumes and ends with the uninterrupted run's weights; the export loads with
 ``from_pretrained`` alone."""
 
@@ -50,7 +50,7 @@ def _losses(path: Path) -> list[float]:
     return [r["loss"] for r in map(json.loads, path.read_text().splitlines()) if r["kind"] == "train"]
 
 
-@pytest.mark.parametrize("layout", ["tp2_dp2", "pp2_tp2", "cp2_tp2", "cp2_tp2_docs"])
+@pytest.mark.parametrize("layout", ["tp2_dp2", "pp2_tp2", "cp2_tp2", "cp2_tp2_docs", "pp2_tp2_docs"])
 def test_layouts_train_with_one_process_losses(runs, layout):
     out, one, four = runs
     single = "single_docs" if layout.endswith("_docs") else "single"

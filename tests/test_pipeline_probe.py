@@ -235,26 +235,35 @@ def test_the_probe_keeps_to_the_models_longest_input():
     assert probe._max_len(llama.build(llama.tiny_args(max_seq_len=16))) == 16
 
 
-def test_later_stages_get_no_keyword_inputs_so_train_step_refuses_them():
-    """The schedule hands a later stage only the previous stage's hidden state: position ids 0, 2, 4, … given to the
-    first stage (an offset alone would not show: RoPE is relative) change the whole model's logits, but the chained stages' logits are those of the default
-    positions (silently wrong), so a pipelined train_step refuses any input beyond the token ids, on every rank."""
+def test_every_stage_gets_the_keyword_inputs_and_what_cannot_reach_a_stage_is_refused():
+    """Position ids 0, 2, 4, … (an offset alone would not show: RoPE is relative) and packed documents (ids
+    restarting per document: transformers masks each document) change the whole model's logits; the chained stages
+    given the same keyword inputs (as the schedule gives every stage) reproduce them, and without them the last
+    stage is off (what a pipelined train_step did before: silently wrong). Inputs no stage can take are refused."""
     from types import SimpleNamespace as NS
+    from meshplan.pipeline.inputs import stage_inputs
     from meshplan.pipeline.step import pipeline_step
     model = _model("llama")
     split = plan_split(model, SECTION, "model.layers.*", 2)
-    x = torch.arange(12).reshape(1, 12) % 50
-    pos = torch.arange(0, 24, 2).reshape(1, 12)
-    with torch.no_grad():
-        shifted, plain = model(x, position_ids=pos).logits, model(x).logits
-        hidden = stage_view(model, split, 0)(x, position_ids=pos)
-        chained = stage_view(model, split, 1)(hidden).logits
-    assert (shifted - plain).abs().max() > 1e-3  # the positions matter
-    assert (chained - shifted).abs().max() > 1e-3  # the last stage used the default positions
-    step = functools.partial(pipeline_step, None, NS(topology=None), loss_fn=lambda o, y: o, optimizer=None,
-                             shard_batch=None, attach=None)
-    with pytest.raises(PlanError, match=r"inputs are a dict \(keys \['input_ids', 'position_ids'\]\).*not "
-                                        r"\['position_ids'\].*layout.pp 1"):
-        step(({"input_ids": x, "position_ids": pos}, x))
-    with pytest.raises(PlanError, match=r"inputs are a tuple of 2.*not inputs 2..2.*layout.pp 1"):
+    x = torch.arange(24).reshape(2, 12) % 50
+    for pos in (torch.arange(0, 24, 2).reshape(1, 12), torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 0, 1, 2]])):
+        first, side = stage_inputs(model, {"input_ids": x, "position_ids": pos, "use_cache": False})
+        assert first is x and side["position_ids"].shape == (2, 12) and side["use_cache"] is False
+        with torch.no_grad():
+            want, plain = model(x, **side).logits, model(x, use_cache=False).logits
+            hidden = stage_view(model, split, 0)(first, **side)
+            chained = stage_view(model, split, 1)(hidden, **side).logits
+            dropped = stage_view(model, split, 1)(hidden).logits
+        assert (want - plain).abs().max() > 1e-3  # the positions matter
+        assert torch.equal(chained, want)
+        assert (dropped - want).abs().max() > 1e-3  # a later stage without them: the default positions
+    step = functools.partial(pipeline_step, model, NS(topology=None, pipeline=NS()), loss_fn=lambda o, y: o,
+                             optimizer=None, shard_batch=None, attach=None)
+    with pytest.raises(PlanError, match=r"inputs are a tuple of 2.*inputs 2..2 cannot reach it.*a dict"):
         step(((x, torch.ones_like(x)), x))
+    with pytest.raises(PlanError, match=r"without 'input_ids', LlamaForCausalLM.forward's first parameter"):
+        step(({"tokens": x}, x))
+    with pytest.raises(PlanError, match=r"inputs hold \['labels'\].*pass them as the targets"):
+        step(({"input_ids": x, "labels": x}, x))
+    with pytest.raises(PlanError, match=r"input 'cu_seqlens' has shape \(3,\).*dim 0 = the batch's 2 rows"):
+        step(({"input_ids": x, "cu_seqlens": torch.tensor([0, 5, 12])}, x))

@@ -116,12 +116,6 @@ def shard_for_state(state: Any, inputs: Any, targets: Any, shift: bool = False,
     """:func:`shard_batch` with the layout of a model's :class:`~meshplan.state.ParallelState` (its cp runtime;
     sequence parallelism's tp for the length check)."""
     rt = state.context_parallel.runtime
-    ids = inputs.get(rt.positions_kwarg) if isinstance(inputs, dict) and rt.positions_kwarg else None
-    if state.topology.layout.pp > 1 and isinstance(ids, torch.Tensor) and documents_of(ids) is not None:
-        raise PlanError(f"context_parallel: the batch packs documents ({rt.positions_kwarg} restarting per "
-                        f"document) and layout.pp is {state.topology.layout.pp}: the later pipeline stages get no "
-                        f"position ids, so neither their positions nor their document masks; expected pp 1 with "
-                        f"packed documents, or one document per row")
     tp = state.topology.layout.tp if state.sequence_parallel is True else 1
     return shard_batch(inputs, targets, cp=rt.cp, rank=rt.rank, load_balance=rt.load_balance, seq_dim=rt.seq_dim,
                        tp_sequence=tp, shift=shift, ignore_index=ignore_index)

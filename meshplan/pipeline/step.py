@@ -32,34 +32,18 @@ def _check_batch(inputs: Any, m: int) -> None:
                         f"valid microbatches: {divisors_text(n)}")
 
 
-def _check_inputs(inputs: Any) -> None:
-    """Refuse inputs beyond the token ids: the schedule hands a later stage only the previous stage's hidden
-    state, so its model code would make default position ids (``arange``) and no attention mask: silently wrong
-    for offset or restarting positions and padding masks."""
-    if isinstance(inputs, dict):
-        extra = list(inputs)[1:] or list(inputs)  # the keys after the token ids (a lone key: the dict itself)
-        raise PlanError(f"train_step: a pipelined model's inputs are a dict (keys {list(inputs)}); the later "
-                        f"pipeline stages get only the previous stage's hidden state, not {extra} (their positions "
-                        f"would be the default arange, their attention unmasked); expected the token ids tensor "
-                        f"alone (default positions, no mask), or layout.pp 1 to pass keyword inputs")
-    if isinstance(inputs, tuple) and len(inputs) > 1:
-        raise PlanError(f"train_step: a pipelined model's inputs are a tuple of {len(inputs)}; the later pipeline "
-                        f"stages get only the previous stage's hidden state, not inputs 2..{len(inputs)} (e.g. an "
-                        f"attention mask or position ids: their attention would be unmasked, their positions the "
-                        f"default arange); expected the token ids tensor alone, or layout.pp 1")
-
-
-def _run(state: Any, inputs: Any, targets: torch.Tensor) -> torch.Tensor:
-    """The schedule's step: the first stage feeds the inputs, the last takes the targets.
+def _run(state: Any, first: Any, side: dict, targets: torch.Tensor) -> torch.Tensor:
+    """The schedule's step: the first stage feeds the token ids ``first``, every stage gets the keyword inputs
+    ``side`` (torch cuts them into the microbatches), the last takes the targets.
 
     Returns:
         The sum of this rank's microbatch losses, each already divided by the global token count (0 off the
         last stage), as a float64 tensor of one element.
     """
     record = state.pipeline
-    args = (inputs if isinstance(inputs, tuple) else (inputs,)) if record.has_first else ()
+    args = (first,) if record.has_first else ()
     losses: list = []
-    kwargs = {"target": targets, "losses": losses} if record.has_last else {}
+    kwargs = {**side, "target": targets, "losses": losses} if record.has_last else dict(side)
     sync = state.grad_sync
     with sync.deferred() if sync is not None else contextlib.nullcontext():
         record.schedule().step(*args, **kwargs)
@@ -85,21 +69,24 @@ def pipeline_step(model: nn.Module, state: Any, batch: tuple[Any, torch.Tensor],
     returns the model's state.
 
     Raises:
-        PlanError: ``loss_fn=None`` (a pipelined model's last stage has no labels of its own), or
-            ``pipeline.microbatches`` not dividing the batch.
+        PlanError: ``loss_fn=None`` (a pipelined model's last stage has no labels of its own),
+            ``pipeline.microbatches`` not dividing the batch, or inputs no stage can be given
+            (:func:`~meshplan.pipeline.inputs.stage_inputs`).
     """
     from meshplan.pipeline.apply import sync_tied
     if loss_fn is None:
         raise PlanError("train_step: a pipelined model needs a loss_fn (e.g. meshplan.cross_entropy): its last "
                         "stage computes the loss on the schedule's microbatches")
     topology = topology or state.topology
+    from meshplan.pipeline.inputs import stage_inputs
+    from meshplan.pipeline.traced import TracedPipeline, prepare_traced
     inputs, targets = batch
-    _check_inputs(inputs)  # the caller's inputs, the same structure on every rank
-    inputs, targets, _ = shard_batch(state, inputs, targets, ignore_index=ignore_index)  # each axis' share
     record = state.pipeline
-    _check_batch(inputs, record.section.microbatches)
-    from meshplan.pipeline.traced import prepare_traced
-    traced = prepare_traced(model, record, inputs, optimizer, topology)  # split: trace: traced on the first step
+    stage_inputs(model, inputs, isinstance(record, TracedPipeline))  # refused before any collective (same on all)
+    inputs, targets, _ = shard_batch(state, inputs, targets, ignore_index=ignore_index)  # each axis' share
+    first, side = stage_inputs(model, inputs, isinstance(record, TracedPipeline))
+    _check_batch(first, record.section.microbatches)
+    traced = prepare_traced(model, record, first, optimizer, topology)  # split: trace: traced on the first step
     if traced is not record:  # a new record, attached by train_step (the owner of the state)
         state, record = attach(pipeline=traced), traced
     lay = topology.layout
@@ -110,7 +97,7 @@ def pipeline_step(model: nn.Module, state: Any, batch: tuple[Any, torch.Tensor],
     dist.all_reduce(count)  # every rank counted its batch: tp·pp·… copies of each data shard's count
     num_tokens = int(round(float(count) / (world // data)))
     record.loss.fn, record.loss.num_tokens = loss_fn, num_tokens
-    loss_sum = _run(state, inputs, targets)
+    loss_sum = _run(state, first, side, targets)
     sync_tied(model, record)
     last_copies = world // (data * lay.pp)  # ranks of the last stage holding one data shard's loss (tp)
     grad_norm, extra = clip_with(model.parameters(), max_grad_norm if max_grad_norm is not None else math.inf,

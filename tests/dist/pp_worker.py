@@ -26,6 +26,7 @@ from pp_meta import meta_checkpoint, meta_materialize
 
 HF_RULES = meshplan.load_plan("plans/hf_llama.yaml").tensor_parallel.model_dump(mode="json")["rules"]
 
+CP_HF = {"attention": "model.layers.*.self_attn"}
 WORLD = int(os.environ["WORLD_SIZE"])
 GLOBAL_BATCH, SEQ, STEPS, LR, MAX_NORM = 8, 16, 3, 1e-3, 0.5
 def global_batch(step, vocab):
@@ -47,17 +48,37 @@ def logits_ce(out, y):
     return sum_ce(out.logits if hasattr(out, "logits") else out, y)
 
 
-def reference(make, vocab, microbatches):
-    """One device in float64, the same microbatches accumulated (the pipeline's sums in the order they are made)."""
+def packed_ids(step):
+    """Position ids restarting per document (transformers' padding-free packing) of the global batch, different
+    per row and step: rows of one to three documents, one crossing the cp head-tail chunk edges."""
+    from meshplan.context_parallel.batch import position_ids_of
+    shapes = [[5, 11], [SEQ], [3 + step, SEQ - 3 - step], [4, 4, 8], [1, 15], [7, 9], [2, 3, 11], [9, 7]]
+    return torch.cat([position_ids_of(lengths) for lengths in shapes])
+
+
+def no_side(step, rows=slice(None)):
+    return {}
+
+
+def packed_side(step, rows=slice(None)):
+    """The keyword inputs of packed documents: restarting position ids, no cache (with one, transformers ignores
+    the packing, on one device too)."""
+    return {"position_ids": packed_ids(step)[rows], "use_cache": False}
+
+
+def reference(make, vocab, microbatches, side=no_side):
+    """One device in float64, the same microbatches accumulated (the pipeline's sums in the order they are made);
+    ``side(step)``: the global batch's keyword inputs, cut into the same microbatches."""
     torch.manual_seed(0)
     model = float64_model(make())
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     losses, norms = [], []
     for s in range(STEPS):
         x, y = global_batch(s, vocab)
-        n, loss = int((y != -100).sum()), 0.0
-        for xm, ym in zip(x.chunk(microbatches), y.chunk(microbatches)):
-            part = logits_ce(model(xm), ym) / n
+        n, loss, kw = int((y != -100).sum()), 0.0, side(s)
+        for i, (xm, ym) in enumerate(zip(x.chunk(microbatches), y.chunk(microbatches))):
+            kwm = {k: v.chunk(microbatches)[i] if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+            part = logits_ce(model(xm, **kwm), ym) / n
             part.backward()
             loss += float(part)
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
@@ -69,19 +90,20 @@ def reference(make, vocab, microbatches):
 
 def topo_dp(layout):
     """Data-parallel ranks of ``layout`` on this world: each splits its rows into the microbatches."""
-    return WORLD // (layout.get("pp", 1) * layout.get("tp", 1))  # dp_replicate × dp_shard
+    return WORLD // (layout.get("pp", 1) * layout.get("tp", 1) * layout.get("cp", 1))  # dp_replicate × dp_shard
 
 
 def compare(layout, schedule="1f1b", microbatches=4, n_layers=4, tp=False, sp=True, lp=False, dp=None, hf=False,
-            tiny=None, tiny_config=None, **pipe):
+            tiny=None, tiny_config=None, packed=False, cp=None, **pipe):
     """Train the pipelined model; every parameter this rank holds, the losses and norms vs one device.
 
     ``hf``: transformers' ``LlamaForCausalLM`` (its stages return ``ModelOutput``s) with plans/hf_llama.yaml's
     rules, instead of the examples' Llama. ``tiny``: a transformers model type, built by ``tiny_hf`` in float64
-    (``tiny_config``: more config values)."""
+    (``tiny_config``: more config values). ``packed``: each row packs documents (:func:`packed_side`: keyword
+    inputs every stage gets); ``cp``: a context_parallel section (the layout's cp)."""
     tied = pipe.pop("tied", False)
     if tiny:
-        make, vocab, container = tiny_hf(tiny, n_layers, **(tiny_config or {}))
+        make, vocab, container = tiny_hf(tiny, n_layers, sdpa=cp is not None, **(tiny_config or {}))
         rules = None
         pipe.setdefault("blocks", {"pattern": container + ".*"})
     elif hf:
@@ -90,7 +112,15 @@ def compare(layout, schedule="1f1b", microbatches=4, n_layers=4, tp=False, sp=Tr
     else:
         args = tiny_args(n_layers=n_layers, **({"tie_embeddings": True} if tied else {}))
         make, vocab, rules = functools.partial(build, args), args.vocab_size, TP_RULES
-    ref, ref_losses, ref_norms = reference(make, vocab, microbatches * topo_dp(layout))
+    side = packed_side if packed else no_side
+    if packed:  # teeth: the packing changes the one-device loss by far more than RTOL
+        x, y = global_batch(0, vocab)
+        with torch.no_grad():
+            torch.manual_seed(0)
+            m = float64_model(make())
+            alone, docs = (float(logits_ce(m(x, **kw), y)) for kw in ({"use_cache": False}, side(0)))
+        assert abs(alone - docs) > 100 * RTOL * abs(alone), (alone, docs)
+    ref, ref_losses, ref_norms = reference(make, vocab, microbatches * topo_dp(layout), side)
     blocks = pipe.pop("blocks", None)
     plan = {"layout": layout, "pipeline": {"schedule": schedule, "microbatches": microbatches, **pipe},
             **({"blocks": blocks} if blocks else {})}
@@ -98,6 +128,8 @@ def compare(layout, schedule="1f1b", microbatches=4, n_layers=4, tp=False, sp=Tr
         plan["tensor_parallel"] = {"sequence_parallel": sp, "loss_parallel": lp, "rules": rules}
     if dp is not None:
         plan["data_parallel"] = dp
+    if cp is not None:
+        plan["context_parallel"] = cp
     topo = meshplan.build_mesh(layout)
     torch.manual_seed(0)
     model = meshplan.parallelize(float64_model(make()), plan, topo)
@@ -109,7 +141,9 @@ def compare(layout, schedule="1f1b", microbatches=4, n_layers=4, tp=False, sp=Tr
     results = []
     for s in range(STEPS):
         x, y = global_batch(s, vocab)
-        batch = (x[r * rows:(r + 1) * rows], y[r * rows:(r + 1) * rows])
+        kw = side(s, slice(r * rows, (r + 1) * rows))
+        xr = {"input_ids": x[r * rows:(r + 1) * rows], **kw} if kw else x[r * rows:(r + 1) * rows]
+        batch = (xr, y[r * rows:(r + 1) * rows])
         results.append(meshplan.train_step(model, batch, loss_fn, opt, max_grad_norm=MAX_NORM))
     keys = sorted(model.state_dict())
     everyone = [None] * WORLD
@@ -135,9 +169,10 @@ OUTSIDE = {"granite": {"embedding_multiplier": 12.0, "logits_scaling": 8.0, "res
            "cohere": {"logit_scale": 0.25}, "gemma2": {"final_logit_softcapping": 0.5}}
 
 
-def tiny_hf(arch, n_layers, **config):
+def tiny_hf(arch, n_layers, sdpa=False, **config):
     """``(make, vocab, block container)`` of a tiny transformers ``arch`` with ``n_layers`` layers, in float64
-    (gloo reduces float64; the one-device run then differs only by reordering, ~1e-16)."""
+    (gloo reduces float64; the one-device run then differs only by reordering, ~1e-16); ``sdpa``: in SDPA (what
+    context parallelism routes), not the tiny config's eager attention."""
     import warnings
 
     from meshplan.hf.tiny_models import tiny_model
@@ -147,6 +182,8 @@ def tiny_hf(arch, n_layers, **config):
             warnings.simplefilter("ignore")
             model, why = tiny_model(arch, layers=n_layers, **{**OUTSIDE.get(arch, {}), **config})
         assert model is not None, why
+        if sdpa:
+            model.config._attn_implementation = "sdpa"
         return model.double().train()  # dropouts are 0 in tiny configs
     model = make()
     container = next(n for n, m in model.named_modules()
@@ -211,6 +248,14 @@ CASES_2.update({f"zoo_base_{arch}": functools.partial(compare, P2, "1f1b", tiny=
 CASES_2["zoo_trace_granite"] = functools.partial(compare, P2, "1f1b", tiny="granite",
                                                  tiny_config={"use_cache": True}, split="trace",
                                                  split_points=["model.layers.2"], blocks=None)
+#: packed documents (position ids restarting per document) as keyword inputs every stage gets: transformers'
+#: Llama (the examples'), Qwen2 and Mistral (tiny zoo configs, sliding windows of 8), two schedules each
+CASES_2.update({
+    "packed_hf_llama_gpipe": lambda: compare(P2, "gpipe", hf=True, packed=True),
+    "packed_hf_llama_i1f1b": lambda: compare({"pp": 2, "vpp": 2}, "interleaved_1f1b", n_layers=4, hf=True, packed=True),
+    "packed_qwen2_1f1b": lambda: compare(P2, "1f1b", tiny="qwen2", packed=True),
+    "packed_mistral_zbv": lambda: compare({"pp": 2, "vpp": 2}, "zbv_zero_bubble", tiny="mistral", packed=True),
+})
 #: the sweep of docs/pipeline.md (MESHPLAN_PP_ZOO=1): a further list of decoders the suite does not train
 SWEEP = ["cohere", "cohere2", "granite", "gemma2", "gemma3_text", "olmo2", "starcoder2", "stablelm", "mistral",
          "phi", "qwen2", "falcon", "gpt_neox", "exaone4", "olmo", "gemma", "glm4", "helium", "smollm3", "gpt2"]
@@ -236,6 +281,12 @@ CASES_4 = {
     "meta_checkpoint_tp2": lambda: meta_checkpoint({"pp": 2, "tp": 2}, HF_RULES),
     "meta_materialize_tp2": lambda: meta_materialize({"pp": 2, "tp": 2}, TP_RULES),
     "sharded_init_pp2_tp2": lambda: sharded_init({"pp": 2, "tp": 2}),
+    # packed documents composed: tp 2 (sequence parallel, loss parallel) and cp 2 (its root hook on each stage view
+    # gathers the document ids from the position ids; the step shards them per cp rank)
+    "packed_hf_llama_pp2_tp2": lambda: compare({"pp": 2, "tp": 2}, "1f1b", n_layers=2, tp=True, sp=True, lp=True,
+                                               hf=True, packed=True),
+    "packed_hf_llama_pp2_cp2": lambda: compare({"pp": 2, "cp": 2}, "gpipe", hf=True, packed=True, cp=CP_HF),
+    "packed_qwen2_pp2_cp2": lambda: compare({"pp": 2, "cp": 2}, "1f1b", tiny="qwen2", packed=True, cp=CP_HF),
 }
 CASES_8 = {
     "pp2_hsdp": lambda: compare({"pp": 2, "dp_replicate": 2, "dp_shard": 2}, "1f1b", microbatches=2, dp={"mode": "hsdp"}),

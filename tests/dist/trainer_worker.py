@@ -19,7 +19,7 @@ BASE = {"model.path": MODEL, "model.dtype": "float64", "data.path": CORPUS, "ste
         "seq_len": 32, "optimizer.lr": 3e-3, "schedule.warmup": 2, "log.every": 100}
 LAYOUTS = {1: {"single": {}, "single_docs": {}},
            4: {"tp2_dp2": {"tp": 2}, "pp2_tp2": {"pp": 2, "tp": 2}, "cp2_tp2": {"cp": 2, "tp": 2},
-               "cp2_tp2_docs": {"cp": 2, "tp": 2}}}
+               "cp2_tp2_docs": {"cp": 2, "tp": 2}, "pp2_tp2_docs": {"pp": 2, "tp": 2}}}
 
 
 def _case(name: str, layout: dict):
