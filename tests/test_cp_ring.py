@@ -299,3 +299,46 @@ def test_check_line_states_each_methods_costs():
     assert "ring (per attention module and step: 3 K/V hops forward, 3 K/V and 4 dK/dV hops backward, each 1/4 " \
            "of the sequence's K/V, overlapped with attention; saves 1/4 of K/V)" in ring, ring
     assert "saves the whole sequence's K/V" in context_lines({**ctx, "method": "allgather_kv"})[0]
+
+
+def test_method_pairs_count_the_blocks_each_method_computes():
+    """Causal: both methods compute the same blocks (a prefix and the diagonal triangle). A window: the ring
+    computes the blocks it reaches (the diagonal a triangle when the window covers the chunk), all-gather the
+    whole reached span of each chunk; the kept pairs are the mask's, counted by brute force."""
+    from meshplan.context_parallel.chunks import method_pairs
+    assert method_pairs(64, 2, True, "ring") == method_pairs(64, 2, True, "allgather_kv") == (1040, 1040)
+    for cp, window in ((2, 20), (4, 9), (4, 12)):  # windows at least the chunk: a triangle
+        ring, gather = (method_pairs(64, cp, True, m, window) for m in ("ring", "allgather_kv"))
+        mask, c = AttentionMask(causal=True, window=window), 64 // (2 * cp)
+        kept = max(sum(mask.pairs(j * c, (j + 1) * c, 0, 64) for j in (r, 2 * cp - 1 - r)) for r in range(cp))
+        assert ring[1] == gather[1] <= kept and ring[0] < gather[0], (cp, window, ring, gather, kept)
+
+
+def test_estimate_counts_sliding_windows():
+    """transformers' sliding windows reach the cost model (Mistral: every layer; Gemma 3: its layer_types'
+    sliding layers; Qwen2 with use_sliding_window off: none), shrink the estimate's attention work under cp, and
+    the estimate line names each method's pairs on the busiest rank."""
+    import dataclasses as dc
+    from meshplan.context_parallel.costs import cp_attention_share, cp_method_line
+    from meshplan.plan_file.document import load_plan
+    from meshplan.solver.api import as_cluster
+    from meshplan.solver.plans import candidate_from_plan
+    from meshplan.solver.shape import shape_from_config
+    from meshplan.solver.step import evaluate
+    base = {"hidden_size": 4096, "num_hidden_layers": 26, "num_attention_heads": 32, "num_key_value_heads": 8,
+            "intermediate_size": 14336, "vocab_size": 32000, "sliding_window": 4096}  # transformers' spellings
+    gemma = ["sliding_attention"] * 5 + ["full_attention"]
+    shapes = {"MistralConfig": shape_from_config(base),
+              "Gemma3TextConfig": shape_from_config({**base, "layer_types": (gemma * 5)[:22] + ["full_attention"] * 4}),
+              "Qwen2Config": shape_from_config({**base, "use_sliding_window": False})}
+    assert [(s.window, s.window_layers) for s in shapes.values()] == [(4096, 0), (4096, 19), (0, 0)]
+    cand, train = candidate_from_plan(load_plan("plans/llama_cp.yaml"), 8, 32768, 8)
+    cand = dc.replace(cand, cp=8)
+    mistral = shapes["MistralConfig"]
+    ring, gather = (cp_attention_share(mistral, cand, dc.replace(train, cp_method=m)) for m in ("ring", "allgather_kv"))
+    assert ring < gather < 1.0, (ring, gather)
+    plain = dc.replace(mistral, window=0)
+    assert evaluate(mistral, cand, train, as_cluster("h100-80g")).step_time < \
+        evaluate(plain, cand, train, as_cluster("h100-80g")).step_time
+    line = cp_method_line(evaluate, shapes["Gemma3TextConfig"], cand, train, as_cluster("h100-80g"))
+    assert "sliding window 4096 (19 of 26 layers): attention pairs per row and head on the busiest rank" in line, line
