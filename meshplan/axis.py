@@ -44,6 +44,8 @@ class AxisCosts:
             count)``; data parallelism's gradient reduction), after the per-microbatch terms.
         estimate_line: ``(evaluate, shape, candidate, training, cluster) -> str | None``, or None: a line
             ``meshplan estimate`` adds (which of its methods is cheaper at this length, say).
+        attention_share: ``(shape, candidate, training) -> float``: the busiest rank's attention work as a share
+            of the causal half the compute model counts (a sharded sequence under sliding windows). Default 1.
     """
 
     collectives: Callable[..., list]
@@ -57,6 +59,7 @@ class AxisCosts:
     in_flight: Callable[[Any, int], float] = lambda c, pp_rank: 1.0
     step_collectives: "Callable[[Any, Any, Any, list], list] | None" = None
     estimate_line: "Callable[..., str | None] | None" = None
+    attention_share: Callable[[Any, Any, Any], float] = lambda s, c, tr: 1.0
 
 
 @dataclass(frozen=True)

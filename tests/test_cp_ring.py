@@ -27,10 +27,13 @@ MASKS = [AttentionMask(causal=True), AttentionMask(causal=False), AttentionMask(
          AttentionMask(causal=True, softcap=2.0), AttentionMask(causal=False, window=3, softcap=1.0)]
 
 
-def dense(q, k, v, mask, scale):
-    """Plain attention over the whole sequence: the one-device reference (GQA by repeat_interleave)."""
+def dense(q, k, v, mask, scale, documents=None):
+    """Plain attention over the whole sequence: the one-device reference (GQA by repeat_interleave; documents
+    ``(batch, seq)``: one keep-matrix per row)."""
     pos = torch.arange(q.shape[-2])
-    keep = mask.keep(pos, pos)
+    keep = mask.keep(pos, pos, documents, documents)
+    if documents is not None:
+        keep = keep[:, None]
     g = q.shape[-3] // k.shape[-3]
     s = q @ k.repeat_interleave(g, -3).transpose(-1, -2) * scale
     if mask.softcap is not None:
@@ -50,7 +53,7 @@ def close(got, want):
     return float((got - want).norm()) <= RTOL * max(float(want.norm()), 1e-300)
 
 
-def run_ring(cp, load_balance, mask, q, k, v, dout):
+def run_ring(cp, load_balance, mask, q, k, v, dout, documents=None):
     """Every rank's (positions, out, dq, dk, dv), the ranks as threads over QueueLinks."""
     queues, res, errors = {}, {}, []
 
@@ -58,7 +61,7 @@ def run_ring(cp, load_balance, mask, q, k, v, dout):
         try:
             idx = torch.tensor(rank_positions(q.shape[-2], cp, r, load_balance))
             ql, kl, vl = (t[:, :, idx].clone().requires_grad_() for t in (q, k, v))
-            ring = Ring(QueueLinks(queues, cp, r), load_balance, mask, q.shape[-1] ** -0.5)
+            ring = Ring(QueueLinks(queues, cp, r), load_balance, mask, q.shape[-1] ** -0.5, documents)
             out = ring_attend(ql, kl, vl, ring)
             out.backward(dout[:, :, idx])
             res[r] = (idx, out.detach(), ql.grad, kl.grad, vl.grad)
@@ -88,6 +91,39 @@ def test_ring_equals_one_device(cp, load_balance, mask):
             whole[:, :, idx] = part
     for name, g, w in zip(("out", "dq", "dk", "dv"), got, (want.detach(), qr.grad, kr.grad, vr.grad)):
         assert close(g, w), (name, float((g - w).abs().max()))
+
+
+#: per batch row: three documents, one crossing chunk edges; one document; two, the first inside one chunk
+DOCS = torch.tensor([[0] * 5 + [1] * 20 + [2] * 7, [0] * 32, [0] * 3 + [1] * 29])
+
+
+@pytest.mark.parametrize("cp, load_balance", [(2, True), (4, True), (4, False)])
+@pytest.mark.parametrize("mask", MASKS[:3] + [AttentionMask(causal=True, window=6, softcap=1.5)], ids=repr)
+def test_ring_with_documents_equals_one_device(cp, load_balance, mask):
+    """Packed documents (one keep per batch row) under the ring, with windows and soft-caps: forward and q/k/v
+    gradients equal one device's document-masked attention."""
+    q, k, v, dout = (torch.cat([t, t[:1]]) for t in inputs())  # 3 rows, as DOCS
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    want = dense(qr, kr, vr, mask, q.shape[-1] ** -0.5, DOCS)
+    want.backward(dout)
+    got = [torch.zeros_like(t) for t in (q, q, k, v)]
+    for idx, *tensors in run_ring(cp, load_balance, mask, q, k, v, dout, DOCS).values():
+        for whole, part in zip(got, tensors):
+            whole[:, :, idx] = part
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, (want.detach(), qr.grad, kr.grad, vr.grad)):
+        assert close(g, w), (name, float((g - w).abs().max()))
+
+
+def test_ring_skips_blocks_documents_empty_and_drops_documents_inside_one():
+    """A block whose chunks share no document in any row is skipped; one inside a single document in every row
+    takes the mask-free path (no document ids: torch's fused kernel on CPU); the rest get their ids."""
+    docs = torch.tensor([[0] * 4 + [1] * 4 + [2] * 8, [0] * 8 + [1] * 8])  # chunks of 4 at cp 2 head-tail
+    ring = Ring(QueueLinks({}, 2, 0), True, AttentionMask(causal=True), 1.0, docs)
+    assert ring.documents_of(range(12, 16), range(0, 4))[0] is False  # row 0: doc 2 vs 0; row 1: doc 1 vs 0
+    assert ring.documents_of(range(12, 16), range(8, 12)) == (True, None, None)  # doc 2 and doc 1 throughout
+    kept, q_doc, _ = ring.documents_of(range(4, 8), range(0, 4))  # row 1 shares doc 0, row 0 does not
+    assert kept and q_doc.tolist() == [[1] * 4, [0] * 4]
+    assert [(qr.start, kr.start) for _, qr, _, kr in ring.pairs(0, 4)] == [(0, 0), (12, 12)]  # (12, 0) skipped
 
 
 def test_attend_block_and_merge_equal_sdpa():
@@ -263,3 +299,46 @@ def test_check_line_states_each_methods_costs():
     assert "ring (per attention module and step: 3 K/V hops forward, 3 K/V and 4 dK/dV hops backward, each 1/4 " \
            "of the sequence's K/V, overlapped with attention; saves 1/4 of K/V)" in ring, ring
     assert "saves the whole sequence's K/V" in context_lines({**ctx, "method": "allgather_kv"})[0]
+
+
+def test_method_pairs_count_the_blocks_each_method_computes():
+    """Causal: both methods compute the same blocks (a prefix and the diagonal triangle). A window: the ring
+    computes the blocks it reaches (the diagonal a triangle when the window covers the chunk), all-gather the
+    whole reached span of each chunk; the kept pairs are the mask's, counted by brute force."""
+    from meshplan.context_parallel.chunks import method_pairs
+    assert method_pairs(64, 2, True, "ring") == method_pairs(64, 2, True, "allgather_kv") == (1040, 1040)
+    for cp, window in ((2, 20), (4, 9), (4, 12)):  # windows at least the chunk: a triangle
+        ring, gather = (method_pairs(64, cp, True, m, window) for m in ("ring", "allgather_kv"))
+        mask, c = AttentionMask(causal=True, window=window), 64 // (2 * cp)
+        kept = max(sum(mask.pairs(j * c, (j + 1) * c, 0, 64) for j in (r, 2 * cp - 1 - r)) for r in range(cp))
+        assert ring[1] == gather[1] <= kept and ring[0] < gather[0], (cp, window, ring, gather, kept)
+
+
+def test_estimate_counts_sliding_windows():
+    """transformers' sliding windows reach the cost model (Mistral: every layer; Gemma 3: its layer_types'
+    sliding layers; Qwen2 with use_sliding_window off: none), shrink the estimate's attention work under cp, and
+    the estimate line names each method's pairs on the busiest rank."""
+    import dataclasses as dc
+    from meshplan.context_parallel.costs import cp_attention_share, cp_method_line
+    from meshplan.plan_file.document import load_plan
+    from meshplan.solver.api import as_cluster
+    from meshplan.solver.plans import candidate_from_plan
+    from meshplan.solver.shape import shape_from_config
+    from meshplan.solver.step import evaluate
+    base = {"hidden_size": 4096, "num_hidden_layers": 26, "num_attention_heads": 32, "num_key_value_heads": 8,
+            "intermediate_size": 14336, "vocab_size": 32000, "sliding_window": 4096}  # transformers' spellings
+    gemma = ["sliding_attention"] * 5 + ["full_attention"]
+    shapes = {"MistralConfig": shape_from_config(base),
+              "Gemma3TextConfig": shape_from_config({**base, "layer_types": (gemma * 5)[:22] + ["full_attention"] * 4}),
+              "Qwen2Config": shape_from_config({**base, "use_sliding_window": False})}
+    assert [(s.window, s.window_layers) for s in shapes.values()] == [(4096, 0), (4096, 19), (0, 0)]
+    cand, train = candidate_from_plan(load_plan("plans/llama_cp.yaml"), 8, 32768, 8)
+    cand = dc.replace(cand, cp=8)
+    mistral = shapes["MistralConfig"]
+    ring, gather = (cp_attention_share(mistral, cand, dc.replace(train, cp_method=m)) for m in ("ring", "allgather_kv"))
+    assert ring < gather < 1.0, (ring, gather)
+    plain = dc.replace(mistral, window=0)
+    assert evaluate(mistral, cand, train, as_cluster("h100-80g")).step_time < \
+        evaluate(plain, cand, train, as_cluster("h100-80g")).step_time
+    line = cp_method_line(evaluate, shapes["Gemma3TextConfig"], cand, train, as_cluster("h100-80g"))
+    assert "sliding window 4096 (19 of 26 layers): attention pairs per row and head on the busiest rank" in line, line

@@ -227,12 +227,13 @@ def test_packed_documents_sharded_with_a_pipeline():
     assert shard_for_state(state, whole, None, shift=True)[0]["position_ids"].tolist() == [[0, 1, 6, 7]]
 
 
-def test_ring_refuses_windows_and_documents():
+def test_torch_ring_refuses_windows_and_documents():
+    """torch's ring handlers take causal/full masks only; meshplan's ring takes windows and documents."""
     from meshplan.context_parallel.runtime import CpRuntime
     rt = CpRuntime(group=None, cp=2, rank=0, load_balance=True, seq_dim=1, attend=None, positions_kwarg=None,
                    buffer=None, buffer_dim=0, patterns=("a",), attention_paths=("a",), masked=False,
                    layer_masks={"a": AttentionMask(window=4)})
-    with pytest.raises(PlanError, match=r"a needs AttentionMask\(causal=True, window=4.*method: ring does not take"):
+    with pytest.raises(PlanError, match=r"a needs AttentionMask\(causal=True, window=4.*method: torch_ring does not take.*use method: ring"):
         rt.masking("a")
     assert rt.masking("b") == {}
 

@@ -172,6 +172,6 @@ def apply_context_parallel(model: nn.Module, section: ContextParallel, topology:
                         seq_dim=section.seq_dim, attend=attend, positions_kwarg=resolved.kwarg,
                         buffer=resolved.buffer, buffer_dim=resolved.buffer_dim, patterns=section.attention,
                         attention_paths=resolved.paths, inject_mask=resolved.inject_mask,
-                        layer_masks=layer_masks(model, resolved.paths), masked=section.method == "allgather_kv")
+                        layer_masks=layer_masks(model, resolved.paths), masked=section.method != "torch_ring")
     runtime.install(model)
     return CpApplied(section=section, mesh=mesh, runtime=runtime)

@@ -52,7 +52,10 @@ def _keep(mask: AttentionMask, q_pos: Any, k_pos: Any, q_doc: Any, k_doc: Any,
         return False, None
     if mask.covers(q_lo, q_hi, k_lo, k_hi) and q_doc is None:
         return True, None
-    return True, mask.keep(_tensor(q_pos, device), _tensor(k_pos, device), q_doc, k_doc)
+    keep = mask.keep(_tensor(q_pos, device), _tensor(k_pos, device), q_doc, k_doc)
+    if keep is not None and keep.dim() == 3:  # documents per batch row: (n, 1, 1, rows, keys), every head
+        keep = keep[:, None, None]
+    return True, keep
 
 
 def fused_causal(q: torch.Tensor, mask: AttentionMask | None, q_pos: Any, k_pos: Any,
@@ -70,8 +73,8 @@ def fused_causal(q: torch.Tensor, mask: AttentionMask | None, q_pos: Any, k_pos:
         return None
     if mask.covers(q_pos.start, q_pos.stop, k_pos.start, k_pos.stop):
         return False
-    if mask.causal and mask.window is None and q_pos == k_pos:
-        return True
+    if mask.causal and (mask.window is None or mask.window >= len(q_pos)) and q_pos == k_pos:
+        return True  # a window at least the block's length hides nothing of its causal diagonal
     return None
 
 
@@ -145,7 +148,8 @@ def attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: fl
         scale: the score scale (SDPA's default is ``d ** -0.5``).
         mask: the :class:`~meshplan.context_parallel.masks.AttentionMask` (None: every pair kept, no cap).
         q_pos, k_pos: the rows' and keys' global positions (a ``range`` or a 1-D integer tensor).
-        q_doc, k_doc: their document ids (1-D tensors), or None (one document).
+        q_doc, k_doc: their document ids, 1-D (every batch row) or ``(n, Lq)`` / ``(n, Lk)`` (one per row of the
+            flattened leading dims, e.g. per batch row for SDPA's ``(batch, heads, L, d)``), or None (one document).
 
     Returns:
         ``(out, lse)``: ``out`` ``(..., heads, Lq, d)`` in ``q``'s dtype and ``lse`` ``(..., heads, Lq)`` (float32
@@ -171,7 +175,7 @@ def attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: fl
     outs, lses = [], []
     for a in range(0, rows, tile):
         b = min(rows, a + tile)
-        qd = None if q_doc is None else q_doc[a:b]
+        qd = None if q_doc is None else q_doc[..., a:b]
         reached, keep = _keep(mask, _rows(q_pos, a, b), k_pos, qd, k_doc, q.device)
         if not reached:
             outs.append(qf.new_zeros(n, h, b - a, vf.shape[-1], dtype=work))
@@ -243,7 +247,7 @@ def block_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.T
     tile, any_reached = _tiles(n, h, rows, kf.shape[-2]), False
     for a in range(0, rows, tile):
         b = min(rows, a + tile)
-        qd = None if q_doc is None else q_doc[a:b]
+        qd = None if q_doc is None else q_doc[..., a:b]
         reached, keep = _keep(mask, _rows(q_pos, a, b), k_pos, qd, k_doc, q.device)
         if not reached:
             continue

@@ -17,7 +17,7 @@ from typing import Sequence
 from meshplan.context_parallel.masks import AttentionMask
 
 __all__ = ["n_chunks", "rank_chunks", "rank_positions", "causal_blocks", "attention_pairs", "check_seq_len",
-           "document_pairs", "document_positions"]
+           "document_pairs", "document_positions", "method_pairs"]
 
 
 def n_chunks(cp: int, load_balance: bool) -> int:
@@ -114,6 +114,52 @@ def document_positions(lengths: Sequence[int], cp: int, rank: int) -> list[int] 
     for start, n in zip(itertools.accumulate(lengths, initial=0), lengths):
         out += [start + p for p in rank_positions(n, cp, rank, True)]
     return out
+
+
+def _kept(lo: int, hi: int, k_lo: int, k_hi: int, window: int | None) -> int:
+    """Kept causal pairs of queries ``[lo, hi)`` against keys ``[k_lo, k_hi)`` under ``window`` (closed form per
+    query run: a query ``q`` keeps keys ``max(k_lo, q − w + 1) .. min(k_hi − 1, q)``)."""
+    w = window if window is not None else hi + 1
+    return sum(max(0, min(k_hi - 1, q) - max(k_lo, q - w + 1) + 1) for q in range(lo, hi)) if hi - lo < 4096 \
+        else sum(_kept(a, min(hi, a + 4095), k_lo, k_hi, window) for a in range(lo, hi, 4095))
+
+
+def method_pairs(seq_len: int, cp: int, load_balance: bool, method: str, window: int | None = None) -> tuple[int, int]:
+    """``(computed, kept)`` query-key pairs of the busiest cp rank per batch row and head under causal attention
+    with ``window`` (None: none): what each method's attention costs at this length.
+
+    ``ring`` computes only the (query chunk, key chunk) blocks the mask reaches, a block whole (its keep applied
+    inside), the causal diagonal of a block as a triangle (the fused kernel; also under a window at least the
+    chunk); ``allgather_kv`` computes each local query chunk against the whole span of gathered keys its window
+    reaches (one masked SDPA call per chunk), or, without a window, exactly the ring's blocks (a mask-free prefix
+    and the causal diagonal). A window therefore shrinks the ring's work to the reached blocks but leaves
+    all-gather's rectangle per chunk, and leaves both methods' transfers as they are.
+
+    Example::
+
+        >>> method_pairs(64, 2, True, "ring"), method_pairs(64, 2, True, "allgather_kv")
+        ((1040, 1040), (1040, 1040))
+        >>> method_pairs(64, 2, True, "ring", window=20), method_pairs(64, 2, True, "allgather_kv", window=20)
+        ((1040, 634), (1280, 634))
+    """
+    if method not in ("ring", "allgather_kv", "torch_ring"):
+        raise ValueError(f"cp method {method!r}; valid: allgather_kv, ring, torch_ring")
+    c = seq_len // n_chunks(cp, load_balance)
+    mask = AttentionMask(causal=True, window=window)
+    busiest = (0, 0)
+    for rank in range(cp):
+        computed = kept = 0
+        for j in rank_chunks(cp, rank, load_balance):
+            lo, hi = j * c, (j + 1) * c
+            reached = [i for i in range(j + 1) if mask.reaches(lo, hi, i * c, (i + 1) * c)]
+            kept += _kept(lo, hi, reached[0] * c, hi, window)
+            diagonal = c * (c + 1) // 2 if window is None or window >= c else c * c
+            if method != "allgather_kv" or window is None:
+                computed += (len(reached) - 1) * c * c + diagonal
+            else:
+                computed += c * len(reached) * c
+        busiest = max(busiest, (computed, kept))
+    return busiest
 
 
 def check_seq_len(seq_len: int, cp: int, load_balance: bool, tp_sequence: int = 1) -> str | None:

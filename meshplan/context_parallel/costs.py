@@ -11,7 +11,10 @@
   the rings keep only the local shards (O(S/cp)); the first stage keeps the positions of this rank's tokens
   (16 bytes a token);
 * refusals: a sequence the head-tail chunks (then sequence parallelism) cannot split; ``torch_ring`` off CUDA;
-* ``meshplan estimate``'s line: each method's step time and memory at the length, the cheaper named.
+* attention work: with sliding windows the ring computes the key blocks a window reaches, all-gather each
+  chunk's whole reached span (:func:`cp_attention_share`);
+* ``meshplan estimate``'s line: each method's step time and memory at the length, the cheaper named, and with
+  windows each method's attention pairs on the busiest rank.
 """
 
 from __future__ import annotations
@@ -19,10 +22,10 @@ from __future__ import annotations
 from typing import Any
 
 from meshplan.axis import AxisCosts, AxisTerms
-from meshplan.context_parallel.chunks import check_seq_len
+from meshplan.context_parallel.chunks import check_seq_len, method_pairs
 
 __all__ = ["TERMS", "cp_collectives", "cp_block_activations", "cp_first_stage_activations", "cp_sequence_problem",
-           "cp_run_problem", "cp_method_line"]
+           "cp_run_problem", "cp_method_line", "cp_attention_share"]
 
 
 def cp_collectives(s: Any, c: Any, tr: Any, place: Any, pp_rank: int, memo: dict) -> list:
@@ -89,7 +92,34 @@ def cp_method_line(evaluate: Any, s: Any, c: Any, tr: Any, cl: Any) -> str | Non
     each = "; ".join(f"{m} {est[m].step_time:.4g} s, {est[m].memory.total / 2 ** 30:.2f} GiB"
                      + ("" if est[m].memory.total <= usable else " (does not fit)") for m in methods)
     return (f"context_parallel.method at seq {tr.seq}, cp {c.cp}: {each} per step and rank -> fastest that fits: "
-            f"{fast}; least memory: {small} (ring hops counted as exposed: an upper bound on its time)")
+            f"{fast}; least memory: {small} (ring hops counted as exposed: an upper bound on its time)"
+            + _window_clause(s, c, tr))
+
+
+def _window_clause(s: Any, c: Any, tr: Any) -> str:
+    """With sliding windows: each method's attention pairs on the busiest rank in a sliding layer (computed, of
+    which kept), which the times above count."""
+    if not s.window or s.window >= tr.seq or tr.seq % (2 * c.cp):
+        return ""
+    pairs = {m: method_pairs(tr.seq, c.cp, True, m, s.window) for m in ("allgather_kv", "ring")}
+    kept = pairs["ring"][1]
+    layers = f"{s.window_layers} of {s.layers}" if s.window_layers else f"all {s.layers}"
+    return (f"; sliding window {s.window} ({layers} layers): attention pairs per row and head on the busiest rank "
+            f"in such a layer: allgather_kv {pairs['allgather_kv'][0]:,}, ring {pairs['ring'][0]:,} "
+            f"({kept:,} kept)")
+
+
+def cp_attention_share(s: Any, c: Any, tr: Any) -> float:
+    """The busiest cp rank's attention work with the model's sliding windows, per layer on average, as a share of
+    the causal half (1.0 without a window or cp): the ring computes the key blocks a window reaches, all-gather
+    the whole span of gathered keys each local chunk's window reaches (:func:`~meshplan.context_parallel.chunks.
+    method_pairs`, the head-tail layout)."""
+    if c.cp <= 1 or not s.window or s.window >= tr.seq or tr.seq % (2 * c.cp):
+        return 1.0
+    full = method_pairs(tr.seq, c.cp, True, tr.cp_method)[0]
+    slid = method_pairs(tr.seq, c.cp, True, tr.cp_method, s.window)[0]
+    n = s.window_layers or s.layers
+    return (n * slid + (s.layers - n) * full) / (s.layers * full)
 
 
 def cp_training(plan: Any) -> dict:
@@ -102,4 +132,4 @@ TERMS = AxisTerms(name="cp", section="context_parallel", training=cp_training, e
                   costs=AxisCosts(collectives=cp_collectives, block_activations=cp_block_activations,
                                   first_stage_activations=cp_first_stage_activations,
                                   sequence_problem=cp_sequence_problem, run_problem=cp_run_problem,
-                                  estimate_line=cp_method_line))
+                                  estimate_line=cp_method_line, attention_share=cp_attention_share))

@@ -17,13 +17,13 @@ hop ``1/cp`` of the sequence's K/V.
 from __future__ import annotations
 
 import queue
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from meshplan.context_parallel.attention import causal_from_mask, on_local_heads
+from meshplan.context_parallel.attention import causal_from_mask, check_local_mask, on_local_heads
 from meshplan.context_parallel.blocks import attend_block, block_grads, merge, work_dtype
 from meshplan.context_parallel.chunks import rank_chunks
 from meshplan.context_parallel.masks import AttentionMask
@@ -75,12 +75,18 @@ class _QueueWork:
 
 @dataclass(frozen=True)
 class Ring:
-    """One ring attention call's constants: the links, the layout and the mask."""
+    """One ring attention call's constants: the links, the layout, the mask and the documents.
+
+    ``documents``: ``(batch, seq)`` document ids per global position (packed sequences; ids non-decreasing along
+    a row), or None. ``blocks`` caches, per (query chunk, key chunk), what :meth:`documents_of` found, so the
+    backward reuses the forward's answers."""
 
     links: Any
     load_balance: bool
     mask: AttentionMask
     scale: float
+    documents: Any = None
+    blocks: dict = field(default_factory=dict, compare=False, repr=False)
 
     def pieces(self, source: int, chunk: int) -> list[tuple[int, range]]:
         """``(local offset, global positions)`` of each chunk rank ``source`` holds."""
@@ -91,7 +97,26 @@ class Ring:
         """The (query chunk, key chunk) pairs of this rank against ``source``'s block the mask reaches."""
         return [(qo, qr, ko, kr) for qo, qr in self.pieces(self.links.rank, chunk)
                 for ko, kr in self.pieces(source, chunk)
-                if self.mask.reaches(qr.start, qr.stop, kr.start, kr.stop)]
+                if self.mask.reaches(qr.start, qr.stop, kr.start, kr.stop) and self.documents_of(qr, kr)[0]]
+
+    def documents_of(self, qr: range, kr: range) -> tuple[bool, Any, Any]:
+        """``(kept, q_doc, k_doc)`` of a block: ``kept`` False when no row has a document on both sides (the
+        block is skipped: no math, and nothing to add to dK/dV); ``q_doc``/``k_doc`` ``(batch, len)`` or None when
+        there are no documents or in every row one document holds all the block's queries and keys (then the
+        block takes the mask-free path: the causal diagonal or a covered block in torch's fused kernel).
+
+        Documents are contiguous runs of non-decreasing ids, so a row shares a document between the chunks iff
+        their id ranges overlap; under a causal mask a key chunk before the queries then holds a kept pair."""
+        if self.documents is None:
+            return True, None, None
+        key = (qr.start, kr.start)
+        if key not in self.blocks:
+            qd, kd = self.documents[:, qr.start:qr.stop], self.documents[:, kr.start:kr.stop]
+            shared = (qd[:, :1] <= kd[:, -1:]) & (kd[:, :1] <= qd[:, -1:])
+            one = (qd[:, :1] == qd[:, -1:]) & (kd[:, :1] == kd[:, -1:]) & (qd[:, :1] == kd[:, :1])
+            self.blocks[key] = (False, None, None) if not bool(shared.any()) else \
+                (True, None, None) if bool(one.all()) else (True, qd, kd)
+        return self.blocks[key]
 
 
 def _wait(works: list[Any]) -> None:
@@ -111,8 +136,9 @@ def ring_forward(ring: Ring, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) 
             nxt = (torch.empty_like(kv[0]), torch.empty_like(kv[1]))
             works = ring.links.post(list(kv), list(nxt), [_K, _V])
         for qo, qr, ko, kr in ring.pairs(source, chunk):
+            _, q_doc, k_doc = ring.documents_of(qr, kr)
             part = attend_block(q[..., qo:qo + chunk, :], kv[0][..., ko:ko + chunk, :], kv[1][..., ko:ko + chunk, :],
-                                scale=ring.scale, mask=ring.mask, q_pos=qr, k_pos=kr)
+                                scale=ring.scale, mask=ring.mask, q_pos=qr, k_pos=kr, q_doc=q_doc, k_doc=k_doc)
             acc[qo] = part if qo not in acc else merge(*acc[qo], *part)
         _wait(works)
         if step < cp - 1:
@@ -148,9 +174,11 @@ def ring_backward(ring: Ring, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         dk = torch.zeros(kv[0].shape, dtype=work, device=q.device)
         dv = torch.zeros(kv[1].shape, dtype=work, device=q.device)
         for qo, qr, ko, kr in ring.pairs(source, chunk):
+            _, q_doc, k_doc = ring.documents_of(qr, kr)
             g = block_grads(q[..., qo:qo + chunk, :], kv[0][..., ko:ko + chunk, :], kv[1][..., ko:ko + chunk, :],
                             dout[..., qo:qo + chunk, :], lse[..., qo:qo + chunk], delta[..., qo:qo + chunk],
-                            scale=ring.scale, mask=ring.mask, q_pos=qr, k_pos=kr, out=out[..., qo:qo + chunk, :])
+                            scale=ring.scale, mask=ring.mask, q_pos=qr, k_pos=kr, q_doc=q_doc, k_doc=k_doc,
+                            out=out[..., qo:qo + chunk, :])
             if g is not None:
                 dq[..., qo:qo + chunk, :] += g[0]
                 dk[..., ko:ko + chunk, :] += g[1]
@@ -194,6 +222,7 @@ def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False,
                    scale: float | None = None, enable_gqa: bool = False, *, group: Any, cp: int, rank: int,
                    load_balance: bool, where: str = "attention", mask: AttentionMask | None = None,
+                   documents: torch.Tensor | None = None, keeps: dict | None = None,
                    links: Any = None) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` of this rank's shards, exact over the sequence, by meshplan's ring.
 
@@ -201,21 +230,29 @@ def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, group, cp, rank, load_balance,
             where: as :func:`~meshplan.context_parallel.attention.allgather_kv_attention` (GQA is read from the
             head counts whatever ``enable_gqa`` says).
-        mask: the :class:`~meshplan.context_parallel.masks.AttentionMask` (window, soft-cap) replacing the one
-            read from ``attn_mask``/``is_causal``, or None.
+        mask: the layer's :class:`~meshplan.context_parallel.masks.AttentionMask` (window, soft-cap), or None:
+            causal or full as the call says. Given, the model's own (local) mask must be what the layer builds
+            for its local length (none, causal, or causal within the same window).
+        documents: ``(batch, seq)`` document ids per global position (packed sequences), or None.
+        keeps: the runtime's keep-matrix cache, which the ring does not need (each block's keep is built per
+            query tile when its math runs, forward and backward, and never kept); accepted so both methods take
+            the runtime's arguments.
         links: the point-to-point links (None: :class:`RingLinks` over ``group``; tests pass :class:`QueueLinks`).
 
     Returns:
         The output for this rank's queries (a DTensor when ``query`` is one).
 
     Raises:
-        PlanError: a mask other than causal or none, or dropout.
+        PlanError: a mask other than causal or none (or one that disagrees with ``mask``), or dropout.
     """
+    del keeps
     if dropout_p:
         raise PlanError(f"context_parallel: {where} asks scaled_dot_product_attention for dropout_p={dropout_p}; "
                         f"method: ring computes attention without dropout (set the model's attention dropout to 0)")
     if mask is None:
         mask = AttentionMask(causal=causal_from_mask(attn_mask, is_causal, query.shape[-2], where))
+    else:
+        check_local_mask(attn_mask, is_causal, mask, query.shape[-2], where)
     ring = Ring(links=links if links is not None else RingLinks(group, cp, rank), load_balance=load_balance,
-                mask=mask, scale=scale if scale is not None else query.shape[-1] ** -0.5)
+                mask=mask, scale=scale if scale is not None else query.shape[-1] ** -0.5, documents=documents)
     return ring_attend(query, key, value, ring)

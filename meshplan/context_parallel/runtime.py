@@ -79,7 +79,7 @@ class CpRuntime:
         patterns, attention_paths: the plan's attention patterns and the modules they matched.
         layer_masks: the :class:`~meshplan.context_parallel.masks.AttentionMask` of each attention module whose
             model says it (transformers' per-layer sliding windows); the others follow their call.
-        masked: ``attend`` takes ``mask`` and ``documents`` (all-gather); else a window or documents are refused.
+        masked: ``attend`` takes ``mask`` and ``documents`` (all-gather, ring); else a window or documents are refused.
         documents: this forward's ``(batch, seq)`` document ids per global position (packed sequences), or None.
         keeps: this forward's keep-matrices, built by the first layer that needs one and shared by the others
             (emptied at each forward's start; keyed by the documents they were built from).
@@ -127,14 +127,14 @@ class CpRuntime:
         """The keyword arguments ``attend`` gets for the module at ``path``: its layer's mask and the documents.
 
         Raises:
-            PlanError: a window, soft-cap or documents with a method that does not take them (ring).
+            PlanError: a window, soft-cap or documents with a method that does not take them (torch_ring).
         """
         mask = self.layer_masks.get(path)
         if mask is None and self.documents is None:
             return {}
         if not self.masked:
             raise PlanError(f"context_parallel: {path} needs {mask or 'document masks (packed sequences)'}; "
-                            f"method: ring does not take them yet; use method: allgather_kv")
+                            f"method: torch_ring does not take them; use method: ring or allgather_kv")
         return {"mask": mask, "documents": self.documents, "keeps": self.keeps}
 
     def _documents(self, model: nn.Module, kwargs: dict, rows: int) -> torch.Tensor | None:

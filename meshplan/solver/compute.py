@@ -6,7 +6,9 @@ Two counts:
   ``N`` matmul parameters a token meets (the output projection included, the embedding not), plus
   ``12·layers·seq·q_width`` for attention scores and values, without halving for the causal mask;
 * **executed FLOPs** per microbatch on one rank, what the time is computed from: the rank's share of each matmul
-  (forward ×3 with the backward), attention over the causal half, a checkpointed block's forward once more;
+  (forward ×3 with the backward), attention over the causal half (times each axis unit's
+  ``costs.attention_share``: a sharded sequence under sliding windows computes the busiest rank's reached
+  blocks), a checkpointed block's forward once more;
   op-level checkpointing runs the attention once more, and ``policy: megatron`` (:mod:`meshplan.recompute`)
   also the row-parallel matmuls, the element-wise ops and the launches (it keeps colwise matmul outputs and
   reduced row-parallel outputs only).
@@ -25,6 +27,7 @@ from __future__ import annotations
 from meshplan.solver.candidate import Candidate, Training
 from meshplan.solver.cluster import Cluster
 from meshplan.solver.shape import ModelShape
+from meshplan.solver.units import COST_UNITS
 
 __all__ = ["model_flops_per_token", "block_time", "end_time", "OPS_PER_BLOCK", "TOUCHES"]
 
@@ -68,6 +71,8 @@ def block_time(s: ModelShape, c: Candidate, tr: Training, cl: Cluster, moe: bool
             mm_flops += f
             mm_time += f / cl.matmul_rate((m * n * k) ** (1 / 3), tr.matmul_dtype or tr.dtype)
     attn = 2 * tokens * tr.seq * s.q_width / c.tp  # QK^T and AV over the causal half, this rank's heads
+    for axis in COST_UNITS:  # an axis that changes the attention's work (a sharded sequence under sliding windows)
+        attn *= axis.costs.attention_share(s, c, tr)
     attn_time = attn / (cl.peak(tr.dtype) * cl.attention_efficiency)
     attn_passes = passes + (1 if c.op_level else 0)  # op level: attention recomputed
     replay = passes + (1 if c.megatron else 0)  # policy megatron: the element-wise ops and launches once more

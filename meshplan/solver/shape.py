@@ -41,6 +41,9 @@ class ModelShape:
         dense_layers: the first blocks with a dense MLP instead of experts.
         gqa_repeat: K and V are repeated to every query head before attention (torchtitan, the examples) rather
             than kept at ``kv_heads`` (fused grouped attention).
+        window / window_layers: the sliding window in tokens (0: none) and how many layers slide (0 with a
+            window: every layer; transformers' ``layer_types`` counted): a sharded sequence's
+            attention work follows them.
         kernels: ``eager`` (norms, RoPE and activations written as PyTorch ops, as in the examples, transformers
             and torchtitan without compile) or ``fused`` (fused kernels: Megatron with Transformer Engine, or
             ``torch.compile``): what a norm keeps for backward (:attr:`norm_saved`) and how much element-wise
@@ -66,6 +69,8 @@ class ModelShape:
     shared_ffn: int = 0
     dense_layers: int = 0
     gqa_repeat: bool = True
+    window: int = 0
+    window_layers: int = 0
     kernels: str = "eager"
     name: str = "model"
 
@@ -80,6 +85,9 @@ class ModelShape:
                             f"got mlp {self.mlp!r}, norm {self.norm!r}, kernels {self.kernels!r}")
         if self.experts and not 1 <= self.top_k <= self.experts:
             raise PlanError(f"model shape: top_k({self.top_k}) must be in 1..experts({self.experts})")
+        if self.window < 0 or not 0 <= self.window_layers <= self.layers:
+            raise PlanError(f"model shape: window({self.window}) must be >= 0 and window_layers"
+                            f"({self.window_layers}) in 0..layers({self.layers})")
         if not 0 <= self.dense_layers <= self.layers:
             raise PlanError(f"model shape: dense_layers({self.dense_layers}) must be in 0..layers({self.layers})")
 
@@ -191,6 +199,8 @@ _ALIASES: dict[str, tuple[str, ...]] = {
     "mlp": ("mlp",),
     "norm": ("norm",),
     "gqa_repeat": ("gqa_repeat",),
+    "window": ("window", "sliding_window"),
+    "window_layers": ("window_layers",),
     "kernels": ("kernels",),
     "name": ("name", "model_type"),
 }
@@ -222,9 +232,25 @@ def _derived(cfg: Mapping[str, Any], out: dict) -> None:
     shared = cfg.get("n_shared_experts")
     if isinstance(shared, int) and shared and "shared_ffn" not in out:
         out["shared_ffn"] = shared * (out.get("moe_ffn") or out.get("ffn", 0))
+    _windows(cfg, out)
     if not out.get("experts"):
         for k in ("experts", "top_k", "moe_ffn", "shared_ffn", "dense_layers"):
             out.pop(k, None)
+
+
+def _windows(cfg: Mapping[str, Any], out: dict) -> None:
+    """The sliding window and how many layers use it (transformers: ``use_sliding_window`` off drops it,
+    ``layer_types`` counts the ``sliding_attention`` layers)."""
+    if not isinstance(out.get("window"), int) or cfg.get("use_sliding_window") is False:
+        out.pop("window", None)
+        return
+    types = cfg.get("layer_types")
+    if isinstance(types, (list, tuple)) and "window_layers" not in out:
+        n = sum(t == "sliding_attention" for t in types)
+        if n == 0:
+            out.pop("window")
+        elif n < out.get("layers", n):
+            out["window_layers"] = n
 
 
 def shape_from_config(cfg: Mapping[str, Any], where: str = "--config") -> ModelShape:

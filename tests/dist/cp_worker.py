@@ -293,6 +293,12 @@ CASES_2 = {
     "ring_cp2_unbalanced_checkpointed": lambda: llama_case({"cp": 2}, method="ring", load_balance=False, blocks={
         "pattern": "layers.*", "activation_checkpointing": {"mode": "full"}}),
     "ring_cp2_hf_llama": lambda: hf_case({"cp": 2}, method="ring"),
+    # the ring takes the same AttentionMask as all-gather: packed documents, windows, soft-caps (issue 30)
+    "ring_cp2_hf_packed": lambda: hf_case({"cp": 2}, factory=lambda: hf_models.llama(use_cache=False), packed=True,
+                                          method="ring"),
+    "ring_cp2_mistral_window_packed": lambda: hf_case({"cp": 2}, factory=zoo("mistral"), packed=True, method="ring"),
+    "ring_cp2_gemma3": lambda: hf_case({"cp": 2}, factory=zoo("gemma3_text"), method="ring"),
+    "ring_cp2_cohere2": lambda: hf_case({"cp": 2}, factory=zoo("cohere2"), method="ring"),
 }
 CASES_4 = {
     "cp4": lambda: llama_case({"cp": 4}),
@@ -310,6 +316,13 @@ CASES_4 = {
     "ring_cp4": lambda: llama_case({"cp": 4}, method="ring"),
     "ring_cp2_tp2_sp": lambda: llama_case({"cp": 2, "tp": 2}, tp=True, lp=True, method="ring"),
     "ring_cp2_tp2_hf_llama": lambda: hf_case({"cp": 2, "tp": 2}, tp=True, method="ring"),
+    "ring_cp4_hf_packed": lambda: hf_case({"cp": 4}, factory=lambda: hf_models.llama(use_cache=False), packed=True,
+                                          method="ring"),
+    "ring_cp4_mistral_window": lambda: hf_case({"cp": 4}, factory=zoo("mistral"), method="ring"),
+    "ring_cp2_tp2_hf_packed": lambda: hf_case({"cp": 2, "tp": 2}, tp=True, factory=lambda: hf_models.llama(
+        use_cache=False), packed=True, method="ring"),
+    "ring_cp2_tp2_gemma3_softcap": lambda: hf_case({"cp": 2, "tp": 2}, tp=True, rules=GEMMA3_TP_RULES, method="ring",
+                                                   factory=zoo("gemma3_text", final_logit_softcapping=2.0)),
 }
 CASES_8 = {
     "pp2_cp2_tp2": lambda: llama_case({"cp": 2, "pp": 2, "tp": 2}, tp=True, lp=True,
