@@ -49,8 +49,8 @@ def _dtensor(timed: Callable, mean: Callable, mesh, device: torch.device) -> dic
     out = {}
     for kind, (fn, dargs, largs) in ops.items():
         reps = 20
-        d = timed(lambda: [fn(*dargs) for _ in range(reps)], reps=3)
-        loc = timed(lambda: [fn(*largs) for _ in range(reps)], reps=3)
+        d = timed(lambda: [fn(*dargs) for _ in range(reps)], reps=3, window=0.1)
+        loc = timed(lambda: [fn(*largs) for _ in range(reps)], reps=3, window=0.1)
         out[kind] = mean(max(d - loc, 0.0) / (reps * per_call[kind]))
     return out
 
@@ -66,8 +66,8 @@ def _fsdp_unit(timed: Callable, mean: Callable, one, device: torch.device) -> fl
         fully_shard(layer, mesh=one)
     fully_shard(sharded, mesh=one)
     x = torch.randn(4, 16, device=device)
-    with_hooks = timed(lambda: sharded(x).sum().backward(), reps=3)
-    without = timed(lambda: plain(x).sum().backward(), reps=3)
+    with_hooks = timed(lambda: sharded(x).sum().backward(), reps=3, window=0.1)
+    without = timed(lambda: plain(x).sum().backward(), reps=3, window=0.1)
     return mean(max(with_hooks - without, 0.0) / (units + 1))  # the units and the root
 
 
@@ -82,8 +82,8 @@ def _pipeline_action(timed: Callable, mean: Callable, one, device: torch.device)
     schedule = ScheduleGPipe(stage, n_microbatches=m, loss_fn=loss)
     x = torch.randn(4 * m, 16, device=device)
     pieces = x.chunk(m)
-    scheduled = timed(lambda: schedule.step(x, target=x), reps=3)
-    bare = timed(lambda: [stage_module(p).sum().backward() for p in pieces], reps=3)
+    scheduled = timed(lambda: schedule.step(x, target=x), reps=3, window=0.1)
+    bare = timed(lambda: [stage_module(p).sum().backward() for p in pieces], reps=3, window=0.1)
     return mean(max(scheduled - bare, 0.0) / (2 * m))
 
 
