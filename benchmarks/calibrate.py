@@ -1,17 +1,20 @@
 """The cost model against measured steps here: ``meshplan estimate`` with a ``meshplan profile`` cluster vs
-``examples/train.py``'s step time, for many layouts at world 4 and 8 (CPU/gloo), and the solver's first choice
-vs the fastest measured layout.
+measured training steps, for at least 12 layouts at world 2, 4 and 8 (CPU/gloo), and the solver's first choice vs
+the fastest measured layout.
 
-    python benchmarks/calibrate.py                  # ~15-25 minutes on the 2-core host: run it when it is idle
-    python benchmarks/calibrate.py --worlds 4 --steps 6
+    python benchmarks/calibrate.py                       # all three worlds: about 12 minutes on a quiet 2-core host
+    python benchmarks/calibrate.py --worlds 2 --repeats 1 --steps 1     # a quick look
 
-For each world the machine is profiled with as many processes as the runs use (8 ranks on 2 cores are
-oversubscribed 4×, and so are the profile's rates: the model sees the machine the run sees). Each layout is a
-plan written from the repository's rule sections (plans/llama.yaml, llama_cp.yaml, moe.yaml) and run by
-``torchrun examples/train.py --json``; its step time is the median of the steps after the first two. Printed:
-measured and predicted seconds per step, the error of each, Spearman's rank correlation per world and model,
-and the solver's first choice (searched over what train.py runs: no gradient accumulation) measured beside the
-fastest measured layout.
+For each world the machine is profiled with as many processes as the runs use (8 ranks on 2 cores share the
+cores, and so do the profile's rates; the profile measures the cores each rank gets and what the counts leave
+out: DTensor dispatch, FSDP2 hooks, pipeline actions, uneven all-to-alls). Then ONE torchrun launch
+(``benchmarks/_calibrate_worker.py``) runs every layout, and the solver's first choice for each model, in
+``--repeats`` interleaved passes (load from elsewhere lands on all layouts alike), each ``--warmup`` unmeasured
+steps then the median of ``--steps`` timed ones, recording the load average. Printed: per layout the median over
+repeats, the repeats' spread, the prediction and its error and the load; per world the mean and worst |error|,
+Spearman's rank correlation, and each model's first choice measured beside its fastest measured layout.
+``--save-clusters DIR`` keeps each profiled cluster with its calibration error (``meshplan estimate``'s ± band).
+Each layout is a plan written from the repository's rule sections (plans/llama.yaml, llama_cp.yaml, moe.yaml).
 """
 
 from __future__ import annotations
@@ -43,14 +46,24 @@ TP = yaml.safe_load((ROOT / "plans/llama.yaml").read_text())["tensor_parallel"]
 CP = yaml.safe_load((ROOT / "plans/llama_cp.yaml").read_text())["context_parallel"]
 MOE = yaml.safe_load((ROOT / "plans/moe.yaml").read_text())
 BLOCKS = {"pattern": "layers.*"}
+FULL = {"activation_checkpointing": {"mode": "full"}}
 
 
 def _pp(layout: dict, schedule: str = "1f1b", m: int = 4, **extra) -> dict:
     return {"layout": layout, "blocks": BLOCKS, "pipeline": {"schedule": schedule, "microbatches": m}, **extra}
 
 
-#: world → {name: (model, plan)}
+#: world → {name: (model, plan)}: tp, pp under two or more schedules, cp, ep, fsdp, ddp, checkpointing, combinations
 LAYOUTS = {
+    2: {"fsdp2": ("llama", {"layout": {}}), "ddp2": ("llama", {"layout": {"dp_replicate": 2}}),
+        "tp2": ("llama", {"layout": {"tp": 2}, "tensor_parallel": TP}),
+        "tp2_full_ac": ("llama", {"layout": {"tp": 2}, "tensor_parallel": TP, "blocks": {**BLOCKS, **FULL}}),
+        "pp2_gpipe": ("llama", _pp({"pp": 2}, "gpipe", 4)), "pp2_1f1b": ("llama", _pp({"pp": 2}, "1f1b", 4)),
+        "pp2_interleaved": ("llama", _pp({"pp": 2, "vpp": 2}, "interleaved_1f1b", 4)),
+        "cp2": ("llama", {"layout": {"cp": 2}, "context_parallel": CP}),
+        "fsdp2_full_ac": ("llama", {"layout": {}, "blocks": {**BLOCKS, **FULL}}),
+        "moe_ep2": ("moe", {"layout": {"ep": 2}, "expert_parallel": MOE["expert_parallel"]}),
+        "moe_fsdp2": ("moe", {"layout": {}}), "moe_ddp2": ("moe", {"layout": {"dp_replicate": 2}})},
     4: {"fsdp4": ("llama", {"layout": {}}), "ddp4": ("llama", {"layout": {"dp_replicate": 4}}),
         "tp2_fsdp2": ("llama", {"layout": {"tp": 2}, "tensor_parallel": TP}),
         "tp4": ("llama", {"layout": {"tp": 4}, "tensor_parallel": TP}),
@@ -58,18 +71,20 @@ LAYOUTS = {
         "cp2_fsdp2": ("llama", {"layout": {"cp": 2}, "context_parallel": CP}),
         "cp2_tp2": ("llama", {"layout": {"cp": 2, "tp": 2}, "context_parallel": CP, "tensor_parallel": TP}),
         "tp2_pp2": ("llama", _pp({"tp": 2, "pp": 2}, m=2, tensor_parallel=TP)),
-        "fsdp4_full_ac": ("llama", {"layout": {}, "blocks": {**BLOCKS, "activation_checkpointing": {"mode": "full"}}}),
+        "fsdp4_full_ac": ("llama", {"layout": {}, "blocks": {**BLOCKS, **FULL}}),
         "moe_ep4": ("moe", {"layout": {"ep": 4}, "expert_parallel": MOE["expert_parallel"]}),
         "moe_ep2_fsdp": ("moe", {"layout": {"ep": 2}, "expert_parallel": MOE["expert_parallel"]}),
         "moe_tp2_ep2": ("moe", {k: v for k, v in MOE.items() if k != "version"})},
     8: {"fsdp8": ("llama", {"layout": {}}), "ddp8": ("llama", {"layout": {"dp_replicate": 8}}),
         "tp2_fsdp4": ("llama", {"layout": {"tp": 2}, "tensor_parallel": TP}),
         "tp4_fsdp2": ("llama", {"layout": {"tp": 4}, "tensor_parallel": TP}),
-        "pp2_fsdp4": ("llama", _pp({"pp": 2})),
+        "pp2_fsdp4": ("llama", _pp({"pp": 2})), "pp4_gpipe_dp2": ("llama", _pp({"pp": 4, "dp_replicate": 2}, "gpipe")),
         "pp2_tp2_fsdp2": ("llama", _pp({"pp": 2, "tp": 2}, m=2, tensor_parallel=TP)),
         "cp2_tp2_fsdp2": ("llama", {"layout": {"cp": 2, "tp": 2}, "context_parallel": CP, "tensor_parallel": TP}),
         "cp4_fsdp2": ("llama", {"layout": {"cp": 4}, "context_parallel": CP}),
+        "fsdp8_full_ac": ("llama", {"layout": {}, "blocks": {**BLOCKS, **FULL}}),
         "moe_ep4_fsdp2": ("moe", {"layout": {"ep": 4}, "expert_parallel": MOE["expert_parallel"]}),
+        "moe_ep8": ("moe", {"layout": {"ep": 8}, "expert_parallel": MOE["expert_parallel"]}),
         "moe_tp2_ep4": ("moe", {"layout": {"tp": 2, "ep": 4, "etp": 1}, "tensor_parallel": MOE["tensor_parallel"],
                                 "expert_parallel": MOE["expert_parallel"]})},
 }
@@ -81,20 +96,21 @@ def model_config(kind: str) -> dict:
     return {**cfg, "moe_hidden": 2 * DIM, "n_experts": 8, "top_k": 2} if kind == "moe" else cfg
 
 
-def measure(plan: dict, kind: str, world: int, steps: int, tmp: Path) -> float:
-    """Median seconds per step of ``examples/train.py`` with ``plan`` on ``world`` processes."""
-    path = tmp / "plan.yaml"
-    path.write_text(yaml.safe_dump({"version": 1, **plan}, sort_keys=False))
+def measure(layouts: dict, world: int, args, tmp: Path) -> dict:
+    """``{name: {"times": [median s/step per repeat], "load": [...]}}``: one torchrun launch runs every layout."""
+    spec, out = tmp / f"layouts{world}.json", tmp / f"measured{world}.json"
+    spec.write_text(json.dumps([{"name": n, "kind": k, "plan": p} for n, (k, p) in layouts.items()]))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-           str(ROOT / "examples/train.py"), "--plan", str(path), "--model", kind, "--global-batch", str(BATCH),
-           "--seq", str(SEQ), "--dim", str(DIM), "--layers", str(LAYERS), "--steps", str(steps), "--json"]
+           str(ROOT / "benchmarks/_calibrate_worker.py"), "--layouts", str(spec), "--out", str(out),
+           "--repeats", str(args.repeats), "--warmup", str(args.warmup), "--steps", str(args.steps),
+           "--dim", str(DIM), "--layers", str(LAYERS), "--seq", str(SEQ), "--batch", str(BATCH)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800, cwd=ROOT)
-    rows = [json.loads(ln) for ln in out.stdout.splitlines() if ln.startswith("{")]
-    if out.returncode or len(rows) < steps:
-        said = [ln for ln in out.stderr.splitlines() if ln.startswith("[rank") or "Error" in ln]
-        raise RuntimeError(f"train.py failed ({out.returncode}): " + "\n".join(said[-30:] or [out.stderr[-1500:]]))
-    return statistics.median(BATCH * SEQ / r["tokens_per_s"] for r in rows[2:])
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600, cwd=ROOT)
+    if proc.returncode or not out.is_file():
+        said = [ln for ln in proc.stderr.splitlines() if ln.startswith("[rank") or "Error" in ln]
+        raise RuntimeError(f"calibration worker failed ({proc.returncode}): "
+                           + "\n".join(said[-30:] or [proc.stderr[-1500:]]))
+    return json.loads(out.read_text())
 
 
 def predict(plan: dict, kind: str, world: int, cluster) -> float:
@@ -128,40 +144,63 @@ def first_choice(kind: str, world: int, cluster) -> dict:
     return {k: v for k, v in plan.items() if k != "version"}
 
 
-def run_world(world: int, steps: int, tmp: Path) -> None:
+def run_world(world: int, args, tmp: Path) -> dict:
+    """Profile, measure every layout (and the solver's first choices) in one launch, print the table."""
     from meshplan.profile.run import profile_cluster
     cluster = profile_cluster(nproc=world, out=tmp / f"cluster{world}.json")
+    layouts = dict(LAYOUTS[world])
+    for kind in ("llama", "moe"):
+        layouts[f"solver_first_{kind}"] = (kind, first_choice(kind, world, cluster))
+    got = measure(layouts, world, args, tmp)
     print(f"\n### world {world} on {os.cpu_count()} cores — {cluster.source}\n")
-    print("| layout | model | measured s/step | predicted s/step | error | load before |")
-    print("|---|---|---|---|---|---|")
-    results: dict[str, list] = {"llama": [], "moe": []}
-    for name, (kind, plan) in LAYOUTS[world].items():
-        load = os.getloadavg()[0]
-        got, want = measure(plan, kind, world, steps, tmp), predict(plan, kind, world, cluster)
-        results[kind].append((name, got, want))
-        print(f"| {name} | {kind} | {got:.3f} | {want:.3f} | {100 * (want / got - 1):+.0f}% | {load:.1f} |", flush=True)
-    for kind, rows in results.items():
-        if len(rows) > 2:
-            rho = spearman([r[1] for r in rows], [r[2] for r in rows])
-            print(f"\n{kind}: Spearman rank correlation {rho:.2f} over {len(rows)} layouts; mean |error| "
-                  f"{100 * statistics.fmean(abs(r[2] / r[1] - 1) for r in rows):.0f}%")
-        plan = first_choice(kind, world, cluster)
-        got = measure(plan, kind, world, steps, tmp)
-        fastest = min(rows, key=lambda r: r[1])
-        print(f"{kind}: solver's first choice {plan['layout']} (blocks {plan.get('blocks', {})}) measured "
-              f"{got:.3f} s/step vs the fastest measured {fastest[0]} {fastest[1]:.3f}: "
-              f"{100 * (got / fastest[1] - 1):+.1f}%")
+    print("| layout | model | measured s/step (median of repeats) | spread | predicted | error | load |")
+    print("|---|---|---|---|---|---|---|")
+    rows = []
+    for name, (kind, plan) in layouts.items():
+        times, loads = got[name]["times"], got[name]["load"]
+        m, p = statistics.median(times), predict(plan, kind, world, cluster)
+        rows.append((name, kind, m, p))
+        print(f"| {name} | {kind} | {m:.3f} | {100 * (max(times) - min(times)) / m:.0f}% | {p:.3f} | "
+              f"{100 * (p / m - 1):+.0f}% | {statistics.median(loads):.1f} |", flush=True)
+    return summarize(world, rows, cluster, args, tmp)
+
+
+def summarize(world: int, rows: list, cluster, args, tmp: Path) -> dict:
+    """Spearman, mean and worst error over the listed layouts; the solver's first choice vs the fastest."""
+    listed = [r for r in rows if not r[0].startswith("solver_first")]
+    errors = [abs(r[3] / r[2] - 1) for r in listed]
+    rho = spearman([r[2] for r in listed], [r[3] for r in listed])
+    print(f"\nworld {world}: {len(listed)} layouts; mean |error| {100 * statistics.fmean(errors):.0f}%, worst "
+          f"{100 * max(errors):.0f}%, Spearman {rho:.2f}")
+    for kind in ("llama", "moe"):
+        first = next(r for r in rows if r[0] == f"solver_first_{kind}")
+        fastest = min((r for r in listed if r[1] == kind), key=lambda r: r[2])
+        print(f"{kind}: solver's first choice measured {first[2]:.3f} s/step vs the fastest measured {fastest[0]} "
+              f"{fastest[2]:.3f}: {100 * (first[2] / fastest[2] - 1):+.1f}%")
+    if args.save_clusters:
+        from dataclasses import replace
+        path = Path(args.save_clusters) / f"cluster{world}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        done = replace(cluster, calibration_error=statistics.fmean(errors),
+                       calibration_source=f"benchmarks/calibrate.py at world {world}, {len(listed)} layouts")
+        path.write_text(json.dumps(done.to_dict(), indent=1) + "\n")
+    return {"world": world, "mean": statistics.fmean(errors), "worst": max(errors), "spearman": rho}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--worlds", default="4,8")
-    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--worlds", default="2,4,8")
+    ap.add_argument("--repeats", type=int, default=3, help="passes over all layouts, interleaved")
+    ap.add_argument("--warmup", type=int, default=2, help="unmeasured steps per layout and repeat")
+    ap.add_argument("--steps", type=int, default=3, help="measured steps per layout and repeat (median)")
+    ap.add_argument("--save-clusters", default=None,
+                    help="write each world's profiled cluster here with its calibration error (estimate's ± band)")
     args = ap.parse_args()
-    print(f"load average at start: {os.getloadavg()[0]:.2f} (numbers are only worth reporting below ~1.5)")
+    print(f"load average at start: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores (the table is worth "
+          f"reporting only on a quiet host)")
     with tempfile.TemporaryDirectory(prefix="meshplan-calibrate-") as tmp:
         for world in (int(w) for w in args.worlds.split(",")):
-            run_world(world, args.steps, Path(tmp))
+            run_world(world, args, Path(tmp))
     print(f"\nload average at end: {os.getloadavg()[0]:.2f}")
 
 

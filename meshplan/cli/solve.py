@@ -82,7 +82,7 @@ def _emit(args: argparse.Namespace, text: str, doc: dict) -> None:
 def _estimate(args: argparse.Namespace) -> int:
     from meshplan.plan_file.document import load_plan
     from meshplan.solver.plans import candidate_from_plan
-    from meshplan.solver.report import estimate_json, estimate_text
+    from meshplan.solver.report import estimate_json, estimate_text, uncertainty
     from meshplan.solver.rules import model_problem, run_problem
     from meshplan.solver.step import evaluate
     plan = load_plan(args.plan)
@@ -97,6 +97,7 @@ def _estimate(args: argparse.Namespace) -> int:
     if warning:
         print(f"meshplan: warning: {warning}", file=sys.stderr)
     text, doc = estimate_text(est, shape, cluster, args.plan), estimate_json(est)
+    doc["uncertainty"] = uncertainty(cluster)
     from meshplan.solver.units import UNITS
     notes = [n for u in UNITS if u.costs.estimate_line for n in [u.costs.estimate_line(evaluate, shape, cand, train,
                                                                                        cluster)] if n]

@@ -4,7 +4,9 @@ under torchrun on this machine and turn its numbers into a :class:`~meshplan.sol
 The cluster is one node of ``nproc`` devices: its intra-node link is what the collectives measured, its
 inter-node link the same (nothing else is measurable from one machine); collective times come from the measured
 fits (:meth:`Cluster.comm_time`), compute from the measured matmul curve, memory-bound work from the measured
-bandwidth. On a CPU host the data-parallel overlap is 0: the cores that compute also communicate.
+bandwidth, what the counts leave out (DTensor dispatch, FSDP2 hooks, pipeline actions: :mod:`meshplan.solver.overheads`)
+from :mod:`meshplan.profile.overheads`, and the ranks per core from the measured effective parallelism. On a CPU
+host the data-parallel overlap is 0: the cores that compute also communicate.
 """
 
 from __future__ import annotations
@@ -31,10 +33,19 @@ def _host_memory() -> float:
         return 16e9
 
 
+def _oversubscription(m: dict, world: int, cpu: bool) -> float:
+    """Ranks per core: the measured effective parallelism's inverse (an older measurement without it: ranks over
+    CPU cores on a CPU host, else 1)."""
+    if m.get("parallelism"):
+        return max(1.0, 1.0 / float(m["parallelism"]))
+    return max(1.0, world / (os.cpu_count() or world)) if cpu else 1.0
+
+
 def cluster_from_measurement(m: dict) -> Cluster:
     """A :class:`Cluster` from the worker's JSON."""
     world = int(m["world"])
-    fits = {k: {int(n): Fit(**f) for n, f in v.items()} for k, v in m["collectives"].items() if v}
+    measured = {**m["collectives"], "all_to_all_v": m.get("all_to_all_v", {})}
+    fits = {k: {int(n): Fit(**f) for n, f in v.items()} for k, v in measured.items() if v}
     ag = fits.get("all_gather", {})
     big = ag[max(ag)] if ag else Fit(1e-5, 1e9)
     link = Link(bandwidth=big.bandwidth * (max(ag) - 1) / max(ag) if ag else 1e9,
@@ -49,7 +60,11 @@ def cluster_from_measurement(m: dict) -> Cluster:
         flops={m["dtype"]: max(r for _, r in rates)}, hbm_bandwidth=float(m["hbm_bandwidth"]), intra=link,
         inter=link, matmul_efficiency=1.0, attention_efficiency=0.5 if cpu else 0.35,
         op_overhead=float(m["op_overhead"]), overlap=0.0 if cpu else 1.0, usable_memory=0.9,
-        oversubscription=max(1.0, world / (os.cpu_count() or world)) if cpu else 1.0, matmul_rates=rates,
+        oversubscription=_oversubscription(m, world, cpu), matmul_rates=rates,
+        dtensor_overheads={k: float(v) for k, v in m.get("dtensor_overheads", {}).items()},
+        fsdp_unit_overhead=float(m.get("fsdp_unit_overhead", 0.0)),
+        pipeline_action_overhead=float(m.get("pipeline_action_overhead", 0.0)),
+        repeat_spread=float(m.get("repeat_spread", 0.0)),
         memory_rates=memory_rates,
         collectives=fits, device=m["device"],
         source=(f"measured by `meshplan profile` on {platform.node()} ({m['backend']}, {world} processes, "

@@ -6,6 +6,9 @@ Every rank measures at once and for long enough (~0.2 s windows) that ranks shar
 * matmul rates: a ``[n, n] @ [n, n]`` forward and its two backward matmuls, by size ``n``;
 * memory bandwidth: an element-wise add over tensors of 256 KiB (in cache) to 64 MiB (in memory);
 * operator overhead: a chain of tiny autograd ops, forward and backward, per op;
+* what the counts leave out (:mod:`meshplan.profile.overheads`): DTensor dispatch per op kind, FSDP2 hooks per
+  unit, pipeline schedule actions, uneven all-to-all, and the cores each rank gets (effective parallelism);
+* the repeat spread: the median relative spread of the timing windows (``estimate``'s ± band);
 * collectives: all-gather, reduce-scatter, all-reduce and all-to-all in groups of consecutive ranks of every
   size dividing the world (all groups at once), and paired send/recv; each fitted as ``latency + bytes /
   bandwidth`` over three sizes (bytes as :meth:`meshplan.solver.cluster.Cluster.comm_time` takes them).
@@ -25,15 +28,17 @@ import torch
 import torch.distributed as dist
 
 from meshplan.mesh.ranks import divisors
+from meshplan.profile.overheads import measure_overheads
 
 SIZES = (64, 128, 256, 512, 1024)
 MESSAGE_BYTES = (1 << 13, 1 << 18, 1 << 22)
 
 
-def _timed(fn, reps: int, window: float = 0.2) -> float:
+def _timed(fn, reps: int, window: float = 0.2, spread: list | None = None) -> float:
     """Median seconds per call of ``fn`` over ``reps`` windows of about ``window`` seconds each, every rank starting
     together and running the same number of calls (a window long enough for ranks sharing cores to contend as
-    training makes them: a short burst runs each rank alone on a core)."""
+    training makes them: a short burst runs each rank alone on a core); ``spread`` collects the windows' relative
+    spread ``(max − min) / median``."""
     fn()
     t = time.perf_counter()
     fn()
@@ -50,6 +55,8 @@ def _timed(fn, reps: int, window: float = 0.2) -> float:
         if cuda:
             torch.cuda.synchronize()
         times.append((time.perf_counter() - t) / calls_n)
+    if spread is not None:
+        spread.append((max(times) - min(times)) / max(statistics.median(times), 1e-12))
     return statistics.median(times)
 
 
@@ -60,16 +67,16 @@ def _mean_over_ranks(x: float, device: torch.device) -> float:
 
 
 def _compute(device: torch.device, dtype: torch.dtype) -> dict:
-    rates = []
+    rates, spread = [], []
     for n in SIZES:
         a = torch.randn(n, n, device=device, dtype=dtype, requires_grad=True)
         w = torch.randn(n, n, device=device, dtype=dtype, requires_grad=True)
-        sec = _timed(lambda: (a @ w).sum().backward(), reps=3)
+        sec = _timed(lambda: (a @ w).sum().backward(), reps=3, spread=spread)
         rates.append((n, _mean_over_ranks(3 * 2 * n ** 3 / sec, device)))
     bandwidths = []
     for n in (1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24):  # 256 KiB (in cache) … 64 MiB (memory) per tensor
         x, y = torch.randn(n, device=device), torch.randn(n, device=device)
-        sec = _timed(lambda: torch.add(x, y), reps=3)
+        sec = _timed(lambda: torch.add(x, y), reps=3, spread=spread)
         bandwidths.append((n * 4, _mean_over_ranks(3 * n * 4 / sec, device)))
     tiny = torch.ones(8, device=device, requires_grad=True)
 
@@ -78,9 +85,9 @@ def _compute(device: torch.device, dtype: torch.dtype) -> dict:
         for _ in range(50):
             h = h * 1.0001
         h.sum().backward()
-    overhead = _mean_over_ranks(_timed(chain, reps=3) / 100, device)  # 50 forward ops and their 50 backward
+    overhead = _mean_over_ranks(_timed(chain, reps=3, spread=spread) / 100, device)  # 50 forward, 50 backward
     return {"matmul_rates": rates, "memory_rates": bandwidths, "hbm_bandwidth": bandwidths[-1][1],
-            "op_overhead": overhead}
+            "op_overhead": overhead, "repeat_spread": _mean_over_ranks(statistics.median(spread), device)}
 
 
 def _collective(kind: str, group, n: int, nbytes: int, device: torch.device):
@@ -146,6 +153,7 @@ def main() -> None:
     result = {"backend": backend, "device": device.type, "world": dist.get_world_size(),
               "dtype": str(dtype).removeprefix("torch."), **_compute(device, dtype),
               "collectives": _collectives(device), "threads": torch.get_num_threads(),
+              **measure_overheads(_timed, lambda x: _mean_over_ranks(x, device), _fit, MESSAGE_BYTES, device),
               "memory": (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None)}
     if dist.get_rank() == 0:
         with open(args.out, "w", encoding="utf-8") as f:

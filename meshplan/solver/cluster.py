@@ -61,6 +61,7 @@ def _ring(kind: str, n: int) -> tuple[float, float]:
     steps = n - 1 if n <= 16 else 2 * math.log2(n)
     return {"all_gather": (steps, (n - 1) / n), "reduce_scatter": (steps, (n - 1) / n),
             "all_reduce": (2 * steps, 2 * (n - 1) / n), "all_to_all": (steps, (n - 1) / n),
+            "all_to_all_v": (steps, (n - 1) / n),
             "send": (1, 1.0)}[kind]
 
 
@@ -81,8 +82,16 @@ class Cluster:
         host_bandwidth: bytes/s one device moves to and from host memory (PCIe) and the host's memory bandwidth
             per device for an offloaded optimizer step (``data_parallel.cpu_offload``).
         oversubscription: ranks per compute unit on a node (a CPU host running more ranks than it has cores; 1
-            on GPUs). A rank idle in a pipeline bubble gives its share to the busy ones, so a bubble costs only
+            on GPUs); ``meshplan profile`` measures it (a compute loop alone over the same loop on every rank at
+            once). A rank idle in a pipeline bubble gives its share to the busy ones, so a bubble costs only
             what the busy ranks cannot use.
+        dtensor_overheads: seconds a DTensor op takes beyond its local op, by kind (``mm``, ``view``,
+            ``pointwise``: :mod:`meshplan.solver.overheads`). fsdp_unit_overhead: seconds of FSDP2's hooks per
+            unit and microbatch. pipeline_action_overhead: seconds per pipeline schedule action beyond its compute.
+        repeat_spread: the profile's median relative spread between repeated timing windows.
+        calibration_error: mean relative error of this model against measured steps (``calibrate.py``, or the
+            published runs for a preset); with ``repeat_spread`` the ± band of ``meshplan estimate``.
+        calibration_source: where ``calibration_error`` comes from.
         matmul_rates: measured ``(size, FLOP/s)`` points, size the cube root of m·n·k (``meshplan profile``).
         memory_rates: measured ``(bytes per tensor, bytes/s)`` of element-wise work (caches make small tensors
             faster than ``hbm_bandwidth``).
@@ -104,6 +113,12 @@ class Cluster:
     usable_memory: float = 0.9
     host_bandwidth: float = 25e9
     oversubscription: float = 1.0
+    dtensor_overheads: Mapping[str, float] = field(default_factory=dict)
+    fsdp_unit_overhead: float = 0.0
+    pipeline_action_overhead: float = 0.0
+    repeat_spread: float = 0.0
+    calibration_error: float = 0.0
+    calibration_source: str = ""
     matmul_rates: tuple[tuple[float, float], ...] = ()
     memory_rates: tuple[tuple[float, float], ...] = ()
     collectives: Mapping[str, Mapping[int, Fit]] = field(default_factory=dict)
@@ -137,6 +152,8 @@ class Cluster:
         if n <= 1 and kind != "send":
             return 0.0
         measured = self.collectives.get(kind)
+        if kind == "all_to_all" and self.collectives.get("all_to_all_v"):
+            measured = self.collectives["all_to_all_v"]  # meshplan's all-to-alls (MoE dispatch) split unevenly
         if measured:
             return self._measured(measured, kind, n, nbytes)
         link = self.inter if nodes > 1 else self.intra
@@ -172,6 +189,7 @@ class Cluster:
             data = dict(d)
             data["intra"], data["inter"] = Link(**d["intra"]), Link(**d["inter"])
             data["flops"] = {str(k): float(v) for k, v in d["flops"].items()}
+            data["dtensor_overheads"] = {str(k): float(v) for k, v in d.get("dtensor_overheads", {}).items()}
             for key in ("matmul_rates", "memory_rates"):
                 data[key] = tuple((float(s), float(r)) for s, r in d.get(key, ()))
             data["collectives"] = {k: {int(n): Fit(**f) for n, f in v.items()}
@@ -185,6 +203,7 @@ class Cluster:
         import math
         numbers = {k: v for k, v in vars(cluster).items() if isinstance(v, (int, float))}
         numbers.update({f"flops.{k}": v for k, v in cluster.flops.items()})
+        numbers.update({f"dtensor_overheads.{k}": v for k, v in cluster.dtensor_overheads.items()})
         bad = {k: v for k, v in numbers.items() if not math.isfinite(v) or v < 0}  # NaN compares false above
         if bad:
             raise PlanError(f"{where}: {', '.join(f'{k} = {v!r}' for k, v in list(bad.items())[:4])}: expected "

@@ -23,7 +23,7 @@ from meshplan.solver.placement import Group, Placement
 from meshplan.solver.shape import ModelShape
 from meshplan.solver.terms import Collective, block_kinds
 
-__all__ = ["Collective", "step_collectives"]
+__all__ = ["Collective", "step_collectives", "fsdp_units"]
 
 
 def step_collectives(s: ModelShape, c: Candidate, tr: Training, place: Placement, pp_rank: int = 0,
@@ -44,7 +44,7 @@ def step_collectives(s: ModelShape, c: Candidate, tr: Training, place: Placement
     return [x for x in out if x.count > 0]
 
 
-def _units(s: ModelShape, c: Candidate, place: Placement, pp_rank: int, memo: dict) -> list[tuple[str, int, int, int]]:
+def fsdp_units(s: ModelShape, c: Candidate, place: Placement, pp_rank: int, memo: dict) -> list[tuple[str, int, int, int]]:
     """FSDP units of a pipeline rank: ``(kind, unsharded elements (padded), shard size, units of the kind)``."""
     d_dense, d_expert = shard_sizes(c, place)
     pad = lambda tensors, d: sum(-(-r // d) * d * p for r, p in tensors)  # noqa: E731
@@ -75,6 +75,6 @@ def _per_step(s: ModelShape, c: Candidate, tr: Training, place: Placement, pp_ra
               memo: dict) -> list[Collective]:
     """The collectives the axes issue once per step over this rank's parameter units (FSDP2/DDP's gradient
     reduction: :attr:`~meshplan.axis.AxisCosts.step_collectives`)."""
-    units = _units(s, c, place, pp_rank, memo)
+    units = fsdp_units(s, c, place, pp_rank, memo)
     return [x for axis in UNITS if axis.costs.step_collectives is not None
             for x in axis.costs.step_collectives(c, tr, place, units)]

@@ -11,7 +11,7 @@ from meshplan.solver.search import SearchResult
 from meshplan.solver.shape import ModelShape
 from meshplan.solver.step import Estimate
 
-__all__ = ["estimate_text", "estimate_json", "search_text", "search_json", "fmt_bytes", "table", "LEGEND"]
+__all__ = ["estimate_text", "estimate_json", "uncertainty", "band_text", "search_text", "search_json", "fmt_bytes", "table", "LEGEND"]
 
 GiB = float(1 << 30)
 
@@ -55,8 +55,26 @@ def estimate_text(e: Estimate, s: ModelShape, cl: Cluster, source: str) -> str:
     lines += ["  bytes per step by axis: " + ", ".join(f"{a} {fmt_bytes(v)}" for a, v in by_axis.items()), "",
               f"step time on {cl.name}: {e.step_time:.4g} s ({_parts(e)}) -> {e.tokens_per_s:,.0f} tokens/s, "
               f"{e.tokens_per_s_device:,.1f} per device, {e.tflops_device:.1f} model TFLOP/s per device, "
-              f"MFU {100 * e.mfu:.1f}%"]
+              f"MFU {100 * e.mfu:.1f}%", band_text(cl)]
     return "\n".join(lines)
+
+
+def uncertainty(cl: Cluster) -> dict[str, Any]:
+    """The estimate's relative ± band: the profile's repeat spread and the calibration's mean error, added in
+    quadrature (each 0 when unknown)."""
+    band = (cl.repeat_spread ** 2 + cl.calibration_error ** 2) ** 0.5
+    return {"band": band, "repeat_spread": cl.repeat_spread, "calibration_error": cl.calibration_error,
+            "calibration_source": cl.calibration_source}
+
+
+def band_text(cl: Cluster) -> str:
+    """One line: the ± band and where it comes from."""
+    u = uncertainty(cl)
+    calibration = (f"the calibration's mean error {100 * u['calibration_error']:.0f}% ({u['calibration_source']})"
+                   if u["calibration_error"] else "no calibration for this cluster (benchmarks/calibrate.py "
+                   "--save-clusters writes one)")
+    return (f"uncertainty: ±{100 * u['band']:.0f}% of the step time, from the profile's repeat spread "
+            f"{100 * u['repeat_spread']:.0f}% and {calibration}")
 
 
 def _candidate_json(e: Estimate) -> dict[str, Any]:

@@ -3,7 +3,9 @@
 Step time = the pipeline (each microbatch's compute and exposed tp and axis-unit communication on the slowest rank,
 times the microbatches, stretched by the schedule's idle fraction) + the exposed pipeline sends + the exposed
 data-parallel traffic (what does not hide behind compute, per the cluster's ``overlap``) + the optimizer step +
-the step's small all-reduces (with CPU offload the optimizer step and the parameter and gradient copies run at
+the step's small all-reduces + what the FLOP and byte counts leave out (:mod:`meshplan.solver.overheads`:
+DTensor dispatch and FSDP2 hooks per microbatch, the optimizer's DTensor ops and the pipeline schedule's actions
+per step, each a count times a time ``meshplan profile`` measured) (with CPU offload the optimizer step and the parameter and gradient copies run at
 the host's bandwidth). On a host running more ranks than cores (``Cluster.oversubscription`` o > 1) the
 bubble costs only what the busy ranks cannot take over: the pipeline stretches by ``1 / min(1, (1−f)·o)``. Idle
 fractions (``docs/pipeline.md``, measured there by replaying each torch
@@ -18,9 +20,10 @@ from dataclasses import dataclass, field
 from meshplan.solver.units import COST_UNITS as UNITS  # the units the per-microbatch terms take (in_solver)
 from meshplan.solver.candidate import Candidate, Training
 from meshplan.solver.cluster import Cluster
-from meshplan.solver.collectives import Collective, step_collectives
+from meshplan.solver.collectives import Collective, fsdp_units, step_collectives
 from meshplan.solver.compute import block_time, end_time, model_flops_per_token
-from meshplan.solver.memory import Memory, block_kinds, rank_memory
+from meshplan.solver.memory import Memory, block_kinds, rank_memory, shard_sizes
+from meshplan.solver.overheads import microbatch_overhead, step_overhead
 from meshplan.solver.placement import Placement
 from meshplan.solver.shape import ModelShape
 
@@ -40,7 +43,8 @@ class Estimate:
         tokens_per_s_device: per device. mfu: model FLOPs utilisation (of the compute dtype's peak).
         tflops_device: model TFLOP/s per device. memory: the most loaded rank's. memory_rank: its pipeline rank.
         parts: seconds by part (``compute``, ``bubble``, ``tp``, each axis unit's name, ``pp``, ``dp``,
-            ``optimizer``, ``step``).
+            ``optimizer``, ``step``, ``overheads``: DTensor dispatch and FSDP2 hooks, ``optimizer_dispatch``,
+            ``pp_actions``).
         collectives: pipeline rank 0's collectives per step.
     """
 
@@ -82,7 +86,8 @@ def _rank_microbatch(s: ModelShape, c: Candidate, tr: Training, cl: Cluster, pla
     secs += end_time(s, c, tr, cl, *place.ends_of(r))
     colls = step_collectives(s, c, tr, place, r, memo)
     comm = {a: v / c.microbatches for a, v in _comm(colls, cl, _PER_MICROBATCH, times).items()}
-    return secs, flops, {**comm, "colls": colls}
+    units = sum(n for _, _, d, n in fsdp_units(s, c, place, r, memo) if d > 1)  # FSDP2-wrapped units
+    return secs, flops, {**comm, "overheads": microbatch_overhead(s, c, cl, place, r, units, memo), "colls": colls}
 
 
 def _ranks(s: ModelShape, c: Candidate, place: Placement, memo: dict) -> list[int]:
@@ -124,10 +129,12 @@ def evaluate(s: ModelShape, c: Candidate, tr: Training, cl: Cluster, place: Plac
     memo = {} if memo is None else memo
     times = {} if times is None else times
     per_rank = {r: _rank_microbatch(s, c, tr, cl, place, r, memo, times) for r in _ranks(s, c, place, memo)}
-    t_mb = {r: sum((v[2][a] for a in _PER_MICROBATCH), v[0]) for r, v in per_rank.items()}
+    t_mb = {r: sum((v[2][a] for a in _PER_MICROBATCH), v[0] + v[2]["overheads"]) for r, v in per_rank.items()}
     slow = max(t_mb, key=t_mb.get)
     m = c.microbatches
-    busy = m * t_mb[slow]
+    mem, worst = peak_memory(s, c, tr, place, memo)
+    extra = step_overhead(c, cl, mem.tensors, max(shard_sizes(c, place)) > 1)
+    busy = m * t_mb[slow] + extra["pp_actions"]
     busy_share = 1 - sum(axis.costs.idle_fraction(c) for axis in UNITS)  # the axes' bubbles
     pipeline = busy / min(1.0, busy_share * cl.oversubscription)  # idle ranks' cores go to the busy ones
     colls = per_rank[slow][2]["colls"]
@@ -137,16 +144,16 @@ def evaluate(s: ModelShape, c: Candidate, tr: Training, cl: Cluster, place: Plac
     dp_calls = sum(x.count for x in colls if x.axis == "dp")
     ends = 2 * comm["dp"] / dp_calls if dp_calls else 0.0  # the first gather and the last reduction stay exposed
     dp_exposed = (1 - cl.overlap) * comm["dp"] + cl.overlap * max(ends, comm["dp"] - compute)
-    mem, worst = peak_memory(s, c, tr, place, memo)
     per_tensor = mem.numel * tr.master_bytes / max(mem.tensors, 1)  # AdamW's foreach ops, tensor by tensor
     optimizer = mem.numel * tr.master_bytes * (3 * tr.optimizer_states + 4) / cl.memory_rate(per_tensor)
     if tr.cpu_offload:  # the step on the host; parameters in and gradients out over PCIe, once each per step
         optimizer = mem.numel * tr.master_bytes * (3 * tr.optimizer_states + 6) / cl.host_bandwidth
-    step = pipeline + sum(own.values()) + dp_exposed + optimizer + comm["step"]
+    step = pipeline + sum(own.values()) + dp_exposed + optimizer + extra["optimizer_dispatch"] + comm["step"]
     tokens = tr.tokens / step
     model = model_flops_per_token(s, tr.seq) * tokens / c.world
     parts = {"compute": compute, "bubble": pipeline - busy, **{a: m * per_rank[slow][2][a] for a in _PER_MICROBATCH},
-             **own, "dp": dp_exposed, "optimizer": optimizer, "step": comm["step"]}
+             **own, "dp": dp_exposed, "optimizer": optimizer, "step": comm["step"],
+             "overheads": m * per_rank[slow][2]["overheads"], **extra}
     colls0 = per_rank[0][2]["colls"] if 0 in per_rank else step_collectives(s, c, tr, place, 0, memo)
     return Estimate(c, step, tokens, tokens / c.world, model / cl.peak(tr.dtype), model / 1e12, mem, worst,
                     parts, colls0)

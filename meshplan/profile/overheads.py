@@ -1,0 +1,139 @@
+"""What the cost model's FLOP and byte counts leave out, measured by the ``meshplan profile`` job (every rank at
+once, as in training: on a host with more ranks than cores the times are the time-shared ones training gets):
+
+* **DTensor dispatch**: seconds a DTensor op takes beyond its local op, per op kind the model counts
+  (:data:`meshplan.solver.overheads.DTENSOR_KINDS`: ``mm``, ``view``, ``pointwise``), on a tiny tensor sharded over
+  the world (no communication: sharding propagation, the Python dispatch and the wrapping);
+* **FSDP2 hooks**: seconds per unit and step of ``fully_shard``'s pre/post forward and backward hooks, a forward
+  and backward of units over one rank each minus the same unsharded (collectives are priced by their fits);
+* **pipeline actions**: seconds per forward or backward action of a torch schedule beyond the stage's own compute
+  (one stage over one rank: the schedule's bookkeeping, chunking and loss; sends are priced by their fit);
+* **uneven all-to-all** (``all_to_all_v``): ``all_to_all_single`` with skewed split sizes (as an MoE dispatch);
+* **effective parallelism**: cores per rank, the time of a fixed compute loop on rank 0 alone over its time when
+  every rank runs it (1 with a core per rank; ``1/4`` for 8 ranks on 2 cores).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+__all__ = ["measure_overheads"]
+
+
+def _rank_mesh(device: torch.device):
+    """A mesh over the world whose last dim holds one rank: ``(world mesh, this rank's one-rank mesh)``."""
+    from torch.distributed.device_mesh import DeviceMesh
+    world = dist.get_world_size()
+    mesh = DeviceMesh(device.type, torch.arange(world).reshape(world, 1), mesh_dim_names=("world", "self"))
+    return mesh["world"], mesh["self"]
+
+
+def _dtensor(timed: Callable, mean: Callable, mesh, device: torch.device) -> dict[str, float]:
+    """Seconds per DTensor op beyond its local op, by kind (mean over ranks)."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    n = mesh.size()
+    x = torch.randn(16 * n, 16, device=device)
+    w = torch.randn(16, 16, device=device)
+    dx, dw = distribute_tensor(x, mesh, [Shard(0)]), distribute_tensor(w, mesh, [Replicate()])
+    lx = dx.to_local()
+    ops = {"mm": (lambda a, b: torch.mm(a, b), (dx, dw), (lx, w)),
+           "view": (lambda a: a.t().t(), (dx,), (lx,)),  # two view ops
+           "pointwise": (lambda a: a * 1.5 + a, (dx,), (lx,))}  # two pointwise ops
+    per_call = {"mm": 1, "view": 2, "pointwise": 2}
+    out = {}
+    for kind, (fn, dargs, largs) in ops.items():
+        reps = 20
+        d = timed(lambda: [fn(*dargs) for _ in range(reps)], reps=3, window=0.1)
+        loc = timed(lambda: [fn(*largs) for _ in range(reps)], reps=3, window=0.1)
+        out[kind] = mean(max(d - loc, 0.0) / (reps * per_call[kind]))
+    return out
+
+
+def _fsdp_unit(timed: Callable, mean: Callable, one, device: torch.device) -> float:
+    """Seconds of FSDP2's hooks per unit, forward and backward."""
+    from torch.distributed.fsdp import fully_shard
+    units = 8
+    torch.manual_seed(0)
+    plain = nn.Sequential(*[nn.Linear(16, 16) for _ in range(units)]).to(device)
+    sharded = nn.Sequential(*[nn.Linear(16, 16) for _ in range(units)]).to(device)
+    for layer in sharded:
+        fully_shard(layer, mesh=one)
+    fully_shard(sharded, mesh=one)
+    x = torch.randn(4, 16, device=device)
+    with_hooks = timed(lambda: sharded(x).sum().backward(), reps=3, window=0.1)
+    without = timed(lambda: plain(x).sum().backward(), reps=3, window=0.1)
+    return mean(max(with_hooks - without, 0.0) / (units + 1))  # the units and the root
+
+
+def _pipeline_action(timed: Callable, mean: Callable, one, device: torch.device) -> float:
+    """Seconds per forward or backward action of a torch pipeline schedule beyond the stage's compute."""
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+    m = 4
+    torch.manual_seed(0)
+    stage_module = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16)).to(device)
+    stage = PipelineStage(stage_module, 0, 1, device, group=one.get_group())
+    loss = lambda out, target: out.sum()  # noqa: E731
+    schedule = ScheduleGPipe(stage, n_microbatches=m, loss_fn=loss)
+    x = torch.randn(4 * m, 16, device=device)
+    pieces = x.chunk(m)
+    scheduled = timed(lambda: schedule.step(x, target=x), reps=3, window=0.1)
+    bare = timed(lambda: [stage_module(p).sum().backward() for p in pieces], reps=3, window=0.1)
+    return mean(max(scheduled - bare, 0.0) / (2 * m))
+
+
+def _uneven_all_to_all(timed: Callable, mean: Callable, fit: Callable, sizes, device: torch.device) -> dict:
+    """Fits of ``all_to_all_single`` with skewed splits over the world (rank ``r`` sends ``r+1`` shares to its
+    right neighbour), by group size (the world's)."""
+    world = dist.get_world_size()
+    if world < 2:
+        return {}
+    points = []
+    for nbytes in sizes:
+        share, rank = max(nbytes // 4 // (2 * world), 1), dist.get_rank()
+        send = [share * (world if j == (rank + 1) % world else 1) for j in range(world)]
+        recv = [share * (world if rank == (j + 1) % world else 1) for j in range(world)]
+        out, inp = torch.empty(sum(recv), device=device), torch.ones(sum(send), device=device)
+        sec = timed(lambda: dist.all_to_all_single(out, inp, recv, send), reps=3, window=0.1)
+        points.append((sum(send) * 4, mean(sec)))
+    return {str(world): fit(points)}
+
+
+def _parallelism(device: torch.device) -> float:
+    """Cores per rank: a compute loop's seconds on rank 0 alone over its seconds with every rank running it."""
+    a = torch.randn(96, 96, device=device)
+
+    def loop() -> float:
+        t = time.perf_counter()
+        for _ in range(400):
+            a @ a
+        return time.perf_counter() - t
+    loop()
+    alone = []
+    for _ in range(3):
+        dist.barrier()
+        if dist.get_rank() == 0:
+            alone.append(loop())
+        dist.barrier()
+    together = []
+    for _ in range(3):
+        dist.barrier()
+        together.append(loop())
+    t = torch.tensor([statistics.median(alone) if alone else 0.0, statistics.median(together)], dtype=torch.float64)
+    dist.broadcast(t, 0)
+    return float(min(1.0, t[0] / t[1]))
+
+
+def measure_overheads(timed: Callable, mean: Callable, fit: Callable, sizes, device: torch.device) -> dict:
+    """The measurements above as the worker's JSON keys (``timed``, ``mean``, ``fit``: the worker's helpers)."""
+    world_mesh, one = _rank_mesh(device)
+    return {"dtensor_overheads": _dtensor(timed, mean, world_mesh, device),
+            "fsdp_unit_overhead": _fsdp_unit(timed, mean, one, device),
+            "pipeline_action_overhead": _pipeline_action(timed, mean, one, device),
+            "all_to_all_v": _uneven_all_to_all(timed, mean, fit, sizes, device),
+            "parallelism": _parallelism(device)}

@@ -1,0 +1,77 @@
+"""What runs besides the FLOPs and the bytes: DTensor dispatch, FSDP2's hooks and a pipeline schedule's actions,
+each a count from the layout times a time ``meshplan profile`` measured (:mod:`meshplan.profile.overheads`; a
+preset cluster measures none of them: 0). Torch-free.
+
+Counts (recorded on ``examples/llama.py`` with a DTensor dispatch counter, ``tests/test_solver_overheads.py``):
+
+* **DTensor ops** per microbatch on a tensor-parallel rank, by kind (:data:`TP_BLOCK_OPS` per block,
+  :data:`TP_END_OPS` for the embedding, final norm, head and loss on the last stage); a block's 7 linears issue
+  3 ``mm`` each (forward, input and weight gradients), its layout changes and transposes the ``view`` ops, its
+  sequence-parallel norms and residual adds the ``pointwise`` ones;
+* **optimizer DTensor ops**: AdamW's :data:`OPTIMIZER_OPS_PER_TENSOR` pointwise ops per parameter tensor, once
+  per step, when the parameters are DTensors (tp, FSDP or ep shards them);
+* **FSDP2 hooks**: one pre/post forward and backward per unit (each block, an MoE block's experts, the root) and
+  microbatch;
+* **pipeline actions**: a forward and a backward per stage and microbatch (the zero-bubble schedules split the
+  backward in two).
+"""
+
+from __future__ import annotations
+
+from meshplan.plan_file.stages import SPLIT_BACKWARD
+from meshplan.solver.candidate import Candidate
+from meshplan.solver.cluster import Cluster
+from meshplan.solver.placement import Placement
+from meshplan.solver.shape import ModelShape
+from meshplan.solver.terms import block_kinds
+
+__all__ = ["DTENSOR_KINDS", "TP_BLOCK_OPS", "TP_END_OPS", "OPTIMIZER_OPS_PER_TENSOR", "dtensor_ops",
+           "pipeline_actions", "microbatch_overhead", "step_overhead"]
+
+#: the DTensor op kinds the model counts and the profile times
+DTENSOR_KINDS = ("mm", "view", "pointwise")
+#: DTensor ops of one tensor-parallel block per microbatch, forward and backward
+TP_BLOCK_OPS = {"mm": 21, "view": 94, "pointwise": 47}
+#: DTensor ops of the ends (embedding, final norm, head, loss) per microbatch, forward and backward
+TP_END_OPS = {"mm": 3, "view": 16, "pointwise": 20}
+#: AdamW's ops per DTensor parameter per step (two mul_, lerp_, addcmul_, sqrt, div, add_, addcdiv_)
+OPTIMIZER_OPS_PER_TENSOR = 8
+
+
+def dtensor_ops(s: ModelShape, c: Candidate, place: Placement, pp_rank: int, memo: dict | None = None) -> dict:
+    """DTensor ops per microbatch of pipeline rank ``pp_rank``, by kind (none without tensor parallelism)."""
+    if c.tp == 1:
+        return {k: 0 for k in DTENSOR_KINDS}
+    blocks = sum(block_kinds(s, c, place, pp_rank, memo).values())
+    last = place.ends_of(pp_rank)[1]
+    return {k: blocks * TP_BLOCK_OPS[k] + (TP_END_OPS[k] if last else 0) for k in DTENSOR_KINDS}
+
+
+def params_are_dtensors(c: Candidate, fsdp: bool) -> bool:
+    """Whether the optimizer steps DTensors: tensor, expert or fully sharded data parallelism."""
+    return c.tp > 1 or c.ep > 1 or fsdp
+
+
+def pipeline_actions(c: Candidate) -> int:
+    """Forward and backward actions one pipeline rank runs per step."""
+    if c.pp == 1 or c.schedule is None:
+        return 0
+    backward = 2 if c.schedule in SPLIT_BACKWARD else 1
+    return c.vpp * c.microbatches * (1 + backward)
+
+
+def microbatch_overhead(s: ModelShape, c: Candidate, cl: Cluster, place: Placement, pp_rank: int, units: int,
+                        memo: dict | None = None) -> float:
+    """Seconds per microbatch on pipeline rank ``pp_rank``: its DTensor ops and the hooks of its ``units`` FSDP
+    units (0 without FSDP)."""
+    ops = dtensor_ops(s, c, place, pp_rank, memo)
+    dispatch = sum(n * cl.dtensor_overheads.get(k, 0.0) for k, n in ops.items())
+    return dispatch + units * cl.fsdp_unit_overhead
+
+
+def step_overhead(c: Candidate, cl: Cluster, tensors: int, fsdp: bool) -> dict[str, float]:
+    """Seconds per step: the optimizer's DTensor ops over ``tensors`` local parameter tensors and the pipeline
+    schedule's actions."""
+    opt = OPTIMIZER_OPS_PER_TENSOR * tensors * cl.dtensor_overheads.get("pointwise", 0.0)
+    return {"optimizer_dispatch": opt if params_are_dtensors(c, fsdp) else 0.0,
+            "pp_actions": pipeline_actions(c) * cl.pipeline_action_overhead}

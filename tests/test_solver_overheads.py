@@ -1,0 +1,147 @@
+"""What the cost model prices beside FLOPs and bytes (:mod:`meshplan.solver.overheads`): the counts per layout,
+their price (a measured time times a count, nothing fitted), the profile's JSON turned into those fields, and
+``estimate``'s ± band. Pure arithmetic: no process group."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import yaml
+
+from meshplan.plan_file.document import Plan
+from meshplan.profile.run import cluster_from_measurement
+from meshplan.solver.cluster import Cluster, Fit
+from meshplan.solver.overheads import (OPTIMIZER_OPS_PER_TENSOR, TP_BLOCK_OPS, TP_END_OPS, dtensor_ops,
+                                       pipeline_actions)
+from meshplan.solver.placement import Placement
+from meshplan.solver.plans import candidate_from_plan
+from meshplan.solver.presets import cluster_preset
+from meshplan.solver.shape import shape_from_config
+from meshplan.solver.step import evaluate
+
+pytestmark = pytest.mark.fast
+
+TP = yaml.safe_load(open("plans/llama.yaml"))["tensor_parallel"]
+SHAPE = shape_from_config(dict(dim=64, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=256, ffn_dim=256))
+MEASURED = dict(dtensor_overheads={"mm": 1e-5, "view": 2e-5, "pointwise": 3e-5}, fsdp_unit_overhead=1e-3,
+                pipeline_action_overhead=5e-4)
+
+
+def _candidate(plan: dict, world: int):
+    return candidate_from_plan(Plan.from_data({"version": 1, **plan}, "test"), world, 64, 8)
+
+
+def test_dtensor_ops_count_tp_blocks_and_the_last_stage_ends():
+    c, _ = _candidate({"layout": {"tp": 2}, "tensor_parallel": TP}, 2)
+    place = Placement(c, SHAPE.layers, 8)
+    assert dtensor_ops(SHAPE, c, place, 0) == {k: 4 * TP_BLOCK_OPS[k] + TP_END_OPS[k] for k in TP_BLOCK_OPS}
+    c, _ = _candidate({"layout": {}}, 2)
+    assert set(dtensor_ops(SHAPE, c, Placement(c, SHAPE.layers, 8), 0).values()) == {0}
+
+
+@pytest.mark.parametrize("schedule,vpp,actions", [("gpipe", 1, 8), ("1f1b", 1, 8), ("interleaved_1f1b", 2, 16),
+                                                   ("zbv_zero_bubble", 2, 24)])
+def test_pipeline_actions_per_schedule(schedule, vpp, actions):
+    c, _ = _candidate({"layout": {"pp": 2, "vpp": vpp}, "blocks": {"pattern": "layers.*"},
+                       "pipeline": {"schedule": schedule, "microbatches": 4}}, 2)
+    assert pipeline_actions(c) == actions
+
+
+def test_priced_as_measured_time_times_count():
+    """tp2 × FSDP2: per microbatch 4 blocks' and the ends' DTensor ops and 5 FSDP units' hooks; per step AdamW's
+    ops on every local DTensor parameter. A preset (nothing measured) prices none of it."""
+    cl = cluster_preset("h100-80g")
+    c, tr = _candidate({"layout": {"tp": 2}, "tensor_parallel": TP}, 4)
+    base, priced = evaluate(SHAPE, c, tr, cl), evaluate(SHAPE, c, tr, dataclasses.replace(cl, **MEASURED))
+    per_op = MEASURED["dtensor_overheads"]
+    dispatch = sum((4 * TP_BLOCK_OPS[k] + TP_END_OPS[k]) * per_op[k] for k in per_op)
+    assert priced.parts["overheads"] == pytest.approx(dispatch + 5 * 1e-3)
+    assert priced.parts["optimizer_dispatch"] == pytest.approx(OPTIMIZER_OPS_PER_TENSOR * priced.memory.tensors * 3e-5)
+    assert base.parts["overheads"] == base.parts["optimizer_dispatch"] == base.parts["pp_actions"] == 0
+    assert priced.step_time - base.step_time == pytest.approx(priced.parts["overheads"]
+                                                              + priced.parts["optimizer_dispatch"])
+
+
+def test_ddp_pays_no_dispatch_and_a_pipeline_pays_its_actions():
+    cl = dataclasses.replace(cluster_preset("h100-80g"), **MEASURED)
+    c, tr = _candidate({"layout": {"dp_replicate": 2}}, 2)
+    e = evaluate(SHAPE, c, tr, cl)
+    assert e.parts["overheads"] == e.parts["optimizer_dispatch"] == 0
+    c, tr = _candidate({"layout": {"pp": 2}, "blocks": {"pattern": "layers.*"},
+                        "pipeline": {"schedule": "1f1b", "microbatches": 4}}, 2)
+    assert evaluate(SHAPE, c, tr, cl).parts["pp_actions"] == pytest.approx(8 * 5e-4)
+
+
+def test_uneven_all_to_all_is_priced_from_its_own_fit():
+    cl = dataclasses.replace(cluster_preset("h100-80g"), collectives={
+        "all_to_all": {4: Fit(1e-5, 1e9)}, "all_to_all_v": {4: Fit(2e-5, 5e8)}})
+    assert cl.comm_time("all_to_all", 4, 1, 1e6) == pytest.approx(2e-5 + 1e6 / 5e8)
+
+
+def _measurement(**extra) -> dict:
+    fit = {"2": {"latency": 1e-5, "bandwidth": 1e9}}
+    return {"world": 2, "backend": "gloo", "device": "cpu", "dtype": "float32", "threads": 1, "memory": 1e9,
+            "matmul_rates": [[64, 1e9]], "memory_rates": [[1e6, 1e10]], "hbm_bandwidth": 1e10, "op_overhead": 1e-5,
+            "collectives": {k: fit for k in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send")},
+            **extra}
+
+
+def test_profile_json_becomes_the_cluster_fields():
+    """The ranks per core come from the measured parallelism (0.25 cores per rank: 4), not from a core count."""
+    cl = cluster_from_measurement(_measurement(**MEASURED, parallelism=0.25, repeat_spread=0.04,
+                                               all_to_all_v={"2": {"latency": 3e-5, "bandwidth": 2e8}}))
+    assert cl.oversubscription == 4.0 and cl.repeat_spread == 0.04
+    assert cl.dtensor_overheads == MEASURED["dtensor_overheads"] and cl.fsdp_unit_overhead == 1e-3
+    assert cl.collectives["all_to_all_v"][2] == Fit(3e-5, 2e8)
+    assert Cluster.from_dict(cl.to_dict()) == cl
+
+
+def test_estimate_reports_its_band_and_where_it_comes_from():
+    from meshplan.solver.report import band_text, uncertainty
+    cl = dataclasses.replace(cluster_preset("h100-80g"), repeat_spread=0.03)
+    assert uncertainty(cl)["band"] == pytest.approx((0.03 ** 2 + 0.09 ** 2) ** 0.5)
+    assert "±9%" in band_text(cl) and "published runs" in band_text(cl)
+    profiled = cluster_from_measurement(_measurement(repeat_spread=0.05))
+    assert "±5%" in band_text(profiled) and "no calibration" in band_text(profiled)
+
+
+def test_recorded_dtensor_counts_match_a_tp_step(fake_pg):
+    """TP_BLOCK_OPS and TP_END_OPS are what one forward and backward of examples/llama.py under plans/llama.yaml's
+    tp rules dispatches through DTensor (1 and 2 blocks: the difference is one block), by kind."""
+    import sys
+    import torch
+    from torch.distributed.tensor import DTensor
+    import meshplan
+    from meshplan._torch import TorchDispatchMode, tree_leaves
+    sys.path.insert(0, "examples")
+    import llama
+
+    kinds = {"aten.mm.default": "mm", **{f"aten.{v}": "view" for v in (
+        "t.default", "view.default", "_unsafe_view.default", "detach.default", "expand.default")}}
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = {k: 0 for k in TP_BLOCK_OPS}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if any(isinstance(a, DTensor) for a in tree_leaves((args, kwargs or {}))):
+                self.n[kinds.get(str(func), "pointwise")] += 1
+            return func(*args, **(kwargs or {}))
+
+    counts = []
+    for layers in (1, 2):
+        with fake_pg(2):
+            plan = {"version": 1, "layout": {"tp": 2}, "tensor_parallel": TP}
+            topo = meshplan.init(plan)
+            torch.manual_seed(0)
+            model = meshplan.parallelize(llama.build(llama.ModelArgs(
+                dim=64, n_layers=layers, n_heads=8, n_kv_heads=4, vocab_size=256, ffn_dim=256, max_seq_len=32,
+                dropout=0.0)), plan, topo)
+            with Count() as mode:
+                out = model(torch.randint(0, 256, (2, 32)))
+                (out.full_tensor() if isinstance(out, DTensor) else out).float().sum().backward()
+            counts.append(mode.n)
+    assert {k: counts[1][k] - counts[0][k] for k in TP_BLOCK_OPS} == TP_BLOCK_OPS
+    assert {k: 2 * counts[0][k] - counts[1][k] for k in TP_BLOCK_OPS} == TP_END_OPS
