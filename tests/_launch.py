@@ -115,22 +115,22 @@ def _finish(out: dict) -> None:
 #: file that reads its cases, {world size: the cases to run there, "" for all})}``. Each worker defines
 #: ``launch_cases() -> (cases, context)``: its cases (functions of no arguments) and the context they run in
 #: (``keep_float64``, ``meshplan.init``); its ``__main__`` runs the same alone. A launch costs 5-18 s (torchrun,
-#: one interpreter per rank importing torch and transformers): 26 launches became 3 (world sizes 2, 4, 8).
+#: one interpreter per rank importing torch and transformers): world 2's 11 launches became 1. Worlds 4 and 8 (10 and
+#: 5 launches) are not shared yet: their shared launches ran 13-25 min on the loaded box and were SIGTERMed from
+#: outside before they ended, so they are unverified; a worker at a world not listed gets its own plain launch.
 SHARED = {
-    "ckpt_worker": ("test_checkpoint_dist.py", {4: ""}),
-    "cp_worker": ("test_dist_context.py", {2: "", 4: "", 8: ""}),
-    "dp_worker": ("test_dist_dp.py", {2: "", 4: "", 8: ""}),
-    "ep_worker": ("test_dist_expert.py", {2: "", 4: ""}),
-    "ep_hf_worker": ("test_dist_expert_hf.py", {2: "", 4: ""}),
-    "moe_worker": ("test_dist_moe.py", {2: "", 4: "", 8: ""}),
-    "pp_worker": ("test_dist_pipeline.py", {2: "", 4: "", 8: ""}),
-    "solver_worker": ("test_dist_solver.py", {4: ""}),
-    "tp_worker": ("test_dist_tp.py", {2: "", 4: ""}),
+    "cp_worker": ("test_dist_context.py", {2: ""}),
+    "dp_worker": ("test_dist_dp.py", {2: ""}),
+    "ep_worker": ("test_dist_expert.py", {2: ""}),
+    "ep_hf_worker": ("test_dist_expert_hf.py", {2: ""}),
+    "moe_worker": ("test_dist_moe.py", {2: ""}),
+    "pp_worker": ("test_dist_pipeline.py", {2: ""}),
+    "tp_worker": ("test_dist_tp.py", {2: ""}),
     "trace_worker": ("test_pipeline_trace.py", {2: ""}),
-    "zoo_worker": ("test_dist_zoo.py", {2: "", 8: ""}),
+    "zoo_worker": ("test_dist_zoo.py", {2: ""}),
     # last: their context is meshplan.init (run_suite restores the world group's timeout after it)
     "arch_worker": ("test_dist_architectures.py", {2: ""}),
-    "hf_worker": ("test_dist_hf.py", {2: "", 4: "llama_matrix"}),
+    "hf_worker": ("test_dist_hf.py", {2: ""}),
 }
 
 
@@ -175,11 +175,14 @@ class SharedLaunches:
         self.done: dict[tuple[int, tuple[str, ...]], dict] = {}
 
     def __call__(self, worker: str, nproc: int) -> dict:
+        if nproc not in SHARED.get(worker, ("", {}))[1]:  # its own launch, as before
+            if (nproc, (worker,)) not in self.done:
+                self.done[nproc, (worker,)] = launch(f"tests/dist/{worker}.py", nproc)
+            return self.done[nproc, (worker,)]
         entries = tuple(f"{w}:{worlds[nproc]}".rstrip(":") for w, (file, worlds) in SHARED.items()
                         if file in self.files and nproc in worlds)
         if not any(e.partition(":")[0] == worker for e in entries):
-            cases = SHARED[worker][1][nproc] if worker in SHARED and nproc in SHARED[worker][1] else ""
-            entries = (f"{worker}:{cases}".rstrip(":"),)
+            entries = (f"{worker}:{SHARED[worker][1][nproc]}".rstrip(":"),)
         if (nproc, entries) not in self.done:
             self.done[nproc, entries] = launch("tests/dist/suite_worker.py", nproc, *entries, timeout=2400)
         results = self.done[nproc, entries]
