@@ -14,6 +14,9 @@ Example::
 
 from __future__ import annotations
 
+import functools
+import gc
+import importlib
 import json
 import os
 import subprocess
@@ -69,22 +72,31 @@ def case_result(results: dict, case: str, nproc: int) -> dict:
 
 def run_cases(cases: dict, *, setup=None) -> None:
     """Worker side: run every case on this rank, recording its value or its error."""
-    import torch.distributed as dist
-    rank = int(os.environ["RANK"])
     only = os.environ.get("MESHPLAN_CASES")  # a comma-separated subset, for debugging one case
     if only:
         cases = {k: v for k, v in cases.items() if k in only.split(",")}
     ctx = setup() if setup else None
+    _finish(_run(cases if not setup else {k: functools.partial(fn, ctx) for k, fn in cases.items()}))
+
+
+def _run(cases: dict) -> dict:
+    """Run each case (a function of no arguments) on this rank: ``{name: {"value": …} or {"error": …}}``."""
+    import torch.distributed as dist
     out: dict = {}
     for name, fn in cases.items():
         try:
-            value = fn(ctx) if setup else fn()
-            out[name] = {"value": value}
+            out[name] = {"value": fn()}
         except Exception as e:  # recorded, the next case still runs
             out[name] = {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"}
         if dist.is_initialized():
             dist.barrier()
-    Path(os.environ["MESHPLAN_CASE_OUT"], f"rank{rank}.json").write_text(json.dumps(out))
+    return out
+
+
+def _finish(out: dict) -> None:
+    """Write this rank's results and leave (see the comment below for why without finalizing)."""
+    import torch.distributed as dist
+    Path(os.environ["MESHPLAN_CASE_OUT"], f"rank{os.environ['RANK']}.json").write_text(json.dumps(out))
     if dist.is_initialized():
         dist.destroy_process_group()
     # torch 2.13 + gloo race at interpreter exit: a gloo worker thread that releases a finished collective
@@ -95,3 +107,90 @@ def run_cases(cases: dict, *, setup=None) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+# ---------------------------------------------------------------- one launch per world size for many workers
+
+#: The workers whose cases share one launch per world size (``tests/dist/suite_worker.py``): ``{worker: (the test
+#: file that reads its cases, {world size: the cases to run there, "" for all})}``. Each worker defines
+#: ``launch_cases() -> (cases, context)``: its cases (functions of no arguments) and the context they run in
+#: (``keep_float64``, ``meshplan.init``); its ``__main__`` runs the same alone. A launch costs 5-18 s (torchrun,
+#: one interpreter per rank importing torch and transformers): world 2's 11 launches became 1. Worlds 4 and 8 (10 and
+#: 5 launches) are not shared yet: their shared launches ran 13-25 min on the loaded box and were SIGTERMed from
+#: outside before they ended, so they are unverified; a worker at a world not listed gets its own plain launch.
+SHARED = {
+    "cp_worker": ("test_dist_context.py", {2: ""}),
+    "dp_worker": ("test_dist_dp.py", {2: ""}),
+    "ep_worker": ("test_dist_expert.py", {2: ""}),
+    "ep_hf_worker": ("test_dist_expert_hf.py", {2: ""}),
+    "moe_worker": ("test_dist_moe.py", {2: ""}),
+    "pp_worker": ("test_dist_pipeline.py", {2: ""}),
+    "tp_worker": ("test_dist_tp.py", {2: ""}),
+    "trace_worker": ("test_pipeline_trace.py", {2: ""}),
+    "zoo_worker": ("test_dist_zoo.py", {2: ""}),
+    # last: their context is meshplan.init (run_suite restores the world group's timeout after it)
+    "arch_worker": ("test_dist_architectures.py", {2: ""}),
+    "hf_worker": ("test_dist_hf.py", {2: ""}),
+}
+
+
+def run_suite(entries: list[str]) -> None:
+    """Worker side of a shared launch: ``entries`` are ``worker`` or ``worker:case,case``; each worker's cases run
+    in its context, recorded as ``worker:case``; a worker that fails to import or to set up records
+    ``worker:`` with the error and the next worker still runs."""
+    only = os.environ.get("MESHPLAN_CASES")
+    out: dict = {}
+    for entry in entries:
+        name, _, wanted = entry.partition(":")
+        try:
+            cases, context = importlib.import_module(name).launch_cases()
+        except Exception as e:  # every rank fails alike (an import, a module-level build)
+            out[f"{name}:"] = {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"}
+            continue
+        keep = [k for k in cases if (not wanted or k in wanted.split(",")) and (not only or k in only.split(","))]
+        with context():
+            out.update({f"{name}:{k}": v for k, v in _run({k: cases[k] for k in keep}).items()})
+        _fresh_world()
+    _finish(out)
+
+
+def _fresh_world() -> None:
+    """What a worker's context may leave on the world group, undone for the next worker: ``meshplan.init`` on an
+    existing group keeps it but gives it the plan's fault timeouts (300 s after a train_step, not torch's 30 min)."""
+    from torch.distributed.constants import default_pg_timeout
+
+    from meshplan._torch import set_group_timeout
+    set_group_timeout(None, default_pg_timeout.total_seconds())
+    gc.collect()
+
+
+class SharedLaunches:
+    """Pytest side: ``launches(worker, n)`` is ``{case: {rank: result}}`` of ``worker``'s cases at world ``n``, as
+    :func:`launch` of the worker alone gives, from ONE launch per world size of every :data:`SHARED` worker whose
+    test file is in the session (``files``, by name). A worker asked for outside them gets a launch of its own.
+    Hold one per pytest session (``tests/conftest.py``: the ``shared_launch`` fixture)."""
+
+    def __init__(self, files: set[str]) -> None:
+        self.files = files
+        self.done: dict[tuple[int, tuple[str, ...]], dict] = {}
+
+    def __call__(self, worker: str, nproc: int) -> dict:
+        if nproc not in SHARED.get(worker, ("", {}))[1]:  # its own launch, as before
+            if (nproc, (worker,)) not in self.done:
+                self.done[nproc, (worker,)] = launch(f"tests/dist/{worker}.py", nproc)
+            return self.done[nproc, (worker,)]
+        entries = tuple(f"{w}:{worlds[nproc]}".rstrip(":") for w, (file, worlds) in SHARED.items()
+                        if file in self.files and nproc in worlds)
+        if not any(e.partition(":")[0] == worker for e in entries):
+            entries = (f"{worker}:{SHARED[worker][1][nproc]}".rstrip(":"),)
+        if (nproc, entries) not in self.done:
+            self.done[nproc, entries] = launch("tests/dist/suite_worker.py", nproc, *entries, timeout=2400)
+        results = self.done[nproc, entries]
+        meta = dict(results["_meta"])
+        broken = results.get(f"{worker}:", {})
+        if broken:  # the worker did not import: its error stands for its cases' missing reports
+            meta["stderr"] = f"{worker} failed before its cases: {next(iter(broken.values()))['error']}"
+        view = {"_meta": meta}
+        view.update({k.partition(":")[2]: v for k, v in results.items() if k.partition(":")[0] == worker and
+                     k.partition(":")[2]})
+        return view

@@ -40,3 +40,11 @@ def drop_fake_process_group() -> None:
 def fake_pg():
     """``with fake_pg(world, rank):`` inside a test."""
     return fake_process_group
+
+
+@pytest.fixture(scope="session")
+def shared_launch(request):
+    """``shared_launch(worker, n)``: the worker's results at world ``n`` from one launch per world size shared by
+    every test file of the session (``tests/_launch.py``: ``SharedLaunches``)."""
+    from _launch import SharedLaunches
+    return SharedLaunches({item.path.name for item in request.session.items})

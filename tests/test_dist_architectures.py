@@ -4,15 +4,15 @@ clip_qkv and torch's test Transformer with DTensor q/k/v, each with its plan fro
 import pytest
 
 from _float64 import RTOL
-from _launch import case_result, launch
+from _launch import case_result
 from examples.architectures import FACTORIES
 
 pytestmark = pytest.mark.dist
 
 
 @pytest.fixture(scope="module")
-def results():
-    return launch("tests/dist/arch_worker.py", 2)
+def results(shared_launch):
+    return shared_launch("arch_worker", 2)
 
 
 @pytest.mark.parametrize("name", sorted(FACTORIES))

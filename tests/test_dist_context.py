@@ -6,19 +6,19 @@ moves."""
 import pytest
 
 from _float64 import RTOL
-from _launch import case_result, launch
+from _launch import case_result
 
 pytestmark = pytest.mark.dist
 
 
 @pytest.fixture(scope="module")
-def world2():
-    return launch("tests/dist/cp_worker.py", 2)
+def world2(shared_launch):
+    return shared_launch("cp_worker", 2)
 
 
 @pytest.fixture(scope="module")
-def world4():
-    return launch("tests/dist/cp_worker.py", 4)
+def world4(shared_launch):
+    return shared_launch("cp_worker", 4)
 
 
 def _check(results, case, n):
@@ -55,8 +55,8 @@ def test_refusals(world2):
 
 
 @pytest.fixture(scope="module")
-def world8():
-    return launch("tests/dist/cp_worker.py", 8)
+def world8(shared_launch):
+    return shared_launch("cp_worker", 8)
 
 
 @pytest.mark.parametrize("case", ["cp4", "cp2_tp2_sp", "cp2_dp_shard2", "cp2_tp2_hf_llama", "cp2_tp2_hf_packed",

@@ -11,24 +11,24 @@ global batch with very uneven valid-token counts per rank (one row has none); ev
 import pytest
 
 from _float64 import RTOL
-from _launch import case_result, launch
+from _launch import case_result
 
 pytestmark = pytest.mark.dist
 
 
 @pytest.fixture(scope="module")
-def world2():
-    return launch("tests/dist/dp_worker.py", 2)
+def world2(shared_launch):
+    return shared_launch("dp_worker", 2)
 
 
 @pytest.fixture(scope="module")
-def world4():
-    return launch("tests/dist/dp_worker.py", 4)
+def world4(shared_launch):
+    return shared_launch("dp_worker", 4)
 
 
 @pytest.fixture(scope="module")
-def world8():
-    return launch("tests/dist/dp_worker.py", 8)
+def world8(shared_launch):
+    return shared_launch("dp_worker", 8)
 
 
 def _parity(results, case, n):

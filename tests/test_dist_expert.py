@@ -5,14 +5,14 @@ device (outputs, expert and router gradients)."""
 
 import pytest
 
-from _launch import case_result, launch
+from _launch import case_result
 
 pytestmark = pytest.mark.dist
 
 
 @pytest.fixture(scope="module", params=[2, 4])
-def world(request):
-    return request.param, launch("tests/dist/ep_worker.py", request.param)
+def world(request, shared_launch):
+    return request.param, shared_launch("ep_worker", request.param)
 
 
 @pytest.mark.parametrize("case", ["uniform", "skewed", "one_expert_each"])

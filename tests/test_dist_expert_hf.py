@@ -14,7 +14,7 @@ biases; tp 2 and tp 2 x ep 2 x etp 2), MuseSpark (a norm inside its experts, etp
 import pytest
 
 from _float64 import RTOL
-from _launch import case_result, launch
+from _launch import case_result
 
 pytestmark = pytest.mark.dist
 
@@ -29,14 +29,8 @@ CASES = {
 
 
 @pytest.fixture(scope="module")
-def results():
-    launches: dict = {}
-
-    def of(n: int) -> dict:
-        if n not in launches:  # one launch per world size
-            launches[n] = launch("tests/dist/ep_hf_worker.py", n)
-        return launches[n]
-    return of
+def results(shared_launch):
+    return lambda n: shared_launch("ep_hf_worker", n)  # one launch per world size (tests/_launch.py)
 
 
 @pytest.mark.parametrize("n,case", [(n, c) for n, cases in CASES.items() for c in cases])

@@ -10,8 +10,8 @@ MODELS = ("llama", "mistral", "qwen2", "gpt2")
 
 
 @pytest.fixture(scope="module")
-def results():
-    return launch("tests/dist/hf_worker.py", 2)
+def results(shared_launch):
+    return shared_launch("hf_worker", 2)
 
 
 def test_three_adamw_steps_match_one_device(results):

@@ -8,7 +8,7 @@ the checked-in plans/moe.yaml), experts split over etp = tp 2, a shared expert w
 import pytest
 
 from _float64 import RTOL
-from _launch import case_result, launch
+from _launch import case_result
 
 pytestmark = pytest.mark.dist
 
@@ -26,14 +26,8 @@ META_INIT = {
 
 
 @pytest.fixture(scope="module")
-def results():
-    launches: dict = {}
-
-    def of(n: int) -> dict:
-        if n not in launches:  # one launch per world size for all its cases
-            launches[n] = launch("tests/dist/moe_worker.py", n)
-        return launches[n]
-    return of
+def results(shared_launch):
+    return lambda n: shared_launch("moe_worker", n)  # one launch per world size (tests/_launch.py)
 
 
 @pytest.mark.parametrize("n,case", [(n, c) for n, cases in CASES.items() for c in cases])

@@ -4,14 +4,14 @@ streams."""
 import pytest
 
 from _float64 import RTOL
-from _launch import case_result, launch
+from _launch import case_result
 
 pytestmark = pytest.mark.dist
 
 
 @pytest.fixture(scope="module", params=[2, 4])
-def results(request):
-    return request.param, launch("tests/dist/tp_worker.py", request.param)
+def results(request, shared_launch):
+    return request.param, shared_launch("tp_worker", request.param)
 
 
 def test_three_adamw_steps_match_one_device(results):

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from _launch import case_result, launch
+from _launch import case_result
 
 pytestmark = pytest.mark.dist
 pytest.importorskip("transformers")
@@ -19,14 +19,8 @@ from zoo_worker import ETP, ZOO  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def results():
-    launches: dict = {}
-
-    def of(n: int) -> dict:
-        if n not in launches:  # one launch per world size
-            launches[n] = launch("tests/dist/zoo_worker.py", n)
-        return launches[n]
-    return of
+def results(shared_launch):
+    return lambda n: shared_launch("zoo_worker", n)  # one launch per world size (tests/_launch.py)
 
 
 @pytest.mark.parametrize("model_type,axis", list(ZOO))

@@ -30,7 +30,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from _float64 import RTOL
-from _launch import case_result, launch
+from _launch import case_result
 import meshplan
 from meshplan.errors import PlanError
 from meshplan.pipeline.trace import check_split_points, stage_state_dict, traced_stages
@@ -285,8 +285,8 @@ def test_pruning_keeps_this_ranks_entries_and_drops_the_rest_from_the_optimizer(
 
 
 @pytest.fixture(scope="module")
-def world2():
-    return launch("tests/dist/trace_worker.py", 2)
+def world2(shared_launch):
+    return shared_launch("trace_worker", 2)
 
 
 @pytest.mark.dist

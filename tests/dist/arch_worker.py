@@ -13,6 +13,7 @@ turned reduction-order noise into 1.4e-3 (Gemma2's ``embed_tokens``) on one mach
 worst is 8e-13 (Gemma2's ``input_layernorm.weight`` gradient at step 3).
 """
 
+import contextlib
 import copy
 import os
 import warnings
@@ -101,6 +102,18 @@ def case_parity():
     return {name: _parity(name) for name in FACTORIES}
 
 
-if __name__ == "__main__":
+def launch_cases():
+    """This launch's cases and the context they run in (``tests/dist/suite_worker.py`` runs several workers' in one
+    launch)."""
+    return {"parity": case_parity}, _context
+
+
+@contextlib.contextmanager
+def _context():
     with meshplan.init({"tp": WORLD}), keep_float64():
-        run_cases({"parity": case_parity})
+        yield
+
+
+if __name__ == "__main__":
+    with _context():
+        run_cases(launch_cases()[0])

@@ -318,7 +318,13 @@ CASES = {
     "refusals": refusals,
 }
 
-if __name__ == "__main__":
+def launch_cases():
+    """This launch's cases and the context they run in (``tests/dist/suite_worker.py`` runs several workers' in one
+    launch)."""
     from export_worker import CASES as EXPORT_CASES  # the same launch
+    return {**CASES, **EXPORT_CASES}, contextlib.nullcontext
+
+
+if __name__ == "__main__":
     dist.init_process_group("gloo")
-    run_cases({**CASES, **EXPORT_CASES})
+    run_cases(launch_cases()[0])

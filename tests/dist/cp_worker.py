@@ -330,7 +330,13 @@ CASES_8 = {
     "cp2_tp2_dp_shard2": lambda: llama_case({"cp": 2, "tp": 2, "dp_shard": 2}, tp=True),
 }
 
+def launch_cases():
+    """This launch's cases and the context they run in (``tests/dist/suite_worker.py`` runs several workers' in one
+    launch)."""
+    return {2: CASES_2, 4: CASES_4, 8: CASES_8}[WORLD], keep_float64
+
+
 if __name__ == "__main__":
     dist.init_process_group("gloo")
     with keep_float64():
-        run_cases({2: CASES_2, 4: CASES_4, 8: CASES_8}[WORLD])
+        run_cases(launch_cases()[0])

@@ -351,7 +351,13 @@ CASES_BY_WORLD = {
     },
 }
 
+def launch_cases():
+    """This launch's cases and the context they run in (``tests/dist/suite_worker.py`` runs several workers' in one
+    launch)."""
+    return CASES_BY_WORLD[WORLD], keep_float64
+
+
 if __name__ == "__main__":
     dist.init_process_group("gloo")
     with keep_float64():
-        run_cases(CASES_BY_WORLD[WORLD])
+        run_cases(launch_cases()[0])

@@ -197,7 +197,13 @@ CASES = {
     },
 }
 
+def launch_cases():
+    """This launch's cases and the context they run in (``tests/dist/suite_worker.py`` runs several workers' in one
+    launch)."""
+    return CASES[WORLD], keep_float64
+
+
 if __name__ == "__main__":
     dist.init_process_group("gloo")
     with keep_float64():
-        run_cases(CASES[WORLD])
+        run_cases(launch_cases()[0])

@@ -6,6 +6,7 @@ experts, from every source, expert by expert, (3) combine brings each expert's o
 from, and (4) the backward (the reverse all-to-all) gives every row its expert's gradient.
 """
 
+import contextlib
 import os
 
 import torch
@@ -103,6 +104,12 @@ CASES = {
     "moe_layer_shared": lambda: moe_layer(WORLD, shared=True),
 }
 
+def launch_cases():
+    """This launch's cases and the context they run in (``tests/dist/suite_worker.py`` runs several workers' in one
+    launch)."""
+    return CASES, contextlib.nullcontext
+
+
 if __name__ == "__main__":
     dist.init_process_group("gloo")
-    run_cases(CASES)
+    run_cases(launch_cases()[0])

@@ -10,6 +10,7 @@ sinks, DiffLlama lambdas, Olmo2's whole-projection norm, lara_mini, Doge's dynam
 ``hf_worker.py CASE...`` runs only those cases.
 """
 
+import contextlib
 import copy
 import json
 import os
@@ -254,9 +255,21 @@ def case_heads():
     return {t: _heads_run(t) for t in sorted(RULES)}
 
 
-if __name__ == "__main__":
-    cases = {"parity": case_parity, "meta_init": case_meta_init, "load": case_load, "llama_matrix": case_llama_matrix,
-             "mla": case_mla, "heads": case_heads}
-    wanted = sys.argv[1:] or list(cases)
+def launch_cases():
+    """This launch's cases and the context they run in (``tests/dist/suite_worker.py`` runs several workers' in one
+    launch)."""
+    return {"parity": case_parity, "meta_init": case_meta_init, "load": case_load, "llama_matrix": case_llama_matrix,
+            "mla": case_mla, "heads": case_heads}, _context
+
+
+@contextlib.contextmanager
+def _context():
     with meshplan.init({"tp": WORLD}), keep_float64():
+        yield
+
+
+if __name__ == "__main__":
+    cases = launch_cases()[0]
+    wanted = sys.argv[1:] or list(cases)
+    with _context():
         run_cases({k: cases[k] for k in wanted})

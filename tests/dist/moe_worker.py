@@ -157,7 +157,13 @@ CASES_8 = {
     "ep4_tp2_edp2": lambda: model_case({"tp": 2, "ep": 4, "etp": 1}, tp=True, args=_args(n_experts=8)),
 }
 
+def launch_cases():
+    """This launch's cases and the context they run in (``tests/dist/suite_worker.py`` runs several workers' in one
+    launch)."""
+    return {2: CASES_2, 4: CASES_4, 8: CASES_8}[WORLD], keep_float64
+
+
 if __name__ == "__main__":
     dist.init_process_group("gloo")
     with keep_float64():
-        run_cases({2: CASES_2, 4: CASES_4, 8: CASES_8}[WORLD])
+        run_cases(launch_cases()[0])

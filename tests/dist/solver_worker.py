@@ -7,6 +7,7 @@ optimizer's state), then records a second step op by op: collectives by kind and
 gradient and optimizer bytes the rank holds.
 """
 
+import contextlib
 import os
 
 import torch
@@ -66,7 +67,13 @@ def _case(name: str):
 
 CASES = {name: _case(name) for name in PLANS}
 
+def launch_cases():
+    """This launch's cases and the context they run in (``tests/dist/suite_worker.py`` runs several workers' in one
+    launch)."""
+    return CASES, contextlib.nullcontext
+
+
 if __name__ == "__main__":
     import torch.distributed as dist
     dist.init_process_group("gloo")
-    run_cases(CASES)
+    run_cases(launch_cases()[0])

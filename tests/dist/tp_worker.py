@@ -168,8 +168,14 @@ def case_dropout_training():
     return out
 
 
+def launch_cases():
+    """This launch's cases and the context they run in (``tests/dist/suite_worker.py`` runs several workers' in one
+    launch)."""
+    return {"parity": case_parity, "dropout_parity": case_dropout_parity,
+            "dropout_streams": case_dropout_streams, "dropout_training": case_dropout_training}, keep_float64
+
+
 if __name__ == "__main__":
     dist.init_process_group("gloo")
     with keep_float64():
-        run_cases({"parity": case_parity, "dropout_parity": case_dropout_parity,
-                   "dropout_streams": case_dropout_streams, "dropout_training": case_dropout_training})
+        run_cases(launch_cases()[0])

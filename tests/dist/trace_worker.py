@@ -184,7 +184,13 @@ PLAN_CASES = {
 }  # the V-shaped schedules are refused with split: trace (meshplan.pipeline.traced._refuse_v_schedule)
 CASES.update(PLAN_CASES)
 
+def launch_cases():
+    """This launch's cases and the context they run in (``tests/dist/suite_worker.py`` runs several workers' in one
+    launch)."""
+    return CASES, keep_float64
+
+
 if __name__ == "__main__":
     dist.init_process_group("gloo")
     with keep_float64():
-        run_cases(CASES)
+        run_cases(launch_cases()[0])

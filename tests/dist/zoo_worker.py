@@ -6,7 +6,9 @@ context_parallel section), checks it, and runs ``zoo_dist.run_item``: ``meshplan
 the loss and every gradient each rank holds within 1e-9 relative (the model code's fp32 casts kept float64).
 """
 
+import contextlib
 import copy
+import functools
 import os
 import sys
 import tempfile
@@ -154,6 +156,14 @@ def cases(world):
     return out
 
 
+def launch_cases():
+    """This launch's cases and the context they run in (``tests/dist/suite_worker.py`` runs several workers' in one
+    launch)."""
+    ctx: dict = {}  # shared by the cases, as run_cases(setup=dict) gives
+    return {k: functools.partial(fn, ctx) for k, fn in cases(int(os.environ["WORLD_SIZE"])).items()}, \
+        contextlib.nullcontext
+
+
 if __name__ == "__main__":
     dist.init_process_group("gloo")
-    run_cases(cases(int(os.environ["WORLD_SIZE"])), setup=dict)
+    run_cases(launch_cases()[0])
