@@ -153,7 +153,7 @@ class Candidate:
         parts.append(f"mb{self.micro_batch}×{self.microbatches}")
         ac = self.ac if self.ac != "selective" else ("selective(ops)" if self.ac_ops else f"every{self.ac_every}")
         parts.append(f"ac={ac}")
-        if not self.accumulate_unsharded and self.microbatches > 1 and self.pp == 1:
+        if not self.accumulate_unsharded and self.microbatches > 1:
             parts.append("reshard-each-microbatch")
         if self.order != "tp-cp-ep-dp-pp":
             parts.append(self.order)
