@@ -50,12 +50,11 @@ def dp_step_collectives(c: Any, tr: Any, place: Any, units: list) -> list:
 def _counts(c: Any, tr: Any, kind: str) -> tuple[int, int]:
     """``(gathers, reductions)`` of one FSDP2 unit per step: accumulation, resharding and the pipeline decide."""
     m = c.microbatches
-    accumulate = m > 1 and c.pp == 1
     reshard = tr.reshard_after_forward and kind != "root"
-    if accumulate and c.accumulate_unsharded:
-        return 1, 1
-    if accumulate:
+    if m > 1 and not c.accumulate_unsharded:  # reduce-scattered and resharded every microbatch (pipeline too)
         return m * (1 + reshard), m
+    if m > 1 and c.pp == 1:  # accumulated unsharded: one gather, one reduction
+        return 1, 1
     if c.pp > 1:  # forwards gather, the first backward after them too; kept until the step's last backward
         return (m + 1 if reshard else 1), 1
     return 1 + reshard, 1

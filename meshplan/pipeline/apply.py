@@ -97,11 +97,17 @@ def kept_rules(model: nn.Module, rules: dict, removed: set[str]) -> dict:
 
 
 def build_stages(model: nn.Module, record: PipelineApplied, split: StageSplit, topology: Any,
-                 sequence_parallel: bool | str, stream_dim: str | None) -> PipelineApplied:
+                 sequence_parallel: bool | str, stream_dim: str | None,
+                 reduce_each_microbatch: bool = False) -> PipelineApplied:
     """Make this rank's stage views (boundary conversions hooked) and their ``PipelineStage`` objects; returns
     ``record`` with them (a new record: ``parallelize`` attaches it).
-    ``stream_dim``: the mesh dim the residual stream is a DTensor over (``ParallelState.stream_dim``), or None."""
+    ``stream_dim``: the mesh dim the residual stream is a DTensor over (``ParallelState.stream_dim``), or None.
+    ``reduce_each_microbatch``: FSDP2 reduce-scatters every microbatch (:class:`.reducing.ReducingStage`;
+    ``data_parallel.accumulate_unsharded: false``) instead of once per step."""
     from torch.distributed.pipelining import PipelineStage
+
+    from meshplan.pipeline.reducing import ReducingStage
+    make = ReducingStage if reduce_each_microbatch else PipelineStage
     tp_mesh = topology[stream_dim] if stream_dim is not None else None
     device = torch.device(topology.dense.device_type, torch.cuda.current_device()) \
         if topology.dense.device_type == "cuda" else torch.device("cpu")
@@ -112,7 +118,7 @@ def build_stages(model: nn.Module, record: PipelineApplied, split: StageSplit, t
                        loss=record.loss)
         views.append(view)
     group = topology["pp"].get_group()
-    stages = [PipelineStage(v, s, split.num_stages, device, group=group) for v, s in zip(views, record.stage_ids)]
+    stages = [make(v, s, split.num_stages, device, group=group) for v, s in zip(views, record.stage_ids)]
     return dataclasses.replace(record, views=views, stages=stages)
 
 
@@ -171,12 +177,14 @@ def apply_pipeline(model: nn.Module, plan: Any, topology: Any, prepared: Any) ->
     return split_pipeline(model, plan.pipeline, prepared.split, prepared.stage_ids, topology)
 
 
-def finish_pipeline(model: nn.Module, topology: Any, prepared: Any, state: Any) -> PipelineApplied | None:
-    """The unit's ``finish``, after the ``blocks`` section: the stage objects (eager split), a new record."""
+def finish_pipeline(model: nn.Module, topology: Any, prepared: Any, state: Any,
+                    reduce_each_microbatch: bool = False) -> PipelineApplied | None:
+    """The unit's ``finish``, after the ``blocks`` section: the stage objects (eager split), a new record;
+    ``reduce_each_microbatch``: ``data_parallel.accumulate_unsharded`` false (see :func:`build_stages`)."""
     if not isinstance(prepared, Resolved):
         return None
     return build_stages(model, state.pipeline, prepared.split, topology, state.sequence_parallel,
-                        stream_dim=state.stream_dim)
+                        stream_dim=state.stream_dim, reduce_each_microbatch=reduce_each_microbatch)
 
 
 def tp_rules(model: nn.Module, rules: dict, record: PipelineApplied) -> dict:

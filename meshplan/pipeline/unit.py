@@ -35,7 +35,9 @@ def _apply(model: Any, plan: Any, topology: Any, prepared: Any, state: Any = Non
 
 def _finish(model: Any, plan: Any, topology: Any, prepared: Any, state: Any) -> Any:
     from meshplan.pipeline.apply import finish_pipeline
-    return finish_pipeline(model, topology, prepared, state)
+    dp = plan.data_parallel
+    return finish_pipeline(model, topology, prepared, state,
+                           reduce_each_microbatch=dp is not None and not dp.accumulate_unsharded)
 
 
 def _narrow(model: Any, plan: Any, record: Any) -> Any:

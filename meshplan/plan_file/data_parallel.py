@@ -40,9 +40,11 @@ class DataParallel(Strict):
         "sum", description="sum (meshplan's globally normalised loss) or mean (divide by the data-parallel size, "
                            "for a loss that is a per-rank mean).")
     accumulate_unsharded: bool = Field(
-        True, description="Gradient accumulation: keep parameters and gradients unsharded between microbatches "
-                          "(one all-gather per block per step, one reduce-scatter at the end). false: reduce-scatter "
-                          "every microbatch (least memory).")
+        True, description="Microbatches (train_step's accumulation and a pipeline stage's): keep parameters and "
+                          "gradients unsharded between them (one reduce-scatter per unit and step; torchtitan's and "
+                          "torch's pipeline default; a pipeline stage then holds its whole unsharded parameters and "
+                          "gradients). false: reduce-scatter and reshard every microbatch (least memory: one unit "
+                          "unsharded at a time; pipelines: full backwards of an eager split).")
     cpu_offload: bool = Field(False, description="Offload sharded parameters, gradients and optimizer state to CPU "
                                                  "(FSDP2 CPUOffloadPolicy; needs an accelerator).")
 

@@ -166,7 +166,7 @@ class Candidate:
         ac = self.ac if self.ac != "selective" else (f"selective({self.ac_policy})" if self.ac_policy else
                                                      "selective(ops)" if self.ac_ops else f"every{self.ac_every}")
         parts.append(f"ac={ac}")
-        if not self.accumulate_unsharded and self.microbatches > 1 and self.pp == 1:
+        if not self.accumulate_unsharded and self.microbatches > 1:
             parts.append("reshard-each-microbatch")
         if self.order != "tp-cp-ep-dp-pp":
             parts.append(self.order)

@@ -10,7 +10,8 @@ step recorded op by op; ``docs/tensor-parallel.md`` states the tensor-parallel o
   and, resharded, before backward; one reduce-scatter of its gradients (HSDP: then an all-reduce over the
   replicas); parameters stay gathered between accumulated microbatches (``accumulate_unsharded``). Under a
   pipeline schedule a resharded block gathers for every forward and once more for the first backward that
-  follows forwards (``m + 1``: backwards keep it gathered until the step's last). DDP: one all-reduce per step.
+  follows forwards (``m + 1``: backwards keep it gathered until the step's last); with ``accumulate_unsharded:
+  false`` it gathers and reduce-scatters every microbatch, as without a pipeline. DDP: one all-reduce per step.
 * **step**: the global token count and the clipping norm, one all-reduce each over the world.
 """
 

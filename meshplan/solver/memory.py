@@ -244,7 +244,9 @@ def _fsdp_buffers(s: ModelShape, c: Candidate, tr: Training, kinds: dict, ends: 
         return 0.0, 0.0
     sizes = {moe: _per_block(s, c, moe, 1, 1, memo)[2] for moe, _ in kinds}
     root = sum(r * p for r, p in ends)
-    keep_all = (c.microbatches > 1 and c.accumulate_unsharded and c.pp == 1) or not tr.reshard_after_forward
+    # microbatches accumulated unsharded: train_step's (dp's knobs) and a pipeline stage's (torch's PipelineStage
+    # keeps an FSDP2 stage unsharded from its first backward to the step's REDUCE_GRAD)
+    keep_all = (c.microbatches > 1 and c.accumulate_unsharded) or not tr.reshard_after_forward
     b = tr.act_bytes
     if keep_all:
         every = sum(n * sizes[moe] for (moe, _), n in kinds.items())

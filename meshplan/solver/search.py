@@ -206,7 +206,7 @@ class _Search:
                     self.enumerated += 1
                     self.reject(c.label(), ("schedule", why))
                     continue
-            sharded = c.mode in ("fsdp", "hsdp") and c.pp == 1 and c.microbatches > 1
+            sharded = c.mode in ("fsdp", "hsdp") and c.microbatches > 1  # pipelines too (ReducingStage)
             for ac in self.space.ac:
                 for keep in ((True, False) if sharded else (True,)):
                     self.enumerated += 1

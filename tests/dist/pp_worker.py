@@ -274,6 +274,8 @@ CASES_4 = {
     "pp2_tp2_sp_lp": lambda: compare({"pp": 2, "tp": 2}, "1f1b", n_layers=2, tp=True, sp=True, lp=True),
     "pp2_tp2_nosp": lambda: compare({"pp": 2, "tp": 2}, "gpipe", n_layers=2, tp=True, sp=False),
     "pp2_dp2": lambda: compare({"pp": 2}, "1f1b", dp={}),
+    # FSDP2 reduce-scatters every microbatch (meshplan.pipeline.reducing.ReducingStage), not once per step
+    "pp2_dp2_reduce_each": lambda: compare({"pp": 2}, "1f1b", dp={"accumulate_unsharded": False}),
     "pp4": lambda: compare({"pp": 4}, "1f1b", n_layers=4),
     "pp2_ddp": lambda: compare({"pp": 2, "dp_replicate": 2, "dp_shard": 1}, "gpipe", dp={"mode": "ddp"}),
     "hf_llama_pp2_tp2_sp_lp": lambda: compare({"pp": 2, "tp": 2}, "1f1b", n_layers=2, tp=True, sp=True, lp=True,
