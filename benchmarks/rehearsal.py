@@ -134,8 +134,8 @@ def estimated(preset: str, plan, world: int, rank: int, pp_rank: int, microbatch
     for x in step_collectives(shape, cand, train, place, pp_rank):
         if x.group.size > 1:
             counts[f"{x.kind}@{x.group.size}"] = counts.get(f"{x.kind}@{x.group.size}", 0) + x.count
-    from meshplan.solver.collectives import _units
-    units = sum(n for _, _, _, n in _units(shape, cand, place, pp_rank, {})) if cand.mode in ("fsdp", "hsdp") else 0
+    from meshplan.solver.collectives import fsdp_units as solver_units
+    units = sum(n for _, _, _, n in solver_units(shape, cand, place, pp_rank, {})) if cand.mode in ("fsdp", "hsdp") else 0
     return {"params": int(mem.params), "grads": int(mem.grads), "optimizer": int(mem.optimizer)}, counts, units
 
 

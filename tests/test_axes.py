@@ -37,6 +37,8 @@ ALLOWED = {
     # issues 27-30: the trainer (the sections it fills, the shapes it checks, the layout degrees it launches), the
     # converters' cp sections, the rank view's shares, packed documents under pp, numerics without the dp section
     "cli/train.py", "convert/common.py", "convert/formats.py", "data/packed.py", "plan_file/training.py", "solver/report.py", "trainer/checks.py", "trainer/defaults.py",
+    # keyword inputs under pp: the stage inputs name cp's document ids
+    "pipeline/inputs.py",
 }
 
 
@@ -61,6 +63,7 @@ EP_ALLOWED = {
     # issues 27-30: the trainer (the sections it fills, the shapes it checks, the layout degrees it launches), the
     # converters' cp sections, the rank view's shares, packed documents under pp, numerics without the dp section
     "checks/rank_view.py", "cli/train.py", "solver/report.py",
+    "solver/overheads.py",  # issue 31: the optimizer's DTensor dispatch when ep shards the experts
 }
 
 PP_MENTION = re.compile(r"pipeline|\bpp\b")
@@ -87,6 +90,9 @@ PP_ALLOWED = {
     # issues 27-30: the trainer (the sections it fills, the shapes it checks, the layout degrees it launches), the
     # converters' cp sections, the rank view's shares, packed documents under pp, numerics without the dp section
     "cli/train.py", "context_parallel/batch.py", "plan_file/training.py", "trainer/checks.py", "trainer/defaults.py", "trainer/loop.py",
+    # issue 27: accumulate_unsharded's meaning under a pipeline; issue 31: the profile's and the solver's priced
+    # pipeline actions
+    "plan_file/data_parallel.py", "profile/overheads.py", "profile/run.py", "profile/worker.py", "solver/overheads.py",
 }
 
 
@@ -111,6 +117,9 @@ DP_ALLOWED = {
     # issues 27-30: the trainer (the sections it fills, the shapes it checks, the layout degrees it launches), the
     # converters' cp sections, the rank view's shares, packed documents under pp, numerics without the dp section
     "checks/numerics.py", "convert/accelerate.py", "plan_file/training.py", "trainer/defaults.py",
+    # issue 27: a pipeline stage reduce-scattering FSDP2 gradients every microbatch (accumulate_unsharded false);
+    # issue 31: the optimizer's DTensor dispatch under FSDP2
+    "pipeline/apply.py", "pipeline/reducing.py", "pipeline/unit.py", "solver/overheads.py",
 }
 
 

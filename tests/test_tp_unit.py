@@ -47,6 +47,8 @@ TP_ALLOWED = {
     # issues 27-30: the trainer (the sections it fills, the shapes it checks, the layout degrees it launches), the
     # converters' cp sections, the rank view's shares, packed documents under pp, numerics without the dp section
     "trainer/checks.py", "trainer/defaults.py",
+    # issue 31: the Megatron-level recompute policy (keeps reduced row-parallel outputs), the priced DTensor dispatch
+    "recompute.py", "solver/overheads.py",
 }
 RULES = {"layers.*.attention.wq": "colwise", "layers.*.attention.wk": "colwise", "layers.*.attention.wv": "colwise",
          "layers.*.attention.wo": "rowwise", "layers.*.feed_forward.w1": "colwise",
