@@ -88,18 +88,25 @@ def test_full_disk_is_one_line():
     assert (r.returncode, r.stderr) == (2, "meshplan: error: cannot write standard output: No space left on device\n")
 
 
-def test_ctrl_c_during_the_imports_is_one_line():
-    """SIGINT once the subcommands' imports began (``-X importtime`` says so): never a traceback, exit 130."""
+def test_ctrl_c_during_the_imports_is_one_line(tmp_path):
+    """SIGINT once the subcommands' imports began (``-X importtime`` says so), while the model's module is being
+    imported: never a traceback, exit 130. The module blocks until the signal comes, so a slow machine cannot let
+    the command finish first."""
+    (tmp_path / "blocking_model.py").write_text(
+        "import os, sys\nos.write(2, b'blocking-model-ready\\n')\nsys.stdin.read()\n")  # fd 2: the CLI captures sys.stderr
+    env = {**ENV, "PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}"}
     p = subprocess.Popen([sys.executable, "-X", "importtime", "-m", "meshplan", "check", "plans/llama.yaml",
-                          "--model", "examples.llama:build"], cwd=ROOT, env=ENV, stderr=subprocess.PIPE, text=True)
+                          "--model", "blocking_model:build"], cwd=ROOT, env=env, stdin=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
     lines = []
     for line in p.stderr:
         lines.append(line)
-        if line.rstrip().endswith("meshplan.cli.args"):
+        if line.rstrip() == "blocking-model-ready":
             p.send_signal(signal.SIGINT)
             break
     rest = p.stderr.read()
     assert p.wait(timeout=300) == 130
+    assert any(x.rstrip().endswith("meshplan.cli.args") for x in lines), "the signal came before the CLI's imports"
     ours = [x for x in rest.splitlines() if not x.startswith("import time:")]
     assert ours == ["meshplan: error: interrupted"], rest[-3000:]
 
