@@ -202,7 +202,7 @@ def ring_kernel():
     dense attention on one device, causal and full, GQA, windows, soft-caps, both layouts (tests/test_cp_ring.py's
     cases over :class:`RingLinks` instead of threads)."""
     from meshplan.context_parallel.chunks import rank_positions
-    from meshplan.context_parallel.ring import ring_attention
+    from meshplan.context_parallel.ring import Ring, RingLinks, ring_attend
     from test_cp_ring import MASKS, close, dense, inputs
     cp, rank, worst = WORLD, dist.get_rank(), 0.0
     for load_balance in (True, False):
@@ -213,8 +213,8 @@ def ring_kernel():
             want.backward(dout)
             idx = torch.tensor(rank_positions(q.shape[-2], cp, rank, load_balance))
             ql, kl, vl = (t[:, :, idx].clone().requires_grad_() for t in (q, k, v))
-            out = ring_attention(ql, kl, vl, group=dist.group.WORLD, cp=cp, rank=rank, load_balance=load_balance,
-                                 mask=mask)
+            ring = Ring(RingLinks(dist.group.WORLD, cp, rank), load_balance, mask, q.shape[-1] ** -0.5, None)
+            out = ring_attend(ql, kl, vl, ring)
             out.backward(dout[:, :, idx])
             for name, g, w in zip(("out", "dq", "dk", "dv"), (out, ql.grad, kl.grad, vl.grad),
                                   (want, qr.grad, kr.grad, vr.grad)):
