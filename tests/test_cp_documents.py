@@ -121,3 +121,12 @@ def test_allgather_in_document_major_order_equals_one_device(monkeypatch, cp, ma
     assert close(_true(out.detach(), order), ref.detach())
     for g, w in zip(torch.autograd.grad(out, virt, _virtual(dout, order)), want):
         assert close(_true(g, order), w)
+
+
+def test_benchmark_smoke():
+    """benchmarks/cp.py --documents at a tiny size: every rank's kept pairs equal under the work layout."""
+    from benchmarks.cp_documents import main
+    text = main(["--seq", "256", "--cp", "2", "--steps", "1", "--rows", "long first"])
+    rows = [line.split(" | ") for line in text.splitlines() if line.startswith("| long first")]
+    assert [(r[3], r[4], r[6]) for r in rows] == [("tokens", "allgather_kv", "3.15"), ("tokens", "ring", "3.15"),
+                                                  ("work", "allgather_kv", "1.00"), ("work", "ring", "1.00")]
