@@ -130,3 +130,19 @@ def test_benchmark_smoke():
     rows = [line.split(" | ") for line in text.splitlines() if line.startswith("| long first")]
     assert [(r[3], r[4], r[6]) for r in rows] == [("tokens", "allgather_kv", "3.15"), ("tokens", "ring", "3.15"),
                                                   ("work", "allgather_kv", "1.00"), ("work", "ring", "1.00")]
+
+
+def test_layout_only_where_the_runtime_masks_documents():
+    """The per-document layout needs documents read as packing, a method that takes them, batch positions and no
+    window (a window measures true distances, which the layout stretches): otherwise the row layout."""
+    from meshplan.context_parallel.runtime import CpRuntime
+    rt = CpRuntime(group=None, cp=2, rank=0, load_balance=True, seq_dim=1, attend=None, positions_kwarg="position_ids",
+                   buffer=None, buffer_dim=0, patterns=("a",), attention_paths=("a",), inject_mask=True,
+                   layer_masks={"a": None})
+    ids = {"position_ids": _ids()}
+    assert rt.documents_layout_possible(ids)
+    assert not rt.documents_layout_possible({**ids, "use_cache": True})
+    assert not rt.documents_layout_possible({**ids, "attention_mask": torch.ones(3, 32)})
+    assert not rt.documents_layout_possible({"input_ids": _ids()})
+    for other in ({"layer_masks": {"a": AttentionMask(window=8)}}, {"masked": False}, {"buffer": "freqs"}):
+        assert not CpRuntime(**{**rt.__dict__, **other}).documents_layout_possible(ids), other

@@ -168,10 +168,11 @@ class CpRuntime:
         document-major order (:func:`~meshplan.context_parallel.documents.virtual_documents`).
 
         Raises:
-            PlanError: ``by_documents`` and the position ids are not in document-major order, or not read.
+            PlanError: ``by_documents`` and the position ids are not in document-major order, or given but not
+                read as packing (``attention_mask`` or a cache: the forward would attend across documents).
         """
         if not self.reads_documents(kwargs):
-            if self.by_documents:
+            if self.by_documents and kwargs.get(self.positions_kwarg) is not None:
                 raise PlanError("context_parallel: the batch was laid out per document (shard_for_state) but the "
                                 "forward does not mask documents (attention_mask, use_cache or no position ids); "
                                 "call the model with the inputs shard_for_state returned")
