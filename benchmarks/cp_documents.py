@@ -10,7 +10,8 @@ For every rank, one process, one thread, ranks run one after the other (each ran
 other load aside): the rank's shards of q, k, v (``(1, 4 heads, S/cp, 32)``, 2 kv heads, float32) go through the
 method's attention as the runtime calls it (document ids per position; the all-gather served by the whole
 sequence's K/V in rank order, the ring's point-to-point hops by the source rank's block, dK/dV hops by zeros:
-the same math, no transport), forward + backward, median of ``--steps`` after one warm-up.
+the same math, no transport), forward + backward, the fastest of ``--steps`` after one warm-up (other load on
+the machine only adds time).
 
 Columns per (row, cp, layout, method):
 
@@ -24,7 +25,6 @@ Columns per (row, cp, layout, method):
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
@@ -89,7 +89,7 @@ def _time(fn, steps: int) -> float:
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+    return min(times) * 1e3  # the machine's other load only ever adds time
 
 
 def measure(lengths: list[int], cp: int, by_documents: bool, method: str, steps: int) -> dict:
