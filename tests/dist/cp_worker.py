@@ -311,11 +311,6 @@ CASES_2 = {
     "ring_cp2_mistral_window_packed": lambda: hf_case({"cp": 2}, factory=zoo("mistral"), packed=True, method="ring"),
     "ring_cp2_gemma3": lambda: hf_case({"cp": 2}, factory=zoo("gemma3_text"), method="ring"),
     "ring_cp2_cohere2": lambda: hf_case({"cp": 2}, factory=zoo("cohere2"), method="ring"),
-    # packed documents laid out per document, balanced by work (issue 30): both methods exact
-    "cp2_hf_packed_by_docs": lambda: hf_case({"cp": 2}, factory=lambda: hf_models.llama(use_cache=False),
-                                             packed="docs"),
-    "ring_cp2_hf_packed_by_docs": lambda: hf_case({"cp": 2}, factory=lambda: hf_models.llama(use_cache=False),
-                                                  packed="docs", method="ring"),
 }
 CASES_4 = {
     "cp4": lambda: llama_case({"cp": 4}),
@@ -340,8 +335,8 @@ CASES_4 = {
         use_cache=False), packed=True, method="ring"),
     "ring_cp2_tp2_gemma3_softcap": lambda: hf_case({"cp": 2, "tp": 2}, tp=True, rules=GEMMA3_TP_RULES, method="ring",
                                                    factory=zoo("gemma3_text", final_logit_softcapping=2.0)),
-    "cp4_hf_packed_by_docs": lambda: hf_case({"cp": 4}, factory=lambda: hf_models.llama(use_cache=False),
-                                             packed="docs"),
+    # packed documents laid out per document, balanced by work (issue 30); one case for the suite's time budget:
+    # allgather_kv cp 2 / cp 4 and the ring at cp 2 passed the same way once (commit 586dc14, ~7 s more per launch)
     "ring_cp2_tp2_hf_packed_by_docs": lambda: hf_case({"cp": 2, "tp": 2}, tp=True, factory=lambda: hf_models.llama(
         use_cache=False), packed="docs", method="ring"),
 }
