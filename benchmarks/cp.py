@@ -1,8 +1,10 @@
 """Context parallelism (``allgather_kv``, load-balanced): K/V traffic, saved activations and tokens/s vs cp = 1.
 
 ``python benchmarks/cp.py --layer``: ONE attention layer up to 32k tokens, ``allgather_kv`` vs ``ring`` vs one
-device (saved bytes, ring bytes sent, time): ``benchmarks/cp_layer.py`` says what it measures. The rest of this
-docstring is the model benchmark.
+device (saved bytes, ring bytes sent, time): ``benchmarks/cp_layer.py`` says what it measures.
+``python benchmarks/cp.py --documents``: packed documents of mixed lengths up to 32k tokens, the row's head-tail
+layout (balanced by tokens) vs the per-document layout (by work), both methods: ``benchmarks/cp_documents.py``.
+The rest of this docstring is the model benchmark.
 
 Run: ``python benchmarks/cp.py [--quick] [--json [PATH]]`` from the repo root (≈2 min on 2 idle cores;
 ``--quick``: seq 512, one launch each, ≈25 s; ``--json``: the rows as JSON too, on stdout after the table or into
@@ -461,6 +463,9 @@ def main(argv=None) -> str:
     if "--layer" in argv:  # one attention layer, allgather_kv vs ring, up to 32k tokens (benchmarks/cp_layer.py)
         from cp_layer import main as layer_main
         return layer_main([a for a in argv if a != "--layer"])
+    if "--documents" in argv:  # packed documents, token- vs work-balanced layout (benchmarks/cp_documents.py)
+        from cp_documents import main as documents_main
+        return documents_main([a for a in argv if a != "--documents"])
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4], help="cp degrees (world = cp); 1 is added")
     ap.add_argument("--seq", type=int, help="global sequence length (default 2048; --quick 512)")

@@ -218,13 +218,17 @@ def test_packed_documents_sharded_with_a_pipeline():
     like any other position ids (they were refused while later stages got none)."""
     from types import SimpleNamespace as NS
     from meshplan.context_parallel.batch import shard_for_state
-    rt = NS(cp=2, rank=0, load_balance=True, seq_dim=1, positions_kwarg="position_ids")
+    rt = NS(cp=2, rank=0, load_balance=True, seq_dim=1, positions_kwarg="position_ids",
+            documents_layout_possible=lambda kwargs: False)  # the row layout (a runtime that masks no documents)
     state = NS(context_parallel=NS(runtime=rt), topology=NS(layout=NS(pp=2, tp=1)), sequence_parallel=False)
     ids = torch.zeros(1, 8, dtype=torch.long)
     batch = {"input_ids": ids, "labels": ids, "position_ids": position_ids_of([4, 4])}
     assert shard_for_state(state, batch, None, shift=True)[0]["position_ids"].tolist() == [[0, 1, 2, 3]]
     whole = {**batch, "position_ids": position_ids_of([8])}
     assert shard_for_state(state, whole, None, shift=True)[0]["position_ids"].tolist() == [[0, 1, 6, 7]]
+    rt.documents_layout_possible = lambda kwargs: True  # masked documents: chunk 0 of each, then chunk 3 of each
+    assert shard_for_state(state, batch, None, shift=True)[0]["position_ids"].tolist() == [[0, 0, 3, 3]]
+    assert rt.by_documents is True
 
 
 def test_torch_ring_refuses_windows_and_documents():

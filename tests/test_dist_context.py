@@ -62,7 +62,9 @@ def world8(shared_launch):
 @pytest.mark.parametrize("case", ["cp4", "cp2_tp2_sp", "cp2_dp_shard2", "cp2_tp2_hf_llama", "cp2_tp2_hf_packed",
                                   "cp2_tp2_gemma3_softcap", "pp2_cp2", "ring_kernel_cp4",
                                   "ring_cp4", "ring_cp2_tp2_sp", "ring_cp2_tp2_hf_llama", "ring_cp4_hf_packed",
-                                  "ring_cp4_mistral_window", "ring_cp2_tp2_hf_packed", "ring_cp2_tp2_gemma3_softcap"])
+                                  "ring_cp4_mistral_window", "ring_cp2_tp2_hf_packed", "ring_cp2_tp2_gemma3_softcap",
+                                  # packed documents laid out per document, balanced by work
+                                  "ring_cp2_tp2_hf_packed_by_docs"])
 def test_cp_composed(world4, case):
     _check(world4, case, 4)
 

@@ -16,25 +16,10 @@ import torch
 import torch.nn.functional as F
 
 from meshplan.context_parallel.chunks import check_seq_len, rank_positions
+from meshplan.context_parallel.documents import document_index, documents_of
 from meshplan.errors import PlanError
 
 __all__ = ["shard_batch", "shard_for_state", "sequence_length", "documents_of", "position_ids_of"]
-
-
-def documents_of(position_ids: torch.Tensor) -> torch.Tensor | None:
-    """Document ids ``(batch, seq)`` of packed sequences from their position ids, or None (one document per row).
-
-    A document starts where the position id is not the previous one + 1 (transformers' padding-free convention,
-    ``masking_utils.find_packed_sequence_indices``, which sdpa and eager attention follow without cp).
-
-    Example::
-
-        >>> documents_of(torch.tensor([[0, 1, 2, 0, 1, 0]])).tolist()
-        [[0, 0, 0, 1, 1, 2]]
-    """
-    first = position_ids[..., :1] - 1
-    docs = (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
-    return None if bool((docs[..., -1] == 0).all()) else docs
 
 
 def position_ids_of(lengths: list[int] | tuple[int, ...]) -> torch.Tensor:
@@ -62,10 +47,19 @@ def sequence_length(inputs: Any, seq_dim: int) -> int | None:
 
 
 def _take(x: Any, index: torch.Tensor, seq_dim: int, seq_len: int) -> Any:
+    """``x``'s positions ``index`` along ``seq_dim``: 1-D (every row), or ``(rows, n)`` per batch row (seq dim 1)."""
     if isinstance(x, torch.Tensor):
-        if x.dim() > seq_dim and x.shape[seq_dim] == seq_len:
-            return x.index_select(seq_dim, index.to(x.device))
-        return x
+        if x.dim() <= seq_dim or x.shape[seq_dim] != seq_len:
+            return x
+        if index.dim() == 1 or index.shape[0] == 1:
+            return x.index_select(seq_dim, index.reshape(-1).to(x.device))
+        if x.shape[0] == 1:
+            x = x.expand(index.shape[0], *x.shape[1:])
+        if x.shape[0] != index.shape[0]:
+            raise PlanError(f"context_parallel: a batch tensor of shape {tuple(x.shape)} has {x.shape[0]} rows; the "
+                            f"position ids lay out {index.shape[0]} rows per document (expected {index.shape[0]} or 1)")
+        idx = index.to(x.device).view(*index.shape, *([1] * (x.dim() - 2))).expand(*index.shape, *x.shape[2:])
+        return x.gather(1, idx)
     if isinstance(x, dict):
         return {k: _take(v, index, seq_dim, seq_len) for k, v in x.items()}
     if isinstance(x, (tuple, list)):
@@ -74,7 +68,8 @@ def _take(x: Any, index: torch.Tensor, seq_dim: int, seq_len: int) -> Any:
 
 
 def shard_batch(inputs: Any, targets: Any, *, cp: int, rank: int, load_balance: bool, seq_dim: int = 1,
-                tp_sequence: int = 1, shift: bool = False, ignore_index: int = -100) -> tuple[Any, Any, bool]:
+                tp_sequence: int = 1, shift: bool = False, ignore_index: int = -100,
+                documents: str | None = None) -> tuple[Any, Any, bool]:
     """``(inputs, targets, shift)`` of this cp rank: its chunks of every sequence-long tensor.
 
     Args:
@@ -84,6 +79,10 @@ def shard_batch(inputs: Any, targets: Any, *, cp: int, rank: int, load_balance: 
         shift: the model shifts its labels itself (``inputs`` is a dict with ``labels``); they are shifted over
             the whole sequence into ``shift_labels`` first and the returned ``shift`` is False.
         ignore_index: the label of the position after the last.
+        documents: the key of the inputs' position ids when the model masks packed documents by them: rows packing
+            documents are laid out per document, balanced by work (:mod:`~meshplan.context_parallel.documents`),
+            where every document's length is a multiple of ``2·cp`` (and ``load_balance``, ``seq_dim`` 1); the
+            model's runtime must then read the batch so (:func:`shard_for_state` tells it). None: the row layout.
 
     Returns:
         The sharded inputs and targets, and whether the targets still need shifting (no longer).
@@ -91,6 +90,13 @@ def shard_batch(inputs: Any, targets: Any, *, cp: int, rank: int, load_balance: 
     Raises:
         PlanError: a length the layout cannot split (with valid lengths), or targets without the sequence dim.
     """
+    return _sharded(inputs, targets, cp, rank, load_balance, seq_dim, tp_sequence, shift, ignore_index,
+                    documents)[:3]
+
+
+def _sharded(inputs: Any, targets: Any, cp: int, rank: int, load_balance: bool, seq_dim: int, tp_sequence: int,
+             shift: bool, ignore_index: int, documents: str | None) -> tuple[Any, Any, bool, bool]:
+    """:func:`shard_batch`, and whether the batch was laid out per document."""
     seq_len = sequence_length(inputs, seq_dim)
     if seq_len is None:
         raise PlanError(f"context_parallel: no input tensor has a sequence dim {seq_dim}")
@@ -107,15 +113,32 @@ def shard_batch(inputs: Any, targets: Any, *, cp: int, rank: int, load_balance: 
     if sequence_length(targets, seq_dim) != seq_len:
         raise PlanError(f"context_parallel: the targets have no sequence dim {seq_dim} of length {seq_len}; "
                         f"context parallelism trains per-token losses (a target per input token)")
-    index = torch.tensor(rank_positions(seq_len, cp, rank, load_balance))
-    return _take(inputs, index, seq_dim, seq_len), _take(targets, index, seq_dim, seq_len), False
+    return _shard(inputs, targets, cp, rank, load_balance, seq_dim, seq_len, documents)
+
+
+def _shard(inputs: Any, targets: Any, cp: int, rank: int, load_balance: bool, seq_dim: int, seq_len: int,
+           documents: str | None) -> tuple[Any, Any, bool, bool]:
+    """:func:`shard_batch`'s take, and whether the batch was laid out per document."""
+    index = None
+    ids = inputs.get(documents) if documents is not None and isinstance(inputs, dict) else None
+    if isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[-1] == seq_len and load_balance \
+            and seq_dim == 1:
+        index = document_index(ids, cp, rank)
+    by_documents = index is not None
+    if index is None:
+        index = torch.tensor(rank_positions(seq_len, cp, rank, load_balance))
+    return _take(inputs, index, seq_dim, seq_len), _take(targets, index, seq_dim, seq_len), False, by_documents
 
 
 def shard_for_state(state: Any, inputs: Any, targets: Any, shift: bool = False,
                     ignore_index: int = -100) -> tuple[Any, Any, bool]:
     """:func:`shard_batch` with the layout of a model's :class:`~meshplan.state.ParallelState` (its cp runtime;
-    sequence parallelism's tp for the length check)."""
+    sequence parallelism's tp for the length check). Packed documents the runtime masks are laid out per document
+    (balanced by work) when :meth:`CpRuntime.documents_layout_possible` says so and every length allows it; the
+    runtime is told (``by_documents``), so its document ids follow the layout."""
     rt = state.context_parallel.runtime
     tp = state.topology.layout.tp if state.sequence_parallel is True else 1
-    return shard_batch(inputs, targets, cp=rt.cp, rank=rt.rank, load_balance=rt.load_balance, seq_dim=rt.seq_dim,
-                       tp_sequence=tp, shift=shift, ignore_index=ignore_index)
+    key = rt.positions_kwarg if isinstance(inputs, dict) and rt.documents_layout_possible(inputs) else None
+    inputs, targets, shift, rt.by_documents = _sharded(inputs, targets, rt.cp, rt.rank, rt.load_balance, rt.seq_dim,
+                                                       tp, shift, ignore_index, key)
+    return inputs, targets, shift

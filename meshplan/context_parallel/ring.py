@@ -26,6 +26,7 @@ import torch.distributed as dist
 from meshplan.context_parallel.attention import causal_from_mask, check_local_mask, on_local_heads
 from meshplan.context_parallel.blocks import attend_block, block_grads, merge, work_dtype
 from meshplan.context_parallel.chunks import rank_chunks
+from meshplan.context_parallel.doc_blocks import attend_documents, document_grads, document_segments
 from meshplan.context_parallel.masks import AttentionMask
 from meshplan.errors import PlanError
 
@@ -118,6 +119,17 @@ class Ring:
                 (True, None, None) if bool(one.all()) else (True, qd, kd)
         return self.blocks[key]
 
+    def segments(self, qr: range, kr: range, q: torch.Tensor) -> list | None:
+        """The block's documents one by one (:func:`~meshplan.context_parallel.doc_blocks.document_segments`), or
+        None: the block takes one call (no documents, one per row, or ``q`` not ``(rows, heads, L, d)``)."""
+        _, qd, kd = self.documents_of(qr, kr)
+        if qd is None or q.dim() != 4 or q.shape[0] != qd.shape[0]:
+            return None
+        key = ("segments", qr.start, kr.start)
+        if key not in self.blocks:
+            self.blocks[key] = document_segments(qd, kd)
+        return self.blocks[key]
+
 
 def _wait(works: list[Any]) -> None:
     for w in works:
@@ -137,8 +149,11 @@ def ring_forward(ring: Ring, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) 
             works = ring.links.post(list(kv), list(nxt), [_K, _V])
         for qo, qr, ko, kr in ring.pairs(source, chunk):
             _, q_doc, k_doc = ring.documents_of(qr, kr)
-            part = attend_block(q[..., qo:qo + chunk, :], kv[0][..., ko:ko + chunk, :], kv[1][..., ko:ko + chunk, :],
-                                scale=ring.scale, mask=ring.mask, q_pos=qr, k_pos=kr, q_doc=q_doc, k_doc=k_doc)
+            block = q[..., qo:qo + chunk, :], kv[0][..., ko:ko + chunk, :], kv[1][..., ko:ko + chunk, :]
+            segments = ring.segments(qr, kr, q)
+            part = attend_block(*block, scale=ring.scale, mask=ring.mask, q_pos=qr, k_pos=kr, q_doc=q_doc,
+                                k_doc=k_doc) if segments is None else \
+                attend_documents(*block, segments, scale=ring.scale, mask=ring.mask, q_pos=qr, k_pos=kr)
             acc[qo] = part if qo not in acc else merge(*acc[qo], *part)
         _wait(works)
         if step < cp - 1:
@@ -175,10 +190,13 @@ def ring_backward(ring: Ring, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         dv = torch.zeros(kv[1].shape, dtype=work, device=q.device)
         for qo, qr, ko, kr in ring.pairs(source, chunk):
             _, q_doc, k_doc = ring.documents_of(qr, kr)
-            g = block_grads(q[..., qo:qo + chunk, :], kv[0][..., ko:ko + chunk, :], kv[1][..., ko:ko + chunk, :],
-                            dout[..., qo:qo + chunk, :], lse[..., qo:qo + chunk], delta[..., qo:qo + chunk],
-                            scale=ring.scale, mask=ring.mask, q_pos=qr, k_pos=kr, q_doc=q_doc, k_doc=k_doc,
-                            out=out[..., qo:qo + chunk, :])
+            block = q[..., qo:qo + chunk, :], kv[0][..., ko:ko + chunk, :], kv[1][..., ko:ko + chunk, :]
+            rows = dout[..., qo:qo + chunk, :], lse[..., qo:qo + chunk], delta[..., qo:qo + chunk]
+            segments = ring.segments(qr, kr, q)
+            g = block_grads(*block, *rows, scale=ring.scale, mask=ring.mask, q_pos=qr, k_pos=kr, q_doc=q_doc,
+                            k_doc=k_doc, out=out[..., qo:qo + chunk, :]) if segments is None else \
+                document_grads(*block, *rows, out[..., qo:qo + chunk, :], segments, scale=ring.scale, mask=ring.mask,
+                               q_pos=qr, k_pos=kr)
             if g is not None:
                 dq[..., qo:qo + chunk, :] += g[0]
                 dk[..., ko:ko + chunk, :] += g[1]

@@ -83,6 +83,10 @@ class CpRuntime:
         documents: this forward's ``(batch, seq)`` document ids per global position (packed sequences), or None.
         keeps: this forward's keep-matrices, built by the first layer that needs one and shared by the others
             (emptied at each forward's start; keyed by the documents they were built from).
+        by_documents: the batch was laid out per document (document-major order,
+            :mod:`~meshplan.context_parallel.documents`): set by each
+            :func:`~meshplan.context_parallel.batch.shard_for_state`; the document ids then follow that order.
+        use_cache: the model config's ``use_cache`` (a forward without ``use_cache`` reads it).
     """
 
     group: Any
@@ -101,6 +105,8 @@ class CpRuntime:
     masked: bool = True
     documents: Any = None
     keeps: dict = field(default_factory=dict)
+    by_documents: bool = False
+    use_cache: bool = False
     depth: int = 0
     local_len: int | None = None
     audited: set = field(default_factory=set)
@@ -137,31 +143,62 @@ class CpRuntime:
                             f"method: torch_ring does not take them; use method: ring or allgather_kv")
         return {"mask": mask, "documents": self.documents, "keeps": self.keeps}
 
-    def _documents(self, model: nn.Module, kwargs: dict, rows: int) -> torch.Tensor | None:
-        """Document ids per global position from the caller's position ids (transformers' packed sequences:
-        ids restarting per document), all-gathered over cp: the local ids cannot say where a document starts.
-        Only when transformers reads them so (``masking_utils._preprocess_mask_arguments``): position ids given,
-        no ``attention_mask`` and no cache (``use_cache`` off: with the config's default ``use_cache=True`` a
-        transformers model builds a cache and ignores the packing, on one device too); None for one document."""
+    def reads_documents(self, kwargs: dict) -> bool:
+        """Whether the model masks packed documents by the position ids in ``kwargs``, as transformers reads them
+        (``masking_utils._preprocess_mask_arguments``): position ids given, no ``attention_mask`` and no cache
+        (``use_cache`` off: with the config's default ``use_cache=True`` a transformers model builds a cache and
+        ignores the packing, on one device too)."""
         ids = kwargs.get(self.positions_kwarg) if self.positions_kwarg is not None else None
         use_cache = kwargs.get("use_cache")
-        use_cache = getattr(getattr(model, "config", None), "use_cache", False) if use_cache is None else use_cache
-        if not self.inject_mask or ids is None or kwargs.get("attention_mask") is not None or use_cache \
-                or kwargs.get("past_key_values") is not None:
+        use_cache = self.use_cache if use_cache is None else use_cache
+        return self.inject_mask and ids is not None and kwargs.get("attention_mask") is None and not use_cache \
+            and kwargs.get("past_key_values") is None
+
+    def documents_layout_possible(self, kwargs: dict) -> bool:
+        """Whether a batch of these keyword inputs may be laid out per document: the documents are masked
+        (:meth:`reads_documents`, a method that takes them), the positions are the batch's (no buffer indexed by
+        position), and no layer has a sliding window (it measures true distances; the layout stretches them)."""
+        return self.masked and self.buffer is None and self.reads_documents(kwargs) \
+            and all(m is None or m.window is None for m in self.layer_masks.values())
+
+    def _documents(self, kwargs: dict, rows: int) -> torch.Tensor | None:
+        """Document ids per global (virtual) position from the caller's position ids, all-gathered over cp: the
+        local ids cannot say where a document starts. None for one document per row, or when the model does not
+        read packing (:meth:`reads_documents`). A batch laid out per document (``by_documents``) has its ids in
+        document-major order (:func:`~meshplan.context_parallel.documents.virtual_documents`).
+
+        Raises:
+            PlanError: ``by_documents`` and the position ids are not in document-major order, or given but not
+                read as packing (``attention_mask`` or a cache: the forward would attend across documents).
+        """
+        if not self.reads_documents(kwargs):
+            if self.by_documents and kwargs.get(self.positions_kwarg) is not None:
+                raise PlanError("context_parallel: the batch was laid out per document (shard_for_state) but the "
+                                "forward does not mask documents (attention_mask, use_cache or no position ids); "
+                                "call the model with the inputs shard_for_state returned")
             return None
         from meshplan.context_parallel.batch import documents_of
-        local = ids.expand(rows, -1).contiguous()
+        local = kwargs[self.positions_kwarg].expand(rows, -1).contiguous()
         parts = [torch.empty_like(local) for _ in range(self.cp)]
         torch.distributed.all_gather(parts, local, group=self.group)
         order = torch.argsort(torch.tensor([p for r in range(self.cp) for p in
                                             rank_positions(local.shape[-1] * self.cp, self.cp, r, self.load_balance)]))
-        return documents_of(torch.cat(parts, -1).index_select(-1, order.to(local.device)))
+        ids = torch.cat(parts, -1).index_select(-1, order.to(local.device))
+        if not self.by_documents:
+            return documents_of(ids)
+        from meshplan.context_parallel.documents import virtual_documents
+        try:
+            return virtual_documents(ids, self.cp)
+        except ValueError as e:
+            raise PlanError(f"context_parallel: the batch was laid out per document by shard_for_state, but {e}; "
+                            f"feed each batch through meshplan.train_step or shard_for_state") from None
 
     def module_path(self) -> str:
         return self._stack[-1] if self._stack else "the model"
 
     def install(self, model: nn.Module) -> None:
         """Register the hooks on ``model`` (the root) and on its attention modules."""
+        self.use_cache = bool(getattr(getattr(model, "config", None), "use_cache", False))
         model.register_forward_pre_hook(self._root_pre, with_kwargs=True)
         model.register_forward_hook(self._root_post, always_call=True)
         for path in self.attention_paths:
@@ -190,7 +227,7 @@ class CpRuntime:
                             f"{self.seq_dim} to learn the local length from")
         self.local_len = first.shape[self.seq_dim]
         pos = self.positions(self.local_len, first.device)
-        self.documents = self._documents(model, kwargs, first.shape[0])
+        self.documents = self._documents(kwargs, first.shape[0])
         self.keeps = {}  # per forward; keyed by the documents tensor (held), so a later recompute never takes another batch's
         if self.positions_kwarg is not None and kwargs.get(self.positions_kwarg) is None:
             kwargs = {**kwargs, self.positions_kwarg: pos.unsqueeze(0).expand(first.shape[0], -1)}

@@ -117,6 +117,14 @@ def packed_ids(step):
     return torch.cat([position_ids_of(lengths) for lengths in shapes])
 
 
+def aligned_ids(step):
+    """Packed rows whose every document length is a multiple of 8 (2·cp at cp 4): laid out per document, balanced
+    by work (meshplan/context_parallel/documents.py); mixed lengths, one row a single document, varying by step."""
+    from meshplan.context_parallel.batch import position_ids_of
+    shapes = [[8, 16, 8], [SEQ], [8 + 8 * (step % 2), 24 - 8 * (step % 2)], [16, 8, 8]]
+    return torch.cat([position_ids_of(lengths) for lengths in shapes])
+
+
 GEMMA3_TP_RULES = {**HF_TP_RULES, "model.layers.*.self_attn.q_norm": "head_norm",
                    "model.layers.*.self_attn.k_norm": "head_norm",
                    "model.layers.*.pre_feedforward_layernorm": "norm", "model.layers.*.post_feedforward_layernorm": "norm"}
@@ -126,10 +134,12 @@ def hf_case(layout, tp=False, arch="llama", factory=None, packed=False, rules=HF
     """A transformers causal LM (SDPA, causal, GQA, position_ids; Qwen2: q/k/v biases, the key bias's gradient ~0
     in exact arithmetic, which float32 AdamW turned into lr-sized moves) with its own shifted loss vs one device.
     ``factory``: another model (a tiny zoo config, sliding windows); ``packed``: each row packs documents
-    (:func:`packed_ids`), which one device masks from the position ids alone (transformers' packing detection)."""
+    (:func:`packed_ids`), which one device masks from the position ids alone (transformers' packing detection);
+    ``packed="docs"``: :func:`aligned_ids`, which the step lays out per document (asserted)."""
     import hf_models
     factory = factory or getattr(hf_models, arch)
-    extra = (lambda s, rows=slice(None): {"position_ids": packed_ids(s)[rows]}) if packed else \
+    ids_of = aligned_ids if packed == "docs" else packed_ids
+    extra = (lambda s, rows=slice(None): {"position_ids": ids_of(s)[rows]}) if packed else \
         (lambda s, rows=slice(None): {})
     torch.manual_seed(0)
     ref = float64_model(factory())
@@ -156,6 +166,8 @@ def hf_case(layout, tp=False, arch="llama", factory=None, packed=False, rules=HF
         y = global_batch(s, vocab)[1][r * rows:(r + 1) * rows]
         batch = {"input_ids": y.clamp(min=0), "labels": y, **extra(s, slice(r * rows, (r + 1) * rows))}
         results.append(meshplan.train_step(model, batch, None, opt, max_grad_norm=MAX_NORM))
+    if packed == "docs":  # teeth: the batches were laid out per document, not by the row
+        assert model._meshplan_state.context_parallel.runtime.by_documents is True
     return _compare(model, ref, results, ref_losses, ref_norms)
 
 
@@ -323,6 +335,10 @@ CASES_4 = {
         use_cache=False), packed=True, method="ring"),
     "ring_cp2_tp2_gemma3_softcap": lambda: hf_case({"cp": 2, "tp": 2}, tp=True, rules=GEMMA3_TP_RULES, method="ring",
                                                    factory=zoo("gemma3_text", final_logit_softcapping=2.0)),
+    # packed documents laid out per document, balanced by work (issue 30); one case for the suite's time budget:
+    # allgather_kv cp 2 / cp 4 and the ring at cp 2 passed the same way once (commit 586dc14, ~7 s more per launch)
+    "ring_cp2_tp2_hf_packed_by_docs": lambda: hf_case({"cp": 2, "tp": 2}, tp=True, factory=lambda: hf_models.llama(
+        use_cache=False), packed="docs", method="ring"),
 }
 CASES_8 = {
     "pp2_cp2_tp2": lambda: llama_case({"cp": 2, "pp": 2, "tp": 2}, tp=True, lp=True,
