@@ -169,11 +169,13 @@ def test_large_world_against_reference():
 
 
 def test_fast_65536_ranks():
+    """Groups at 65,536 ranks are linear work: bounded in this process's CPU seconds (not wall time, which a loaded
+    CI box stretches: 0.79 s wall once for a 0.1 s job); a quadratic pass would take minutes."""
     r = Layout(tp=8, cp=2, pp=16, ep=8, etp=1).resolve(65536)
     for kind in ("tp", "dp", "pp", "dp-cp", "tp-dp-cp", "ep", "edp"):
-        t = time.perf_counter()
+        t = time.process_time()
         groups = r.groups(kind)
-        assert time.perf_counter() - t < 0.5, kind
+        assert time.process_time() - t < 5.0, kind
         assert sum(map(len, groups)) == 65536
 
 
