@@ -5,12 +5,15 @@
 Each repeat runs every layout in turn (interleaved, so a burst of load from elsewhere lands on all layouts
 alike): the model is built and parallelized under the layout's plan, ``--warmup`` steps run unmeasured, then
 ``--steps`` steps are timed (barrier to barrier) and their median kept. Rank 0 writes, per layout, the median
-seconds per step of each repeat and the 1-minute load average when it started.
+seconds per step of each repeat, the 1-minute load average when it started and rank 0's thread count after it
+(each layout's ``meshplan.init`` block destroys the groups it made: without that, 596 threads per rank piled up
+over a world-4 launch).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.util
 import json
 import os
@@ -65,7 +68,8 @@ def run_layout(ex, layout: dict, args) -> float:
             dist.barrier()
             if step >= args.warmup:
                 times.append(time.perf_counter() - t)
-        del model, opt
+        del model, opt, data
+        gc.collect()  # FSDP2's and the pipeline's reference cycles hold the groups this block's end destroys
     return statistics.median(times)
 
 
@@ -80,11 +84,12 @@ def main() -> None:
     layouts = json.loads(Path(args.layouts).read_text())
     dist.init_process_group("gloo")
     ex = _examples_train()
-    result = {ly["name"]: {"times": [], "load": []} for ly in layouts}
+    result = {ly["name"]: {"times": [], "load": [], "threads": []} for ly in layouts}
     for _ in range(args.repeats):
         for ly in layouts:
             result[ly["name"]]["load"].append(os.getloadavg()[0])
             result[ly["name"]]["times"].append(run_layout(ex, ly, args))
+            result[ly["name"]]["threads"].append(len(os.listdir("/proc/self/task")))  # flat: groups released
     if dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps(result))
     dist.barrier()

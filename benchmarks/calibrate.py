@@ -26,6 +26,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -162,6 +163,8 @@ def run_world(world: int, args, tmp: Path) -> dict:
         rows.append((name, kind, m, p))
         print(f"| {name} | {kind} | {m:.3f} | {100 * (max(times) - min(times)) / m:.0f}% | {p:.3f} | "
               f"{100 * (p / m - 1):+.0f}% | {statistics.median(loads):.1f} |", flush=True)
+    threads = [n for v in got.values() for n in v.get("threads", [])]
+    print(f"\nrank 0's threads after each layout: {min(threads)}-{max(threads)} (flat: each layout's groups released)")
     return summarize(world, rows, cluster, args, tmp)
 
 
@@ -198,10 +201,11 @@ def main() -> None:
     args = ap.parse_args()
     print(f"load average at start: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores (the table is worth "
           f"reporting only on a quiet host)")
+    start = time.time()
     with tempfile.TemporaryDirectory(prefix="meshplan-calibrate-") as tmp:
         for world in (int(w) for w in args.worlds.split(",")):
             run_world(world, args, Path(tmp))
-    print(f"\nload average at end: {os.getloadavg()[0]:.2f}")
+    print(f"\nload average at end: {os.getloadavg()[0]:.2f}; {time.time() - start:.0f} s in all")
 
 
 if __name__ == "__main__":
