@@ -88,10 +88,14 @@ def _measurement(**extra) -> dict:
 
 
 def test_profile_json_becomes_the_cluster_fields():
-    """The ranks per core come from the measured parallelism (0.25 cores per rank: 4), not from a core count."""
-    cl = cluster_from_measurement(_measurement(**MEASURED, parallelism=0.25, repeat_spread=0.04,
+    """The ranks per core a bubble can hand over: the measured parallelism's inverse, at most the job's ranks per
+    core (8 ranks on 2 cores: 0.25 cores per rank measured gives 4; 0.2, other load taking a share, still 4; 2
+    ranks on 2 loaded cores, 0.63 measured: 1, the whole bubble)."""
+    cl = cluster_from_measurement(_measurement(**MEASURED, world=8, cores=2, parallelism=0.25, repeat_spread=0.04,
                                                all_to_all_v={"2": {"latency": 3e-5, "bandwidth": 2e8}}))
     assert cl.oversubscription == 4.0 and cl.repeat_spread == 0.04
+    assert cluster_from_measurement(_measurement(**MEASURED, world=8, cores=2, parallelism=0.2)).oversubscription == 4
+    assert cluster_from_measurement(_measurement(**MEASURED, cores=2, parallelism=0.63)).oversubscription == 1.0
     assert cl.dtensor_overheads == MEASURED["dtensor_overheads"] and cl.fsdp_unit_overhead == 1e-3
     assert cl.collectives["all_to_all_v"][2] == Fit(3e-5, 2e8)
     assert Cluster.from_dict(cl.to_dict()) == cl

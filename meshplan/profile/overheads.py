@@ -15,6 +15,7 @@ once, as in training: on a host with more ranks than cores the times are the tim
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from typing import Callable
@@ -136,4 +137,4 @@ def measure_overheads(timed: Callable, mean: Callable, fit: Callable, sizes, dev
             "fsdp_unit_overhead": _fsdp_unit(timed, mean, one, device),
             "pipeline_action_overhead": _pipeline_action(timed, mean, one, device),
             "all_to_all_v": _uneven_all_to_all(timed, mean, fit, sizes, device),
-            "parallelism": _parallelism(device)}
+            "parallelism": _parallelism(device), "cores": os.cpu_count()}
