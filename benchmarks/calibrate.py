@@ -2,7 +2,9 @@
 measured training steps, for at least 12 layouts at world 2, 4 and 8 (CPU/gloo), and the solver's first choice vs
 the fastest measured layout.
 
-    python benchmarks/calibrate.py                       # all three worlds: about 12 minutes on a quiet 2-core host
+    python benchmarks/calibrate.py --parts               # all three worlds, 2 repeats of 1 + 2 steps: ~12 minutes
+                                                         # on a quiet 2-core host (estimated from step and set-up
+                                                         # times, not yet timed whole: see docs/solver.md)
     python benchmarks/calibrate.py --worlds 2 --repeats 1 --steps 1     # a quick look
 
 For each world the machine is profiled with as many processes as the runs use (8 ranks on 2 cores share the
@@ -114,9 +116,24 @@ def measure(layouts: dict, world: int, args, tmp: Path) -> dict:
     return json.loads(out.read_text())
 
 
-def predict(plan: dict, kind: str, world: int, cluster) -> float:
+def estimate(plan: dict, kind: str, world: int, cluster):
     cand, train = candidate_from_plan(Plan.from_data(plan, "calibration"), world, SEQ, BATCH)
-    return evaluate(shape_from_config(model_config(kind)), cand, train, cluster).step_time
+    return evaluate(shape_from_config(model_config(kind)), cand, train, cluster)
+
+
+def predict(plan: dict, kind: str, world: int, cluster) -> float:
+    return estimate(plan, kind, world, cluster).step_time
+
+
+def print_parts(layouts: dict, got: dict, world: int, cluster) -> None:
+    """The error's structure: each layout's predicted parts (seconds per step, the nonzero ones) beside what was
+    measured and left unexplained."""
+    print(f"\n#### world {world}: predicted parts per layout (s/step)\n")
+    for name, (kind, plan) in layouts.items():
+        est = estimate(plan, kind, world, cluster)
+        parts = ", ".join(f"{k} {v:.3f}" for k, v in est.parts.items() if abs(v) >= 5e-4)
+        gap = statistics.median(got[name]["times"]) - est.step_time
+        print(f"- {name}: measured - predicted {gap:+.3f}; {parts}")
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:
@@ -163,6 +180,8 @@ def run_world(world: int, args, tmp: Path) -> dict:
         rows.append((name, kind, m, p))
         print(f"| {name} | {kind} | {m:.3f} | {100 * (max(times) - min(times)) / m:.0f}% | {p:.3f} | "
               f"{100 * (p / m - 1):+.0f}% | {statistics.median(loads):.1f} |", flush=True)
+    if args.parts:
+        print_parts(layouts, got, world, cluster)
     threads = [n for v in got.values() for n in v.get("threads", [])]
     print(f"\nrank 0's threads after each layout: {min(threads)}-{max(threads)} (flat: each layout's groups released)")
     return summarize(world, rows, cluster, args, tmp)
@@ -193,9 +212,10 @@ def summarize(world: int, rows: list, cluster, args, tmp: Path) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--worlds", default="2,4,8")
-    ap.add_argument("--repeats", type=int, default=3, help="passes over all layouts, interleaved")
-    ap.add_argument("--warmup", type=int, default=2, help="unmeasured steps per layout and repeat")
-    ap.add_argument("--steps", type=int, default=3, help="measured steps per layout and repeat (median)")
+    ap.add_argument("--repeats", type=int, default=2, help="passes over all layouts, interleaved")
+    ap.add_argument("--warmup", type=int, default=1, help="unmeasured steps per layout and repeat")
+    ap.add_argument("--steps", type=int, default=2, help="measured steps per layout and repeat (median)")
+    ap.add_argument("--parts", action="store_true", help="print each layout's predicted parts (the error's structure)")
     ap.add_argument("--save-clusters", default=None,
                     help="write each world's profiled cluster here with its calibration error (estimate's ± band)")
     args = ap.parse_args()
