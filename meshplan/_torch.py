@@ -23,15 +23,13 @@ __all__ = [
     "rank_tensors", "module_view", "retarget_graph_device", "remove_split_marker",  # simulated ranks, stage views
     "StridedShard", "local_tensor", "compute_local_shape_and_global_offset", "funcol", "dtensor_op_handlers",  # DTensor
     "OpOverload", "OpSchema", "OpStrategy", "StrategyType", "expand_to_full_mesh_op_strategy",  # sharding rules
-    "is_tensor_evenly_shardable_on_dim", "sharding_propagator", "flatten_mesh",  # sharding rules, meshes
+    "is_tensor_evenly_shardable_on_dim", "sharding_propagator", "flatten_mesh", "tree_map", "tree_leaves",  # rules
     "queue_backward_callback", "saved_tensors_hooks_active", "hook_registered", "tensor_version",  # autograd
-    "TorchDispatchMode", "tree_map", "tree_leaves",  # dispatch
     "foreach_mul_", "safe_softmax", "LOG_SOFTMAX", "CPU_FLASH_ATTENTION", "CPU_FLASH_ATTENTION_BACKWARD",  # ops
-    "DropoutNd", "module_parameters", "module_buffers", "style_prepare_fns",  # modules and styles
+    "DropoutNd", "module_parameters", "module_buffers", "style_prepare_fns", "TorchDispatchMode",  # modules, modes
     "checkpoint_wrapper", "CheckpointWrapper", "CHECKPOINT_PREFIX", "replicate",  # data parallelism
-    "step_microbatches", "ring_attention_dispatch",  # pipeline and context parallelism
+    "step_microbatches", "ring_attention_dispatch", "CHECKPOINT_PRIVATE_GLOBALS",  # pipeline, cp, checkpoints
     "set_group_timeout", "group_options", "default_store", "flight_recorder_dump", "forget_groups",  # faults
-    "CHECKPOINT_PRIVATE_GLOBALS",  # checkpoints
 ]
 
 # ---------------------------------------------------------------- simulated ranks
@@ -91,8 +89,7 @@ import torch.distributed._functional_collectives as funcol  # noqa: E402
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard as stored (no autograd edge, unlike ``to_local()``), a plain tensor as is: meshplan
-    reads and relabels gradients and shards outside autograd (grad sync, clipping, owned outputs)."""
+    """A DTensor's stored shard (no autograd edge, unlike ``to_local()``; grad sync, clipping), a plain tensor as is."""
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
@@ -124,9 +121,12 @@ def flatten_mesh(mesh: Any, name: str | None = None) -> Any:
 
 
 def forget_groups(meshes: list, names: list[str]) -> None:
-    """Drop ``names`` from each mesh root's ``_pg_registry``: a destroyed gloo group's threads end with it."""
+    """Drop ``names`` from mesh roots' registries and empty DTensor's caches (their meshes equal later ones)."""
     for mesh in meshes:
         [mesh._get_root_mesh()._pg_registry.pop(name, None) for name in names]
+    from torch.distributed.tensor import _redistribute, debug
+    debug._clear_sharding_prop_cache()
+    _redistribute.clear_redistribute_planner_cache()
 
 
 # ---------------------------------------------------------------- autograd and dispatch

@@ -113,6 +113,20 @@ def test_end_destroys_only_the_groups_the_topology_made(fake_pg):
         assert all(g in _world.pg_map for g in alone.process_groups())  # no job: its groups are its caller's
 
 
+def test_a_later_equal_topology_never_gets_the_ended_ones_mesh(fake_pg):
+    """DeviceMesh equality ignores the groups, so DTensor's sharding cache handed the next layout's ops the ended
+    topology's mesh, whose groups were destroyed (the calibration's pp2 row after tp2: "Could not resolve the
+    process group"); the end empties those caches."""
+    import torch
+    from torch.distributed.tensor import DTensor, Shard
+    with fake_pg(4, 0):
+        for _ in range(2):
+            with meshplan.init({"tp": 2}) as topo:
+                x = DTensor.from_local(torch.ones(2, 2), topo["tp"], [Shard(0)], run_check=False)
+                y = (x + x).t()
+                assert y.device_mesh.get_group().group_name == topo["tp"].get_group().group_name
+
+
 def test_context_copies_do_not_own_the_topology(fake_pg):
     """torch's backward stashes ``contextvars.copy_context()`` in the thread-local state every collective
     captures; a strong reference there let a gloo worker thread drop the topology's last reference (and with

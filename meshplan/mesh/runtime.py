@@ -94,7 +94,8 @@ class Job:
                     else:
                         groups, self.adopted = self.own_groups(topology), []
                         release(groups, clean=exc is None)
-                        # the root meshes' registries hold the last references: a gloo group's threads end with them
+                        # the root meshes' registries hold the last references (a gloo group's threads end with
+                        # them); DTensor's caches hold meshes equal to a later topology's, whose ops would get these
                         forget_groups([topology.dense, topology.expert], [g.group_name for g in groups])
         finally:
             if watch is not None:
