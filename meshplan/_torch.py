@@ -30,7 +30,7 @@ __all__ = [
     "DropoutNd", "module_parameters", "module_buffers", "style_prepare_fns",  # modules and styles
     "checkpoint_wrapper", "CheckpointWrapper", "CHECKPOINT_PREFIX", "replicate",  # data parallelism
     "step_microbatches", "ring_attention_dispatch",  # pipeline and context parallelism
-    "set_group_timeout", "group_options", "default_store", "flight_recorder_dump",  # faults
+    "set_group_timeout", "group_options", "default_store", "flight_recorder_dump", "forget_groups",  # faults
     "CHECKPOINT_PRIVATE_GLOBALS",  # checkpoints
 ]
 
@@ -91,16 +91,13 @@ import torch.distributed._functional_collectives as funcol  # noqa: E402
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard as stored (no autograd edge, unlike ``to_local()``); a plain tensor as is.
-
-    meshplan reads and relabels gradients and shards outside autograd (grad sync, clipping, owned outputs).
-    """
+    """A DTensor's local shard as stored (no autograd edge, unlike ``to_local()``), a plain tensor as is: meshplan
+    reads and relabels gradients and shards outside autograd (grad sync, clipping, owned outputs)."""
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def dtensor_op_handlers() -> dict:
-    """DTensor's process-wide table of custom op handlers: torch's ``loss_parallel`` patches it, so it says
-    whether a ``loss_parallel`` context is active."""
+    """DTensor's process-wide custom op handlers: torch's ``loss_parallel`` patches them (so: is it active?)."""
     return DTensor._op_dispatcher._custom_op_handlers
 
 
@@ -124,6 +121,12 @@ def flatten_mesh(mesh: Any, name: str | None = None) -> Any:
     """``mesh`` (a DeviceMesh) flattened to one dim named ``name``: the one process group over several axes
     that meshplan's composite meshes (``dp``, ``dp_cp``, …) and the loss's single all-reduce use."""
     return mesh._flatten(name)
+
+
+def forget_groups(meshes: list, names: list[str]) -> None:
+    """Drop ``names`` from each mesh root's ``_pg_registry``: a destroyed gloo group's threads end with it."""
+    for mesh in meshes:
+        [mesh._get_root_mesh()._pg_registry.pop(name, None) for name in names]
 
 
 # ---------------------------------------------------------------- autograd and dispatch
@@ -179,8 +182,7 @@ DropoutNd = nn.modules.dropout._DropoutNd  # the base of every nn.Dropout*: how 
 
 def module_parameters(m: nn.Module) -> dict[str, nn.Parameter | None]:
     """``m``'s own parameter slots, the live dict: materialize swaps tensors in and out without hooks or checks
-    (``setattr`` would refuse a plain tensor and re-register); the experts style shows a grouped-experts module its
-    local shards during the forward."""
+    (``setattr`` would refuse a plain tensor); the experts style shows grouped experts their local shards."""
     return m._parameters
 
 
@@ -190,8 +192,7 @@ def module_buffers(m: nn.Module) -> dict[str, torch.Tensor | None]:
 
 
 def style_prepare_fns(style: Any) -> tuple[Callable, Callable]:
-    """A torch ``ColwiseParallel``/``RowwiseParallel`` style's input and output hooks, bound as its ``_apply``
-    binds them: the packed styles reuse them around their own partition function."""
+    """A torch Colwise/RowwiseParallel style's input and output hooks, bound as ``_apply`` binds them."""
     return (partial(style._prepare_input_fn, style.input_layouts, style.desired_input_layouts),
             partial(style._prepare_output_fn, style.output_layouts, style.use_local_output))
 

@@ -27,3 +27,11 @@ def test_three_adamw_steps_match_one_device(results, name):
             assert worst[kind][1] <= RTOL, (rank, kind, worst[kind])
         if "train_step_tokens" in worst:
             assert worst["train_step_tokens"] is True, (rank, worst)
+
+
+def test_init_blocks_release_their_groups(results):
+    """10 ``meshplan.init`` blocks in one launch: the threads of each rank stay flat (the groups each topology made
+    are destroyed at its end, the world group stays), and the live outer topology's groups still reduce."""
+    for rank, value in case_result(results, "release", 2).items():
+        assert value["threads"] == value["threads"][:1] * 10, (rank, value)
+        assert value["outer"][0] == value["outer"][1] >= 2, (rank, value)

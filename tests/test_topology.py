@@ -90,6 +90,29 @@ def test_two_topologies_coexist(fake_pg):
         assert meshplan.current_topology() is None
 
 
+def test_end_destroys_only_the_groups_the_topology_made(fake_pg):
+    """The end of ``with meshplan.init`` on a process group it did not create destroys every group its topology
+    made (each dim of the dense and expert mesh, the flattened meshes, an adopted group) and drops the root
+    meshes' references to them, and keeps the world and the groups of other live topologies (issue 31: 596
+    threads per rank after one calibration launch)."""
+    from torch.distributed.distributed_c10d import _world
+    with fake_pg(16, 3):
+        outer = meshplan.init({"tp": 2, "pp": 2})
+        alone = meshplan.build_mesh({"cp": 2})
+        with meshplan.init({"tp": 2, "cp": 2, "ep": 2}) as inner:
+            extra = dist.new_group([2, 3], group_desc="pp_embedding")
+            inner.adopt_group(extra, "pp_embedding")
+            made = inner.job.own_groups(inner)
+            # dense pp, dp_replicate, dp_shard, cp, tp; expert pp, edp, ep, etp; dp, dp_cp, dp_shard_cp, tp_cp; extra
+            assert len(made) == 14 and extra in made and dist.group.WORLD not in made
+            kept = outer.job.own_groups(outer) + alone.process_groups()
+            assert not {g.group_name for g in made} & {g.group_name for g in kept if g is not dist.group.WORLD}
+        assert not any(g in _world.pg_map for g in made) and all(g in _world.pg_map for g in kept)
+        assert not {g.group_name for g in made} & (set(inner.dense._pg_registry) | set(inner.expert._pg_registry))
+        outer.close()
+        assert all(g in _world.pg_map for g in alone.process_groups())  # no job: its groups are its caller's
+
+
 def test_context_copies_do_not_own_the_topology(fake_pg):
     """torch's backward stashes ``contextvars.copy_context()`` in the thread-local state every collective
     captures; a strong reference there let a gloo worker thread drop the topology's last reference (and with

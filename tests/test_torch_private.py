@@ -273,3 +273,16 @@ def test_checkpoint_private_globals_resolve_and_a_real_metadata_needs_no_other(t
     dcp.save({"w": torch.ones(2, 3, dtype=torch.bfloat16), "lr": 0.1}, checkpoint_id=str(tmp_path), no_dist=True)
     md = read_metadata(tmp_path)
     assert tuple(md.state_dict_metadata["w"].size) == (2, 3)
+
+
+def test_forget_groups_drops_the_root_mesh_reference(fake_pg):
+    """forget_groups drops a destroyed group from its root mesh's registry (its last reference: a gloo group's
+    threads end only when it goes)."""
+    import torch.distributed as dist
+    with fake_pg(4, 1):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
+        group = mesh.get_group("b")
+        assert group.group_name in mesh._pg_registry
+        dist.destroy_process_group(group)
+        _torch.forget_groups([mesh["b"]], [group.group_name])
+        assert group.group_name not in mesh._pg_registry and mesh.get_group("a").group_name in mesh._pg_registry

@@ -48,30 +48,54 @@ class Job:
     def __init__(self, watch: Any, owns_process_group: bool):
         self.watch = watch
         self.owns_process_group = owns_process_group
+        self.adopted: list = []
 
     def adopt_group(self, group: Any, axis: str) -> None:
         """A process group meshplan made beside the meshes (an axis' own group): the watch gives it
-        the plan's timeout and its reports name it ``axis``."""
+        the plan's timeout and its reports name it ``axis``; the job's end destroys it with the meshes'."""
+        self.adopted.append(group)
         if self.watch is not None:
             self.watch.adopt(group, axis)
 
-    def end(self, process_groups: Any, exc: BaseException | None) -> None:
+    def own_groups(self, topology: Any) -> list:
+        """This rank's groups that ``topology`` made, once each, in the same order on every rank: each dim of the
+        dense and the expert mesh, the flattened meshes, the adopted groups; never the world group (a dim
+        spanning the world reuses it). torch 2.13 makes fresh groups for every ``init_device_mesh`` and
+        ``_flatten``, so no other topology holds these."""
+        from meshplan.mesh.topology import MESH_KEYS
+        made = [*(m.get_group(i) for m in (topology.dense, topology.expert) for i in range(m.ndim)),
+                *(topology[key].get_group() for key in MESH_KEYS), *self.adopted]
+        groups = {g.group_name: g for g in made}
+        groups.pop(dist.group.WORLD.group_name, None)
+        return list(groups.values())
+
+    def end(self, topology: Any, exc: BaseException | None) -> None:
         """The end of ``with meshplan.init``: a failed collective escaping the block becomes a RankFailure (any
         other error is recorded for the peers' reports), the heartbeat stops, and the process group ``init``
-        created is shut down so that the process exits 0 (:func:`meshplan.faults.shutdown.shutdown`).
+        created is shut down so that the process exits 0 (:func:`meshplan.faults.shutdown.shutdown`); when
+        ``init`` found the process group already made, only the groups ``topology`` made are destroyed
+        (:func:`meshplan.faults.shutdown.release`), so that a loop of ``init`` blocks does not pile up gloo
+        threads, and the world group stays.
 
         Args:
-            process_groups: returns the topology's groups, the world's last (called only to shut them down).
+            topology: the ending :class:`Topology`.
             exc: the exception leaving the block, or None.
         """
+        from meshplan._torch import forget_groups
+        from meshplan.faults.shutdown import release, shutdown
         watch, owns = self.watch, self.owns_process_group
         self.watch, self.owns_process_group = None, False  # ended once
         failure = watch.ending(exc) if watch is not None else None
         try:
-            if owns and dist.is_initialized():
-                from meshplan.faults.shutdown import shutdown
+            if dist.is_initialized():
                 with translating(watch if exc is None else None):
-                    shutdown(process_groups(), clean=exc is None)
+                    if owns:
+                        shutdown(topology.process_groups(), clean=exc is None)
+                    else:
+                        groups, self.adopted = self.own_groups(topology), []
+                        release(groups, clean=exc is None)
+                        # the root meshes' registries hold the last references: a gloo group's threads end with them
+                        forget_groups([topology.dense, topology.expert], [g.group_name for g in groups])
         finally:
             if watch is not None:
                 watch.close()
@@ -204,7 +228,7 @@ def init(layout_or_plan: Any = None, *, backend: str | None = None, timeout_s: f
         The :class:`Topology` (as before the job existed: ``with meshplan.init(...) as topo`` yields it, and
         ``meshplan.parallelize``/``train_step`` take it), holding its :class:`Job` as ``topology.job``. Use it as
         a context manager to make it active; on exit the job ends: the watch stops and the process group that
-        ``init`` created is destroyed.
+        ``init`` created is destroyed (on a process group it found, the groups this topology made are).
 
     Raises:
         PlanError: not under torchrun, a layout that does not fit, or ranks that disagree.

@@ -172,7 +172,7 @@ class Topology:
     def _end(self, exc: BaseException | None) -> None:
         job, self.job = self.job, None  # ended once
         if job is not None:
-            job.end(self.process_groups, exc)
+            job.end(self, exc)
 
     def process_groups(self) -> list:
         """This rank's process groups of every mesh key, once each, the world's last."""

@@ -78,10 +78,11 @@ def _embedding_group(topology: Any, record: PipelineApplied, tied: list[tuple[st
     import torch.distributed as dist
     embd = topology.layout.groups("embd")
     groups = [dist.new_group(g, group_desc="pp_embedding") for g in embd]
+    mine = next((g for g, ranks in zip(groups, embd) if topology.rank in ranks), None)
+    if mine is not None:  # the plan's timeout, reports name it, and the topology's end destroys it
+        topology.adopt_group(mine, "pp_embedding")
     if record.has_first == record.has_last:
         return [], None
-    mine = next(g for g, ranks in zip(groups, embd) if topology.rank in ranks)
-    topology.adopt_group(mine, "pp_embedding")  # the plan's timeout; reports name it
     return [f if record.has_first else last for f, last in tied], mine
 
 def kept_rules(model: nn.Module, rules: dict, removed: set[str]) -> dict:

@@ -102,10 +102,33 @@ def case_parity():
     return {name: _parity(name) for name in FACTORIES}
 
 
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def case_release():
+    """10 ``meshplan.init`` blocks in turn on this launch's process group (which init does not own), inside the
+    context's live topology: each block's end destroys the groups it made, so this process's thread count
+    stays flat, and the outer topology's groups keep working (issue 31: 596 threads per rank before)."""
+    import torch.distributed as dist
+    outer = meshplan.current_topology()
+    counts = []
+    for _ in range(10):
+        with meshplan.init({"cp": WORLD}) as topo:
+            for group in topo.process_groups():
+                dist.all_reduce(torch.ones(1), group=group)  # every group connected: its gloo threads running
+        counts.append(_threads())
+    total, expected = torch.ones(1), 1
+    for group in outer.process_groups():  # each reduce multiplies the (equal) values by the group's size
+        dist.all_reduce(total, group=group)
+        expected *= dist.get_world_size(group)
+    return {"threads": counts, "outer": [float(total), expected]}
+
+
 def launch_cases():
     """This launch's cases and the context they run in (``tests/dist/suite_worker.py`` runs several workers' in one
     launch)."""
-    return {"parity": case_parity}, _context
+    return {"parity": case_parity, "release": case_release}, _context
 
 
 @contextlib.contextmanager
