@@ -124,8 +124,9 @@ def _finish(out: dict) -> None:
 #: ``launch_cases() -> (cases, context)``: its cases (functions of no arguments) and the context they run in
 #: (``keep_float64``, ``meshplan.init``); its ``__main__`` runs the same alone. A launch costs 5-18 s (torchrun,
 #: one interpreter per rank importing torch and transformers; ~8 CPU-s per rank measured): world 2's 11 launches
-#: became 1. Worlds 4 and 8 (10 and 5 launches) are not shared yet, but for ep_worker's world-4 cases (in
-#: dp_worker's launch). Tried here: a shared world-4 launch that destroyed every group but the world's between
+#: became 1. Worlds 4 and 8 (10 and 5 launches) are not shared yet, but for ep_worker's and solver_worker's
+#: world-4 cases (in dp_worker's launch: ~39 threads more per case with a mesh, 1,030 after dp's 27, 1,258 after
+#: solver's 6). Tried here: a shared world-4 launch that destroyed every group but the world's between
 #: workers stalled after 26 min (every rank's main thread waiting in a collective, its 423 ``gloo_tcp_loop``
 #: threads taking 90% of its CPU), and at world 2 the same release broke later workers (a mesh of theirs named a
 #: destroyed group: "Could not resolve the process group registered under the name 703"); without it world 2's
@@ -141,6 +142,7 @@ SHARED = {
     "tp_worker": ("test_dist_tp.py", {2: ""}),
     "trace_worker": ("test_pipeline_trace.py", {2: ""}),
     "zoo_worker": ("test_dist_zoo.py", {2: ""}),
+    "solver_worker": ("test_dist_solver.py", {4: ""}),  # 6 cases, one mesh each
     # last: their context is meshplan.init (run_suite restores the world group's timeout after it)
     "arch_worker": ("test_dist_architectures.py", {2: ""}),
     "hf_worker": ("test_dist_hf.py", {2: ""}),
