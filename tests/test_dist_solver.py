@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from _launch import case_result, launch
+from _launch import case_result
 
 pytestmark = pytest.mark.dist
 
@@ -13,8 +13,8 @@ SEQ, BATCH = 32, 8
 
 
 @pytest.fixture(scope="module")
-def world4():
-    return launch("tests/dist/solver_worker.py", 4)
+def world4(shared_launch):
+    return shared_launch("solver_worker", 4)  # in world 4's shared launch (tests/_launch.py)
 
 
 def _estimate(name: str, pp_rank: int):
