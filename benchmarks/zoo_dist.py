@@ -14,6 +14,7 @@ max‖g_ref‖)`` and ``|loss − loss_ref| ≤ TOL · |loss_ref|``. A rank appe
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime
 import json
@@ -27,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from zoo_inputs import call, rows_of, step_inputs  # noqa: E402
 from zoo_plans import batch, build, loss_sum  # noqa: E402
 
 TOL, FLOOR = 1e-9, 1e-6
@@ -61,6 +63,31 @@ class KeepFloat64(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+@contextlib.contextmanager
+def keep_float64_in_recompute():
+    """:class:`KeepFloat64` entered around every module call too: activation checkpointing re-runs a block's forward
+    during backward without the torch-function modes active at the forward (torch restores RNG and autocast state,
+    not modes), so a mode around the step alone misses the recompute (selective recompute then finds casts the
+    forward did not make: ``aten._to_copy ... not found in storage``). Module hooks run again in the recompute."""
+    from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+    modes: list = []
+
+    def enter(_m, _args):
+        modes.append(KeepFloat64())
+        modes[-1].__enter__()
+
+    def leave(_m, _args, _out):
+        modes.pop().__exit__(None, None, None)
+
+    pre = register_module_forward_pre_hook(enter)
+    post = register_module_forward_hook(leave, always_call=True)
+    try:
+        yield
+    finally:
+        pre.remove()
+        post.remove()
+
+
 class GradRecorder(torch.optim.Optimizer):
     """An optimizer whose ``step`` records each parameter's gradient instead of moving it."""
 
@@ -76,10 +103,11 @@ class GradRecorder(torch.optim.Optimizer):
                     self.grads[id(p)] = p.grad.detach().clone()
 
 
-def _reference(model):
-    """Loss and ``{name: grad}`` of one forward + backward on one device (the global batch)."""
+def _reference(model, axis: str = "tp"):
+    """Loss and ``{name: grad}`` of one forward + backward on one device (the global batch; the axis' keyword
+    inputs, ``zoo_inputs.step_inputs``)."""
     x, y = batch(model)
-    loss = loss_sum(model(x), y) / (y != -100).sum()
+    loss = loss_sum(call(model, step_inputs(model, axis, x)[0]), y) / (y != -100).sum()
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)
              if p.grad is not None}
@@ -92,7 +120,7 @@ def run_item(item: dict, topologies: dict) -> dict:
     import meshplan
     from torch.distributed.tensor import DTensor
     model, _ = build(item["type"])
-    ref_loss, ref = _reference(copy.deepcopy(model))
+    ref_loss, ref = _reference(copy.deepcopy(model), item["axis"])
     key = json.dumps(item["plan"]["layout"], sort_keys=True)
     if key not in topologies:
         timeout = float(os.environ.get("ZOO_TIMEOUT", 300))
@@ -100,9 +128,11 @@ def run_item(item: dict, topologies: dict) -> dict:
     topo = topologies[key]
     pmodel = meshplan.parallelize(model, item["plan"], topo)
     x, y = batch(pmodel)
+    inputs = step_inputs(model, item["axis"], x)[0]
     rows, r = x.shape[0] // topo.data_world_size, topo.data_rank
     opt = GradRecorder(pmodel.parameters())
-    res = meshplan.train_step(pmodel, (x[r * rows:(r + 1) * rows], y[r * rows:(r + 1) * rows]), loss_sum, opt)
+    res = meshplan.train_step(pmodel, (rows_of(inputs, r * rows, (r + 1) * rows), y[r * rows:(r + 1) * rows]),
+                              loss_sum, opt)
     top = max((float(g.norm()) for g in ref.values()), default=0.0)
     errors, held = {}, []
     for name, p in pmodel.named_parameters(remove_duplicate=False):
@@ -125,7 +155,14 @@ def run_item(item: dict, topologies: dict) -> dict:
     return {"ok": loss_err <= TOL and not failed and not missing, "loss_err": loss_err,
             "worst": max(errors.values(), default=0.0), "params": len(errors),
             "failed": [f"{n} ({errors[n]:.1e})" for n in failed[:6]] + [f"{n} (held by no rank)" for n in missing[:4]],
-            "loss": [res.loss, ref_loss]}
+            "loss": [res.loss, ref_loss], **_layout_note(pmodel)}
+
+
+def _layout_note(model) -> dict:
+    """``{"by_documents": bool}`` for a context-parallel model: whether its last batch was laid out per document."""
+    cp = getattr(getattr(model, "_meshplan_state", None), "context_parallel", None)
+    runtime = getattr(cp, "runtime", None)
+    return {} if runtime is None else {"by_documents": bool(runtime.by_documents)}
 
 
 def main() -> None:
@@ -144,7 +181,7 @@ def main() -> None:
             out.write(json.dumps({"i": item["i"], "start": time.time()}) + "\n")
         t0 = time.perf_counter()
         try:
-            with KeepFloat64():
+            with KeepFloat64(), keep_float64_in_recompute():
                 row = run_item(item, topologies)
         except Exception as e:  # noqa: BLE001 - recorded; the next item runs
             row = {"error": f"{type(e).__name__}: {' '.join(str(e).split())[:600]}",

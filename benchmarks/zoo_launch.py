@@ -57,7 +57,8 @@ def merge(per_rank: dict) -> dict:
     if not all(v["ok"] for v in per_rank.values()):
         return {"class": "WRONG", "reason": f"{text}; differ: {', '.join(worst['failed'])}", "seconds": seconds,
                 "loss": worst["loss"]}
-    return {"class": "equal", "reason": text, "seconds": seconds}
+    layout = {"by_documents": worst["by_documents"]} if "by_documents" in worst else {}  # cpdoc: the layout used
+    return {"class": "equal", "reason": text, "seconds": seconds, **layout}
 
 
 def _launch(items: list, nproc: int, timeout: float, out: str) -> subprocess.Popen:

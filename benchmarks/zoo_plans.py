@@ -12,6 +12,12 @@ cp          cp 2                                        2      ``blocks`` + ``co
 ep          ep 2 (MoE models only)                      2      ``from_hf(ep=2, tp=1)`` (experts from the config)
 3d          pp 2 × tp 2 × dp_shard 2 (dense);           8      ``from_hf`` + ``blocks`` + ``pipeline``; MoE:
             tp 2 × ep 2 (etp 1) × dp_shard 4 (MoE)             ``from_hf(ep=2, tp=2)``
+sel         tp 2                                        2      tp's plan + ``blocks.activation_checkpointing:
+                                                               {mode: selective, policy: megatron}``
+cpdoc       cp 2                                        2      cp's plan with ``method: ring``; packed documents
+                                                               (``zoo_inputs``: restarting position_ids)
+ppkw        pp 2                                        2      pp's plan; position_ids and a padding
+                                                               attention_mask as keyword inputs (``zoo_inputs``)
 ==========  ==========================================  =====  =====================================================
 
 :func:`plan_model` builds the model once, writes every axis' plan and checks it at its world size (the offline
@@ -25,8 +31,13 @@ import json
 import os
 import tempfile
 
-AXES = ("tp", "pp", "cp", "ep", "3d")
-WORLD = {"tp": 2, "pp": 2, "cp": 2, "ep": 2, "3d": 8}
+from zoo_inputs import KW_AXES
+
+AXES = ("tp", "pp", "cp", "ep", "3d", "sel", "cpdoc", "ppkw")
+WORLD = {"tp": 2, "pp": 2, "cp": 2, "ep": 2, "3d": 8, "sel": 2, "cpdoc": 2, "ppkw": 2}
+#: axes whose plan is tp's (sequence + loss parallel first, the plain plan where that is refused)
+TP_LIKE = ("tp", "ep", "3d", "sel")
+SELECTIVE = {"mode": "selective", "policy": "megatron"}
 PIPELINE = {"schedule": "1f1b", "microbatches": 2}
 ROWS, SEQ = 4, 16
 
@@ -161,13 +172,17 @@ def axis_plan(model, axis: str, moe: bool, sp: bool = True) -> dict | None:
     PlanError where ``from_hf`` refuses the model."""
     blocks = blocks_pattern(model)
     base = {"version": 1, **({"blocks": {"pattern": blocks}} if blocks else {})}
-    if axis == "tp":
-        return {**base, **_from_hf(model, tp=2, sequence_parallel=sp, loss_parallel=sp), "layout": {"tp": 2}}
-    if axis == "pp":
+    if axis in ("tp", "sel"):
+        plan = {**base, **_from_hf(model, tp=2, sequence_parallel=sp, loss_parallel=sp), "layout": {"tp": 2}}
+        if axis == "sel":
+            plan["blocks"] = {"pattern": blocks or "<no repeated blocks>", "activation_checkpointing": SELECTIVE}
+        return plan
+    if axis in ("pp", "ppkw"):
         return {**base, "layout": {"pp": 2}, "pipeline": dict(PIPELINE)}
-    if axis == "cp":
+    if axis in ("cp", "cpdoc"):
         attn = attention_patterns(model, blocks) if blocks else []
-        return {**base, "layout": {"cp": 2}, "context_parallel": {"attention": attn or ["<no attention module>"]}}
+        section = {"attention": attn or ["<no attention module>"], **({"method": "ring"} if axis == "cpdoc" else {})}
+        return {**base, "layout": {"cp": 2}, "context_parallel": section}
     if axis == "ep":
         if not moe:
             return None
@@ -186,7 +201,11 @@ def check_axis(model, axis: str, moe: bool) -> dict:
     import meshplan
     from meshplan.errors import PlanError
     errors: list[str] = []
-    for sp in ((True, False) if axis in ("tp", "ep", "3d") else (True,)):
+    if axis in KW_AXES:  # the keyword inputs must run on one device first
+        why = _keyword_inputs_run(model, axis)
+        if why:
+            return {"status": "-", "reason": why}
+    for sp in ((True, False) if axis in TP_LIKE else (True,)):
         try:
             plan = axis_plan(model, axis, moe, sp)
             if plan is None:
@@ -198,10 +217,24 @@ def check_axis(model, axis: str, moe: bool) -> dict:
         except Exception as e:  # noqa: BLE001 - check must not raise: a finding
             return {"status": "crash", "reason": f"check raised {short(e, 600)}"}
         if report.ok:
-            mode = ("sp+lp" if sp else "plain") if axis in ("tp", "ep", "3d") else ""
+            mode = ("sp+lp" if sp else "plain") if axis in TP_LIKE else ""
             return {"status": "ok", "plan": plan, "mode": mode, **({"sp_refused": errors[0]} if errors else {})}
         errors.append("; ".join(short(str(e), 600) for e in report.errors[:2]))
     return {"status": "refused", "reason": errors[-1], "errors": errors}
+
+
+def _keyword_inputs_run(model, axis: str) -> str | None:
+    """Why the model cannot take ``axis``' keyword inputs (``zoo_inputs.step_inputs``) on one device, or None."""
+    from zoo_inputs import call, step_inputs
+    x, y = batch(model)
+    inputs, why = step_inputs(model, axis, x)
+    if why:
+        return why
+    try:
+        loss_sum(call(model, inputs), y)
+    except Exception as e:  # noqa: BLE001 - the reason is the result
+        return f"the tiny {type(model).__name__} does not run on {axis}'s keyword inputs (one device): {short(e, 200)}"
+    return None
 
 
 def plan_model(model_type: str, axes=AXES) -> dict:

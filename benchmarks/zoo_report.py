@@ -9,7 +9,14 @@ from zoo_plans import AXES
 CLASSES = ("equal", "refused", "not buildable tiny", "WRONG", "crash", "-")
 LAYOUTS = {"tp": "tp 2 (world 2)", "pp": "pp 2, 1f1b, 2 microbatches (world 2)",
            "cp": "cp 2, allgather_kv (world 2)", "ep": "ep 2, MoE models only (world 2)",
-           "3d": "pp 2 × tp 2 × dp_shard 2; MoE: tp 2 × ep 2 (etp 1) × dp_shard 4 (world 8)"}
+           "3d": "pp 2 × tp 2 × dp_shard 2; MoE: tp 2 × ep 2 (etp 1) × dp_shard 4 (world 8)",
+           "sel": "tp 2 (SP + loss parallel where check takes it), blocks' activation_checkpointing {mode: selective, "
+                  "policy: megatron} (world 2)",
+           "cpdoc": "cp 2, method ring, packed documents (position_ids restarting per document, lengths multiples "
+                    "of 2·cp; `(by work)`: laid out per document, `(rows)`: the row layout, a sliding window) "
+                    "(world 2)",
+           "ppkw": "pp 2, 1f1b, 2 microbatches, position_ids + a right-padded attention_mask as keyword inputs "
+                   "(world 2)"}
 
 
 def _esc(s, n: int) -> str:
@@ -25,6 +32,10 @@ def verdict(row: dict, axis: str) -> dict:
 
 
 def _cell(v: dict, n: int) -> str:
+    if v["class"] == "equal" and "by_documents" in v:
+        return "equal (by work)" if v["by_documents"] else "equal (rows)"
+    if v["class"] == "-" and v.get("reason") not in (None, "no experts", "not run"):
+        return f"-: {_esc(v['reason'], n)}"
     if v["class"] in ("equal", "-"):
         return v["class"] + (" (plain)" if v.get("mode") == "plain" else "")
     return f"**{v['class']}**: {_esc(v.get('reason', ''), n)}" if v["class"] in ("WRONG", "crash") else \
@@ -60,8 +71,11 @@ def _header(rows: list[dict], seconds: dict, args: dict) -> list[str]:
         "`equal`: within 1e-9 on every rank. `refused`: `check` (or `from_hf`) said no — the reason and its",
         "suggestion. `not buildable tiny`: the tiny model cannot be built or does not run on token ids. `WRONG`:",
         "check ok, the numbers differ. `crash`: check ok, the run raised (or hung/died) — \"check ok ⇒ it runs\"",
-        "is the contract, so each is a bug. `-`: not applicable (ep on a dense model). `(plain)`: the sequence +",
-        "loss parallel plan was refused and the plain one ran.",
+        "is the contract, so each is a bug. `-`: not applicable (ep on a dense model; cpdoc/ppkw where the",
+        "forward takes no `position_ids` or the tiny model does not run on those keyword inputs on one device,",
+        "with the reason). `(plain)`: the sequence + loss parallel plan was refused and the plain one ran.",
+        "`sel`, `cpdoc`, `ppkw` exercise selective recompute, ring attention over packed documents and keyword",
+        "inputs under pp (`benchmarks/zoo_inputs.py` builds the keyword inputs, the same on one device).",
         "",
         "| verdict | " + " | ".join(f"{a}" for a in AXES) + " |",
         "|---|" + "---|" * len(AXES),

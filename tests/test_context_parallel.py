@@ -576,3 +576,18 @@ def test_audit_names_an_attention_module_that_ran_no_sdpa():
     _runtime(model, ["a", "b"])
     with pytest.raises(PlanError, match=r"\['b'\] called no scaled_dot_product_attention"):
         model(torch.randn(1, 8, 8))
+
+
+@pytest.mark.parametrize("model_type,reads", [("afmoe", False), ("llama", True), ("qwen3_moe", True)])
+def test_reads_packing_follows_the_models_own_mask(model_type, reads):
+    """Afmoe builds its masks without ``position_ids``: one device attends across packed documents, so cp must not
+    mask them apart (the zoo's cpdoc row was 2.4e-3 off on the loss); Llama and Qwen3-MoE hand them over."""
+    pytest.importorskip("transformers")
+    import torch
+
+    from meshplan.context_parallel.hf_check import reads_packing
+    from meshplan.hf.tiny_config import tiny_config
+    from meshplan.hf.tiny_models import model_class
+    with torch.device("meta"):
+        model = model_class(model_type)(tiny_config(model_type, tp=2))
+    assert reads_packing(model) is reads

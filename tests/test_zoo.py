@@ -77,3 +77,19 @@ def test_zoo_equal_or_refused(model_type):
     assert row["class"] in ("equal", "refused"), f"{model_type} ({ZOO[model_type]}): {row['class']}: {row['reason']}"
     if row["class"] == "refused":
         assert MODULE.search(row["reason"].split(":", 2)[-1]), f"{model_type}: reason names no module: {row['reason']}"
+
+
+@pytest.mark.fast
+def test_cpdoc_inputs_qualify_for_the_layout_by_work():
+    """The zoo's packed documents (``benchmarks/zoo_inputs.py``) restart ``position_ids`` per document with every
+    length a multiple of 2·cp, so cp 2 lays them out by work on both ranks (not the row layout)."""
+    import torch
+
+    from meshplan.context_parallel.documents import document_index, documents_of
+    from zoo_inputs import DOCS, packed_positions
+    from zoo_plans import ROWS, SEQ
+    ids = packed_positions(ROWS, SEQ)
+    assert documents_of(ids) is not None and len({len(d) for d in DOCS}) > 1
+    taken = [document_index(ids, 2, r) for r in range(2)]
+    assert all(t is not None and t.shape == (ROWS, SEQ // 2) for t in taken)
+    assert torch.equal(torch.sort(torch.cat(taken, -1)).values, torch.arange(SEQ).expand(ROWS, SEQ))

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.nn as nn
 
-from meshplan.context_parallel.hf_check import check_hf_attention, layer_masks
+from meshplan.context_parallel.hf_check import check_hf_attention, layer_masks, reads_packing
 from meshplan.context_parallel.runtime import CpRuntime
 from meshplan.errors import PlanError
 from meshplan.plan_file.context_parallel import ContextParallel, PositionsBuffer, PositionsKwarg
@@ -172,6 +172,7 @@ def apply_context_parallel(model: nn.Module, section: ContextParallel, topology:
                         seq_dim=section.seq_dim, attend=attend, positions_kwarg=resolved.kwarg,
                         buffer=resolved.buffer, buffer_dim=resolved.buffer_dim, patterns=section.attention,
                         attention_paths=resolved.paths, inject_mask=resolved.inject_mask,
+                        packing=reads_packing(model),
                         layer_masks=layer_masks(model, resolved.paths), masked=section.method != "torch_ring")
     runtime.install(model)
     return CpApplied(section=section, mesh=mesh, runtime=runtime)

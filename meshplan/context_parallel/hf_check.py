@@ -9,6 +9,9 @@ attention (muse_glimmer: loss 41 % off at cp 2, float64).
 
 from __future__ import annotations
 
+import ast
+import inspect
+import textwrap
 from typing import Any
 
 import torch.nn as nn
@@ -16,7 +19,7 @@ import torch.nn as nn
 from meshplan.context_parallel.masks import AttentionMask
 from meshplan.errors import PlanError
 
-__all__ = ["check_hf_attention", "layer_masks"]
+__all__ = ["check_hf_attention", "layer_masks", "reads_packing"]
 
 #: the transformers layer types the all-gather attention makes exact (a window per layer: ``sliding_window``)
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -156,3 +159,40 @@ def layer_masks(model: nn.Module, paths: tuple[str, ...]) -> dict:
         if window:
             found[path] = AttentionMask(causal=getattr(module, "is_causal", True), window=int(window))
     return found
+
+
+def _mask_calls_give_positions(tree: ast.AST) -> bool | None:
+    """Whether the ``create_*mask`` calls in ``tree`` get ``position_ids`` (a keyword, or a key of the dict
+    unpacked into them: ``mask_kwargs``), or None without such a call."""
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
+             and n.func.id.startswith("create_") and n.func.id.endswith("mask")]
+    if not calls:
+        return None
+    dicts = {t.id: n.value for n in ast.walk(tree) if isinstance(n, ast.Assign) and isinstance(n.value, ast.Dict)
+             for t in n.targets if isinstance(t, ast.Name)}
+    for call in calls:
+        for kw in call.keywords:
+            if kw.arg == "position_ids":
+                return True
+            unpacked = dicts.get(kw.value.id) if kw.arg is None and isinstance(kw.value, ast.Name) else None
+            if unpacked is not None and any(isinstance(k, ast.Constant) and k.value == "position_ids"
+                                            for k in unpacked.keys):
+                return True
+    return False
+
+
+def reads_packing(model: nn.Module) -> bool:
+    """Whether the model masks packed documents apart by their restarting position ids, as transformers does when
+    its mask builders get ``position_ids`` (``masking_utils.find_packed_sequence_indices``). The first module whose
+    ``forward`` calls a ``create_*mask`` builder decides: False when it does not hand them ``position_ids``
+    (``AfmoeModel``: its ``mask_kwargs`` have none, so one device attends across documents and context
+    parallelism must too); True for a model without such a call (its masks are not transformers')."""
+    for module in model.modules():
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(type(module).forward)))
+        except (OSError, TypeError, SyntaxError):
+            continue
+        found = _mask_calls_give_positions(tree)
+        if found is not None:
+            return found
+    return True

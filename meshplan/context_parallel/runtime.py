@@ -87,6 +87,8 @@ class CpRuntime:
             :mod:`~meshplan.context_parallel.documents`): set by each
             :func:`~meshplan.context_parallel.batch.shard_for_state`; the document ids then follow that order.
         use_cache: the model config's ``use_cache`` (a forward without ``use_cache`` reads it).
+        packing: the model masks packed documents by position ids (:func:`~meshplan.context_parallel.hf_check.
+            reads_packing`); False: documents are not masked, as on one device (Afmoe).
     """
 
     group: Any
@@ -101,6 +103,7 @@ class CpRuntime:
     patterns: tuple[str, ...]
     attention_paths: tuple[str, ...]
     inject_mask: bool = False
+    packing: bool = True
     layer_masks: dict = field(default_factory=dict)
     masked: bool = True
     documents: Any = None
@@ -151,7 +154,7 @@ class CpRuntime:
         ids = kwargs.get(self.positions_kwarg) if self.positions_kwarg is not None else None
         use_cache = kwargs.get("use_cache")
         use_cache = self.use_cache if use_cache is None else use_cache
-        return self.inject_mask and ids is not None and kwargs.get("attention_mask") is None and not use_cache \
+        return self.inject_mask and self.packing and ids is not None and kwargs.get("attention_mask") is None and not use_cache \
             and kwargs.get("past_key_values") is None
 
     def documents_layout_possible(self, kwargs: dict) -> bool:

@@ -21,7 +21,7 @@ from _launch import run_cases
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                                 "benchmarks"))
-from zoo_dist import TOL, KeepFloat64, run_item  # noqa: E402
+from zoo_dist import TOL, KeepFloat64, keep_float64_in_recompute, run_item  # noqa: E402
 from zoo_plans import WORLD, axis_plan, batch, build, check_axis, is_moe, loss_sum  # noqa: E402
 
 # (model type, axis): what each covers beyond the plain Llama block
@@ -47,6 +47,9 @@ ZOO = {
     ("gemma4_text", "tp"): "ep plan with tp entries, per-layer inputs (plain)",
     ("gpt_oss", "tp"): "experts over etp 2: interleaved gate/up, 2-D biases",
     ("inkling_text", "tp"): "router scoring its shared expert, normed embedding",
+    ("qwen3", "sel"): "selective recompute (policy megatron) under tp 2 + SP, per-head q/k norms",
+    ("qwen3", "cpdoc"): "ring cp over packed documents laid out by work (position_ids restarting)",
+    ("qwen2", "ppkw"): "position_ids and a padding attention_mask as keyword inputs of both stages",
 }
 
 
@@ -58,8 +61,10 @@ def zoo_case(model_type, axis, topologies):
     assert found["status"] == "ok", found
     plan = found["plan"]
     meshplan.check(model, plan, world_size=WORLD[axis]).raise_if_errors()
-    with KeepFloat64():
-        return run_item({"type": model_type, "axis": axis, "plan": plan}, topologies)
+    with KeepFloat64(), keep_float64_in_recompute():
+        out = run_item({"type": model_type, "axis": axis, "plan": plan}, topologies)
+    assert axis != "cpdoc" or out["by_documents"], out  # laid out by work, not the row layout
+    return out
 
 
 # (model type, layout) on 8 ranks beyond the zoo's own 3-D layout (etp 1): experts split over etp with FSDP2 over
