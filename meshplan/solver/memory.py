@@ -84,7 +84,7 @@ def _end_tensors(s: ModelShape, c: Candidate, place: Placement, pp_rank: int) ->
 
 
 def end_units(s: ModelShape, c: Candidate, place: Placement, pp_rank: int) -> list[tuple[str, list]]:
-    """The FSDP2 units of :func:`_end_tensors` (:func:`meshplan.data_parallel.ends.end_units`): ``[(kind,
+    """The FSDP2 units of :func:`_end_tensors` (as parallelize wraps them, docs/data-parallel.md): ``[(kind,
     tensors)]``, ``embedding`` (resharded after forward like a block) then ``head`` (the final norm and the head:
     kept gathered); a head tied to the embedding on the same rank keeps both in the ``root`` unit."""
     ends = _end_tensors(s, c, place, pp_rank)
