@@ -37,7 +37,8 @@ class DataParallelState:
             ``parallelize`` handed to the axes, is re-installed on FSDP2's parameters). Read the model's one as
             :attr:`meshplan.state.ParallelState.grad_sync`.
         ends: each root's embedding and head units (:func:`meshplan.data_parallel.ends.end_units`) as
-            ``(module, kept gathered after forward)``: the head's True, the embedding's False (it follows
+            ``(modules, kept gathered after forward)`` (a list unit's modules are each an ``FSDPModule`` of the
+            one unit): the head's True, the embedding's False (it follows
             ``reshard_after_forward``).
     """
 

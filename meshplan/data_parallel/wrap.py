@@ -66,7 +66,7 @@ def _new_grad_sync(model: "nn.Module", topology: "Topology", sequence_parallel: 
 def _shard(model, state, roots, blocks, section, topology, mode, axes, own) -> tuple:
     """FSDP2 (or DDP) on the modules ``own`` axes shard over a data mesh of their own (the experts over ``edp``),
     on each block, on each root's embedding and head (:func:`.ends.end_units`), then on each root (the model, or
-    each pipeline stage); returns the end units as ``(module, kept gathered after forward)``."""
+    each pipeline stage); returns the end units as ``(modules, kept gathered after forward)``."""
     import torch
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -96,7 +96,7 @@ def _shard(model, state, roots, blocks, section, topology, mode, axes, own) -> t
             for mods, keep in end_units(root):
                 fully_shard(mods if len(mods) > 1 else mods[0],
                             reshard_after_forward=False if keep else section.reshard_after_forward, **kw)
-                ends.append((mods[0], keep))  # each module of a list is the unit's handle
+                ends.append((tuple(mods), keep))  # each module of a list is a handle of the one unit
                 if not keep:  # the embedding's backward is the last: nothing to prefetch. Implicit prefetching
                     # would re-gather the head, already resharded, in a later microbatch's backward (torch keeps
                     # the forward order across accumulated microbatches); prefetching itself is a no-op.
