@@ -124,7 +124,8 @@ def _start(model, start: str, spec: dict, which: str) -> str:
 
 
 def _train(model, spec: dict, layout: str, vocab: int) -> tuple[list[float], int, int, int]:
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    fused = {"fused": True, "default": None}[spec.get("adamw", "fused")]  # docs/scale.md: the step's temporaries
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused)
     step, before = opt.step, []
 
     def timed_step(*a, **k):  # the peak of forward + backward, before AdamW's step runs

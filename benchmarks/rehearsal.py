@@ -219,7 +219,9 @@ def fsdp_units(model) -> int:
     def own(u) -> bool:  # a parameter outside every FSDP2 module below it
         inner = {id(p) for c in u.modules() if c is not u and isinstance(c, FSDPModule) for p in c.parameters()}
         return any(id(p) not in inner for p in u.parameters())
-    return sum(own(u) for u in units)
+    record = meshplan.parallel_state(model).data_parallel
+    shared = sum(len(mods) - 1 for mods, _ in record.ends) if record is not None else 0  # a list unit: one group
+    return sum(own(u) for u in units) - shared
 
 
 def rehearse_rank(preset: str, layout: dict, world: int, rank: int, microbatches: int,

@@ -55,8 +55,9 @@ def model_specs(size: str, ckpt: Path) -> dict:
                 "dcp_dir": str(ckpt / f"{k}-dcp")} for k, (c, m, cfg) in models.items()}
 
 
-def layout_plans(microbatches: int = 2) -> dict:
-    """``{layout name: {"model": ..., "plan": plan data}}`` from the repo's transformers plans."""
+def layout_plans(microbatches: int = 2, accumulate_unsharded: bool = True) -> dict:
+    """``{layout name: {"model": ..., "plan": plan data}}`` from the repo's transformers plans
+    (``accumulate_unsharded``: ``pp2fsdp2``'s ``data_parallel.accumulate_unsharded``)."""
     def read(name: str) -> dict:
         return yaml.safe_load((ROOT / "plans" / name).read_text())
     llama, pipe = read("hf_llama.yaml"), {"schedule": "1f1b", "microbatches": microbatches}
@@ -66,7 +67,8 @@ def layout_plans(microbatches: int = 2) -> dict:
                                               "tensor_parallel": {**llama["tensor_parallel"], "loss_parallel": False}}},
         "pp2fsdp2": {"model": "llama", "plan": {"version": 1, "layout": {"pp": 2, "dp_shard": 2},
                                                 "blocks": llama["blocks"], "pipeline": pipe,
-                                                "data_parallel": {"mode": "fsdp"}}},
+                                                "data_parallel": {"mode": "fsdp",
+                                                                  "accumulate_unsharded": accumulate_unsharded}}},
         "ep": {"model": "moe", "plan": read("hf_mixtral_ep.yaml")},
         "cp2tp2": {"model": "llama", "plan": read("hf_llama_cp.yaml")},
     }
@@ -188,10 +190,11 @@ def run(args) -> dict:
     """The launches; ``{"one": {rank: result}, "world": {rank: result}, "est": {"layout:rank": bytes}}``."""
     work = Path(args.work or tempfile.mkdtemp(prefix="meshplan-scale-"))
     models = model_specs(args.size, work / "ckpt")
-    layouts = {k: v for k, v in layout_plans().items() if k in args.layouts}
+    layouts = {k: v for k, v in layout_plans(accumulate_unsharded=args.accumulate_unsharded == "true").items()
+               if k in args.layouts}
     used = sorted({v["model"] for v in layouts.values()})
-    base = {"models": {k: models[k] for k in used}, "init_mode": args.init_mode, "batch": args.batch,
-            "seq": args.seq}
+    base = {"models": {k: models[k] for k in used}, "init_mode": args.init_mode, "adamw": args.adamw,
+            "batch": args.batch, "seq": args.seq}
     one_layouts = {f"one-{m}": {"model": m, "plan": None} for m in used}
     one = launch({**base, "prepare": True, "steps": 0, "layouts": one_layouts,
                   "phases": [(k, s) for k in one_layouts for s in args.starts]}, 1, work, "one")
@@ -221,6 +224,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--init-mode", choices=("exact", "sharded"), default="exact")
     ap.add_argument("--nproc", type=int, default=4)
     ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--accumulate-unsharded", choices=("true", "false"), default="true",
+                    help="pp2fsdp2's data_parallel.accumulate_unsharded (false: reduce-scatter every microbatch)")
+    ap.add_argument("--adamw", choices=("fused", "default"), default="fused",
+                    help="torch.optim.AdamW(fused=True) (no per-parameter temporaries on CPU) or torch's default "
+                         "(CPU: single-tensor, 2 x the largest local shard of temporaries in its step)")
     ap.add_argument("--batch", type=int, default=2, help="sequences per data rank (pp: ≥ its 2 microbatches)")
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--launch-per", choices=("all", "layout", "phase"), default="layout",

@@ -170,7 +170,7 @@ def test_cli_rank_view(capsys):
     assert lines[i + 6] == "    send over pp (peers 1): 2 calls, 2.0 MiB (pp: activations and their gradients)"
     assert lines[i + 7].startswith("    recv over pp (peers 1): 2 calls, 2.0 MiB")
     assert any(x.startswith("    all_gather over tp (ranks 4, 5): 26 calls, 52.0 MiB (tp: block inputs (forward)") for x in lines)
-    assert "    reduce_scatter over dp_shard (ranks 5, 7): 3 calls, 161.2 KiB (dp: block gradients, root gradients)" in lines
+    assert "    reduce_scatter over dp_shard (ranks 5, 7): 3 calls, 161.2 KiB (dp: block gradients, head gradients)" in lines
     assert "20,640 per rank (rank 5: 80.6 KiB" in out
     code, out, _ = _cli(capsys, "--rank", "5", "--format", "json")
     doc = json.loads(out)

@@ -19,7 +19,8 @@ def dp_step_collectives(c: Any, tr: Any, place: Any, units: list) -> list:
         c: the solver's candidate (mode, microbatches, pp, accumulate_unsharded).
         tr: its training settings (reduce dtype, activation bytes, reshard_after_forward).
         place: the placement (the ``dp``, ``dp_shard``, ``dp_replicate`` and ``edp`` groups).
-        units: ``(kind, parameters, shard degree, count)`` per wrapped unit (experts, blocks, the root).
+        units: ``(kind, parameters, shard degree, count)`` per wrapped unit (experts, blocks, the embedding, the
+            head; a tied embedding and head: the root).
 
     Returns:
         :class:`~meshplan.solver.terms.Collective` s on the ``dp`` axis: DDP's one all-reduce, else per unit an
@@ -50,7 +51,7 @@ def dp_step_collectives(c: Any, tr: Any, place: Any, units: list) -> list:
 def _counts(c: Any, tr: Any, kind: str) -> tuple[int, int]:
     """``(gathers, reductions)`` of one FSDP2 unit per step: accumulation, resharding and the pipeline decide."""
     m = c.microbatches
-    reshard = tr.reshard_after_forward and kind != "root"
+    reshard = tr.reshard_after_forward and kind not in ("root", "head")  # kept gathered after forward
     if m > 1 and not c.accumulate_unsharded:  # reduce-scattered and resharded every microbatch (pipeline too)
         return m * (1 + reshard), m
     if m > 1 and c.pp == 1:  # accumulated unsharded: one gather, one reduction

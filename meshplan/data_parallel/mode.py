@@ -36,11 +36,16 @@ class DataParallelState:
             parameters that tensor parallelism outside meshplan left (else None: the model's one, which
             ``parallelize`` handed to the axes, is re-installed on FSDP2's parameters). Read the model's one as
             :attr:`meshplan.state.ParallelState.grad_sync`.
+        ends: each root's embedding and head units (:func:`meshplan.data_parallel.ends.end_units`) as
+            ``(modules, kept gathered after forward)`` (a list unit's modules are each an ``FSDPModule`` of the
+            one unit): the head's True, the embedding's False (it follows
+            ``reshard_after_forward``).
     """
 
     mode: str
     section: DataParallel
     grad_sync: Any = None
+    ends: tuple = ()
 
 
 def resolve_mode(section: DataParallel, layout) -> tuple[str, tuple[str, ...] | None, tuple[str, ...] | None]:

@@ -84,6 +84,8 @@ def _accumulate(model: Any, state: Any, i: int, n: int) -> None:
         for path in state.blocks.paths:
             model.get_submodule(path).set_reshard_after_forward(sec.reshard_after_forward is not False,
                                                                 recurse=False)
+        for unit, kept in record.ends:  # the embedding like a block, the head kept gathered (ends.py)
+            unit[0].set_reshard_after_forward(not kept and sec.reshard_after_forward is not False, recurse=False)
         model.set_reshard_after_forward(False, recurse=False)  # torch's root default
 
 

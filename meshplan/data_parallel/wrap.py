@@ -42,12 +42,14 @@ def wrap(model: "nn.Module", section: DataParallel, topology: "Topology", resolv
     mode, shard_axes, rep_axes = resolved
     sync = grad_sync or _new_grad_sync(model, topology, state.sequence_parallel)
     own = [a for a in others if a.data_shard is not None and getattr(state, a.state_field) is not None]
+    ends: tuple = ()
     if mode != "none" or any(a.data_parallel(topology.layout) for a in own):
         roots = roots if roots is not None else [model]  # a pipeline stage runs as its own root
-        _shard(model, state, roots, state.blocks.paths, section, topology, mode, (shard_axes, rep_axes), own)
+        ends = _shard(model, state, roots, state.blocks.paths, section, topology, mode, (shard_axes, rep_axes), own)
     if sync is not None:
         sync.install(model)  # on FSDP2's parameters: the ones tensor parallelism made are gone
-    return DataParallelState(mode=mode, section=section, grad_sync=sync if sync is not grad_sync else None)
+    return DataParallelState(mode=mode, section=section, grad_sync=sync if sync is not grad_sync else None,
+                             ends=ends)
 
 
 def _new_grad_sync(model: "nn.Module", topology: "Topology", sequence_parallel: bool | str) -> Any:
@@ -61,15 +63,19 @@ def _new_grad_sync(model: "nn.Module", topology: "Topology", sequence_parallel: 
     return finalizer_for(model, topology["tp"], sequence_parallel)
 
 
-def _shard(model, state, roots, blocks, section, topology, mode, axes, own) -> None:
+def _shard(model, state, roots, blocks, section, topology, mode, axes, own) -> tuple:
     """FSDP2 (or DDP) on the modules ``own`` axes shard over a data mesh of their own (the experts over ``edp``),
-    on each block, then on each root (the model, or each pipeline stage)."""
+    on each block, on each root's embedding and head (:func:`.ends.end_units`), then on each root (the model, or
+    each pipeline stage); returns the end units as ``(modules, kept gathered after forward)``."""
     import torch
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    from meshplan.data_parallel.ends import end_units
     dt = {None: None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     mp = MixedPrecisionPolicy(param_dtype=dt[section.param_dtype], reduce_dtype=dt[section.reduce_dtype])
     offload = CPUOffloadPolicy() if section.cpu_offload else OffloadPolicy()
     shard_axes, rep_axes = axes
+    ends: list = []
     for axis in own:
         axis.data_shard(model, state, topology, mode, dict(mp_policy=mp, offload_policy=offload),
                         section.reshard_after_forward)
@@ -86,7 +92,15 @@ def _shard(model, state, roots, blocks, section, topology, mode, axes, own) -> N
         kw = dict(mesh=mesh, mp_policy=mp, offload_policy=offload)
         for path in blocks:
             fully_shard(model.get_submodule(path), reshard_after_forward=section.reshard_after_forward, **kw)
-        for root in roots:
+        for root in roots:  # the embedding and the head as units of their own first (ends.py: why)
+            for mods, keep in end_units(root):
+                fully_shard(mods if len(mods) > 1 else mods[0],
+                            reshard_after_forward=False if keep else section.reshard_after_forward, **kw)
+                ends.append((tuple(mods), keep))  # each module of a list is a handle of the one unit
+                if not keep:  # the embedding's backward is the last: nothing to prefetch. Implicit prefetching
+                    # would re-gather the head, already resharded, in a later microbatch's backward (torch keeps
+                    # the forward order across accumulated microbatches); prefetching itself is a no-op.
+                    mods[0].set_modules_to_backward_prefetch([mods[0]])
             fully_shard(root, **kw)  # the root: torch keeps its parameters gathered after forward
     from torch.distributed.fsdp import FSDPModule
     for m in {id(m): m for r in [model, *roots] for m in r.modules()}.values():
@@ -94,3 +108,4 @@ def _shard(model, state, roots, blocks, section, topology, mode, axes, own) -> N
             if section.gradient_reduction == "sum":
                 m.set_gradient_divide_factor(1.0)
             m.set_force_sum_reduction_for_comms(True)  # gloo lacks AVG/PREMUL_SUM; "mean" post-divides
+    return tuple(ends)

@@ -6,7 +6,8 @@ step recorded op by op; ``docs/tensor-parallel.md`` states the tensor-parallel o
 * the axes that are units (:data:`meshplan.solver.units.UNITS`): each unit's ``costs.collectives``, under its own
   name (tensor parallelism's per-block conversions, the stage boundaries' sends, the all-to-alls of an MoE block,
   K|V's all-gathers: each unit's ``costs.py``).
-* **dp**: FSDP2 per unit (each block, an MoE block's experts over edp, and the root): all-gathers before forward
+* **dp**: FSDP2 per unit (each block, an MoE block's experts over edp, the embedding, and the final norm with the
+  head, which is not resharded after forward; a tied embedding and head: the root): all-gathers before forward
   and, resharded, before backward; one reduce-scatter of its gradients (HSDP: then an all-reduce over the
   replicas); parameters stay gathered between accumulated microbatches (``accumulate_unsharded``). Under a
   pipeline schedule a resharded block gathers for every forward and once more for the first backward that
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 from meshplan.solver.units import COST_UNITS, UNITS
 from meshplan.solver.candidate import DTYPE_BYTES, Candidate, Training
-from meshplan.solver.memory import _block_tensors, _end_tensors, experts_even, shard_sizes
+from meshplan.solver.memory import _block_tensors, end_units, experts_even, shard_sizes
 from meshplan.solver.placement import Group, Placement
 from meshplan.solver.shape import ModelShape
 from meshplan.solver.terms import Collective, block_kinds
@@ -59,9 +60,8 @@ def fsdp_units(s: ModelShape, c: Candidate, place: Placement, pp_rank: int, memo
         units.append(("block", memo[key][0], d_dense, n))
         if memo[key][1]:
             units.append(("experts", memo[key][1], d_expert, n))
-    ends = _end_tensors(s, c, place, pp_rank)
-    if ends:
-        units.append(("root", pad(ends, d_dense), d_dense, 1))
+    for kind, tensors in end_units(s, c, place, pp_rank):  # the embedding, the head (or a tied root)
+        units.append((kind, pad(tensors, d_dense), d_dense, 1))
     return units
 
 

@@ -83,6 +83,18 @@ def _end_tensors(s: ModelShape, c: Candidate, place: Placement, pp_rank: int) ->
     return out
 
 
+def end_units(s: ModelShape, c: Candidate, place: Placement, pp_rank: int) -> list[tuple[str, list]]:
+    """The FSDP2 units of :func:`_end_tensors` (as parallelize wraps them, docs/data-parallel.md): ``[(kind,
+    tensors)]``, ``embedding`` (resharded after forward like a block) then ``head`` (the final norm and the head:
+    kept gathered); a head tied to the embedding on the same rank keeps both in the ``root`` unit."""
+    ends = _end_tensors(s, c, place, pp_rank)
+    first, last = place.ends_of(pp_rank)
+    if not ends or (first and last and s.tied_embeddings):
+        return [("root", ends)] if ends else []
+    emb, rest = (ends[:1], ends[1:]) if first else ([], ends)
+    return [(k, t) for k, t in (("embedding", emb), ("head", rest)) if t]
+
+
 def _is_moe(s: ModelShape, block: int) -> bool:
     return s.experts > 0 and block >= s.dense_layers
 
@@ -226,7 +238,8 @@ def rank_memory(s: ModelShape, c: Candidate, tr: Training, place: Placement, pp_
     optimizer = tr.optimizer_states * numel * mb + 4 * tensors
     first, last = place.ends_of(pp_rank)
     acts = (acts + _end_activations(s, c, tr, first, last)) * math.prod(axis.costs.in_flight(c, pp_rank) for axis in UNITS)
-    gathered, transient = _fsdp_buffers(s, c, tr, kinds, ends, d_dense > 1 or d_expert > 1, memo)
+    gathered, transient = _fsdp_buffers(s, c, tr, kinds, end_units(s, c, place, pp_rank), d_dense > 1 or d_expert > 1,
+                                        memo)
     if last:
         transient += c.rank_tokens(tr.seq) * s.vocab / c.tp * 4  # the loss's float32 logits gradient
     host = 0.0
@@ -237,18 +250,22 @@ def rank_memory(s: ModelShape, c: Candidate, tr: Training, place: Placement, pp_
 
 def _fsdp_buffers(s: ModelShape, c: Candidate, tr: Training, kinds: dict, ends: list, sharded: bool,
                   memo: dict) -> tuple[float, float]:
-    """``(gathered, transient)``: FSDP2's unsharded parameters alive at the end of the forward (the root's, which
-    it does not reshard; every block's too while microbatches accumulate unsharded or without resharding), and a
-    block's gathered parameters and unsharded gradient during its backward."""
+    """``(gathered, transient)``: FSDP2's unsharded parameters alive at the end of the forward (the head unit's,
+    which it does not reshard, and a tied root's; the embedding's and every block's too while microbatches
+    accumulate unsharded or without resharding), and the largest unit's gathered parameters and unsharded
+    gradient during its backward (a block, or the embedding; the head's gathered half is counted already).
+    ``ends``: :func:`end_units`."""
     if not sharded or not kinds:
         return 0.0, 0.0
     sizes = {moe: _per_block(s, c, moe, 1, 1, memo)[2] for moe, _ in kinds}
-    root = sum(r * p for r, p in ends)
+    size = {k: sum(r * p for r, p in t) for k, t in ends}
+    kept = size.get("root", 0) + size.get("head", 0)
     # microbatches accumulated unsharded: train_step's (dp's knobs) and a pipeline stage's (torch's PipelineStage
     # keeps an FSDP2 stage unsharded from its first backward to the step's REDUCE_GRAD)
     keep_all = (c.microbatches > 1 and c.accumulate_unsharded) or not tr.reshard_after_forward
     b = tr.act_bytes
     if keep_all:
-        every = sum(n * sizes[moe] for (moe, _), n in kinds.items())
-        return (root + every) * b, every * b
-    return root * b, 2 * max(sizes.values()) * b  # during a block's backward: its gathered parameters and gradient
+        every = sum(n * sizes[moe] for (moe, _), n in kinds.items()) + size.get("embedding", 0)
+        return (kept + every) * b, every * b
+    largest = max(2 * max(sizes.values()), 2 * size.get("embedding", 0), size.get("head", 0))
+    return kept * b, largest * b  # during a block's backward: its gathered parameters and gradient

@@ -182,7 +182,9 @@ def train(plan: Plan) -> dict[str, Any]:
         resuming = ckpt is not None and ck.resume and ckpt.latest() is not None
         _weights(model, source, tr, resuming)  # a resumed run loads its checkpoint straight into the meta shards
         opt = torch.optim.AdamW(model.parameters(), lr=tr.optimizer.lr, betas=tr.optimizer.betas,
-                                eps=tr.optimizer.eps, weight_decay=tr.optimizer.weight_decay)
+                                eps=tr.optimizer.eps, weight_decay=tr.optimizer.weight_decay, fused=True)
+        # fused: one kernel per parameter group, no per-parameter temporaries (torch's CPU default, single-tensor,
+        # allocates 2 x the largest local shard in each step); the same update up to rounding (docs/training.md)
         position, done = meshplan.DataState(tr.global_batch, tr.seed), 0
         if resuming:
             saved = ckpt.load_latest(model, opt, data=position)

@@ -1,0 +1,57 @@
+"""The FSDP2 units of a root's own parameters (the ones outside its blocks): the input embedding, and the rest (the
+final norm and the head), each a unit of its own before the root is wrapped, as torchtitan's ``apply_fsdp`` does.
+
+Why: a root unit holding the embedding *and* the head gathers both at the first forward and keeps them (torch does
+not reshard a root after forward); in its backward a rank holds the gathered head, its unsharded gradient and FSDP2's
+reduce-scatter input and output at once, with the gathered embedding too (measured: +727 MiB on ``pp2fsdp2``'s last
+stage at ``benchmarks/scale.py --size dev``, docs/scale.md). As units of their own:
+
+* the **embedding** unit reshards after forward like a block (``reshard_after_forward``), and in backward is
+  gathered last, after every block's gradient was reduce-scattered;
+* the **head** unit (every other parameter-holding module outside the blocks: the final norm, the head) is *not*
+  resharded after forward: backward starts with it right away (torchtitan's default), so resharding would only
+  re-gather it;
+* the root itself keeps only what is left (parameters held directly by the root module: usually none, so it issues
+  no collective).
+
+A tied head (a parameter shared between two of those modules, e.g. GPT-2's ``wte``/``lm_head``) stays in the root:
+one FSDP2 unit must own a shared parameter.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch.nn as nn
+
+__all__ = ["end_units"]
+
+
+def end_units(root: "nn.Module") -> list[tuple[list["nn.Module"], bool]]:
+    """The units to wrap in ``root`` before ``root`` itself: ``[(modules, keep gathered after forward)]``, the
+    embedding unit(s) first (False), then the head unit (True); empty when a parameter is shared between them.
+
+    ``root``'s modules already wrapped (the blocks, experts over edp) and everything under them are not counted;
+    the first module on each path that holds parameters itself (``recurse=False``) counts, with its children.
+    """
+    import torch.nn as nn
+    from torch.distributed.fsdp import FSDPModule
+    ends: list[nn.Module] = []
+    todo = [m for m in root.children()]
+    while todo:
+        m = todo.pop(0)
+        if isinstance(m, FSDPModule):
+            continue
+        if any(True for _ in m.parameters(recurse=False)):
+            ends.append(m)  # with its children: what FSDP2 wrapped already stays out of its unit
+        else:
+            todo[:0] = list(m.children())
+    owners: dict[int, int] = {}
+    for i, m in enumerate(ends):
+        for p in m.parameters(recurse=False):
+            if owners.setdefault(id(p), i) != i:
+                return []  # a tied parameter: one unit must own it (the root, as before)
+    embeddings = [m for m in ends if isinstance(m, nn.Embedding)]
+    rest = [m for m in ends if not isinstance(m, nn.Embedding)]
+    return [([m], False) for m in embeddings] + ([(rest, True)] if rest else [])
