@@ -176,7 +176,25 @@ def _fresh_world() -> None:
 
     from meshplan._torch import set_group_timeout
     set_group_timeout(None, default_pg_timeout.total_seconds())
+    _release_groups()
     gc.collect()
+
+
+def _release_groups() -> None:
+    """Destroy every process group but the world's (the worker's cases ended at a barrier, its meshes are done
+    with), drop them from the meshes' registries and empty DTensor's caches (an ended mesh equals a later one):
+    a gloo group's threads end only when its last reference goes. Without it the shared world-2 launch ended with
+    ~3,000 threads per rank, most of them gloo's, busy."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _world  # tests may touch torch's privates; meshplan may not
+
+    from meshplan._torch import forget_groups
+    groups = [pg for pg in list(_world.pg_map) if pg is not dist.GroupMember.WORLD]
+    names = [_world.pg_names[pg] for pg in groups if pg in _world.pg_names]
+    meshes = [o for o in gc.get_objects() if type(o).__name__ == "DeviceMesh"]
+    for pg in groups:
+        dist.destroy_process_group(pg)
+    forget_groups(meshes, names)
 
 
 class SharedLaunches:
