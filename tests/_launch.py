@@ -123,29 +123,26 @@ def _finish(out: dict) -> None:
 #: file that reads its cases, {world size: the cases to run there, "" for all})}``. Each worker defines
 #: ``launch_cases() -> (cases, context)``: its cases (functions of no arguments) and the context they run in
 #: (``keep_float64``, ``meshplan.init``); its ``__main__`` runs the same alone. A launch costs 5-18 s (torchrun,
-#: one interpreter per rank importing torch and transformers; ~8 CPU-s per rank measured): world 2's 11 launches
-#: became 1. Worlds 4 and 8 (10 and 5 launches) are not shared yet, but for ep_worker's and solver_worker's
-#: world-4 cases (in dp_worker's launch: ~39 threads more per case with a mesh, 1,030 after dp's 27, 1,258 after
-#: solver's 6). Tried here: a shared world-4 launch that destroyed every group but the world's between
-#: workers stalled after 26 min (every rank's main thread waiting in a collective, its 423 ``gloo_tcp_loop``
-#: threads taking 90% of its CPU), and at world 2 the same release broke later workers (a mesh of theirs named a
-#: destroyed group: "Could not resolve the process group registered under the name 703"); without it world 2's
-#: launch ends with ~3,000 threads per rank. A worker at a world not listed gets its own plain launch.
+#: one interpreter per rank importing torch and transformers; ~8 CPU-s per rank measured): worlds 2, 4 and 8 have
+#: one launch each. Between workers :func:`_release_groups` destroys the groups the worker's meshes made (without
+#: it world 2's launch ended with ~3,000 threads per rank, busy gloo threads taking most of its CPU, and a world-4
+#: one stalled). Not shared: workers that count or time their process's groups (topology, faults, one_error),
+#: restarts, the trainer's CLI launches. A worker at a world not listed gets its own plain launch.
 SHARED = {
-    "cp_worker": ("test_dist_context.py", {2: ""}),
-    "dp_worker": ("test_dist_dp.py", {2: "", 4: ""}),
-    # world 4 too: its cases use the world group alone (no mesh, no thread added), so they ride on dp_worker's launch
+    "cp_worker": ("test_dist_context.py", {2: "", 4: "", 8: ""}),
+    "dp_worker": ("test_dist_dp.py", {2: "", 4: "", 8: ""}),
     "ep_worker": ("test_dist_expert.py", {2: "", 4: ""}),
-    "ep_hf_worker": ("test_dist_expert_hf.py", {2: ""}),
-    "moe_worker": ("test_dist_moe.py", {2: ""}),
-    "pp_worker": ("test_dist_pipeline.py", {2: ""}),
-    "tp_worker": ("test_dist_tp.py", {2: ""}),
+    "ep_hf_worker": ("test_dist_expert_hf.py", {2: "", 4: ""}),
+    "moe_worker": ("test_dist_moe.py", {2: "", 4: "", 8: ""}),
+    "pp_worker": ("test_dist_pipeline.py", {2: "", 4: "", 8: ""}),
+    "tp_worker": ("test_dist_tp.py", {2: "", 4: ""}),
     "trace_worker": ("test_pipeline_trace.py", {2: ""}),
-    "zoo_worker": ("test_dist_zoo.py", {2: ""}),
-    "solver_worker": ("test_dist_solver.py", {4: ""}),  # 6 cases, one mesh each
+    "zoo_worker": ("test_dist_zoo.py", {2: "", 8: ""}),
+    "ckpt_worker": ("test_checkpoint_dist.py", {4: ""}),
+    "solver_worker": ("test_dist_solver.py", {4: ""}),
     # last: their context is meshplan.init (run_suite restores the world group's timeout after it)
     "arch_worker": ("test_dist_architectures.py", {2: ""}),
-    "hf_worker": ("test_dist_hf.py", {2: ""}),
+    "hf_worker": ("test_dist_hf.py", {2: "", 4: "llama_matrix"}),
 }
 
 

@@ -32,8 +32,8 @@ HF_IMPORT = ["hf_to_pp2tp2", "hf_to_cp2tp2", "hf_mixtral_to_tp2ep2", "hf_mixtral
 
 
 @pytest.fixture(scope="module")
-def world4():
-    return launch("tests/dist/ckpt_worker.py", 4)
+def world4(shared_launch):
+    return shared_launch("ckpt_worker", 4)  # world 4's one launch (tests/_launch.py)
 
 
 @pytest.mark.parametrize("case", RESHARD)

@@ -3,7 +3,7 @@
 import pytest
 
 from _float64 import RTOL
-from _launch import case_result, launch
+from _launch import case_result
 
 pytestmark = pytest.mark.dist
 MODELS = ("llama", "mistral", "qwen2", "gpt2")
@@ -30,8 +30,8 @@ def test_three_adamw_steps_match_one_device(results):
 
 
 @pytest.fixture(scope="module")
-def results4():
-    return launch("tests/dist/hf_worker.py", 4, "llama_matrix")
+def results4(shared_launch):
+    return shared_launch("hf_worker", 4)  # llama_matrix, in world 4's one launch (tests/_launch.py)
 
 
 @pytest.mark.parametrize("world", [2, 4])
