@@ -18,11 +18,15 @@ import json
 import logging
 import re
 import time
+import warnings
 from typing import Any, Iterator
 
 from meshplan.errors import RankFailure
 from meshplan.faults.terminate import TermGuard, Terminated
 from meshplan.plan_file.faults import Faults
+
+#: torch's warning for a forward hook registered with ``always_call=True`` that raised while another error unwound
+_SILENCED_HOOK = r"module forward hook with ``always_call=True`` raised an exception that was silenced"
 
 __all__ = ["FaultWatch", "translating", "is_collective_failure", "collective_cause"]
 
@@ -141,9 +145,14 @@ class FaultWatch:
 
     @contextlib.contextmanager
     def translating(self) -> Iterator[None]:
-        """Turn a failed collective raised inside into one RankFailure (``__cause__``: torch's error)."""
+        """Turn a failed collective raised inside into one RankFailure (``__cause__``: torch's error). While the
+        failure unwinds, a module's ``always_call`` forward hook (FSDP2's, of a unit whose pre-forward the failed
+        collective interrupted) raises in turn and torch warns that it silenced it: that consequence is muted here,
+        so the report stays the rank's one line."""
         try:
-            yield
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=_SILENCED_HOOK, category=UserWarning)
+                yield
         except BaseException as exc:
             cause = collective_cause(exc)
             if cause is None:
