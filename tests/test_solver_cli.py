@@ -124,3 +124,16 @@ def test_tables_wrap_their_last_column_to_a_width():
     assert all(len(x) <= 40 for x in lines) and lines[1].startswith("1  tp8 pp4  compute 23.2,")
     assert all(x.startswith(" " * 11) for x in lines[2:]) and len(lines) > 2
     assert table(("#", "layout"), [("1", "tp8")]) == ["#  layout", "1  tp8"]
+
+
+@pytest.mark.fast
+def test_profile_failure_names_the_workers_exception():
+    """A failed measuring job reports the worker's exception, not the last line of torchrun's summary ('=====')."""
+    from meshplan.profile.run import _error_line
+    stderr = ("[rank0]: Traceback (most recent call last):\n[rank0]:   File \"w.py\", line 46, in _timed\n"
+              "[rank0]: RuntimeError: No backend type associated with device type cpu\n"
+              "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
+              "============================================================\nmeshplan.profile.worker FAILED\n"
+              "============================================================\n")
+    assert _error_line(stderr) == "RuntimeError: No backend type associated with device type cpu"
+    assert _error_line("======\n") == "no output"

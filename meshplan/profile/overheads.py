@@ -113,6 +113,8 @@ def _parallelism(device: torch.device) -> float:
         t = time.perf_counter()
         for _ in range(400):
             a @ a
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         return time.perf_counter() - t
     loop()
     alone = []
@@ -125,7 +127,8 @@ def _parallelism(device: torch.device) -> float:
     for _ in range(3):
         dist.barrier()
         together.append(loop())
-    t = torch.tensor([statistics.median(alone) if alone else 0.0, statistics.median(together)], dtype=torch.float64)
+    t = torch.tensor([statistics.median(alone) if alone else 0.0, statistics.median(together)], dtype=torch.float64,
+                     device=device)
     dist.broadcast(t, 0)
     return float(min(1.0, t[0] / t[1]))
 

@@ -15,6 +15,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -76,6 +77,14 @@ def cluster_from_measurement(m: dict) -> Cluster:
                 f"{os.cpu_count()} CPU cores, {m['threads']} threads each, {when})"))
 
 
+def _error_line(stderr: str) -> str:
+    """The worker's exception line (``RuntimeError: ...``) from a failed job's stderr, not torchrun's summary."""
+    lines = [ln.removeprefix("[rank0]: ").strip() for ln in stderr.splitlines()]
+    raised = [ln for ln in lines if re.match(r"[\w.]*(Error|Exception)\b.*:", ln) and "ChildFailedError" not in ln]
+    rest = [ln for ln in lines if ln and not set(ln) <= set("=-")]
+    return (raised or rest or ["no output"])[-1]
+
+
 def profile_cluster(nproc: int, out: str | Path | None = None, backend: str | None = None,
                     timeout: float = 900) -> Cluster:
     """Measure this machine with ``nproc`` processes; write the cluster file to ``out`` (if given).
@@ -95,8 +104,8 @@ def profile_cluster(nproc: int, out: str | Path | None = None, backend: str | No
         except subprocess.TimeoutExpired:
             raise PlanError(f"profile: the measuring job did not finish in {timeout:.0f} s") from None
         if proc.returncode or not result.is_file():
-            last = [ln for ln in (proc.stderr or "").splitlines() if ln.strip()][-1:] or ["no output"]
-            raise PlanError(f"profile: the measuring job failed (exit {proc.returncode}): {last[0][:300]}")
+            last = _error_line(proc.stderr or "")
+            raise PlanError(f"profile: the measuring job failed (exit {proc.returncode}): {last[:300]}")
         cluster = cluster_from_measurement(json.loads(result.read_text(encoding="utf-8")))
     if out is not None:
         try:

@@ -31,6 +31,7 @@ from meshplan.mesh.ranks import divisors
 from meshplan.profile.overheads import measure_overheads
 
 SIZES = (64, 128, 256, 512, 1024)
+CUDA_SIZES = (2048, 4096, 8192)  # a GPU's matmul rate still climbs past 1024 (H100 bf16: 24 TFLOP/s at 1024)
 MESSAGE_BYTES = (1 << 13, 1 << 18, 1 << 22)
 
 
@@ -39,13 +40,19 @@ def _timed(fn, reps: int, window: float = 0.2, spread: list | None = None) -> fl
     together and running the same number of calls (a window long enough for ranks sharing cores to contend as
     training makes them: a short burst runs each rank alone on a core); ``spread`` collects the windows' relative
     spread ``(max − min) / median``."""
+    cuda = torch.cuda.is_available() and dist.get_backend() == "nccl"
+    home = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     fn()
+    if cuda:  # a kernel launch returns before the kernel ends: time the call, not the launch
+        torch.cuda.synchronize()
     t = time.perf_counter()
     fn()
-    calls = torch.tensor([max(1, int(window / max(time.perf_counter() - t, 1e-7)))], dtype=torch.float64)
+    if cuda:
+        torch.cuda.synchronize()
+    calls = torch.tensor([max(1, int(window / max(time.perf_counter() - t, 1e-7)))], dtype=torch.float64,
+                         device=home)
     dist.all_reduce(calls, op=dist.ReduceOp.MAX)
     calls_n = int(calls)
-    cuda = torch.cuda.is_available() and dist.get_backend() == "nccl"
     times = []
     for _ in range(reps):
         dist.barrier()
@@ -68,7 +75,7 @@ def _mean_over_ranks(x: float, device: torch.device) -> float:
 
 def _compute(device: torch.device, dtype: torch.dtype) -> dict:
     rates, spread = [], []
-    for n in SIZES:
+    for n in SIZES + (CUDA_SIZES if device.type == "cuda" else ()):
         a = torch.randn(n, n, device=device, dtype=dtype, requires_grad=True)
         w = torch.randn(n, n, device=device, dtype=dtype, requires_grad=True)
         sec = _timed(lambda: (a @ w).sum().backward(), reps=3, spread=spread)
