@@ -28,6 +28,7 @@ def _check(results, case, n):
 
 
 @pytest.mark.parametrize("case", ["cp2", "cp2_unbalanced", "cp2_microbatches", "cp2_hf_llama", "cp2_hf_qwen2", "cp2_checkpointed",
+                                  "cp2_checkpointed_block_reads_table",
                                   # packed documents (position ids restarting) and sliding windows (issue 30)
                                   "cp2_hf_packed", "cp2_hf_packed_cached", "cp2_mistral_window", "cp2_mistral_window_packed",
                                   "cp2_qwen2_window", "cp2_gemma3", "cp2_cohere2", "cp2_ministral", "cp2_olmo3",
@@ -47,6 +48,12 @@ def test_wrong_positions_are_seen(world2):
 
 def test_shard_sequence_for_an_own_loop(world2):
     assert len(case_result(world2, "eval_shards", 2)) == 2
+
+
+def test_hand_checkpoint_is_refused(world2):
+    """A checkpoint the plan did not apply would recompute with the full RoPE table: backward stops, naming the fix."""
+    values = case_result(world2, "hand_checkpoint_refused", 2)
+    assert len(values) == 2 and all("outside the model's forward" in v["refused"] for v in values.values()), values
 
 
 def test_refusals(world2):

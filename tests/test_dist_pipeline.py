@@ -63,7 +63,8 @@ def test_pp2_packed_documents(world2, case):
     _check(world2, case, 2)
 
 
-@pytest.mark.parametrize("case", ["packed_hf_llama_pp2_tp2", "packed_hf_llama_pp2_cp2", "packed_qwen2_pp2_cp2"])
+@pytest.mark.parametrize("case", ["packed_hf_llama_pp2_tp2", "packed_hf_llama_pp2_cp2", "packed_qwen2_pp2_cp2",
+                                  "packed_hf_llama_pp2_cp2_checkpointed"])
 def test_pp_packed_documents_composed(world4, case):
     """Packed documents at pp 2 × tp 2 (sequence and loss parallel) and pp 2 × cp 2 (the cp runtime on each
     stage view gathers the document ids from its rank's position ids) equal one device."""

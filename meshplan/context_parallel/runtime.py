@@ -24,6 +24,7 @@ from torch.overrides import TorchFunctionMode
 
 from meshplan._torch import module_buffers
 from meshplan.context_parallel.chunks import rank_positions
+from meshplan.context_parallel.replay import refuse_outside
 from meshplan.errors import PlanError
 
 __all__ = ["CpRuntime"]
@@ -80,6 +81,7 @@ class CpRuntime:
         layer_masks: the :class:`~meshplan.context_parallel.masks.AttentionMask` of each attention module whose
             model says it (transformers' per-layer sliding windows); the others follow their call.
         masked: ``attend`` takes ``mask`` and ``documents`` (all-gather, ring); else a window or documents are refused.
+        forwarding, replaying: root forwards and recomputes (:mod:`~meshplan.context_parallel.replay`) running.
         documents: this forward's ``(batch, seq)`` document ids per global position (packed sequences), or None.
         keeps: this forward's keep-matrices, built by the first layer that needs one and shared by the others
             (emptied at each forward's start; keyed by the documents they were built from).
@@ -111,6 +113,8 @@ class CpRuntime:
     by_documents: bool = False
     use_cache: bool = False
     depth: int = 0
+    forwarding: int = 0
+    replaying: int = 0
     local_len: int | None = None
     audited: set = field(default_factory=set)
     called: set = field(default_factory=set)
@@ -211,6 +215,7 @@ class CpRuntime:
 
     def _enter(self, path: str) -> Callable:
         def hook(_m: nn.Module, _args: tuple) -> None:
+            refuse_outside(self, path)
             mode = _Route(self, path)
             mode.__enter__()
             self._modes.append(mode)
@@ -229,6 +234,7 @@ class CpRuntime:
             raise PlanError(f"context_parallel: {type(model).__name__}'s forward got no tensor with a sequence dim "
                             f"{self.seq_dim} to learn the local length from")
         self.local_len = first.shape[self.seq_dim]
+        self.forwarding += 1
         pos = self.positions(self.local_len, first.device)
         self.documents = self._documents(kwargs, first.shape[0])
         self.keeps = {}  # per forward; keyed by the documents tensor (held), so a later recompute never takes another batch's
@@ -247,6 +253,7 @@ class CpRuntime:
         return args, kwargs
 
     def _root_post(self, model: nn.Module, _args: tuple, out: Any) -> None:
+        self.forwarding = max(0, self.forwarding - 1)
         if self.buffer is not None:
             owner, name, full = self._swapped.pop()
             module_buffers(owner)[name] = full

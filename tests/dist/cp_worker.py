@@ -8,6 +8,7 @@ valid target), so each cp rank holds a different number of tokens: the loss is t
 count is global. The refusal cases check that what context parallelism cannot do stops before a parameter moves.
 """
 
+import functools
 import os
 
 import torch
@@ -16,10 +17,12 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 import meshplan
+from meshplan.errors import PlanError
 from _float64 import RTOL, float64_model, keep_float64
 from _launch import run_cases
 from dp_worker import TP_RULES, sum_ce
 import hf_models
+import llama
 from llama import build, tiny_args
 
 WORLD = int(os.environ["WORLD_SIZE"])
@@ -79,11 +82,29 @@ def _compare(model, ref, results, ref_losses, ref_norms):
     return {"worst": worst, "loss": [r.loss for r in results]}
 
 
-def llama_case(layout, tp=False, lp=False, microbatches=1, pipeline=None, blocks=None, **cp):
-    """The example Llama (GQA, RoPE from its freqs_cis buffer) vs one device."""
+class _ReadsTable(llama.TransformerBlock):
+    """A block that slices the model's RoPE table itself (``table[:local length]``), as models with a shared rotary
+    module do, instead of getting the rows from the model's forward."""
+
+    def forward(self, x, freqs_cis):
+        return super().forward(x, self.owner[0].freqs_cis[: x.shape[1]])
+
+
+class _BlocksReadTable(llama.Transformer):
+    """The example Llama whose blocks read ``freqs_cis`` themselves: a checkpointed block's recompute reads it again
+    in backward, after the model's forward swapped the rank's rows back out."""
+
+    def _block(self, args, index):
+        block = _ReadsTable(args)
+        object.__setattr__(block, "owner", [self])  # not a child module: the table has one owner
+        return block
+
+
+def llama_case(layout, tp=False, lp=False, microbatches=1, pipeline=None, blocks=None, make=build, **cp):
+    """The example Llama (GQA, RoPE from its freqs_cis buffer) vs one device (``make``: another build)."""
     args = tiny_args()
     torch.manual_seed(0)
-    ref = float64_model(build(args))
+    ref = float64_model(make(args))
     ref_losses, ref_norms = _train_ref(
         ref, lambda s: global_batch(s, args.vocab_size),
         lambda m, x, y: F.cross_entropy(m(x).flatten(0, 1), y.flatten(), ignore_index=-100))
@@ -96,7 +117,7 @@ def llama_case(layout, tp=False, lp=False, microbatches=1, pipeline=None, blocks
         plan["blocks"] = blocks
     topo = meshplan.build_mesh(layout)
     torch.manual_seed(0)
-    model = meshplan.parallelize(float64_model(build(args)), plan, topo)
+    model = meshplan.parallelize(float64_model(make(args)), plan, topo)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     loss_fn = (lambda out, y: meshplan.cross_entropy(out, y, reduction="sum")) if lp else sum_ce
     rows, r = GLOBAL_BATCH // topo.data_world_size, topo.data_rank
@@ -209,6 +230,28 @@ def refusals():
     return seen
 
 
+def hand_checkpoint_refused():
+    """Blocks checkpointed by hand (not by the plan) recompute after the forward swapped the table's rows out: the
+    backward stops with the plan's fix, before any gradient reaches the optimizer."""
+    from torch.utils.checkpoint import checkpoint
+    args = tiny_args()
+    topo = meshplan.build_mesh({"cp": 2})
+    model = meshplan.parallelize(float64_model(_BlocksReadTable(args)), {
+        "layout": {"cp": 2}, "context_parallel": CP_LLAMA}, topo)
+    for block in model.layers:
+        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+    x, y = global_batch(0, args.vocab_size)
+    r = topo["cp"].get_local_rank()
+    x, y = (t[:, r * 8:(r + 1) * 8] for t in (x[:1], y[:1]))  # not the balanced layout: the refusal comes first
+    loss = sum_ce(model(torch.cat([x, x], 1)), torch.cat([y, y], 1))
+    try:
+        loss.backward()
+    except PlanError as e:
+        assert "blocks.activation_checkpointing" in str(e) and "freqs_cis" in str(e), e
+        return {"refused": str(e)[:120]}
+    raise AssertionError("a hand-applied checkpoint recomputed with the full RoPE table")
+
+
 def ring_kernel():
     """meshplan's ring over the real gloo links of the whole world (cp = world): forward and q/k/v gradients ==
     dense attention on one device, causal and full, GQA, windows, soft-caps, both layouts (tests/test_cp_ring.py's
@@ -288,7 +331,11 @@ CASES_2 = {
     "cp2_hf_qwen2": lambda: hf_case({"cp": 2}, arch="qwen2"),
     "cp2_checkpointed": lambda: llama_case({"cp": 2}, blocks={"pattern": "layers.*",
                                                               "activation_checkpointing": {"mode": "full"}}),
+    # a block reading the RoPE table itself, checkpointed: its recompute gets its forward's rows (was 0.77% off)
+    "cp2_checkpointed_block_reads_table": lambda: llama_case({"cp": 2}, make=_BlocksReadTable, blocks={
+        "pattern": "layers.*", "activation_checkpointing": {"mode": "full"}}),
     "refusals": refusals,
+    "hand_checkpoint_refused": hand_checkpoint_refused,
     "cp2_hf_packed": lambda: hf_case({"cp": 2}, factory=lambda: hf_models.llama(use_cache=False), packed=True),
     "cp2_hf_packed_cached": lambda: hf_case({"cp": 2}, packed=True),  # use_cache=True: no document masks
     "cp2_mistral_window": lambda: hf_case({"cp": 2}, factory=zoo("mistral")),
