@@ -79,18 +79,23 @@ def run_cases(cases: dict, *, setup=None) -> None:
     _finish(_run(cases if not setup else {k: functools.partial(fn, ctx) for k, fn in cases.items()}))
 
 
-def _run(cases: dict) -> dict:
-    """Run each case (a function of no arguments) on this rank: ``{name: {"value": …} or {"error": …}}``."""
+def _run(cases: dict, release: bool = False) -> dict:
+    """Run each case (a function of no arguments) on this rank: ``{name: {"value": …} or {"error": …}}``;
+    ``release``: after each case, destroy the process groups it made (:func:`_release_groups`)."""
     import torch.distributed as dist
     out: dict = {}
     for name, fn in cases.items():
         t = time.time()
+        before = _groups() if release else ()
         try:
             out[name] = {"value": fn()}
         except Exception as e:  # recorded, the next case still runs
             out[name] = {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"}
         if dist.is_initialized():
             dist.barrier()
+            if release:
+                gc.collect()  # the case's models and meshes
+                _release_groups(keep=before)
         # what a slow launch spent where, and whether threads (gloo groups) accumulate across cases
         out[name].update(seconds=round(time.time() - t, 2), threads=_threads())
     return out
@@ -124,9 +129,10 @@ def _finish(out: dict) -> None:
 #: ``launch_cases() -> (cases, context)``: its cases (functions of no arguments) and the context they run in
 #: (``keep_float64``, ``meshplan.init``); its ``__main__`` runs the same alone. A launch costs 5-18 s (torchrun,
 #: one interpreter per rank importing torch and transformers; ~8 CPU-s per rank measured): worlds 2, 4 and 8 have
-#: one launch each. Between workers :func:`_release_groups` destroys the groups the worker's meshes made (without
+#: one launch each. After each case :func:`_release_groups` destroys the groups the case's meshes made (without
 #: it world 2's launch ended with ~3,000 threads per rank, busy gloo threads taking most of its CPU, and a world-4
-#: one stalled). Not shared: workers that count or time their process's groups (topology, faults, one_error),
+#: one stalled); a worker whose cases share groups (a cache of meshes, a topology opened by its context) says
+#: ``KEEPS_GROUPS = True`` and is released after its last case. Not shared: workers that count or time their process's groups (topology, faults, one_error),
 #: restarts, the trainer's CLI launches. A worker at a world not listed gets its own plain launch.
 SHARED = {
     "cp_worker": ("test_dist_context.py", {2: "", 4: "", 8: ""}),
@@ -160,8 +166,9 @@ def run_suite(entries: list[str]) -> None:
             out[f"{name}:"] = {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"}
             continue
         keep = [k for k in cases if (not wanted or k in wanted.split(",")) and (not only or k in only.split(","))]
+        release = not getattr(importlib.import_module(name), "KEEPS_GROUPS", False)
         with context():
-            out.update({f"{name}:{k}": v for k, v in _run({k: cases[k] for k in keep}).items()})
+            out.update({f"{name}:{k}": v for k, v in _run({k: cases[k] for k in keep}, release).items()})
         _fresh_world()
     _finish(out)
 
@@ -177,16 +184,25 @@ def _fresh_world() -> None:
     gc.collect()
 
 
-def _release_groups() -> None:
-    """Destroy every process group but the world's (the worker's cases ended at a barrier, its meshes are done
-    with), drop them from the meshes' registries and empty DTensor's caches (an ended mesh equals a later one):
-    a gloo group's threads end only when its last reference goes. Without it the shared world-2 launch ended with
-    ~3,000 threads per rank, most of them gloo's, busy."""
+def _groups() -> tuple:
+    """The process groups alive now (torch's registry)."""
+    from torch.distributed.distributed_c10d import _world  # tests may touch torch's privates; meshplan may not
+    return tuple(_world.pg_map)
+
+
+def _release_groups(keep: tuple = ()) -> None:
+    """Destroy every process group but the world's and ``keep`` (the cases ended at a barrier, their meshes are
+    done with), drop them from the meshes' registries and empty DTensor's caches (an ended mesh equals a later one):
+    a gloo group's threads end only when its last reference goes, and idle ones still burn CPU (measured, world 2:
+    1,800 threads per rank cost 0.45 of a core each while idle and made a matmul + all-reduce loop 2.2x slower).
+    Without it the shared world-2 launch ended with ~3,000 threads per rank."""
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _world  # tests may touch torch's privates; meshplan may not
 
     from meshplan._torch import forget_groups
-    groups = [pg for pg in list(_world.pg_map) if pg is not dist.GroupMember.WORLD]
+    groups = [pg for pg in list(_world.pg_map) if pg is not dist.GroupMember.WORLD and pg not in keep]
+    if not groups:
+        return
     names = [_world.pg_names[pg] for pg in groups if pg in _world.pg_names]
     meshes = [o for o in gc.get_objects() if type(o).__name__ == "DeviceMesh"]
     for pg in groups:

@@ -255,6 +255,10 @@ def case_heads():
     return {t: _heads_run(t) for t in sorted(RULES)}
 
 
+#: the cases share groups (tests/_launch.py releases them after the last case, not after each)
+KEEPS_GROUPS = True
+
+
 def launch_cases():
     """This launch's cases and the context they run in (``tests/dist/suite_worker.py`` runs several workers' in one
     launch)."""
