@@ -47,9 +47,9 @@ def _units(model: Any, mode: str, blocks: list[str], every_block: list[str], exp
            roots: list[tuple[str, Any]], module_bytes: dict[str, int]) -> list[dict]:
     """The units the data axis' wrap makes on this rank, in its order, each ``{kind (experts, block, embedding unit,
     head unit, root), root, modules, kept (gathered after forward), bytes (this rank's)}``: the experts, each block,
-    each root's end units (:func:`meshplan.data_parallel.ends.end_groups`, the rule ``fully_shard`` follows),
+    each root's end units (:func:`meshplan.model_copies.end_groups`, the rule ``fully_shard`` follows),
     then the root, which holds what is left (DDP: the root alone after the experts)."""
-    from meshplan.data_parallel.ends import end_groups
+    from meshplan.model_copies import end_groups
     out = [_unit("experts", None, [e]) for e in experts]
     out += [_unit("block", None, [b]) for b in blocks] if mode != "ddp" else []
     skip = set(every_block) | set(experts)
@@ -70,7 +70,7 @@ def _units(model: Any, mode: str, blocks: list[str], every_block: list[str], exp
 def _wrapping(model: Any, plan: Any, cand: Any, place: Any, rank: int, held: Any, roots: list[tuple[str, Any]],
               experts: list[str], module_bytes: dict[str, int]) -> dict | None:
     """``{mode, over (its group in :attr:`Placement.groups`), over_axes, ranks, blocks, roots, experts, experts_over,
-    experts_ranks, units}`` or None without data parallelism (mode ``none``); ``units``: :func:`_units`."""
+    experts_ranks, units}`` or None without FSDP2/DDP (mode ``none``); ``units``: :func:`_units`."""
     from meshplan.blocks import block_paths
     from meshplan.errors import PlanError
     mode = cand.mode

@@ -23,43 +23,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
     import torch.nn as nn
 
-__all__ = ["end_units", "end_groups"]
-
-
-def end_groups(root: "nn.Module", wrapped: "Callable[[str, nn.Module], bool]") -> list[tuple[list[str], bool]]:
-    """The rule of :func:`end_units` on module paths (pure: nothing is wrapped, so ``meshplan check``'s rank view
-    and the model picture name the units exactly as :func:`end_units` builds them): ``[(paths under root, keep
-    gathered after forward)]``, the embedding unit(s) first, then the head unit; empty when a parameter is shared
-    between them.
-
-    Args:
-        root: the module that runs as a root (the model, or a pipeline stage's view).
-        wrapped: ``wrapped(path, module)`` holds for the modules already wrapped (or not in this root): they and
-            everything under them are not counted.
-    """
-    import torch.nn as nn
-    ends: list[tuple[str, nn.Module]] = []
-    todo = list(root.named_children())
-    while todo:
-        path, m = todo.pop(0)
-        if wrapped(path, m):
-            continue
-        if any(True for _ in m.parameters(recurse=False)):
-            ends.append((path, m))  # with its children: what FSDP2 wrapped already stays out of its unit
-        else:
-            todo[:0] = [(f"{path}.{k}", c) for k, c in m.named_children()]
-    owners: dict[int, int] = {}
-    for i, (_, m) in enumerate(ends):
-        for p in m.parameters(recurse=False):
-            if owners.setdefault(id(p), i) != i:
-                return []  # a tied parameter: one unit must own it (the root, as before)
-    embeddings = [p for p, m in ends if isinstance(m, nn.Embedding)]
-    rest = [p for p, m in ends if not isinstance(m, nn.Embedding)]
-    return [([p], False) for p in embeddings] + ([(rest, True)] if rest else [])
+__all__ = ["end_units"]
 
 
 def end_units(root: "nn.Module") -> list[tuple[list["nn.Module"], bool]]:
@@ -68,8 +34,11 @@ def end_units(root: "nn.Module") -> list[tuple[list["nn.Module"], bool]]:
 
     ``root``'s modules already wrapped (the blocks, experts over edp) and everything under them are not counted;
     the first module on each path that holds parameters itself (``recurse=False``) counts, with its children
-    (:func:`end_groups` on the FSDP2 modules).
+    (:func:`meshplan.model_copies.end_groups` on the FSDP2 modules: the one rule, which ``meshplan check --rank R`` and
+    the model picture read too).
     """
     from torch.distributed.fsdp import FSDPModule
+
+    from meshplan.model_copies import end_groups
     groups = end_groups(root, lambda path, m: isinstance(m, FSDPModule))
     return [([root.get_submodule(p) for p in paths], keep) for paths, keep in groups]
