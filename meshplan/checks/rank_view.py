@@ -173,8 +173,9 @@ def _layout_lines(lay: dict | None, fmt_bytes: Any) -> list[str]:
     if w is not None:
         kind = {"ddp": "DDP (replicate) wraps", "hsdp": "HSDP (fully_shard, dp_replicate x dp_shard) wraps"}.get(
             w["mode"], "FSDP2 (fully_shard) wraps")
-        out.append(f"  {kind} {len(w['units'])} units over {' x '.join(w['over_axes'])} ({ranks_text(w['ranks'])}), "
-                   f"in this order (this rank's bytes):")
+        n = len(w["units"])
+        out.append(f"  {kind} {n} unit{'s' if n != 1 else ''} over {' x '.join(w['over_axes'])} "
+                   f"({ranks_text(w['ranks'])}), in this order (this rank's bytes):")
         out += [f"    {t}" for t in unit_texts(w, fmt_bytes)]
     out += [f"  {x['text']}" for x in lay["shares"]]
     return out

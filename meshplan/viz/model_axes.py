@@ -78,7 +78,8 @@ def _wrapping_lines(w: dict | None) -> list[tuple[str, dict]]:
     over = " x ".join(w["over_axes"])
     kind = {"ddp": "DDP (replicate)", "hsdp": "HSDP (fully_shard)"}.get(w["mode"], "FSDP2 (fully_shard)")
     units = ";".join(",".join(u["modules"]) or f"root:{u['root']}" for u in w["units"])
-    out = [(f"{kind} wraps {len(w['units'])} units over {over} (ranks {ranks_text(w['ranks'])}), in this order:",
+    n = len(w["units"])
+    out = [(f"{kind} wraps {n} unit{'s' if n != 1 else ''} over {over} (ranks {ranks_text(w['ranks'])}), in this order:",
             {"fsdp": w["mode"], "fsdp-units": units})]
     return out + [(t, {"fsdp": "unit"}) for t in unit_texts(w)]
 
