@@ -5,6 +5,10 @@ world sizes 2, 4 and 8 run on a laptop). Each collective is recorded by a dispat
 and group; bytes are what ONE rank sends in a ring: (d−1)/d of the gathered/scattered buffer for
 all-gather/reduce-scatter, 2·(d−1)/d for all-reduce. Theory (ZeRO-3): 3·(d−1)/d·Ψ per step with
 resharding after forward (all-gather forward + all-gather backward + reduce-scatter), 2·(d−1)/d·Ψ without.
+The first table sets each row beside ``meshplan estimate``'s dp collectives for the same model and plan (its
+calls and its "bytes per step by axis: dp", the sum of the calls' buffers; ring bytes = (d−1)/d of that): the
+units are the blocks, the embedding and the [final norm, head] unit, which stays gathered after forward
+(``meshplan/data_parallel/ends.py``), so the step moves 3·(d−1)/d·Ψ less (d−1)/d of the head unit once.
 """
 
 from __future__ import annotations
@@ -20,7 +24,10 @@ for _p in (ROOT, os.path.join(ROOT, "examples"), os.path.join(ROOT, "benchmarks"
         sys.path.insert(0, _p)
 from _comm import CommLog  # noqa: E402
 
-__all__ = ["fsdp_traffic", "norm_grad_all_reduces", "main"]
+__all__ = ["fsdp_traffic", "estimated_traffic", "norm_grad_all_reduces", "main"]
+
+#: the example Llama the traffic table measures (examples/llama.py's ModelArgs keys)
+SIZES = dict(dim=128, ffn_dim=256, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=128)
 
 
 def _fake(world: int) -> None:
@@ -30,18 +37,33 @@ def _fake(world: int) -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
 
 
+def estimated_traffic(world: int, reshard_after_forward: bool) -> dict:
+    """``meshplan estimate``'s dp collectives of the same model and plan (FSDP2 over ``world``): calls per kind, the
+    buffers' bytes per step (what estimate prints as "bytes per step by axis: dp") and this rank's ring bytes."""
+    import meshplan
+    from meshplan.solver.report import fmt_bytes
+    plan = {"version": 1, "layout": {}, "blocks": {"pattern": "layers.*"},
+            "data_parallel": {"mode": "fsdp", "reshard_after_forward": reshard_after_forward}}
+    e = meshplan.estimate(plan, SIZES, world, seq=16, global_batch=2 * world)
+    dp = [x for x in e.collectives if x.axis == "dp"]
+    calls = {k: sum(x.count for x in dp if x.kind == k) for k in ("all_gather", "reduce_scatter")}
+    buffers = sum(x.count * x.nbytes for x in dp)
+    return {"calls": calls, "buffers": buffers, "printed": fmt_bytes(buffers), "ring": (world - 1) / world * buffers}
+
+
 def fsdp_traffic(world: int, reshard_after_forward: bool, root_reshards: bool = False) -> dict:
-    """One forward+backward of the example Llama under FSDP2 over ``world`` ranks; bytes vs Ψ."""
+    """One forward+backward of the example Llama under FSDP2 over ``world`` ranks; bytes vs Ψ. ``root_reshards``:
+    every unit reshards after forward, the head unit and the root too (meshplan keeps the head gathered)."""
     import meshplan
     from llama import build, tiny_args
     from meshplan.data_parallel.fsdp import apply_data_parallel
     _fake(world)
     topo = meshplan.build_mesh({"dp_shard": world})
-    model = build(tiny_args(dim=128, ffn_dim=256, n_layers=4))
+    model = build(tiny_args(**SIZES))
     psi = sum(p.numel() * p.element_size() for p in model.parameters())
     apply_data_parallel(model, {"reshard_after_forward": reshard_after_forward}, topo)
     if root_reshards:
-        model.set_reshard_after_forward(reshard_after_forward, recurse=False)
+        model.set_reshard_after_forward(reshard_after_forward, recurse=True)
     x = torch.randint(0, 128, (2, 16))
     with CommLog() as c:
         model(x).float().sum().backward()
@@ -94,15 +116,21 @@ def norm_grad_all_reduces(mode: str, microbatches: int = 1, no_sync: bool = Fals
 
 
 def main() -> None:
-    print("FSDP2 bytes per rank per step (forward+backward), example Llama dim 128, 4 layers, fp32")
-    print(f"{'d':>2} {'reshard':>8} {'root':>5} {'Ψ bytes':>10} {'measured':>11} {'theory':>11} {'ratio':>6}  calls")
+    print("FSDP2 bytes per rank per step (forward+backward), example Llama dim 128, 4 layers, fp32, vs meshplan "
+          "estimate's dp collectives")
+    print(f"{'d':>2} {'reshard':>8} {'Ψ bytes':>10} {'est AG/RS':>9} {'est dp':>10} {'est ring':>10} "
+          f"{'measured':>10} {'meas/est':>8} {'/theory':>8}  calls")
     for world in (2, 4, 8):
-        for reshard, root in ((True, False), (True, True), (False, False)):
-            r = fsdp_traffic(world, reshard, root)
+        for reshard in (True, False):
+            r, e = fsdp_traffic(world, reshard), estimated_traffic(world, reshard)
             theory = (3 if reshard else 2) * (world - 1) / world * r["psi"]
-            root_col = str(root) if reshard else "-"  # "root": the root module reshards too (torch: it does not)
-            print(f"{world:>2} {str(reshard):>8} {root_col:>5} {r['psi']:>10} {r['bytes']:>11.0f} "
-                  f"{theory:>11.0f} {r['ratio']:>6.3f}  {r['calls']}")
+            calls = f"{e['calls']['all_gather']}/{e['calls']['reduce_scatter']}"
+            print(f"{world:>2} {str(reshard):>8} {r['psi']:>10} {calls:>9} {e['printed']:>10} {e['ring']:>10.0f} "
+                  f"{r['bytes']:>10.0f} {r['bytes'] / e['ring']:>8.4f} {r['bytes'] / theory:>8.4f}  {r['calls']}")
+    print("every unit resharded after forward (the head unit and the root too; not meshplan's: measured only)")
+    for world in (2, 4, 8):
+        r = fsdp_traffic(world, True, root_reshards=True)
+        print(f"{world:>2} {'all':>8} {r['psi']:>10} {r['bytes']:>10.0f} {r['ratio']:>8.4f}  {r['calls']}")
     print("\ntp all-reduces per step for norm-weight grads (5 norm weights: 2 per block + final), SP, tp=2"
           "\n(before meshplan's gradient finaliser (GradFinalizer) covered FSDP2, a hand-written loop got FSDP2's own path: 5 per backward)")
     print(f"{'loop':>10} {'layout':>15} {'microbatches':>12} {'tp all-reduces':>14}  all all-reduces")

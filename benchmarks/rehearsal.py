@@ -117,7 +117,8 @@ def measured_bytes(model) -> dict:
 
 def estimated(preset: str, plan, world: int, rank: int, pp_rank: int, microbatches: int) -> tuple[dict, dict]:
     """``meshplan estimate``'s bytes for global ``rank``, its step's collectives ``{kind@group size: calls}`` and the
-    number of FSDP2 units the solver counts on its pipeline rank (blocks, experts, the root)."""
+    number of FSDP2 units the solver counts on its pipeline rank (blocks, experts, the embedding and head units; a
+    tied pair: the root)."""
     from meshplan.solver.collectives import step_collectives
     from meshplan.solver.memory import rank_memory
     from meshplan.solver.placement import Placement
@@ -207,8 +208,8 @@ def one_block(preset: str, data: dict, topo) -> dict | None:
 
 def fsdp_units(model) -> int:
     """The modules FSDP2 wraps on this rank that gather parameters of their own (one all-gather group each: the
-    experts, each block, a stage root holding the embedding or the head; a root whose parameters are all in its
-    blocks gathers nothing)."""
+    experts, each block, the embedding unit, the [final norm, head] unit (one group however many modules it lists);
+    a root whose parameters are all in its units gathers nothing)."""
     from torch.distributed.fsdp import FSDPModule
 
     import meshplan

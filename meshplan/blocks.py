@@ -1,8 +1,9 @@
 """The ``blocks`` step: activation checkpointing and ``torch.compile`` per block (torchtitan's apply_ac/apply_compile).
 
 :func:`apply_blocks` runs after tensor parallelism and before FSDP2 (which then ``fully_shard``-s the blocks it
-found, then the root). The blocks are the modules the section's ``pattern`` matches, found by meshplan's one
-module-path matcher (:func:`meshplan.plan_file.patterns.match_pattern`). The section's model lives in
+found, then each root's embedding and [final norm, head] units, :func:`meshplan.model_copies.end_groups`, then
+the root). The blocks are the modules the section's ``pattern`` matches, found by meshplan's one module-path
+matcher (:func:`meshplan.plan_file.patterns.match_pattern`). The section's model lives in
 :mod:`meshplan.plan_file.blocks` (torch-free).
 """
 

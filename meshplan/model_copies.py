@@ -1,5 +1,6 @@
 """Model helpers on the ground floor, shared by parallelize's checks, the axes and the rehearsals above apply: a
-meta-device copy, a small CPU copy to run, a default batch. Imports nothing of meshplan above ``errors`` and the
+meta-device copy, a small CPU copy to run, a default batch, a root's end modules grouped as FSDP2 wraps them
+(:func:`end_groups`). Imports nothing of meshplan above ``errors`` and the
 torch-free ``hf.tiny_config``."""
 
 from __future__ import annotations
@@ -9,14 +10,17 @@ import copy
 import functools
 import inspect
 import textwrap
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
 
 from meshplan.errors import PlanError
 
-__all__ = ["default_batch", "is_hf", "meta_copy", "small_copy", "stand_in", "vocab_size"]
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+__all__ = ["default_batch", "end_groups", "is_hf", "meta_copy", "small_copy", "stand_in", "vocab_size"]
 
 
 def meta_copy(model: nn.Module) -> nn.Module:
@@ -112,3 +116,36 @@ def _returns(forward: Any) -> int:
 def _same_shape(n: int, x: Any, *args: Any, **kwargs: Any) -> Any:
     out = torch.empty_like(x)
     return out if n == 1 else (out, *(x.new_empty(0) for _ in range(n - 1)))
+
+
+def end_groups(root: nn.Module, wrapped: Callable[[str, nn.Module], bool]) -> list[tuple[list[str], bool]]:
+    """The end modules of ``root`` grouped as FSDP2 wraps them before ``root`` itself (``ends.py``'s ``end_units``
+    applies this rule; pure: nothing is wrapped here, so ``meshplan check --rank R`` and the model picture name the
+    same units): ``[(paths under root, keep gathered after forward)]``, each ``nn.Embedding`` alone first (False),
+    then every other parameter-holding module outside the blocks in one unit (True: the final norm with the head);
+    empty when a parameter is shared between them (a tied head: the root keeps them). The first module on each
+    path that holds parameters itself (``recurse=False``) counts, with its children.
+
+    Args:
+        root: the module that runs as a root (the model, or a stage's view).
+        wrapped: ``wrapped(path, module)`` holds for the modules already wrapped (or not in this root): they and
+            everything under them are not counted.
+    """
+    ends: list[tuple[str, nn.Module]] = []
+    todo = list(root.named_children())
+    while todo:
+        path, m = todo.pop(0)
+        if wrapped(path, m):
+            continue
+        if any(True for _ in m.parameters(recurse=False)):
+            ends.append((path, m))  # with its children: what FSDP2 wrapped already stays out of its unit
+        else:
+            todo[:0] = [(f"{path}.{k}", c) for k, c in m.named_children()]
+    owners: dict[int, int] = {}
+    for i, (_, m) in enumerate(ends):
+        for p in m.parameters(recurse=False):
+            if owners.setdefault(id(p), i) != i:
+                return []  # a tied parameter: one unit must own it (the root, as before)
+    embeddings = [p for p, m in ends if isinstance(m, nn.Embedding)]
+    rest = [p for p, m in ends if not isinstance(m, nn.Embedding)]
+    return [([p], False) for p in embeddings] + ([(rest, True)] if rest else [])

@@ -1,5 +1,7 @@
 """The data_parallel section (validation, modes, errors) and train_step, on the fake group or one process."""
 
+import os
+import re
 import subprocess
 import sys
 
@@ -552,3 +554,30 @@ def test_expert_shard_placement_avoids_a_second_strided_shard(fake_pg):
         down = param((2, 64, 64), [Shard(0), Shard(2)], (4, 64, 128))
         assert expert_shard_placement(down, 2) is None
         assert expert_shard_placement(torch.zeros(4, 8), 2) is None
+
+
+def _cost_rows() -> list[list[str]]:
+    """The ring-byte table of docs/data-parallel.md ("What a step costs"), its cells per row."""
+    text = open(os.path.join(os.path.dirname(__file__), "..", "docs", "data-parallel.md")).read()
+    section = text[text.index("## What a step costs"):]
+    rows = [line.strip("|").split("|") for line in section.splitlines() if re.match(r"\| [248] \| (yes|no) \|", line)]
+    return [[c.strip() for c in row] for row in rows]
+
+
+def test_docs_ring_byte_table_equals_the_estimate():
+    """Every number of docs/data-parallel.md's ring-byte table is what ``meshplan estimate`` prints for that plan
+    (its dp calls, its dp bytes per step, (d-1)/d of them per rank), and one row measured on the fake group
+    (``benchmarks/dp.py``, d 4 with resharding) moves those bytes in those calls."""
+    from benchmarks.dp import estimated_traffic, fsdp_traffic
+    rows = _cost_rows()
+    assert len(rows) == 6
+    e, m = estimated_traffic(4, True), fsdp_traffic(4, True)
+    assert (m["bytes"], m["calls"]) == (e["ring"], {"all_gather@4": e["calls"]["all_gather"],
+                                                    "reduce_scatter@4": e["calls"]["reduce_scatter"]})
+    assert f"Ψ = {m['psi']:,} B" in open(os.path.join(os.path.dirname(__file__), "..", "docs", "data-parallel.md")).read()
+    for d, reshard, calls, printed, ring, ratio in rows:
+        e = estimated_traffic(int(d), reshard == "yes")
+        assert calls == f"{e['calls']['all_gather']} / {e['calls']['reduce_scatter']}", (d, reshard)
+        assert (printed, ring) == (e["printed"], f"{round(e['ring']):,}"), (d, reshard)
+        theory = (3 if reshard == "yes" else 2) * (int(d) - 1) / int(d) * m["psi"]
+        assert ratio.split()[0] == f"{e['ring'] / theory:.4f}", (d, reshard)

@@ -213,7 +213,8 @@ def test_model_picture_png(capsys, tmp_path):
 
 def test_model_picture_of_one_rank(capsys, tmp_path):
     """``check --rank R --format svg``: the rank's figures in the title, its share beside each box, the pipeline
-    stages with its own marked, FSDP2's units (each block, then the stage root) and their ranks."""
+    stages with its own marked, FSDP2's units (each block, the stage's head unit, then the stage root: the units
+    fully_shard receives, tests/test_rank_view.py) with the rank's bytes of each, and their ranks."""
     f = tmp_path / "m.svg"
     code, _, _ = run(capsys, "check", "plans/llama_3d.yaml", "--model", "examples.llama:build", "--config",
                      LLAMA_CFG, "--world-size", "8", "--rank", "5", "--format", "svg", "-o", str(f))
@@ -229,6 +230,10 @@ def test_model_picture_of_one_rank(capsys, tmp_path):
     stages = [(c.get("data-stage"), c.get("data-mine")) for c in root.iter(f"{NS}rect") if c.get("data-stage")]
     assert stages == [("0", "false"), ("1", "true")]
     fsdp = [t.text for t in texts if t.get("data-fsdp")]
-    assert fsdp == ["FSDP2 (fully_shard) wraps 2 blocks (layers.2 … layers.3), then the root stage 1 over "
-                    "dp_shard: ranks 5, 7"]
+    assert fsdp == ["FSDP2 (fully_shard) wraps 4 units over dp_shard (ranks 5, 7), in this order:",
+                    "2 blocks (layers.2 … layers.3): 36.25 KiB each",
+                    "head [norm, output] of stage 1: 8.12 KiB, kept gathered after forward",
+                    "the root stage 1: 0 B (holds nothing)"]
+    units = next(t.get("data-fsdp-units") for t in texts if t.get("data-fsdp-units"))
+    assert units == "layers.2;layers.3;norm,output;root:stage 1"
     assert any((t.get("data-frame") or "").endswith("FSDP2 wraps each (dp_shard)") for t in texts)

@@ -165,10 +165,14 @@ def test_cli_rank_view(capsys):
     assert lines[i + 2] == ("  parameters 20,640 in 20 tensors: 80.6 KiB, gradients 80.6 KiB, "
                             "optimizer (AdamW) 161.3 KiB")
     assert lines[i + 3] == "  FSDP2 shards the dense parameters over dp_shard (2 ranks)"
-    assert lines[i + 4] == "  FSDP2 (fully_shard) wraps 2 blocks, then stage 1 over dp_shard (5, 7)"
-    assert lines[i + 5] == "  collectives per step (the solver's terms; bytes at sequence 8,192, one sequence per microbatch):"
-    assert lines[i + 6] == "    send over pp (peers 1): 2 calls, 2.0 MiB (pp: activations and their gradients)"
-    assert lines[i + 7].startswith("    recv over pp (peers 1): 2 calls, 2.0 MiB")
+    assert lines[i + 4:i + 8] == [  # the units as the data axis' wrap makes them (ends.end_groups), bytes each
+        "  FSDP2 (fully_shard) wraps 4 units over dp_shard (5, 7), in this order (this rank's bytes):",
+        "    2 blocks (layers.2 … layers.3): 36.2 KiB each",
+        "    head [norm, output] of stage 1: 8.1 KiB, kept gathered after forward",
+        "    the root stage 1: 0 B (holds nothing)"]
+    assert lines[i + 8] == "  collectives per step (the solver's terms; bytes at sequence 8,192, one sequence per microbatch):"
+    assert lines[i + 9] == "    send over pp (peers 1): 2 calls, 2.0 MiB (pp: activations and their gradients)"
+    assert lines[i + 10].startswith("    recv over pp (peers 1): 2 calls, 2.0 MiB")
     assert any(x.startswith("    all_gather over tp (ranks 4, 5): 26 calls, 52.0 MiB (tp: block inputs (forward)") for x in lines)
     assert "    reduce_scatter over dp_shard (ranks 5, 7): 3 calls, 161.2 KiB (dp: block gradients, head gradients)" in lines
     assert "20,640 per rank (rank 5: 80.6 KiB" in out
@@ -228,3 +232,58 @@ def test_each_axis_of_the_rank_layout():
     assert [(s["stage"], s["pp_rank"], s["mine"], s["text"]) for s in lay["stages"]] == \
            [(0, 0, False, "tok_embeddings, layers.0-1"), (1, 1, True, "layers.2-3, norm, output")]
     assert lay["wrapping"]["blocks"] == ["layers.2", "layers.3"] and lay["wrapping"]["roots"] == ["stage 1"]
+
+
+def _received(fake_pg, monkeypatch, model, plan: Plan, world: int, rank: int) -> list[str]:
+    """The units ``fully_shard`` receives when ``parallelize`` runs ``plan`` on a meta copy of ``model`` as ``rank``
+    of a fake group of ``world``: each unit's module paths (``,``-joined), a root (the model or a stage view) as
+    ``root``."""
+    import torch.distributed.fsdp as fsdp
+    from meshplan.model_copies import meta_copy
+    real, got = fsdp.fully_shard, []
+    meta = meta_copy(model)
+    paths = {id(m): p for p, m in meta.named_modules()}
+
+    def spy(module, *args, **kwargs):
+        mods = module if isinstance(module, list) else [module]
+        got.append(",".join(paths[id(m)] for m in mods) if paths.get(id(mods[0])) else "root")
+        return real(module, *args, **kwargs)
+
+    monkeypatch.setattr(fsdp, "fully_shard", spy)
+    with fake_pg(world, rank):
+        meshplan.parallelize(meta, plan, meshplan.build_mesh(plan.layout))
+    return got
+
+
+@pytest.mark.parametrize("case,world,ranks", [
+    ("plans/llama_3d.yaml", 8, [0, 5]),  # pp x tp x FSDP2: the embedding unit on stage 0, the head on stage 1
+    ("plans/moe.yaml", 4, [3]),  # the experts over edp first
+    ("tied", 2, [0]),  # a tied head: no end units, the root holds the embedding and the head
+    ("vpp", 4, [0, 3]),  # 2 stages per rank: a root each, the embedding in stage 0's, the head in stage 3's
+])
+def test_check_and_picture_name_the_units_fully_shard_receives(fake_pg, monkeypatch, case, world, ranks):
+    """``check --rank R`` and the model picture list FSDP2's units as the data axis' wrap makes them (the rule of
+    :func:`meshplan.data_parallel.ends.end_groups`, which ``end_units`` applies): the same modules, in the order
+    ``fully_shard`` receives them on that rank (a meta model on a fake process group), and their bytes sum to the
+    rank's parameter bytes."""
+    from meshplan.viz.model_draw import model_picture
+    if case == "tied":
+        model, plan = _model("llama", tie_embeddings=True), Plan.from_data({"version": 1, "layout": {}}, source="t")
+    elif case == "vpp":
+        model = _model("llama")
+        plan = Plan.from_data({"version": 1, "layout": {"pp": 2, "vpp": 2}, "blocks": {"pattern": "layers.*"},
+                               "pipeline": {"schedule": "interleaved_1f1b", "microbatches": 2}}, source="vpp")
+    else:
+        model, plan = _model("moe" if "moe" in case else "llama"), Plan.from_data(yaml.safe_load(open(case)), source=case)
+    for rank in ranks:
+        report = meshplan.check(model, plan, world, rank=rank)
+        units = report.rank_view["layout"]["wrapping"]["units"]
+        listed = [",".join(u["modules"]) or "root" for u in units]
+        assert listed == _received(fake_pg, monkeypatch, model, plan, world, rank), rank
+        assert sum(u["bytes"] for u in units) == report.rank_view["parameter_bytes"], rank
+        items = [dict(getattr(x, "data", ())) for x in model_picture(report, plan, []).items]
+        pictured = next(t["fsdp-units"] for t in items if "fsdp-units" in t).split(";")
+        assert [p if not p.startswith("root:") else "root" for p in pictured] == listed, rank
+    if case == "tied":
+        assert [(u["kind"], u["modules"]) for u in units] == [("block", [f"layers.{i}"]) for i in range(4)] + [
+            ("root", [])] and units[-1]["bytes"] > 0

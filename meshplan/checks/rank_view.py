@@ -16,6 +16,9 @@ from typing import Any
 
 import torch.nn as nn
 
+from meshplan.checks.rank_layout import stage_prefixes as _prefixes
+from meshplan.checks.rank_layout import under as _under
+from meshplan.checks.rank_layout import unit_texts
 from meshplan.errors import PlanError
 from meshplan.mesh.ranks import ranks_text
 
@@ -49,14 +52,6 @@ def _stage_rows(report: Any) -> list[dict] | None:
     from meshplan.axes import AXES
     return next((s["stages"] for axis in AXES
                  if isinstance(s := getattr(report, axis.report_key, None), dict) and s.get("stages")), None)
-
-
-def _prefixes(row: dict) -> list[str]:
-    return [*row["first_modules"], *row["blocks"], *row["last_modules"]]
-
-
-def _under(path: str, prefixes: list[str]) -> bool:
-    return any(path == p or path.startswith(p + ".") for p in prefixes)
 
 
 def _held(rows: list[dict] | None, stage_rank: int) -> tuple[Any, list[str]]:
@@ -162,24 +157,26 @@ def rank_view(report: Any, model: nn.Module, plan: Any, resolved: Any, rank: int
     mods = dict((applied[0] if applied else meta_copy(model)).named_modules())
     exempt = tp_exempt(model, plan, report)
     n = _count(mods, held, exempt, *shard_sizes(cand, place), place.shard_index(rank))
-    view["layout"] = rank_layout(model, plan, report, cand, place, rank, rows, held, exempt, view["sizes"])
+    view["layout"] = rank_layout(model, plan, report, cand, place, rank, rows, held, exempt, view["sizes"],
+                                 n["modules"])
     view.update(parameters=n["numel"], tensors=n["tensors"], parameter_bytes=n["bytes"], module_bytes=n["modules"],
                 gradient_bytes=n["bytes"], optimizer_bytes=2 * n["bytes"] + 4 * n["tensors"])
     return view
 
 
-def _layout_lines(lay: dict | None) -> list[str]:
-    """The wrapping and each axis' share of the rank (:attr:`~meshplan.axis.Axis.rank_share`), a line each."""
+def _layout_lines(lay: dict | None, fmt_bytes: Any) -> list[str]:
+    """The wrapping (a line per kind of unit) and each axis' share of the rank
+    (:attr:`~meshplan.axis.Axis.rank_share`), a line each."""
     if not lay:
         return []
     out, w = [], lay["wrapping"]
     if w is not None:
         kind = {"ddp": "DDP (replicate) wraps", "hsdp": "HSDP (fully_shard, dp_replicate x dp_shard) wraps"}.get(
             w["mode"], "FSDP2 (fully_shard) wraps")
-        units = ([f"{len(w['experts'])} modules over edp ({ranks_text(w['experts_ranks'])})"]
-                 if w["experts"] else []) + ([f"{len(w['blocks'])} blocks"] if w["blocks"] else []) + w["roots"]
-        over = " x ".join(w["over_axes"])
-        out.append(f"  {kind} " + ", then ".join(units) + f" over {over} ({ranks_text(w['ranks'])})")
+        n = len(w["units"])
+        out.append(f"  {kind} {n} unit{'s' if n != 1 else ''} over {' x '.join(w['over_axes'])} "
+                   f"({ranks_text(w['ranks'])}), in this order (this rank's bytes):")
+        out += [f"    {t}" for t in unit_texts(w, fmt_bytes)]
     out += [f"  {x['text']}" for x in lay["shares"]]
     return out
 
@@ -197,7 +194,7 @@ def view_lines(view: dict, fmt_bytes: Any) -> list[str]:
     else:
         out.append(f"  parameters not counted: {view['reason']}")
     out += [f"  {w}" for w in view["shards"]]
-    out += _layout_lines(view.get("layout"))
+    out += _layout_lines(view.get("layout"), fmt_bytes)
     if view["collectives"] is None:
         out.append("  collectives per step: not counted (the model's sizes cannot be read, or its blocks are not "
                    "the decoder meshplan estimate describes)")

@@ -33,25 +33,12 @@ def end_units(root: "nn.Module") -> list[tuple[list["nn.Module"], bool]]:
     embedding unit(s) first (False), then the head unit (True); empty when a parameter is shared between them.
 
     ``root``'s modules already wrapped (the blocks, experts over edp) and everything under them are not counted;
-    the first module on each path that holds parameters itself (``recurse=False``) counts, with its children.
+    the first module on each path that holds parameters itself (``recurse=False``) counts, with its children
+    (:func:`meshplan.model_copies.end_groups` on the FSDP2 modules: the one rule, which ``meshplan check --rank R`` and
+    the model picture read too).
     """
-    import torch.nn as nn
     from torch.distributed.fsdp import FSDPModule
-    ends: list[nn.Module] = []
-    todo = [m for m in root.children()]
-    while todo:
-        m = todo.pop(0)
-        if isinstance(m, FSDPModule):
-            continue
-        if any(True for _ in m.parameters(recurse=False)):
-            ends.append(m)  # with its children: what FSDP2 wrapped already stays out of its unit
-        else:
-            todo[:0] = list(m.children())
-    owners: dict[int, int] = {}
-    for i, m in enumerate(ends):
-        for p in m.parameters(recurse=False):
-            if owners.setdefault(id(p), i) != i:
-                return []  # a tied parameter: one unit must own it (the root, as before)
-    embeddings = [m for m in ends if isinstance(m, nn.Embedding)]
-    rest = [m for m in ends if not isinstance(m, nn.Embedding)]
-    return [([m], False) for m in embeddings] + ([(rest, True)] if rest else [])
+
+    from meshplan.model_copies import end_groups
+    groups = end_groups(root, lambda path, m: isinstance(m, FSDPModule))
+    return [([root.get_submodule(p) for p in paths], keep) for paths, keep in groups]

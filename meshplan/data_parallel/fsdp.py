@@ -2,8 +2,9 @@
 
 :func:`apply_data_parallel` runs after tensor parallelism and the blocks step (:func:`meshplan.blocks.apply_blocks`:
 activation checkpointing, ``torch.compile`` per block), in torchtitan's order: FSDP2 ``fully_shard`` on each block,
-then on the root. The mode follows the layout (``dp_shard``/``dp_replicate`` and the sequence ranks) unless the section's ``mode``
-says otherwise. Gradients are SUMMED over the data axes by default: meshplan's loss is normalised by the global
+then on the embedding and the [final norm, head] as units of their own (:mod:`.ends`), then on the root. The mode
+follows the layout (``dp_shard``/``dp_replicate`` and the sequence ranks) unless the section's ``mode`` says
+otherwise. Gradients are SUMMED over the data axes by default: meshplan's loss is normalised by the global
 token count (see :mod:`meshplan.training.step`).
 
 The unit lives in :mod:`.unit` (:func:`meshplan.parallelize` resolves it in ``prepare`` and wraps in ``finish``),
@@ -41,7 +42,8 @@ def apply_data_parallel(model: "nn.Module", section: DataParallel | Mapping[str,
     """Apply the ``data_parallel`` section to ``model`` in place (after tensor parallelism).
 
     The blocks step (:func:`meshplan.blocks.apply_blocks`) runs first unless it ran already (as in
-    :func:`meshplan.parallelize`); FSDP2 then shards each of its blocks, then the root. Whether tp ranks hold
+    :func:`meshplan.parallelize`); FSDP2 then shards each of its blocks, its embedding and [final norm, head]
+    units (:mod:`.ends`), then the root. Whether tp ranks hold
     different data (smp's ``sequence_parallel: batch``) is read from the model's :func:`~meshplan.parallel_state`.
 
     Args:

@@ -57,9 +57,9 @@ def _apply(model: Any, plan: Any, topology: Any, section: DataParallel, state: A
 
 def _finish(model: Any, plan: Any, topology: Any, section: DataParallel, state: Any, others: tuple = (),
             roots: Any = None) -> Any:
-    """FSDP2/HSDP/DDP on each block, then each root (``roots``: handed in by :func:`meshplan.axes.finish_axes`);
-    the model's one gradient finaliser handed to the wrapping; ``others``' :attr:`~meshplan.axis.Axis.data_shard`
-    first (the experts over edp)."""
+    """FSDP2/HSDP/DDP on each block, then each root's embedding and head units (:mod:`.ends`) and the root
+    (``roots``: handed in by :func:`meshplan.axes.finish_axes`); the model's one gradient finaliser handed to the
+    wrapping; ``others``' :attr:`~meshplan.axis.Axis.data_shard` first (the experts over edp)."""
     from meshplan.data_parallel.wrap import wrap
     resolved = check_data_parallel(model, section, topology)
     return wrap(model, section, topology, resolved, state, state.grad_sync, others, roots)

@@ -4,18 +4,20 @@ axis gives that rank, from the report's rank view (:mod:`meshplan.checks.rank_vi
 * its coordinates and its parameter, gradient and AdamW bytes (``data-parameters``, ``data-bytes``: the figures
   ``meshplan estimate --rank R`` gives, every axis counted);
 * the stages as a strip, one cell per stage (``data-stage``, ``data-stage-rank``), the rank's own filled;
-* the data-parallel wrapping: which modules FSDP2 wraps (``fully_shard``, the experts over edp, each block, each
-  root) or DDP replicates, and over which ranks (``data-fsdp``);
+* the data-parallel wrapping: the units FSDP2 wraps (``fully_shard``: the experts over edp, each block, each root's
+  embedding and head, the root) or DDP replicates, in the wrap's order, with the rank's bytes of each, and over
+  which ranks (``data-fsdp``, ``data-fsdp-units``);
 * what every other axis gives the rank (:attr:`meshplan.axis.Axis.rank_share`: its experts, its chunks of each
   sequence), a line each (``data-share``: the axis) and a strip where the axis has one (``data-cell``).
 
-Torch-free.
+Torch-free (the unit texts are :mod:`meshplan.checks.rank_layout`'s, torch-free at import).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from meshplan.checks.rank_layout import unit_texts
 from meshplan.mesh.ranks import ranks_text
 from meshplan.solver.report import fmt_bytes
 from meshplan.viz.drawing import Drawing
@@ -68,20 +70,18 @@ def _strip(d: Drawing, y: float, label: str, cells: list[tuple[str, bool, dict]]
 
 
 def _wrapping_lines(w: dict | None) -> list[tuple[str, dict]]:
+    """The data-parallel wrapping: a line naming the mode and its group (``data-fsdp-units``: each unit's modules,
+    ``;``-separated, a root as ``root:<name>``), then a line per kind of unit with this rank's bytes
+    (:func:`meshplan.checks.rank_layout.unit_texts`, the words of ``check --rank R``)."""
     if w is None:
         return [("FSDP2/DDP: none (no data-parallel degree above 1)", {"fsdp": "none"})]
     over = " x ".join(w["over_axes"])
-    if w["mode"] == "ddp":
-        return [(f"DDP (replicate) wraps {', '.join(w['roots'])} over {over}: ranks {ranks_text(w['ranks'])}",
-                 {"fsdp": "ddp"})]
-    out = []
-    if w["experts"]:
-        out.append((f"FSDP2 (fully_shard) wraps the experts first: {len(w['experts'])} modules over edp: ranks "
-                    f"{ranks_text(w['experts_ranks'])}", {"fsdp": "experts"}))
-    blocks = f"{len(w['blocks'])} blocks ({w['blocks'][0]} … {w['blocks'][-1]}), then " if w["blocks"] else ""
-    out.append((f"{w['mode'].upper() if w['mode'] == 'hsdp' else 'FSDP2'} (fully_shard) wraps {blocks}the root "
-                f"{', '.join(w['roots'])} over {over}: ranks {ranks_text(w['ranks'])}", {"fsdp": "blocks,root"}))
-    return out
+    kind = {"ddp": "DDP (replicate)", "hsdp": "HSDP (fully_shard)"}.get(w["mode"], "FSDP2 (fully_shard)")
+    units = ";".join(",".join(u["modules"]) or f"root:{u['root']}" for u in w["units"])
+    n = len(w["units"])
+    out = [(f"{kind} wraps {n} unit{'s' if n != 1 else ''} over {over} (ranks {ranks_text(w['ranks'])}), in this order:",
+            {"fsdp": w["mode"], "fsdp-units": units})]
+    return out + [(t, {"fsdp": "unit"}) for t in unit_texts(w)]
 
 
 def rank_panel(d: Drawing, view: dict | None, y: float) -> float:
@@ -100,8 +100,9 @@ def rank_panel(d: Drawing, view: dict | None, y: float) -> float:
         d.text(24 + 130, y + 10, f"rank {view['rank']} holds {mine}", size=10.5, data={"stages-held": mine})
         y += 18
     for text, data in _wrapping_lines(lay["wrapping"]):
-        d.rect(24, y + 3, 12, 12, fill=FSDP if data["fsdp"] != "none" else OTHER)
-        d.text(42, y + 13, text, size=10.5, data=data)
+        if data["fsdp"] != "unit":
+            d.rect(24, y + 3, 12, 12, fill=FSDP if data["fsdp"] != "none" else OTHER)
+        d.text(42 if data["fsdp"] != "unit" else 60, y + 13, text, size=10.5, data=data)
         y += 18
     for share in lay["shares"]:
         d.text(24, y + 13, share["text"], size=10.5, data={"share": share["axis"]})
