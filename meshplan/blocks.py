@@ -134,10 +134,8 @@ def _checkpoint(model: "nn.Module", blocks: list[str], ac: ActivationCheckpointi
     from meshplan.state import parallel_state
     fn = context_fn(ops, ac.policy)
     state = parallel_state(model)
-    cp = state.context_parallel if state is not None else None
-    if cp is not None:  # the recompute sees its forward's positions and documents
-        from meshplan.context_parallel.replay import checkpoint_contexts
-        fn = checkpoint_contexts(cp.runtime, fn)
+    if state is not None:  # the recompute sees its forward's per-forward state (an axis' runtime's)
+        fn = state.recompute_contexts(fn)
     kwargs = {"context_fn": fn} if fn is not None else {}
     for k, path in enumerate(blocks, start=1):
         if ac.mode == "full" or k % ac.every == 0:  # op level (ops, policy): every 1

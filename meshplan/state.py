@@ -8,7 +8,7 @@ what it did with :func:`attach_state`; :func:`meshplan.train_step`, clipping and
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -57,6 +57,16 @@ class ParallelState:
     context_parallel: Any = None
     expert_parallel: Any = None
     gradients: Any = None
+
+    def recompute_contexts(self, inner: Any) -> Any:
+        """A checkpoint ``context_fn`` around ``inner`` (a selective policy's, or None) that carries each applied
+        axis' per-forward state from a block's forward to its recompute: a record with a
+        ``recompute_contexts(inner)`` method wraps it (context parallelism's position rows and documents)."""
+        for f in fields(self):
+            wrap = getattr(getattr(self, f.name), "recompute_contexts", None)
+            if f.name not in ("plan", "topology") and callable(wrap):
+                inner = wrap(inner)
+        return inner
 
     @property
     def grad_sync(self) -> Any:

@@ -43,6 +43,12 @@ class CpApplied:
     def cp(self) -> int:
         return self.runtime.cp
 
+    def recompute_contexts(self, inner: Any) -> Any:
+        """The checkpoint ``context_fn`` giving a recomputed block its forward's positions and documents, around
+        ``inner`` (:func:`~meshplan.context_parallel.replay.checkpoint_contexts`)."""
+        from meshplan.context_parallel.replay import checkpoint_contexts
+        return checkpoint_contexts(self.runtime, inner)
+
 
 @dataclass(frozen=True)
 class _Resolved:

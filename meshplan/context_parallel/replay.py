@@ -1,8 +1,8 @@
 """Activation checkpointing under context parallelism: a checkpointed block's recompute sees its own forward's state.
 
-A checkpointed block runs again in backward, after the model's forward returned (and, under a pipeline schedule,
-after later microbatches' forwards). The context-parallel runtime's per-forward state then belongs to another
-forward or to none: the rows of a position-indexed buffer (a RoPE table) are swapped in only while the model's
+A checkpointed block runs again in backward, after the model's forward returned (and, where microbatches
+interleave, after later microbatches' forwards). The context-parallel runtime's per-forward state then belongs to
+another forward or to none: the rows of a position-indexed buffer (a RoPE table) are swapped in only while the model's
 forward runs, and the document ids of packed sequences and their keep-matrices are the last forward's. A block that
 reads the buffer itself, or attends over packed documents, would recompute with the wrong positions or masks
 (measured: the example Llama whose blocks read ``freqs_cis``, cp 2, full checkpointing: gradients 0.77% off).
