@@ -126,8 +126,8 @@ class Regather:
     @staticmethod
     def _pack(g: _Gather, t: torch.Tensor) -> Any:
         local = t.to_local() if isinstance(t, DTensor) else t
-        if _storage(local) != g.storage:
-            return t
+        if _storage(local) != g.storage:  # detached: a saved output kept as itself would hold its own grad_fn, a
+            return t.detach()  # cycle through the graph that gc cannot see (a forward never backwarded leaked it)
         g.packs += 1
         spec = (t.device_mesh, t.placements, t.shape, t.stride()) if isinstance(t, DTensor) else None
         return _Saved(tuple(local.shape), tuple(local.stride()), local.storage_offset(), spec)
