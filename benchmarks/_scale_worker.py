@@ -222,6 +222,10 @@ def main() -> None:
     imports(spec)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=spec.get("timeout_s", 900)))
     rank = dist.get_rank()
+    if os.environ.get("SCALE_PROBE") == "1":  # per-action VmRSS / VmHWM (benchmarks/_scale_probe.py)
+        sys.path.insert(0, str(Path(__file__).parent))
+        from _scale_probe import install
+        install(str(Path(spec["out"], f"probe{rank}.txt")))
     result: dict = {"baseline_kib": status_kib("VmHWM"), "rss_kib": status_kib("VmRSS"), "phases": []}
     if spec.get("prepare"):
         result["prepared"] = prepare(spec)

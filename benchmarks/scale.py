@@ -18,6 +18,9 @@ ratio peak / (p + g + opt + the measured empty-process baseline: VmHWM after imp
 transformers and initializing the process group). One launch writes the checkpoints (one process, CPU-built
 seeded model) and times the one-process starts; one launch per layout runs its three starts
 (``--launch-per all``: every phase in one launch, as the smoke test does; ``phase``: a fresh process each).
+``--mmap-threshold N`` launches the ranks with glibc's ``MALLOC_MMAP_THRESHOLD_=N`` (docs/scale.md: without it,
+freed gathered parameters of 4-32 MiB stay in the heap's RSS); ``SCALE_PROBE=1`` writes each rank's per-action
+VmRSS / VmHWM (``benchmarks/_scale_probe.py``).
 """
 
 from __future__ import annotations
@@ -79,7 +82,7 @@ def launch(spec: dict, nproc: int, work: Path, name: str, timeout: float = 3600)
     out = work / name
     out.mkdir(parents=True, exist_ok=True)
     (out / "spec.json").write_text(json.dumps({**spec, "out": str(out)}))
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **spec.get("env", {}),
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            str(ROOT / "benchmarks" / "_scale_worker.py"), str(out / "spec.json")]
@@ -194,7 +197,8 @@ def run(args) -> dict:
                if k in args.layouts}
     used = sorted({v["model"] for v in layouts.values()})
     base = {"models": {k: models[k] for k in used}, "init_mode": args.init_mode, "adamw": args.adamw,
-            "batch": args.batch, "seq": args.seq}
+            "batch": args.batch, "seq": args.seq,
+            "env": {"MALLOC_MMAP_THRESHOLD_": str(args.mmap_threshold)} if args.mmap_threshold else {}}
     one_layouts = {f"one-{m}": {"model": m, "plan": None} for m in used}
     one = launch({**base, "prepare": True, "steps": 0, "layouts": one_layouts,
                   "phases": [(k, s) for k in one_layouts for s in args.starts]}, 1, work, "one")
@@ -234,6 +238,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--launch-per", choices=("all", "layout", "phase"), default="layout",
                     help="one torchrun launch for all phases, per layout (default) or per phase: a phase's peak "
                          "starts from what the launch's earlier phases left (a pipeline phase: ~140 MiB)")
+    ap.add_argument("--mmap-threshold", type=int, default=0,
+                    help="glibc MALLOC_MMAP_THRESHOLD_ for the ranks (bytes; 0: glibc's dynamic default). 1048576: "
+                         "every freed buffer of >= 1 MiB goes back to the OS (docs/scale.md)")
     ap.add_argument("--work", help="folder for checkpoints and rank files (default: a new temporary one)")
     ap.add_argument("--json", help="also write the raw results here")
     return ap.parse_args(argv)

@@ -9,7 +9,11 @@ from typing import Any
 
 from meshplan.axis import AxisCosts, AxisTerms
 
-__all__ = ["TERMS", "dp_step_collectives"]
+__all__ = ["TERMS", "dp_step_collectives", "UNGATHERED_IN_BACKWARD"]
+
+#: FSDP2 unit kinds not gathered again for backward: the input embedding's backward reads only the token ids
+#: (:func:`meshplan.data_parallel.ends.reads_ids_only`)
+UNGATHERED_IN_BACKWARD = frozenset({"embedding"})
 
 
 def dp_step_collectives(c: Any, tr: Any, place: Any, units: list) -> list:
@@ -51,14 +55,15 @@ def dp_step_collectives(c: Any, tr: Any, place: Any, units: list) -> list:
 def _counts(c: Any, tr: Any, kind: str) -> tuple[int, int]:
     """``(gathers, reductions)`` of one FSDP2 unit per step: accumulation, resharding and the pipeline decide."""
     m = c.microbatches
-    reshard = tr.reshard_after_forward and kind not in ("root", "head")  # kept gathered after forward
+    reshard = bool(tr.reshard_after_forward) and kind not in ("root", "head")  # kept gathered after forward
+    again = reshard and kind not in UNGATHERED_IN_BACKWARD  # re-gathered for backward
     if m > 1 and not c.accumulate_unsharded:  # reduce-scattered and resharded every microbatch (pipeline too)
-        return m * (1 + reshard), m
+        return m * (1 + again), m
     if m > 1 and c.pp == 1:  # accumulated unsharded: one gather, one reduction
         return 1, 1
     if c.pp > 1:  # forwards gather, the first backward after them too; kept until the step's last backward
-        return (m + 1 if reshard else 1), 1
-    return 1 + reshard, 1
+        return (m + again if reshard else 1), 1
+    return 1 + again, 1
 
 
 #: data parallelism's collectives run once per step, none per microbatch; its degree is no Candidate field (the

@@ -6,8 +6,10 @@ not reshard a root after forward); in its backward a rank holds the gathered hea
 reduce-scatter input and output at once, with the gathered embedding too (measured: +727 MiB on ``pp2fsdp2``'s last
 stage at ``benchmarks/scale.py --size dev``, docs/scale.md). As units of their own:
 
-* the **embedding** unit reshards after forward like a block (``reshard_after_forward``), and in backward is
-  gathered last, after every block's gradient was reduce-scattered;
+* the **embedding** unit reshards after forward like a block (``reshard_after_forward``) and is not gathered
+  again in backward (:func:`reads_ids_only`: an embedding's weight gradient needs the token ids and the output's
+  gradient, not the weight): its backward holds its unsharded gradient and FSDP2's reduce-scatter buffers, not the
+  gathered weight too (measured at ``benchmarks/scale.py --size full`` pp 2 × FSDP2 2: docs/scale.md);
 * the **head** unit (every other parameter-holding module outside the blocks: the final norm, the head) is *not*
   resharded after forward: backward starts with it right away (torchtitan's default), so resharding would only
   re-gather it;
@@ -25,7 +27,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch.nn as nn
 
-__all__ = ["end_units"]
+__all__ = ["end_units", "reads_ids_only"]
 
 
 def end_units(root: "nn.Module") -> list[tuple[list["nn.Module"], bool]]:
@@ -42,3 +44,14 @@ def end_units(root: "nn.Module") -> list[tuple[list["nn.Module"], bool]]:
     from meshplan.model_copies import end_groups
     groups = end_groups(root, lambda path, m: isinstance(m, FSDPModule))
     return [([root.get_submodule(p) for p in paths], keep) for paths, keep in groups]
+
+
+def reads_ids_only(module: "nn.Module") -> bool:
+    """Does ``module``'s backward leave its weight unread? True for an ``nn.Embedding`` (or a subclass) running
+    ``nn.Embedding.forward`` unchanged, dense: its weight gradient is the output's gradient scattered by the token
+    ids. A subclass with a forward of its own (a scale, a lookup of its own) may read the weight: False, and FSDP2
+    gathers it for backward as usual.
+    """
+    import torch.nn as nn
+    return (isinstance(module, nn.Embedding) and type(module).forward is nn.Embedding.forward
+            and "forward" not in vars(module) and not module.sparse)

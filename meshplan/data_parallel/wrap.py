@@ -70,7 +70,7 @@ def _shard(model, state, roots, blocks, section, topology, mode, axes, own) -> t
     import torch
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    from meshplan.data_parallel.ends import end_units
+    from meshplan.data_parallel.ends import end_units, reads_ids_only
     dt = {None: None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     mp = MixedPrecisionPolicy(param_dtype=dt[section.param_dtype], reduce_dtype=dt[section.reduce_dtype])
     offload = CPUOffloadPolicy() if section.cpu_offload else OffloadPolicy()
@@ -101,6 +101,8 @@ def _shard(model, state, roots, blocks, section, topology, mode, axes, own) -> t
                     # would re-gather the head, already resharded, in a later microbatch's backward (torch keeps
                     # the forward order across accumulated microbatches); prefetching itself is a no-op.
                     mods[0].set_modules_to_backward_prefetch([mods[0]])
+                    if reads_ids_only(mods[0]):  # its backward needs the token ids, not the weight: no re-gather
+                        mods[0].set_unshard_in_backward(False)
             fully_shard(root, **kw)  # the root: torch keeps its parameters gathered after forward
     from torch.distributed.fsdp import FSDPModule
     for m in {id(m): m for r in [model, *roots] for m in r.modules()}.values():

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from meshplan._torch import funcol, queue_backward_callback, saved_tensors_hooks_active, tree_leaves
+from meshplan._torch import funcol, local_tensor, queue_backward_callback, saved_tensors_hooks_active, tree_leaves
 
 __all__ = ["Regather"]
 
@@ -78,6 +78,17 @@ def _storage(t: torch.Tensor) -> int | None:
         return None
 
 
+def _detached(t: torch.Tensor) -> torch.Tensor:
+    """``t`` without its autograd history, sharing its data. A saved output kept as itself would hold its own
+    ``grad_fn``: a cycle through the C++ graph that gc cannot see, so a forward never backwarded kept its graph and
+    the parameters it saved alive (docs/scale.md). A DTensor is rebuilt from its stored shard: no op dispatched
+    through DTensor (the solver's per-block DTensor op counts stay exact)."""
+    if isinstance(t, DTensor):
+        return DTensor.from_local(local_tensor(t).detach(), t.device_mesh, t.placements, run_check=False,
+                                  shape=t.shape, stride=t.stride())
+    return t.detach()
+
+
 class Regather:
     """Saved-tensor hooks for one module whose input is all-gathered over ``group`` on ``dim``.
 
@@ -127,7 +138,7 @@ class Regather:
     def _pack(g: _Gather, t: torch.Tensor) -> Any:
         local = t.to_local() if isinstance(t, DTensor) else t
         if _storage(local) != g.storage:
-            return t
+            return _detached(t)
         g.packs += 1
         spec = (t.device_mesh, t.placements, t.shape, t.stride()) if isinstance(t, DTensor) else None
         return _Saved(tuple(local.shape), tuple(local.stride()), local.storage_offset(), spec)
