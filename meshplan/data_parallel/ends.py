@@ -4,12 +4,12 @@ final norm and the head), each a unit of its own before the root is wrapped, as 
 Why: a root unit holding the embedding *and* the head gathers both at the first forward and keeps them (torch does
 not reshard a root after forward); in its backward a rank holds the gathered head, its unsharded gradient and FSDP2's
 reduce-scatter input and output at once, with the gathered embedding too (measured: +727 MiB on ``pp2fsdp2``'s last
-stage at ``benchmarks/scale.py --size dev``, docs/scale.md). As units of their own:
+ranks at ``benchmarks/scale.py --size dev``, docs/scale.md). As units of their own:
 
 * the **embedding** unit reshards after forward like a block (``reshard_after_forward``) and is not gathered
   again in backward (:func:`reads_ids_only`: an embedding's weight gradient needs the token ids and the output's
   gradient, not the weight): its backward holds its unsharded gradient and FSDP2's reduce-scatter buffers, not the
-  gathered weight too (measured at ``benchmarks/scale.py --size full`` pp 2 × FSDP2 2: docs/scale.md);
+  gathered weight too (measured: 250 MiB at ``benchmarks/scale.py --size full``, docs/scale.md);
 * the **head** unit (every other parameter-holding module outside the blocks: the final norm, the head) is *not*
   resharded after forward: backward starts with it right away (torchtitan's default), so resharding would only
   re-gather it;
