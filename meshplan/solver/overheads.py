@@ -8,6 +8,8 @@ Counts (recorded on ``examples/llama.py`` with a DTensor dispatch counter, ``tes
   :data:`TP_END_OPS` for the embedding, final norm, head and loss on the last stage); a block's 7 linears issue
   3 ``mm`` each (forward, input and weight gradients), its layout changes and transposes the ``view`` ops, its
   sequence-parallel norms and residual adds the ``pointwise`` ones;
+* **redistributions**: one per tensor-parallel collective of the step (the layout's own collective list), each
+  priced at the profile's ``redistribute`` (a DTensor redistribution's time beyond the same plain collective);
 * **optimizer DTensor ops**: AdamW's :data:`OPTIMIZER_OPS_PER_TENSOR` pointwise ops per parameter tensor, once
   per step, when the parameters are DTensors (tp, FSDP or ep shards them);
 * **FSDP2 hooks**: one pre/post forward and backward per unit (each block, an MoE block's experts, the root) and
@@ -61,12 +63,13 @@ def pipeline_actions(c: Candidate) -> int:
 
 
 def microbatch_overhead(s: ModelShape, c: Candidate, cl: Cluster, place: Placement, pp_rank: int, units: int,
-                        memo: dict | None = None) -> float:
-    """Seconds per microbatch on pipeline rank ``pp_rank``: its DTensor ops and the hooks of its ``units`` FSDP
-    units (0 without FSDP)."""
+                        memo: dict | None = None, redistributions: float = 0.0) -> float:
+    """Seconds per microbatch on pipeline rank ``pp_rank``: its DTensor ops, its ``redistributions`` (the
+    tensor-parallel collectives: each one's DTensor planning and wrapping beyond its bytes) and the hooks of its
+    ``units`` FSDP units (0 without FSDP)."""
     ops = dtensor_ops(s, c, place, pp_rank, memo)
     dispatch = sum(n * cl.dtensor_overheads.get(k, 0.0) for k, n in ops.items())
-    return dispatch + units * cl.fsdp_unit_overhead
+    return dispatch + redistributions * cl.dtensor_overheads.get("redistribute", 0.0) + units * cl.fsdp_unit_overhead
 
 
 def step_overhead(c: Candidate, cl: Cluster, tensors: int, fsdp: bool) -> dict[str, float]:

@@ -87,7 +87,9 @@ def _rank_microbatch(s: ModelShape, c: Candidate, tr: Training, cl: Cluster, pla
     colls = step_collectives(s, c, tr, place, r, memo)
     comm = {a: v / c.microbatches for a, v in _comm(colls, cl, _PER_MICROBATCH, times).items()}
     units = sum(n for _, _, d, n in fsdp_units(s, c, place, r, memo) if d > 1)  # FSDP2-wrapped units
-    return secs, flops, {**comm, "overheads": microbatch_overhead(s, c, cl, place, r, units, memo), "colls": colls}
+    redist = sum(x.count for x in colls if x.axis == "tp") / c.microbatches  # each a DTensor redistribution
+    over = microbatch_overhead(s, c, cl, place, r, units, memo, redist)
+    return secs, flops, {**comm, "overheads": over, "colls": colls}
 
 
 def _ranks(s: ModelShape, c: Candidate, place: Placement, memo: dict) -> list[int]:
