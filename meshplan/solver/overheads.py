@@ -11,9 +11,9 @@ Counts (recorded on ``examples/llama.py`` with a DTensor dispatch counter, ``tes
 * **redistributions**: one per tensor-parallel collective of the step (the layout's own collective list), each
   priced at the profile's ``redistribute`` (a DTensor redistribution's time beyond the same plain collective);
 * **optimizer DTensor ops**: AdamW's :data:`OPTIMIZER_OPS_PER_TENSOR` pointwise ops per parameter tensor, once
-  per step, when the parameters are DTensors (tp, FSDP or ep shards them);
+  per step, when the parameters are DTensors (tp, FSDP or ep shards them; DDP's ``replicate`` replicates them);
 * **FSDP2 hooks**: one pre/post forward and backward per unit (each block, an MoE block's experts, the root) and
-  microbatch;
+  microbatch; DDP (torch's ``replicate``, built on FSDP2) one unit per root;
 * **pipeline actions**: a forward and a backward per stage and microbatch (the zero-bubble schedules split the
   backward in two).
 """
@@ -28,7 +28,7 @@ from meshplan.solver.shape import ModelShape
 from meshplan.solver.terms import block_kinds
 
 __all__ = ["DTENSOR_KINDS", "TP_BLOCK_OPS", "TP_END_OPS", "OPTIMIZER_OPS_PER_TENSOR", "dtensor_ops",
-           "pipeline_actions", "microbatch_overhead", "step_overhead"]
+           "pipeline_actions", "replicate_units", "microbatch_overhead", "step_overhead"]
 
 #: the DTensor op kinds the model counts and the profile times
 DTENSOR_KINDS = ("mm", "view", "pointwise")
@@ -50,8 +50,15 @@ def dtensor_ops(s: ModelShape, c: Candidate, place: Placement, pp_rank: int, mem
 
 
 def params_are_dtensors(c: Candidate, fsdp: bool) -> bool:
-    """Whether the optimizer steps DTensors: tensor, expert or fully sharded data parallelism."""
-    return c.tp > 1 or c.ep > 1 or fsdp
+    """Whether the optimizer steps DTensors: tensor, expert or any data parallelism (FSDP2, HSDP, and DDP: torch's
+    ``replicate`` is built on FSDP2 and leaves ``Replicate`` DTensor parameters)."""
+    return c.tp > 1 or c.ep > 1 or fsdp or c.mode == "ddp"
+
+
+def replicate_units(c: Candidate) -> int:
+    """FSDP2 units of ``data_parallel`` mode ddp (``replicate`` on FSDP2: one unit per root, each virtual stage of
+    a pipeline rank); 0 in any other mode (FSDP's units are counted by their shards)."""
+    return (c.vpp if c.pp > 1 else 1) if c.mode == "ddp" else 0
 
 
 def pipeline_actions(c: Candidate) -> int:
