@@ -91,7 +91,8 @@ def test_profile_writes_a_cluster_solve_reads(tmp_path, capsys):
     assert all(f.bandwidth > 0 and f.latency >= 0 for kind in cl.collectives.values() for f in kind.values())
     assert set(cl.collectives) >= {"all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send", "all_to_all_v"}
     # what the counts leave out (meshplan/profile/overheads.py): measured, finite, non-negative
-    assert set(cl.dtensor_overheads) == {"mm", "view", "pointwise"} and cl.oversubscription >= 1.0
+    assert set(cl.dtensor_overheads) == {"mm", "view", "pointwise", "redistribute"} and cl.oversubscription >= 1.0
+    assert 0 < cl.attention_efficiency <= 1.5  # measured: causal SDPA over the matmul peak
     assert min(cl.fsdp_unit_overhead, cl.pipeline_action_overhead, cl.repeat_spread, *cl.dtensor_overheads.values()) >= 0
     rc, text, _ = _run(["solve", "--model", "examples.llama:build", "--config", EXAMPLE, "--gpus", "2", "--seq", "64",
                         "--global-batch", "8", "--dtype", "float32", "--cluster", str(path)], capsys)

@@ -64,11 +64,14 @@ def test_priced_as_measured_time_times_count():
                                                               + priced.parts["optimizer_dispatch"])
 
 
-def test_ddp_pays_no_dispatch_and_a_pipeline_pays_its_actions():
+def test_ddp_pays_its_one_unit_and_the_optimizers_dispatch_and_a_pipeline_pays_its_actions():
+    """DDP is torch's ``replicate`` on FSDP2 (test_ddp_parameters_are_replicated_dtensors): one unit's hooks per
+    microbatch and AdamW's ops on DTensor parameters, no block dispatch (the blocks compute on local tensors)."""
     cl = dataclasses.replace(cluster_preset("h100-80g"), **MEASURED)
     c, tr = _candidate({"layout": {"dp_replicate": 2}}, 2)
     e = evaluate(SHAPE, c, tr, cl)
-    assert e.parts["overheads"] == e.parts["optimizer_dispatch"] == 0
+    assert e.parts["overheads"] == pytest.approx(1e-3)
+    assert e.parts["optimizer_dispatch"] == pytest.approx(OPTIMIZER_OPS_PER_TENSOR * e.memory.tensors * 3e-5)
     c, tr = _candidate({"layout": {"pp": 2}, "blocks": {"pattern": "layers.*"},
                         "pipeline": {"schedule": "1f1b", "microbatches": 4}}, 2)
     assert evaluate(SHAPE, c, tr, cl).parts["pp_actions"] == pytest.approx(8 * 5e-4)
@@ -150,3 +153,73 @@ def test_recorded_dtensor_counts_match_a_tp_step(fake_pg):
             counts.append(mode.n)
     assert {k: counts[1][k] - counts[0][k] for k in TP_BLOCK_OPS} == TP_BLOCK_OPS
     assert {k: 2 * counts[0][k] - counts[1][k] for k in TP_BLOCK_OPS} == TP_END_OPS
+
+
+def test_each_tp_collective_pays_one_redistribution():
+    """tp2 with sequence parallelism over 4 blocks: 48 tp collectives per step, each a DTensor redistribution
+    priced at the profile's ``redistribute`` (5 per block: the two gathers and two scatters of Megatron-SP and the
+    re-gather of a saved block input; 4 at the embedding and head; loss_parallel's 3; the replicated parameters'
+    one coalesced reduction)."""
+    cl = dataclasses.replace(cluster_preset("h100-80g"), **MEASURED)
+    with_redistribution = dataclasses.replace(cl, dtensor_overheads={**MEASURED["dtensor_overheads"],
+                                                                     "redistribute": 1e-4})
+    c, tr = _candidate({"layout": {"tp": 2}, "tensor_parallel": TP}, 4)
+    base, priced = evaluate(SHAPE, c, tr, cl), evaluate(SHAPE, c, tr, with_redistribution)
+    assert sum(x.count for x in priced.collectives if x.axis == "tp") == 5 * 8 + 4 + 3 + 1
+    assert priced.parts["overheads"] - base.parts["overheads"] == pytest.approx(48 * 1e-4)
+    c, tr = _candidate({"layout": {"dp_replicate": 2}}, 2)
+    assert evaluate(SHAPE, c, tr, with_redistribution).parts["overheads"] == evaluate(SHAPE, c, tr, cl).parts[
+        "overheads"]
+
+
+def test_attention_efficiency_is_the_measured_attention_rate_over_the_matmul_peak():
+    """A profile that measured attention (causal SDPA forward and backward) sets the efficiency from it; an older
+    profile keeps the 0.5 assumed on a CPU."""
+    assert cluster_from_measurement(_measurement(attention_rate=3e8)).attention_efficiency == pytest.approx(0.3)
+    assert cluster_from_measurement(_measurement()).attention_efficiency == 0.5
+
+
+def test_profile_times_dtensor_ops_with_their_backward(fake_pg):
+    """The profile's DTensor kinds run forward AND backward under autograd (a tp step's ops: the backward's
+    matmuls, views and pointwise ops are DTensor ops too; measured without autograd the profile saw 5-9 µs per
+    op where a tp step pays ~40-130), and a redistribution is timed beside the plain collective."""
+    import time
+    import torch
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from meshplan.profile import overheads
+
+    calls = []
+
+    def timed(fn, reps, window=0.0):
+        t = time.perf_counter()
+        fn()
+        calls.append(fn)
+        return time.perf_counter() - t
+    with fake_pg(2):
+        world, _ = overheads._rank_mesh(torch.device("cpu"))
+        x = distribute_tensor(torch.randn(4, 4), world, [Replicate()])
+        w = distribute_tensor(torch.randn(4, 8), world, [Shard(1)]).requires_grad_()
+        assert overheads._dtensor_ops(lambda: torch.mm(x, w).backward(torch.ones_like(torch.mm(x, w)))) >= 3
+        got = overheads._dtensor(timed, lambda v: v, world, torch.device("cpu"))
+    assert set(got) == {"mm", "view", "pointwise", "redistribute"} and min(got.values()) >= 0
+    assert len(calls) == 2 * 3 + 2  # each kind as DTensor and local; the redistribution and its plain collective
+
+
+def test_ddp_parameters_are_replicated_dtensors(fake_pg):
+    """``data_parallel`` mode ddp (torch's ``replicate`` on FSDP2) leaves every parameter a ``Replicate`` DTensor:
+    AdamW steps DTensors (the model's ``optimizer_dispatch``), as under FSDP2."""
+    import sys
+    import torch
+    from torch.distributed.tensor import DTensor, Replicate
+    import meshplan
+    sys.path.insert(0, "examples")
+    import llama
+    with fake_pg(2):
+        plan = {"version": 1, "layout": {"dp_replicate": 2}}
+        topo = meshplan.init(plan)
+        torch.manual_seed(0)
+        model = meshplan.parallelize(llama.build(llama.ModelArgs(dim=64, n_layers=1, n_heads=8, n_kv_heads=4,
+                                                                 vocab_size=256, ffn_dim=256, max_seq_len=32)),
+                                     plan, topo)
+        params = list(model.parameters())
+        assert params and all(isinstance(p, DTensor) and p.placements == (Replicate(),) for p in params)

@@ -3,7 +3,9 @@ once, as in training: on a host with more ranks than cores the times are the tim
 
 * **DTensor dispatch**: seconds a DTensor op takes beyond its local op, per op kind the model counts
   (:data:`meshplan.solver.overheads.DTENSOR_KINDS`: ``mm``, ``view``, ``pointwise``), on a tiny tensor sharded over
-  the world (no communication: sharding propagation, the Python dispatch and the wrapping);
+  the world, forward and backward under autograd as a training step runs them (no communication: sharding
+  propagation, the Python dispatch, the wrapping and the autograd nodes; measured without autograd it was
+  5-9 µs per op where a tp step pays ~40-130), and per redistribution beyond its collective (``redistribute``);
 * **FSDP2 hooks**: seconds per unit and step of ``fully_shard``'s pre/post forward and backward hooks, a forward
   and backward of units over one rank each minus the same unsharded (collectives are priced by their fits);
 * **pipeline actions**: seconds per forward or backward action of a torch schedule beyond the stage's own compute
@@ -35,25 +37,64 @@ def _rank_mesh(device: torch.device):
     return mesh["world"], mesh["self"]
 
 
+def _dtensor_ops(fn) -> int:
+    """DTensor ops one call of ``fn`` dispatches (forward and backward)."""
+    from torch.distributed.tensor import DTensor
+    from meshplan._torch import TorchDispatchMode, tree_leaves
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += any(isinstance(a, DTensor) for a in tree_leaves((args, kwargs or {})))
+            return func(*args, **(kwargs or {}))
+    with Count() as mode:
+        fn()
+    return max(mode.n, 1)
+
+
 def _dtensor(timed: Callable, mean: Callable, mesh, device: torch.device) -> dict[str, float]:
-    """Seconds per DTensor op beyond its local op, by kind (mean over ranks)."""
+    """Seconds per DTensor op beyond its local op, by kind (mean over ranks), WITH autograd as in training: each
+    kind's forward on parameters that require grad and its backward (an explicit output gradient: no reduction),
+    over the DTensor ops both dispatch (counted); placements that need no communication either way."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
     n = mesh.size()
-    x = torch.randn(16 * n, 16, device=device)
-    w = torch.randn(16, 16, device=device)
-    dx, dw = distribute_tensor(x, mesh, [Shard(0)]), distribute_tensor(w, mesh, [Replicate()])
-    lx = dx.to_local()
-    ops = {"mm": (lambda a, b: torch.mm(a, b), (dx, dw), (lx, w)),
-           "view": (lambda a: a.t().t(), (dx,), (lx,)),  # two view ops
-           "pointwise": (lambda a: a * 1.5 + a, (dx,), (lx,))}  # two pointwise ops
-    per_call = {"mm": 1, "view": 2, "pointwise": 2}
+    x, w = torch.randn(16 * n, 16, device=device), torch.randn(16, 16 * n, device=device)
+    dx = distribute_tensor(x, mesh, [Shard(0)]).requires_grad_()
+    drep = distribute_tensor(x[:16], mesh, [Replicate()])
+    dw = distribute_tensor(w, mesh, [Shard(1)]).requires_grad_()  # colwise: mm(Replicate, Shard(1)) -> Shard(1)
+    lx, lrep, lw = dx.to_local().detach().requires_grad_(), x[:16].clone(), dw.to_local().detach().requires_grad_()
+    ops = {"mm": (lambda a, b: torch.mm(a, b), (drep, dw), (lrep, lw)),
+           "view": (lambda a: a.view(-1).view(a.shape).t(), (dx,), (lx,)),
+           "pointwise": (lambda a: a * 1.5 + a, (dx,), (lx,))}
     out = {}
     for kind, (fn, dargs, largs) in ops.items():
-        reps = 20
-        d = timed(lambda: [fn(*dargs) for _ in range(reps)], reps=3, window=0.1)
-        loc = timed(lambda: [fn(*largs) for _ in range(reps)], reps=3, window=0.1)
-        out[kind] = mean(max(d - loc, 0.0) / (reps * per_call[kind]))
+        dgrad, lgrad = torch.ones_like(fn(*dargs)), torch.ones_like(fn(*largs))
+        reps = 10
+        run_d = lambda: [fn(*dargs).backward(dgrad) for _ in range(reps)]  # noqa: E731
+        run_l = lambda: [fn(*largs).backward(lgrad) for _ in range(reps)]  # noqa: E731
+        fn(*dargs).backward(dgrad)  # the gradient exists: the counted call accumulates into it, as the timed ones
+        count = _dtensor_ops(lambda: fn(*dargs).backward(dgrad))
+        d, loc = timed(run_d, reps=3, window=0.1), timed(run_l, reps=3, window=0.1)
+        out[kind] = mean(max(d - loc, 0.0) / (reps * count))
+    out["redistribute"] = _redistribute(timed, mean, mesh, device)
     return out
+
+
+def _redistribute(timed: Callable, mean: Callable, mesh, device: torch.device) -> float:
+    """Seconds a DTensor redistribution (``Shard(0)`` to ``Replicate``, the sequence-parallel all-gather, its
+    input requiring grad) takes beyond the same plain all-gather: the planning, wrapping and autograd around each
+    tensor-parallel collective (its bytes are priced by the collective's fit)."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    n = mesh.size()
+    if n == 1:
+        return 0.0
+    dx = distribute_tensor(torch.randn(16 * n, 16, device=device), mesh, [Shard(0)]).requires_grad_()
+    full, shard = torch.empty(16 * n, 16, device=device), dx.to_local().detach()
+    group = mesh.get_group()
+    d = timed(lambda: dx.redistribute(mesh, [Replicate()]), reps=3, window=0.1)
+    raw = timed(lambda: dist.all_gather_into_tensor(full, shard, group=group), reps=3, window=0.1)
+    return mean(max(d - raw, 0.0))
 
 
 def _fsdp_unit(timed: Callable, mean: Callable, one, device: torch.device) -> float:

@@ -47,6 +47,14 @@ def _oversubscription(m: dict, world: int, cpu: bool) -> float:
     return max(1.0, min(measured, own))
 
 
+def _attention_efficiency(m: dict, rates: tuple, cpu: bool) -> float:
+    """The measured attention rate over the matmul peak (a profile from before it was measured: 0.5 on a CPU,
+    0.35 on a GPU, as assumed then)."""
+    if not m.get("attention_rate"):
+        return 0.5 if cpu else 0.35
+    return float(m["attention_rate"]) / max(r for _, r in rates)
+
+
 def cluster_from_measurement(m: dict) -> Cluster:
     """A :class:`Cluster` from the worker's JSON."""
     world = int(m["world"])
@@ -64,7 +72,7 @@ def cluster_from_measurement(m: dict) -> Cluster:
     return Cluster(
         name=f"profiled-{platform.node() or 'host'}-{m['backend']}-{world}", gpus_per_node=world, memory=memory,
         flops={m["dtype"]: max(r for _, r in rates)}, hbm_bandwidth=float(m["hbm_bandwidth"]), intra=link,
-        inter=link, matmul_efficiency=1.0, attention_efficiency=0.5 if cpu else 0.35,
+        inter=link, matmul_efficiency=1.0, attention_efficiency=_attention_efficiency(m, rates, cpu),
         op_overhead=float(m["op_overhead"]), overlap=0.0 if cpu else 1.0, usable_memory=0.9,
         oversubscription=_oversubscription(m, world, cpu), matmul_rates=rates,
         dtensor_overheads={k: float(v) for k, v in m.get("dtensor_overheads", {}).items()},

@@ -6,6 +6,7 @@ Every rank measures at once and for long enough (~0.2 s windows) that ranks shar
 * matmul rates: a ``[n, n] @ [n, n]`` forward and its two backward matmuls, by size ``n``;
 * memory bandwidth: an element-wise add over tensors of 256 KiB (in cache) to 64 MiB (in memory);
 * operator overhead: a chain of tiny autograd ops, forward and backward, per op;
+* attention: causal ``scaled_dot_product_attention`` forward and backward (the attention efficiency);
 * what the counts leave out (:mod:`meshplan.profile.overheads`): DTensor dispatch per op kind, FSDP2 hooks per
   unit, pipeline schedule actions, uneven all-to-all, and the cores each rank gets (effective parallelism);
 * the repeat spread: the median relative spread of the timing windows (``estimate``'s ± band);
@@ -94,7 +95,20 @@ def _compute(device: torch.device, dtype: torch.dtype) -> dict:
         h.sum().backward()
     overhead = _mean_over_ranks(_timed(chain, reps=3, spread=spread) / 100, device)  # 50 forward, 50 backward
     return {"matmul_rates": rates, "memory_rates": bandwidths, "hbm_bandwidth": bandwidths[-1][1],
-            "op_overhead": overhead, "repeat_spread": _mean_over_ranks(statistics.median(spread), device)}
+            "op_overhead": overhead, "attention_rate": _attention(device, dtype, spread),
+            "repeat_spread": _mean_over_ranks(statistics.median(spread), device)}
+
+
+def _attention(device: torch.device, dtype: torch.dtype, spread: list) -> float:
+    """FLOP/s of causal ``scaled_dot_product_attention`` forward and backward (64 heads of 64 over 256 positions),
+    its FLOPs counted as the cost model counts them (``QKᵀ`` and ``AV`` over the causal half, backward 2×): the
+    attention efficiency is this over the matmul peak (on this host ~0.3, not the 0.5 assumed before)."""
+    heads, seq, dim = 64, 256, 64
+    q, k, v = (torch.randn(1, heads, seq, dim, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    grad = torch.ones(1, heads, seq, dim, device=device, dtype=dtype)
+    f = torch.nn.functional.scaled_dot_product_attention
+    sec = _timed(lambda: f(q, k, v, is_causal=True).backward(grad), reps=3, spread=spread)
+    return _mean_over_ranks(3 * 2 * seq * seq * heads * dim / sec, device)
 
 
 def _collective(kind: str, group, n: int, nbytes: int, device: torch.device):

@@ -8,10 +8,12 @@ Counts (recorded on ``examples/llama.py`` with a DTensor dispatch counter, ``tes
   :data:`TP_END_OPS` for the embedding, final norm, head and loss on the last stage); a block's 7 linears issue
   3 ``mm`` each (forward, input and weight gradients), its layout changes and transposes the ``view`` ops, its
   sequence-parallel norms and residual adds the ``pointwise`` ones;
+* **redistributions**: one per tensor-parallel collective of the step (the layout's own collective list), each
+  priced at the profile's ``redistribute`` (a DTensor redistribution's time beyond the same plain collective);
 * **optimizer DTensor ops**: AdamW's :data:`OPTIMIZER_OPS_PER_TENSOR` pointwise ops per parameter tensor, once
-  per step, when the parameters are DTensors (tp, FSDP or ep shards them);
+  per step, when the parameters are DTensors (tp, FSDP or ep shards them; DDP's ``replicate`` replicates them);
 * **FSDP2 hooks**: one pre/post forward and backward per unit (each block, an MoE block's experts, the root) and
-  microbatch;
+  microbatch; DDP (torch's ``replicate``, built on FSDP2) one unit per root;
 * **pipeline actions**: a forward and a backward per stage and microbatch (the zero-bubble schedules split the
   backward in two).
 """
@@ -26,7 +28,7 @@ from meshplan.solver.shape import ModelShape
 from meshplan.solver.terms import block_kinds
 
 __all__ = ["DTENSOR_KINDS", "TP_BLOCK_OPS", "TP_END_OPS", "OPTIMIZER_OPS_PER_TENSOR", "dtensor_ops",
-           "pipeline_actions", "microbatch_overhead", "step_overhead"]
+           "pipeline_actions", "replicate_units", "microbatch_overhead", "step_overhead"]
 
 #: the DTensor op kinds the model counts and the profile times
 DTENSOR_KINDS = ("mm", "view", "pointwise")
@@ -48,8 +50,15 @@ def dtensor_ops(s: ModelShape, c: Candidate, place: Placement, pp_rank: int, mem
 
 
 def params_are_dtensors(c: Candidate, fsdp: bool) -> bool:
-    """Whether the optimizer steps DTensors: tensor, expert or fully sharded data parallelism."""
-    return c.tp > 1 or c.ep > 1 or fsdp
+    """Whether the optimizer steps DTensors: tensor, expert or any data parallelism (FSDP2, HSDP, and DDP: torch's
+    ``replicate`` is built on FSDP2 and leaves ``Replicate`` DTensor parameters)."""
+    return c.tp > 1 or c.ep > 1 or fsdp or c.mode == "ddp"
+
+
+def replicate_units(c: Candidate) -> int:
+    """FSDP2 units of ``data_parallel`` mode ddp (``replicate`` on FSDP2: one unit per root, each virtual stage of
+    a pipeline rank); 0 in any other mode (FSDP's units are counted by their shards)."""
+    return (c.vpp if c.pp > 1 else 1) if c.mode == "ddp" else 0
 
 
 def pipeline_actions(c: Candidate) -> int:
@@ -61,12 +70,13 @@ def pipeline_actions(c: Candidate) -> int:
 
 
 def microbatch_overhead(s: ModelShape, c: Candidate, cl: Cluster, place: Placement, pp_rank: int, units: int,
-                        memo: dict | None = None) -> float:
-    """Seconds per microbatch on pipeline rank ``pp_rank``: its DTensor ops and the hooks of its ``units`` FSDP
-    units (0 without FSDP)."""
+                        memo: dict | None = None, redistributions: float = 0.0) -> float:
+    """Seconds per microbatch on pipeline rank ``pp_rank``: its DTensor ops, its ``redistributions`` (the
+    tensor-parallel collectives: each one's DTensor planning and wrapping beyond its bytes) and the hooks of its
+    ``units`` FSDP units (0 without FSDP)."""
     ops = dtensor_ops(s, c, place, pp_rank, memo)
     dispatch = sum(n * cl.dtensor_overheads.get(k, 0.0) for k, n in ops.items())
-    return dispatch + units * cl.fsdp_unit_overhead
+    return dispatch + redistributions * cl.dtensor_overheads.get("redistribute", 0.0) + units * cl.fsdp_unit_overhead
 
 
 def step_overhead(c: Candidate, cl: Cluster, tensors: int, fsdp: bool) -> dict[str, float]:

@@ -23,7 +23,7 @@ from meshplan.solver.cluster import Cluster
 from meshplan.solver.collectives import Collective, fsdp_units, step_collectives
 from meshplan.solver.compute import block_time, end_time, model_flops_per_token
 from meshplan.solver.memory import Memory, block_kinds, rank_memory, shard_sizes
-from meshplan.solver.overheads import microbatch_overhead, step_overhead
+from meshplan.solver.overheads import microbatch_overhead, replicate_units, step_overhead
 from meshplan.solver.placement import Placement
 from meshplan.solver.shape import ModelShape
 
@@ -86,8 +86,10 @@ def _rank_microbatch(s: ModelShape, c: Candidate, tr: Training, cl: Cluster, pla
     secs += end_time(s, c, tr, cl, *place.ends_of(r))
     colls = step_collectives(s, c, tr, place, r, memo)
     comm = {a: v / c.microbatches for a, v in _comm(colls, cl, _PER_MICROBATCH, times).items()}
-    units = sum(n for _, _, d, n in fsdp_units(s, c, place, r, memo) if d > 1)  # FSDP2-wrapped units
-    return secs, flops, {**comm, "overheads": microbatch_overhead(s, c, cl, place, r, units, memo), "colls": colls}
+    units = sum(n for _, _, d, n in fsdp_units(s, c, place, r, memo) if d > 1) + replicate_units(c)  # FSDP2's
+    redist = sum(x.count for x in colls if x.axis == "tp") / c.microbatches  # each a DTensor redistribution
+    over = microbatch_overhead(s, c, cl, place, r, units, memo, redist)
+    return secs, flops, {**comm, "overheads": over, "colls": colls}
 
 
 def _ranks(s: ModelShape, c: Candidate, place: Placement, memo: dict) -> list[int]:
