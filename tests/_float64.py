@@ -28,7 +28,7 @@ from torch.overrides import TorchFunctionMode
 
 import meshplan
 
-__all__ = ["RTOL", "float64_model", "keep_float64"]
+__all__ = ["RTOL", "float64_model", "keep_float64", "outside_keep_float64"]
 
 #: The one relative tolerance of float64 parity (loss, gradient, parameter after AdamW steps; ``||got - want|| /
 #: ||want||``). Reordered float64 sums differ by ~1e-16; AdamW amplifies that on elements whose gradient cancels
@@ -97,6 +97,22 @@ def keep_float64():
             loss = float64_model(model)(input_ids=ids, labels=ids).loss    # float64
     """
     with _KeepFloat64(), _grouped_mm_fallback_for_float64():
+        yield
+
+
+@contextlib.contextmanager
+def outside_keep_float64():
+    """Within (inside :func:`keep_float64`): model code's float32 casts happen again. For activation checkpointing:
+    torch runs a checkpointed block's recompute inside backward, where no TorchFunctionMode is active, so under
+    :func:`keep_float64` the forward keeps float64 and the recompute casts to float32 (checkpoint's metadata check
+    fails). A case that checkpoints blocks of a model with float32 islands builds its reference and its parallel
+    model in here: both then compute the same islands."""
+    from torch.overrides import _get_current_function_mode_stack, _pop_mode_temporarily  # tests may
+    if not any(isinstance(m, _KeepFloat64) for m in _get_current_function_mode_stack()):
+        yield
+        return
+    assert isinstance(_get_current_function_mode_stack()[-1], _KeepFloat64), "another mode above keep_float64"
+    with _pop_mode_temporarily():
         yield
 
 

@@ -91,6 +91,10 @@ def _run(cases: dict, release: bool = False) -> dict:
             out[name] = {"value": fn()}
         except Exception as e:  # recorded, the next case still runs
             out[name] = {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"}
+            # now, not only in the results: a rank that fails alone leaves the others waiting, and the launch's
+            # stderr is all that says why
+            print(f"[rank {os.environ.get('RANK')}] case {name} failed: {out[name]['error']}", file=sys.stderr,
+                  flush=True)
         if dist.is_initialized():
             dist.barrier()
             if release:
