@@ -28,7 +28,7 @@ from torch.overrides import TorchFunctionMode
 
 import meshplan
 
-__all__ = ["RTOL", "float64_model", "keep_float64", "outside_keep_float64"]
+__all__ = ["RTOL", "float64_model", "keep_float64"]
 
 #: The one relative tolerance of float64 parity (loss, gradient, parameter after AdamW steps; ``||got - want|| /
 #: ||want||``). Reordered float64 sums differ by ~1e-16; AdamW amplifies that on elements whose gradient cancels
@@ -96,24 +96,42 @@ def keep_float64():
         with keep_float64():
             loss = float64_model(model)(input_ids=ids, labels=ids).loss    # float64
     """
-    with _KeepFloat64(), _grouped_mm_fallback_for_float64():
+    with _KeepFloat64(), _grouped_mm_fallback_for_float64(), _recompute_in_float64():
         yield
 
 
 @contextlib.contextmanager
-def outside_keep_float64():
-    """Within (inside :func:`keep_float64`): model code's float32 casts happen again. For activation checkpointing:
-    torch runs a checkpointed block's recompute inside backward, where no TorchFunctionMode is active, so under
-    :func:`keep_float64` the forward keeps float64 and the recompute casts to float32 (checkpoint's metadata check
-    fails). A case that checkpoints blocks of a model with float32 islands builds its reference and its parallel
-    model in here: both then compute the same islands."""
-    from torch.overrides import _get_current_function_mode_stack, _pop_mode_temporarily  # tests may
-    if not any(isinstance(m, _KeepFloat64) for m in _get_current_function_mode_stack()):
+def _recompute_in_float64():
+    """Checkpointed blocks recompute under :class:`_KeepFloat64` too: torch runs the recompute inside backward,
+    where no TorchFunctionMode is active, so the forward would keep float64 and the recompute cast to float32
+    (checkpoint's metadata check fails). The checkpoint wrappers made inside (``checkpoint_wrapper``, which meshplan
+    applies) get a ``context_fn`` whose recompute context enters the mode, around the one they were given."""
+    from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as wrapper  # tests may touch privates
+    from torch.utils.checkpoint import noop_context_fn
+    original = wrapper.torch_utils_checkpoint
+
+    def checkpoint(fn, *args, context_fn=noop_context_fn, **kwargs):
+        def contexts():
+            forward, recompute = context_fn()
+            return forward, _Entered(recompute, _KeepFloat64())
+        return original(fn, *args, context_fn=contexts, **kwargs)
+    with mock.patch.object(wrapper, "torch_utils_checkpoint", checkpoint):
         yield
-        return
-    assert isinstance(_get_current_function_mode_stack()[-1], _KeepFloat64), "another mode above keep_float64"
-    with _pop_mode_temporarily():
-        yield
+
+
+class _Entered:
+    """Context managers entered in order and left in reverse (one recompute context for torch's checkpoint)."""
+
+    def __init__(self, *managers) -> None:
+        self.managers, self.stack = managers, None
+
+    def __enter__(self) -> None:
+        self.stack = contextlib.ExitStack()
+        for m in self.managers:
+            self.stack.enter_context(m)
+
+    def __exit__(self, *exc) -> None:
+        self.stack.__exit__(*exc)
 
 
 @contextlib.contextmanager

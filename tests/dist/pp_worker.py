@@ -291,17 +291,10 @@ CASES_4 = {
     "packed_qwen2_pp2_cp2": lambda: compare({"pp": 2, "cp": 2}, "1f1b", tiny="qwen2", packed=True, cp=CP_HF),
     # checkpointed blocks recompute after the later microbatches' forwards: each gets its own forward's documents
     # (context_parallel/replay.py; was 8.7% off: the last microbatch's masks)
-    # (outside keep_float64: torch recomputes with no TorchFunctionMode active, so transformers' float32 norms
-    # would recompute in float32 what the forward kept in float64)
-    "packed_hf_llama_pp2_cp2_checkpointed": lambda: _outside_float64(lambda: compare(
-        {"pp": 2, "cp": 2}, "gpipe", hf=True, packed=True, cp=CP_HF,
-        blocks={"pattern": "model.layers.*", "activation_checkpointing": {"mode": "full"}})),
+    "packed_hf_llama_pp2_cp2_checkpointed": lambda: compare({"pp": 2, "cp": 2}, "gpipe", hf=True, packed=True,
+                                                            cp=CP_HF, blocks={"pattern": "model.layers.*",
+                                                                              "activation_checkpointing": {"mode": "full"}}),
 }
-def _outside_float64(fn):
-    from _float64 import outside_keep_float64
-    with outside_keep_float64():
-        return fn()
-
 
 CASES_8 = {
     "pp2_hsdp": lambda: compare({"pp": 2, "dp_replicate": 2, "dp_shard": 2}, "1f1b", microbatches=2, dp={"mode": "hsdp"}),
