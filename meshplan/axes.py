@@ -20,7 +20,7 @@ from meshplan.expert_parallel.unit import AXIS as _EXPERT
 from meshplan.pipeline.unit import AXIS as _PIPELINE
 from meshplan.tensor_parallel.unit import AXIS as _TENSOR
 
-__all__ = ["AXES", "COST_AXES", "axis_meshes", "check_axes", "prepare_axes", "apply_axes", "finish_axes",
+__all__ = ["AXES", "COST_AXES", "axis_meshes", "check_axes", "prepare_axes", "apply_axes", "finish_axes", "wraps_own_data",
            "step_runner", "shard_batch", "shard_sequence", "report_lines", "opaque_modules",
            "blocks_reason", "accumulate", "data_dims", "tp_exempt", "roots", "held_part", "held_whole", "timeline"]
 
@@ -92,6 +92,13 @@ def apply_axes(model: Any, plan: Any, topology: Any, prepared: dict[str, Any], s
             plan = axis.narrow(model, plan, record)  # what the next axes apply (a split: its stages' rules)
             data_parallel = data_parallel or (topology is not None and axis.data_parallel(topology.layout))
     return data_parallel
+
+
+def wraps_own_data(layout: Any) -> bool:
+    """Whether an axis that shards modules over a data mesh of its own (:attr:`~meshplan.axis.Axis.data_shard`:
+    the experts over ``edp``) needs the data axis' wrap at ``layout`` (a resolved layout) even in mode ``none``
+    (:attr:`~meshplan.axis.Axis.data_parallel`)."""
+    return any(axis.data_shard is not None and axis.data_parallel(layout) for axis in AXES)
 
 
 def finish_axes(model: Any, plan: Any, topology: Any, prepared: dict[str, Any], state: Any, attach: Any) -> None:

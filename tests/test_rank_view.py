@@ -260,6 +260,8 @@ def _received(fake_pg, monkeypatch, model, plan: Plan, world: int, rank: int) ->
     ("plans/moe.yaml", 4, [3]),  # the experts over edp first
     ("tied", 2, [0]),  # a tied head: no end units, the root holds the embedding and the head
     ("vpp", 4, [0, 3]),  # 2 stages per rank: a root each, the embedding in stage 0's, the head in stage 3's
+    ("moe_ep1", 4, [0]),  # ep 1: the experts still wrapped over edp first
+    ("moe_none", 2, [0, 1]),  # data parallelism none, edp 2 (tp 2, etp 1): the experts' units alone
 ])
 def test_check_and_picture_name_the_units_fully_shard_receives(fake_pg, monkeypatch, case, world, ranks):
     """``check --rank R`` and the model picture list FSDP2's units as the data axis' wrap makes them (the rule of
@@ -273,6 +275,12 @@ def test_check_and_picture_name_the_units_fully_shard_receives(fake_pg, monkeypa
         model = _model("llama")
         plan = Plan.from_data({"version": 1, "layout": {"pp": 2, "vpp": 2}, "blocks": {"pattern": "layers.*"},
                                "pipeline": {"schedule": "interleaved_1f1b", "microbatches": 2}}, source="vpp")
+    elif case.startswith("moe_"):
+        data = yaml.safe_load(open("plans/moe.yaml"))
+        data["layout"] = {"tp": 2, "ep": 1, "etp": 1}
+        if case == "moe_none":
+            data["data_parallel"] = {"mode": "none"}
+        model, plan = _model("moe"), Plan.from_data(data, source=case)
     else:
         model, plan = _model("moe" if "moe" in case else "llama"), Plan.from_data(yaml.safe_load(open(case)), source=case)
     for rank in ranks:
@@ -280,7 +288,9 @@ def test_check_and_picture_name_the_units_fully_shard_receives(fake_pg, monkeypa
         units = report.rank_view["layout"]["wrapping"]["units"]
         listed = [",".join(u["modules"]) or "root" for u in units]
         assert listed == _received(fake_pg, monkeypatch, model, plan, world, rank), rank
-        assert sum(u["bytes"] for u in units) == report.rank_view["parameter_bytes"], rank
+        wrapped = report.rank_view["parameter_bytes"] if case != "moe_none" else sum(
+            b for p, b in report.rank_view["module_bytes"].items() if ".moe.experts" in p)
+        assert sum(u["bytes"] for u in units) == wrapped > 0, rank
         items = [dict(getattr(x, "data", ())) for x in model_picture(report, plan, []).items]
         pictured = next(t["fsdp-units"] for t in items if "fsdp-units" in t).split(";")
         assert [p if not p.startswith("root:") else "root" for p in pictured] == listed, rank

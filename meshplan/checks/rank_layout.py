@@ -61,6 +61,8 @@ def _units(model: Any, mode: str, blocks: list[str], every_block: list[str], exp
               for name, outside in roots]
     for path, nbytes in module_bytes.items():
         owners = [(len(m), u) for u in out for m in u["modules"] if under(path, [m])]
+        if not owners and not rooted:  # mode none, the experts' units alone: the rest is not wrapped
+            continue
         owner = max(owners, key=lambda x: x[0])[1] if owners else next(
             (u for _, outside, u in rooted if not outside(path)), rooted[0][2])
         owner["bytes"] += nbytes
@@ -68,13 +70,15 @@ def _units(model: Any, mode: str, blocks: list[str], every_block: list[str], exp
 
 
 def _wrapping(model: Any, plan: Any, cand: Any, place: Any, rank: int, held: Any, roots: list[tuple[str, Any]],
-              experts: list[str], module_bytes: dict[str, int]) -> dict | None:
+              experts: list[str], module_bytes: dict[str, int], own_data: bool) -> dict | None:
     """``{mode, over (its group in :attr:`Placement.groups`), over_axes, ranks, blocks, roots, experts, experts_over,
-    experts_ranks, units}`` or None without FSDP2/DDP (mode ``none``); ``units``: :func:`_units`."""
+    experts_ranks, units}`` or None without FSDP2/DDP (mode ``none``, unless ``own_data``: an axis sums its modules'
+    gradients over a data group of its own, the experts over ``edp`` > 1, and the wrap makes only their units);
+    ``units``: :func:`_units`."""
     from meshplan.blocks import block_paths
     from meshplan.errors import PlanError
     mode = cand.mode
-    if mode == "none":
+    if mode == "none" and not (experts and own_data):
         return None
     try:
         every_block = block_paths(model, plan.blocks)
@@ -82,7 +86,10 @@ def _wrapping(model: Any, plan: Any, cand: Any, place: Any, rank: int, held: Any
         every_block = []
     blocks = [p for p in every_block if held(p)]
     over = "dp" if mode == "ddp" else "dp_shard"
-    out = {"mode": mode, "over": over, "over_axes": place.wrap_axes(), "ranks": place.group_ranks(over, rank),
+    axes = place.wrap_axes()
+    if mode == "none":  # the experts' units alone (the data axis' wrap), over edp: no block, no root
+        blocks, roots, over, axes = [], [], "edp", ("edp",)
+    out = {"mode": mode, "over": over, "over_axes": axes, "ranks": place.group_ranks(over, rank),
            "blocks": [] if mode == "ddp" else blocks, "roots": [name for name, _ in roots],
            "experts": [], "experts_over": None, "experts_ranks": []}
     if experts:  # the data axis' wrap shards (DDP: replicates) them over edp first, even a 1-rank edp
@@ -118,7 +125,7 @@ def _shares(model: Any, plan: Any, report: Any, coords: dict, sizes: dict, held:
 
 
 def rank_layout(model: Any, plan: Any, report: Any, cand: Any, place: Any, rank: int, rows: list[dict] | None,
-                held: Any, exempt: list, sizes: dict, module_bytes: dict[str, int]) -> dict:
+                held: Any, exempt: list, resolved: Any, module_bytes: dict[str, int]) -> dict:
     """What each axis gives global ``rank`` (see the module docstring).
 
     Args:
@@ -127,19 +134,21 @@ def rank_layout(model: Any, plan: Any, report: Any, cand: Any, place: Any, rank:
         rows: the stage rows of the axis that splits the model (each ``{stage, pp_rank, first_modules, blocks, blocks_text,
             last_modules}``), or None without stages. held: is the module at a path on this rank's stages.
         exempt: the axes' :class:`~meshplan.axis.TpExempt` (modules an axis shards itself: FSDP2 wraps them over
-            their own data group first). sizes: the resolved degrees. module_bytes: path → this rank's bytes of the
+            their own data group first, whatever the axis' degree). resolved: the resolved layout. module_bytes: path → this rank's bytes of the
             module's own parameters (the rank view's, split among the wrapped units).
 
     Returns:
         ``{stages, wrapping, shares}``: :func:`_stage_entries`' entries, :func:`_wrapping`'s (None without data
         parallelism) and :func:`_shares`'.
     """
-    coords = place.coordinates(rank)
+    from meshplan.axes import wraps_own_data
+    coords, sizes = place.coordinates(rank), resolved.sizes()
     stages = _stage_entries(rows, place.pp_rank_of(rank))
     roots = _root_views(rows, place.pp_rank_of(rank))
-    own = sorted(m for e in exempt if e.degree > 1 for m in e.modules if held(m))
+    own = sorted(m for e in exempt for m in e.modules if held(m))
+    own_data = wraps_own_data(resolved)
     return {"stages": stages, "shares": _shares(model, plan, report, coords, sizes, held),
-            "wrapping": _wrapping(model, plan, cand, place, rank, held, roots, own, module_bytes)}
+            "wrapping": _wrapping(model, plan, cand, place, rank, held, roots, own, module_bytes, own_data)}
 
 
 def unit_texts(w: dict, fmt_bytes: Any = None) -> list[str]:

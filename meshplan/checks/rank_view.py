@@ -157,8 +157,7 @@ def rank_view(report: Any, model: nn.Module, plan: Any, resolved: Any, rank: int
     mods = dict((applied[0] if applied else meta_copy(model)).named_modules())
     exempt = tp_exempt(model, plan, report)
     n = _count(mods, held, exempt, *shard_sizes(cand, place), place.shard_index(rank))
-    view["layout"] = rank_layout(model, plan, report, cand, place, rank, rows, held, exempt, view["sizes"],
-                                 n["modules"])
+    view["layout"] = rank_layout(model, plan, report, cand, place, rank, rows, held, exempt, resolved, n["modules"])
     view.update(parameters=n["numel"], tensors=n["tensors"], parameter_bytes=n["bytes"], module_bytes=n["modules"],
                 gradient_bytes=n["bytes"], optimizer_bytes=2 * n["bytes"] + 4 * n["tensors"])
     return view
