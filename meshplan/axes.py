@@ -20,8 +20,8 @@ from meshplan.expert_parallel.unit import AXIS as _EXPERT
 from meshplan.pipeline.unit import AXIS as _PIPELINE
 from meshplan.tensor_parallel.unit import AXIS as _TENSOR
 
-__all__ = ["AXES", "COST_AXES", "axis_meshes", "check_axes", "prepare_axes", "apply_axes", "finish_axes", "wraps_own_data",
-           "step_runner", "shard_batch", "shard_sequence", "report_lines", "opaque_modules",
+__all__ = ["AXES", "COST_AXES", "axis_meshes", "check_axes", "prepare_axes", "apply_axes", "finish_axes",
+           "wraps_own_data", "step_runner", "shard_batch", "shard_sequence", "report_lines", "opaque_modules",
            "blocks_reason", "accumulate", "data_dims", "tp_exempt", "roots", "held_part", "held_whole", "timeline"]
 
 #: the axes that are units, in parallelize's order
