@@ -175,3 +175,25 @@ def test_tied_with_different_placements_is_an_error():
     with local_ranks(2):
         with pytest.raises(PlanError, match="tied parameters get different placements: tok_embeddings.weight"):
             meshplan.parallelize(model, d, meshplan.build_mesh({"tp": 2}))
+
+
+def test_tp_one_applies_no_style_and_check_says_so(fake_pg):
+    """tp 1 is no tensor parallelism (as torchtitan and Megatron): the section's rules are checked, nothing is
+    applied (styles over one rank shard nothing and cost every parameter a DTensor and every block its hooks), and
+    ``meshplan check`` lists no collective for it and says why."""
+    from meshplan.checks.explain import summary_lines
+    data = {**PLAN.model_dump(exclude_unset=True), "layout": {"tp": 1, "dp_replicate": 2}}
+    plan = meshplan.Plan.from_data(data, source="tp1")
+    model = llama.build(llama.tiny_args(n_kv_heads=4))
+    with fake_pg(2, 0):
+        meshplan.parallelize(model, plan, meshplan.build_mesh(plan.layout))
+    placements = {tuple(p.placements) for p in model.parameters() if isinstance(p, DTensor)}
+    assert len(placements) == 1 and len(next(iter(placements))) == 1  # DDP's one Replicate, no tp dim
+    assert not any(m._forward_pre_hooks for m in model.modules() if m is not model)
+    lines = summary_lines(meshplan.check(llama.build(llama.tiny_args(n_kv_heads=4)), plan, 2))
+    assert "collectives per forward: none" in lines and "collectives per backward: none" in lines
+    assert any(x.startswith("tensor parallelism: tp 1 is none") for x in lines)
+    bad = plan.model_copy(update={"tensor_parallel": plan.tensor_parallel.model_copy(
+        update={"rules": {**plan.tensor_parallel.rules, "nothing.here": plan.tensor_parallel.rules["norm"]}})})
+    with pytest.raises(PlanError, match="nothing.here"), fake_pg(2, 0):  # still checked at tp 1
+        meshplan.parallelize(llama.build(llama.tiny_args(n_kv_heads=4)), bad, meshplan.build_mesh(bad.layout))

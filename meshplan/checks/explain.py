@@ -144,12 +144,14 @@ def explain(report, model: nn.Module, plan, tp: int, matched: dict, fanout: set,
     mods = dict((applied[0] if applied else model).named_modules())
     regather = section is not None and not section.save_gathered_inputs
     rows = _rows(model, mods, matched, fanout, Stream.of(section), applied, regather)
+    if tp == 1:  # the rules are checked and shown as tp > 1 applies them; parallelize applies none at tp 1
+        rows = [{**row, "forward": [], "backward": []} for row in rows]
     fwd_total, bwd_total = Counter(), Counter()
     for row in rows:
         fwd_total.update(row["forward"])
         bwd_total.update(row["backward"])
     sizes = _parameter_totals(report, mods, matched, applied, tp_exempt(model, plan, report))
-    if applied and applied[1].finalizer is not None and (section.sequence_parallel is not False or
+    if tp > 1 and applied and applied[1].finalizer is not None and (section.sequence_parallel is not False or
                                                          any(STYLES[r.style].replicated for _, r in matched.values())):
         bwd_total.update(["all_reduce"])
     report.modules = rows
@@ -253,6 +255,9 @@ def summary_lines(report, unsharded: bool = True, rank_lines: bool = False) -> l
            f"{t.get('unsharded_parameters', 0):,}",
            f"collectives per forward: {_counts(t.get('forward', {}))}",
            f"collectives per backward: {_counts(t.get('backward', {}))}"]
+    if report.tp == 1 and report.modules:
+        out.append("tensor parallelism: tp 1 is none: the tensor_parallel rules are checked and shown as tp > 1 "
+                   "applies them; parallelize applies no style at tp 1")
     if report.unsharded and unsharded:
         folded: dict[str, str] = {}
         for k, v in report.unsharded.items():
