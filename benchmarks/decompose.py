@@ -8,7 +8,9 @@ Each rank builds calibrate.py's Llama (dim 256, 4 layers, seq 256) WITHOUT any p
 of the global batch (16 / N samples: what ddp N computes) as ``--steps`` timed steps after one warm-up, every
 rank at once (a barrier before each step, none inside it): forward and loss, backward, clip_grad_norm_, AdamW
 step and zero_grad, each timed apart (rank 0's median printed, and the ranks' mean). ``--count`` also counts the
-aten ops of one forward and backward (a TorchDispatchMode) and their split into matmuls and the rest.
+aten ops of one forward and backward (a TorchDispatchMode) and their split into matmuls and the rest; ``--split``
+times rank 0's forward and backward in CPU seconds by where they go (matmuls, attention, the other aten ops,
+outside aten: Python and the autograd engine).
 """
 
 from __future__ import annotations
@@ -48,6 +50,33 @@ def _count_ops(model, x, y, loss_fn) -> dict:
         loss_fn(model(x), y).backward()
     mm = sum(v for k, v in c.n.items() if k in ("mm", "bmm", "addmm", "matmul", "linear") or "attention" in k)
     return {"total": sum(c.n.values()), "matmul": mm, "by_op": dict(sorted(c.n.items(), key=lambda kv: -kv[1]))}
+
+
+def _split(model, x, y, loss_fn) -> dict:
+    """CPU seconds of one forward + backward by where they go: matmuls, attention, the other aten ops, and outside
+    any aten op (Python, modules, the autograd engine; includes this timing's own per-op cost, ~10 µs an op)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Split(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.t = {"matmul": 0.0, "attention": 0.0, "other_ops": 0.0}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            c = time.process_time()
+            out = func(*args, **(kwargs or {}))
+            kind = "matmul" if name in ("mm", "bmm", "addmm") else "attention" if "attention" in name else "other_ops"
+            self.t[kind] += time.process_time() - c
+            return out
+    runs = []
+    for _ in range(3):
+        with Split() as mode:
+            c = time.process_time()
+            loss_fn(model(x), y).backward()
+            total = time.process_time() - c
+        runs.append({**mode.t, "outside_ops": total - sum(mode.t.values()), "total": total})
+    return sorted(runs, key=lambda r: r["total"])[1]
 
 
 def _clock(cpu: bool) -> float:
@@ -120,6 +149,9 @@ def worker(args) -> None:
     if args.count and rank == 0:
         x, y = next(data)
         out["ops"] = _count_ops(model, x, y, loss_fn)
+    if args.split and rank == 0:
+        x, y = next(data)
+        out["split"] = _split(model, x, y, loss_fn)
     if rank == 0:
         Path(args.out).write_text(json.dumps(out))
     dist.barrier()
@@ -140,6 +172,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16, help="the global batch: each rank runs batch / N")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--count", action="store_true")
+    ap.add_argument("--split", action="store_true", help="rank 0's forward+backward CPU seconds by where they go")
     ap.add_argument("--layout", default=None, help="also time this calibrate.py layout's train_step (CPU and wall)")
     ap.add_argument("--cpu", action="store_true", help="CPU seconds per rank instead of wall seconds")
     ap.add_argument("--cluster", default=None, help="a profiled cluster file (CLUSTER{N} in it: one per world)")
@@ -157,6 +190,7 @@ def main() -> None:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={w}",
                    __file__, "--worker", "--out", str(out), "--batch", str(args.batch), "--steps", str(args.steps)]
             cmd += (["--count"] if args.count else []) + (["--cpu"] if args.cpu else [])
+            cmd += ["--split"] if args.split else []
             cmd += ["--layout", args.layout.replace("{N}", str(w))] if args.layout else []
             proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
             if proc.returncode:
@@ -167,6 +201,8 @@ def main() -> None:
             step = f" step CPU {m['step_cpu']:.3f}, wall {m['step_wall']:.3f}" if "step_cpu" in m else ""
             print(f"| {w} | {args.batch // w} | " + " | ".join(f"{m[p]:.3f}" for p in PHASES)
                   + f" | {sum(m[p] for p in PHASES):.3f}{step} | {', '.join(f'{k} {v:.3f}' for k, v in price.items())} |", flush=True)
+            if "split" in r:
+                print("  rank 0's forward+backward, CPU s: " + ", ".join(f"{k} {v:.3f}" for k, v in r["split"].items()))
             if "ops" in r:
                 print(f"  ops per forward+backward: {r['ops']['total']} ({r['ops']['matmul']} matmuls); top: "
                       + ", ".join(f"{k} {v}" for k, v in list(r['ops']['by_op'].items())[:12]))

@@ -5,7 +5,7 @@ The cluster is one node of ``nproc`` devices: its intra-node link is what the co
 inter-node link the same (nothing else is measurable from one machine); collective times come from the measured
 fits (:meth:`Cluster.comm_time`), compute from the measured matmul curve, memory-bound work from the measured
 bandwidth, what the counts leave out (DTensor dispatch, FSDP2 hooks, pipeline actions: :mod:`meshplan.solver.overheads`)
-from :mod:`meshplan.profile.overheads`, and the ranks per core from the measured effective parallelism. On a CPU
+from :mod:`meshplan.profile.overheads`, the optimizer step and clipping from :mod:`meshplan.profile.step_costs`, and the ranks per core from the measured effective parallelism. On a CPU
 host the data-parallel overlap is 0: the cores that compute also communicate.
 """
 
@@ -23,6 +23,7 @@ from pathlib import Path
 
 from meshplan.errors import PlanError
 from meshplan.solver.cluster import Cluster, Fit, Link
+from meshplan.solver.host_step import STEP_COST_FIELDS
 
 __all__ = ["profile_cluster", "cluster_from_measurement"]
 
@@ -81,6 +82,7 @@ def cluster_from_measurement(m: dict) -> Cluster:
         repeat_spread=float(m.get("repeat_spread", 0.0)),
         memory_rates=memory_rates,
         collectives=fits, device=m["device"],
+        **{k: tuple((float(n), float(t)) for n, t in m.get(k, ())) for k in STEP_COST_FIELDS},
         source=(f"measured by `meshplan profile` on {platform.node()} ({m['backend']}, {world} processes, "
                 f"{os.cpu_count()} CPU cores, {m['threads']} threads each, {when})"))
 

@@ -23,6 +23,8 @@ from meshplan.errors import PlanError
 
 __all__ = ["Link", "Fit", "Cluster", "COLLECTIVES", "load_cluster_file"]
 
+#: the fields holding measured ``(size, value)`` curves
+_CURVES = ("matmul_rates", "memory_rates", "optimizer_rates", "clip_rates")
 #: the collective kinds the model times (and ``meshplan profile`` measures)
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send")
 
@@ -97,6 +99,9 @@ class Cluster:
             faster than ``hbm_bandwidth``).
         collectives: measured fits by kind and group size (``meshplan profile``).
         device: ``cuda`` or ``cpu``. source: where the numbers come from.
+        optimizer_rates: measured ``(elements per tensor, seconds per float32 element)`` of torch's
+            ``AdamW.step`` (``meshplan profile``; empty on a preset: priced by its bytes,
+            :mod:`meshplan.solver.host_step`). clip_rates: the same for ``clip_grad_norm_`` (empty: not priced).
     """
 
     name: str
@@ -124,6 +129,8 @@ class Cluster:
     collectives: Mapping[str, Mapping[int, Fit]] = field(default_factory=dict)
     device: str = "cuda"
     source: str = ""
+    optimizer_rates: tuple[tuple[float, float], ...] = ()
+    clip_rates: tuple[tuple[float, float], ...] = ()
 
     def peak(self, dtype: str) -> float:
         """Peak dense FLOP/s of ``dtype`` (float16 as bfloat16)."""
@@ -174,8 +181,8 @@ class Cluster:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["collectives"] = {k: {str(n): asdict(f) for n, f in v.items()} for k, v in self.collectives.items()}
-        d["matmul_rates"] = [list(p) for p in self.matmul_rates]
-        d["memory_rates"] = [list(p) for p in self.memory_rates]
+        for key in _CURVES:
+            d[key] = [list(p) for p in getattr(self, key)]
         return d
 
     @classmethod
@@ -190,7 +197,7 @@ class Cluster:
             data["intra"], data["inter"] = Link(**d["intra"]), Link(**d["inter"])
             data["flops"] = {str(k): float(v) for k, v in d["flops"].items()}
             data["dtensor_overheads"] = {str(k): float(v) for k, v in d.get("dtensor_overheads", {}).items()}
-            for key in ("matmul_rates", "memory_rates"):
+            for key in _CURVES:
                 data[key] = tuple((float(s), float(r)) for s, r in d.get(key, ()))
             data["collectives"] = {k: {int(n): Fit(**f) for n, f in v.items()}
                                    for k, v in d.get("collectives", {}).items()}

@@ -22,6 +22,7 @@ from meshplan.solver.candidate import Candidate, Training
 from meshplan.solver.cluster import Cluster
 from meshplan.solver.collectives import Collective, fsdp_units, step_collectives
 from meshplan.solver.compute import block_time, end_time, model_flops_per_token
+from meshplan.solver.host_step import clip_time, optimizer_time
 from meshplan.solver.memory import Memory, block_kinds, rank_memory, shard_sizes
 from meshplan.solver.overheads import microbatch_overhead, replicate_units, step_overhead
 from meshplan.solver.placement import Placement
@@ -43,7 +44,7 @@ class Estimate:
         tokens_per_s_device: per device. mfu: model FLOPs utilisation (of the compute dtype's peak).
         tflops_device: model TFLOP/s per device. memory: the most loaded rank's. memory_rank: its pipeline rank.
         parts: seconds by part (``compute``, ``bubble``, ``tp``, each axis unit's name, ``pp``, ``dp``,
-            ``optimizer``, ``step``, ``overheads``: DTensor dispatch and FSDP2 hooks, ``optimizer_dispatch``,
+            ``optimizer``, ``clip``, ``step``, ``overheads``: DTensor dispatch and FSDP2 hooks, ``optimizer_dispatch``,
             ``pp_actions``).
         collectives: pipeline rank 0's collectives per step.
     """
@@ -146,15 +147,13 @@ def evaluate(s: ModelShape, c: Candidate, tr: Training, cl: Cluster, place: Plac
     dp_calls = sum(x.count for x in colls if x.axis == "dp")
     ends = 2 * comm["dp"] / dp_calls if dp_calls else 0.0  # the first gather and the last reduction stay exposed
     dp_exposed = (1 - cl.overlap) * comm["dp"] + cl.overlap * max(ends, comm["dp"] - compute)
-    per_tensor = mem.numel * tr.master_bytes / max(mem.tensors, 1)  # AdamW's foreach ops, tensor by tensor
-    optimizer = mem.numel * tr.master_bytes * (3 * tr.optimizer_states + 4) / cl.memory_rate(per_tensor)
-    if tr.cpu_offload:  # the step on the host; parameters in and gradients out over PCIe, once each per step
-        optimizer = mem.numel * tr.master_bytes * (3 * tr.optimizer_states + 6) / cl.host_bandwidth
-    step = pipeline + sum(own.values()) + dp_exposed + optimizer + extra["optimizer_dispatch"] + comm["step"]
+    optimizer = optimizer_time(cl, tr, mem.numel, mem.tensors)
+    clip = clip_time(cl, tr, mem.numel, mem.tensors)
+    step = pipeline + sum(own.values()) + dp_exposed + optimizer + clip + extra["optimizer_dispatch"] + comm["step"]
     tokens = tr.tokens / step
     model = model_flops_per_token(s, tr.seq) * tokens / c.world
     parts = {"compute": compute, "bubble": pipeline - busy, **{a: m * per_rank[slow][2][a] for a in _PER_MICROBATCH},
-             **own, "dp": dp_exposed, "optimizer": optimizer, "step": comm["step"],
+             **own, "dp": dp_exposed, "optimizer": optimizer, "clip": clip, "step": comm["step"],
              "overheads": m * per_rank[slow][2]["overheads"], **extra}
     colls0 = per_rank[0][2]["colls"] if 0 in per_rank else step_collectives(s, c, tr, place, 0, memo)
     return Estimate(c, step, tokens, tokens / c.world, model / cl.peak(tr.dtype), model / 1e12, mem, worst,
