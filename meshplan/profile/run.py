@@ -81,6 +81,8 @@ def cluster_from_measurement(m: dict) -> Cluster:
         repeat_spread=float(m.get("repeat_spread", 0.0)),
         memory_rates=memory_rates,
         collectives=fits, device=m["device"],
+        expert_grad_rate=float(m.get("expert_grad_rate", 0.0)),
+        host_sync_overhead=float(m.get("host_sync_overhead", 0.0)),
         source=(f"measured by `meshplan profile` on {platform.node()} ({m['backend']}, {world} processes, "
                 f"{os.cpu_count()} CPU cores, {m['threads']} threads each, {when})"))
 

@@ -97,6 +97,10 @@ class Cluster:
             faster than ``hbm_bandwidth``).
         collectives: measured fits by kind and group size (``meshplan profile``).
         device: ``cuda`` or ``cpu``. source: where the numbers come from.
+        expert_grad_rate: bytes/s of the dense gradients an eager expert loop's weight slices write and sum in
+            backward (:mod:`meshplan.solver.moe_costs`; ``meshplan profile`` measures the pattern; 0: not
+            measured, no MoE loop term). host_sync_overhead: seconds of one host sync (an MoE block reads its
+            routing counts on the host once per microbatch).
     """
 
     name: str
@@ -124,6 +128,8 @@ class Cluster:
     collectives: Mapping[str, Mapping[int, Fit]] = field(default_factory=dict)
     device: str = "cuda"
     source: str = ""
+    expert_grad_rate: float = 0.0
+    host_sync_overhead: float = 0.0
 
     def peak(self, dtype: str) -> float:
         """Peak dense FLOP/s of ``dtype`` (float16 as bfloat16)."""
