@@ -58,6 +58,10 @@ def test_priced_as_measured_rate_times_count():
     assert moe_block_time(MOE, C1, 4, cl, False) == pytest.approx(expected)
     assert moe_block_time(MOE, C1, 4, cl, True) == pytest.approx(expected + 391 / 3 * 3e-6)
     assert moe_block_time(MOE, C1, 4, cluster_preset("h100-80g"), False) == 0.0  # not measured: no loop term
+    grouped = dataclasses.replace(MOE, expert_loop=False)  # grouped GEMMs: no slices, no loop
+    assert moe_block_time(grouped, C1, 4, cl, False) == 0.0
+    assert shape_from_config({**dict(dim=256, n_layers=4, n_heads=8, vocab_size=256, n_experts=8, top_k=2),
+                              "expert_loop": False}).expert_loop is False
 
 
 def test_step_pays_it_per_moe_block_and_microbatch():

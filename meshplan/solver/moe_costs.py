@@ -20,7 +20,7 @@ transformers' eager experts: Mixtral, Qwen2-MoE, OLMoE) pays, per microbatch and
 
 A preset cluster does not measure the loop (``expert_grad_rate`` 0) and gets no term at all: published GPU runs
 use grouped GEMMs (Megatron, torchtitan), which index no weight slices and loop over no experts, so their
-predictions do not change.
+predictions do not change; a model shape says the same with ``expert_loop: false``.
 
 Example (calibrate.py's MoE: 8 experts of width 512 over hidden 256, float32, ep 1 then ep 2)::
 
@@ -80,8 +80,8 @@ def moe_block_time(s: ModelShape, c: Candidate, nbytes: int, cl: Cluster, checkp
     """Seconds one MoE block adds per microbatch on one rank of layout ``c``: its weight slices' gradients (of
     ``nbytes`` per element) at the measured ``expert_grad_rate``, its ops at ``op_overhead`` (a checkpointed
     block's forward, a third of them, once more) and its host sync; 0 for a cluster that did not measure the loop
-    (a preset: grouped GEMMs, above)."""
-    if not cl.expert_grad_rate > 0:
+    (a preset: grouped GEMMs, above) or a model whose experts are grouped GEMMs (``expert_loop`` False)."""
+    if not (cl.expert_grad_rate > 0 and s.expert_loop):
         return 0.0
     grads = moe_grad_bytes(s, c.ep, c.etp, nbytes) / cl.expert_grad_rate
     ops = moe_block_ops(s, c.ep) * (4 / 3 if checkpointed else 1) * cl.op_overhead
