@@ -5,13 +5,14 @@ shared host, where calibrate.py's wall times are not), the solver's first choice
 
 One launch; calibrate.py's MoE (8 experts, top-2, dim 256, 4 layers) and global batch (16 x 256) under
 ``meshplan.train_step``; every layout in each of ``REPEATS`` interleaved passes, 1 warm-up + 2 timed steps; printed:
-the rank mean's median and each measurement. At 2 ranks on 2 cores with both ranks busy a rank's CPU seconds are
-its step.
+the rank mean's median, the wall median (meaningful on a quiet host only) and each CPU measurement. At 2 ranks on
+2 cores with both ranks busy a rank's CPU seconds are its step.
 """
 
 from __future__ import annotations
 
 import gc
+import os
 import statistics
 import sys
 import time
@@ -34,8 +35,8 @@ PLANS = {**{k: LAYOUTS[2][k][1] for k in ("moe_ddp2", "moe_ep2", "moe_fsdp2")},
                                                "expert_parallel": MOE["expert_parallel"]}}
 
 
-def _steps(plan: dict, ex) -> list[float]:
-    """CPU seconds (rank mean) of two timed steps after one warm-up."""
+def _steps(plan: dict, ex) -> list[tuple[float, float]]:
+    """``(CPU seconds (rank mean), wall seconds)`` of two timed steps after one warm-up."""
     plan = {"version": 1, **plan}
     out = []
     with meshplan.init(plan) as topo:
@@ -45,12 +46,14 @@ def _steps(plan: dict, ex) -> list[float]:
         for step in range(3):
             batch = next(data)
             dist.barrier()
-            c = time.process_time()
+            c, w = time.process_time(), time.perf_counter()
             meshplan.train_step(model, batch, meshplan.cross_entropy, opt, topology=topo, max_grad_norm=1.0)
             t = torch.tensor([time.process_time() - c], dtype=torch.float64)
+            dist.barrier()
+            wall = time.perf_counter() - w
             dist.all_reduce(t)
             if step:
-                out.append(float(t) / dist.get_world_size())
+                out.append((float(t) / dist.get_world_size(), wall))
         del model, opt, data
         gc.collect()
     return out
@@ -59,14 +62,16 @@ def _steps(plan: dict, ex) -> list[float]:
 def main() -> None:
     dist.init_process_group("gloo")
     ex = _examples_train()
-    got: dict[str, list[float]] = {k: [] for k in PLANS}
+    got: dict[str, list[tuple[float, float]]] = {k: [] for k in PLANS}
     for _ in range(REPEATS):
         for name, plan in PLANS.items():
             got[name] += _steps(plan, ex)
     if dist.get_rank() == 0:
-        print("| layout | CPU s/step per rank (median) | measurements |\n|---|---|---|")
+        print(f"load average {os.getloadavg()[0]:.2f}\n")
+        print("| layout | CPU s/step per rank (median) | wall s/step (median) | CPU measurements |\n|---|---|---|---|")
         for name, v in got.items():
-            print(f"| {name} | {statistics.median(v):.3f} | {', '.join(f'{x:.3f}' for x in v)} |")
+            cpu, wall = statistics.median(c for c, _ in v), statistics.median(w for _, w in v)
+            print(f"| {name} | {cpu:.3f} | {wall:.3f} | {', '.join(f'{c:.3f}' for c, _ in v)} |")
     dist.destroy_process_group()
 
 
