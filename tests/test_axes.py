@@ -55,7 +55,8 @@ EP_ALLOWED = {
     "cli/args.py", "cli/convert.py", "cli/solve.py", "cli/solve_flags.py",
     "convert/accelerate.py", "convert/common.py", "convert/formats.py", "convert/hf_document.py",
     "solver/candidate.py", "solver/compute.py", "solver/memory.py", "solver/placement.py", "solver/rules.py",
-    "solver/search.py", "solver/terms.py",  # the blocks' local tensors (moved from memory.py: tp's costs read them)
+    "solver/search.py", "solver/moe_costs.py",  # an eager expert loop's cost: the local experts are experts / ep
+    "solver/terms.py",  # the blocks' local tensors (moved from memory.py: tp's costs read them)
     "data_parallel/wrap.py",  # edp: FSDP2 over the experts
     "checkpoint/chunks.py", "checkpoint/export.py", "checkpoint/load.py", "checkpoint/save.py",
     "hf/checkpoint_keys.py", "hf/convert.py", "hf/moe.py",

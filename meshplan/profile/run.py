@@ -83,6 +83,8 @@ def cluster_from_measurement(m: dict) -> Cluster:
         memory_rates=memory_rates,
         collectives=fits, device=m["device"],
         **{k: tuple((float(n), float(t)) for n, t in m.get(k, ())) for k in STEP_COST_FIELDS},
+        expert_grad_rate=float(m.get("expert_grad_rate", 0.0)),
+        host_sync_overhead=float(m.get("host_sync_overhead", 0.0)),
         source=(f"measured by `meshplan profile` on {platform.node()} ({m['backend']}, {world} processes, "
                 f"{os.cpu_count()} CPU cores, {m['threads']} threads each, {when})"))
 

@@ -8,7 +8,8 @@ Every rank measures at once and for long enough (~0.2 s windows) that ranks shar
 * operator overhead: a chain of tiny autograd ops, forward and backward, per op;
 * attention: causal ``scaled_dot_product_attention`` forward and backward (the attention efficiency);
 * what the counts leave out (:mod:`meshplan.profile.overheads`): DTensor dispatch per op kind, FSDP2 hooks per
-  unit, pipeline schedule actions, uneven all-to-all, and the cores each rank gets (effective parallelism);
+  unit, pipeline schedule actions, uneven all-to-all, and the cores each rank gets (effective parallelism); an
+  eager MoE expert loop's weight-slice gradients and host sync (:mod:`meshplan.profile.moe`);
 * the optimizer step and gradient clipping per tensor and element (:mod:`meshplan.profile.step_costs`);
 * the repeat spread: the median relative spread of the timing windows (``estimate``'s ± band);
 * collectives: all-gather, reduce-scatter, all-reduce and all-to-all in groups of consecutive ranks of every
@@ -30,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from meshplan.mesh.ranks import divisors
+from meshplan.profile.moe import measure_moe
 from meshplan.profile.overheads import measure_overheads
 from meshplan.profile.step_costs import measure_step_costs
 
@@ -179,6 +181,7 @@ def main() -> None:
               "collectives": _collectives(device), "threads": torch.get_num_threads(),
               **measure_overheads(_timed, lambda x: _mean_over_ranks(x, device), _fit, MESSAGE_BYTES, device),
               **measure_step_costs(_timed, lambda x: _mean_over_ranks(x, device), device),
+              **measure_moe(_timed, lambda x: _mean_over_ranks(x, device), device, dtype),
               "memory": (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None)}
     if dist.get_rank() == 0:
         with open(args.out, "w", encoding="utf-8") as f:

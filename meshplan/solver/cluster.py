@@ -102,6 +102,10 @@ class Cluster:
         optimizer_rates: measured ``(elements per tensor, seconds per float32 element)`` of torch's
             ``AdamW.step`` (``meshplan profile``; empty on a preset: priced by its bytes,
             :mod:`meshplan.solver.host_step`). clip_rates: the same for ``clip_grad_norm_`` (empty: not priced).
+        expert_grad_rate: bytes/s of the dense gradients an eager expert loop's weight slices write and sum in
+            backward (:mod:`meshplan.solver.moe_costs`; ``meshplan profile`` measures the pattern; 0: not
+            measured, no MoE loop term). host_sync_overhead: seconds of one host sync (an MoE block reads its
+            routing counts on the host once per microbatch).
     """
 
     name: str
@@ -131,6 +135,8 @@ class Cluster:
     source: str = ""
     optimizer_rates: tuple[tuple[float, float], ...] = ()
     clip_rates: tuple[tuple[float, float], ...] = ()
+    expert_grad_rate: float = 0.0
+    host_sync_overhead: float = 0.0
 
     def peak(self, dtype: str) -> float:
         """Peak dense FLOP/s of ``dtype`` (float16 as bfloat16)."""

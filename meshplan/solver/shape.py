@@ -49,6 +49,9 @@ class ModelShape:
             ``torch.compile``): what a norm keeps for backward (:attr:`norm_saved`) and how much element-wise
             memory traffic a block costs.
         name: shown in reports.
+        expert_loop: the routed experts run in a Python loop over slices of stacked weights (the examples,
+            transformers' eager experts): each MoE block pays :mod:`meshplan.solver.moe_costs` per microbatch on a
+            cluster that measured it; False for grouped GEMMs (Megatron, torchtitan's ``grouped_mm``).
     """
 
     layers: int
@@ -73,6 +76,7 @@ class ModelShape:
     window_layers: int = 0
     kernels: str = "eager"
     name: str = "model"
+    expert_loop: bool = True
 
     def __post_init__(self) -> None:
         for f in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab"):
@@ -203,6 +207,7 @@ _ALIASES: dict[str, tuple[str, ...]] = {
     "window_layers": ("window_layers",),
     "kernels": ("kernels",),
     "name": ("name", "model_type"),
+    "expert_loop": ("expert_loop",),
 }
 _GPT2_LIKE = ("gpt2", "gpt_neox", "gptj", "opt", "gpt_bigcode", "bloom", "falcon", "phi")
 

@@ -24,6 +24,7 @@ from meshplan.solver.collectives import Collective, fsdp_units, step_collectives
 from meshplan.solver.compute import block_time, end_time, model_flops_per_token
 from meshplan.solver.host_step import clip_time, optimizer_time
 from meshplan.solver.memory import Memory, block_kinds, rank_memory, shard_sizes
+from meshplan.solver.moe_costs import moe_block_time
 from meshplan.solver.overheads import microbatch_overhead, replicate_units, step_overhead
 from meshplan.solver.placement import Placement
 from meshplan.solver.shape import ModelShape
@@ -45,7 +46,8 @@ class Estimate:
         tflops_device: model TFLOP/s per device. memory: the most loaded rank's. memory_rank: its pipeline rank.
         parts: seconds by part (``compute``, ``bubble``, ``tp``, each axis unit's name, ``pp``, ``dp``,
             ``optimizer``, ``clip``, ``step``, ``overheads``: DTensor dispatch and FSDP2 hooks, ``optimizer_dispatch``,
-            ``pp_actions``).
+            ``pp_actions``, ``moe_microbatch``: an eager expert loop's per-microbatch cost,
+            :mod:`meshplan.solver.moe_costs`).
         collectives: pipeline rank 0's collectives per step.
     """
 
@@ -77,20 +79,21 @@ def _rank_microbatch(s: ModelShape, c: Candidate, tr: Training, cl: Cluster, pla
                      memo: dict, times: dict) -> tuple[float, float, dict]:
     """``(compute seconds, executed FLOPs, {axis: comm seconds, "colls": collectives})`` of pipeline rank ``r`` per
     microbatch."""
-    secs = flops = 0.0
+    secs = flops = loop = 0.0
     for (moe, ckpt), n in block_kinds(s, c, place, r, memo).items():
         key = ("time", moe, ckpt)
         if key not in memo:
             memo[key] = block_time(s, c, tr, cl, moe, ckpt)
         secs += n * memo[key][0]
         flops += n * memo[key][1]
+        loop += n * moe_block_time(s, c, tr.act_bytes, cl, ckpt) if moe else 0.0
     secs += end_time(s, c, tr, cl, *place.ends_of(r))
     colls = step_collectives(s, c, tr, place, r, memo)
     comm = {a: v / c.microbatches for a, v in _comm(colls, cl, _PER_MICROBATCH, times).items()}
     units = sum(n for _, _, d, n in fsdp_units(s, c, place, r, memo) if d > 1) + replicate_units(c)  # FSDP2's
     redist = sum(x.count for x in colls if x.axis == "tp") / c.microbatches  # each a DTensor redistribution
     over = microbatch_overhead(s, c, cl, place, r, units, memo, redist)
-    return secs, flops, {**comm, "overheads": over, "colls": colls}
+    return secs, flops, {**comm, "overheads": over, "moe_microbatch": loop, "colls": colls}
 
 
 def _ranks(s: ModelShape, c: Candidate, place: Placement, memo: dict) -> list[int]:
@@ -132,7 +135,8 @@ def evaluate(s: ModelShape, c: Candidate, tr: Training, cl: Cluster, place: Plac
     memo = {} if memo is None else memo
     times = {} if times is None else times
     per_rank = {r: _rank_microbatch(s, c, tr, cl, place, r, memo, times) for r in _ranks(s, c, place, memo)}
-    t_mb = {r: sum((v[2][a] for a in _PER_MICROBATCH), v[0] + v[2]["overheads"]) for r, v in per_rank.items()}
+    t_mb = {r: sum((v[2][a] for a in _PER_MICROBATCH), v[0] + v[2]["overheads"] + v[2]["moe_microbatch"])
+            for r, v in per_rank.items()}
     slow = max(t_mb, key=t_mb.get)
     m = c.microbatches
     mem, worst = peak_memory(s, c, tr, place, memo)
@@ -154,7 +158,8 @@ def evaluate(s: ModelShape, c: Candidate, tr: Training, cl: Cluster, place: Plac
     model = model_flops_per_token(s, tr.seq) * tokens / c.world
     parts = {"compute": compute, "bubble": pipeline - busy, **{a: m * per_rank[slow][2][a] for a in _PER_MICROBATCH},
              **own, "dp": dp_exposed, "optimizer": optimizer, "clip": clip, "step": comm["step"],
-             "overheads": m * per_rank[slow][2]["overheads"], **extra}
+             "overheads": m * per_rank[slow][2]["overheads"],
+             "moe_microbatch": m * per_rank[slow][2]["moe_microbatch"], **extra}
     colls0 = per_rank[0][2]["colls"] if 0 in per_rank else step_collectives(s, c, tr, place, 0, memo)
     return Estimate(c, step, tokens, tokens / c.world, model / cl.peak(tr.dtype), model / 1e12, mem, worst,
                     parts, colls0)
