@@ -81,6 +81,8 @@ def cluster_from_measurement(m: dict) -> Cluster:
         repeat_spread=float(m.get("repeat_spread", 0.0)),
         memory_rates=memory_rates,
         collectives=fits, device=m["device"],
+        tp_hook_overhead=float(m.get("tp_hook_overhead", 0.0)),
+        collective_busy=float(m.get("collective_busy", 0.0)),
         source=(f"measured by `meshplan profile` on {platform.node()} ({m['backend']}, {world} processes, "
                 f"{os.cpu_count()} CPU cores, {m['threads']} threads each, {when})"))
 

@@ -97,6 +97,11 @@ class Cluster:
             faster than ``hbm_bandwidth``).
         collectives: measured fits by kind and group size (``meshplan profile``).
         device: ``cuda`` or ``cpu``. source: where the numbers come from.
+        tp_hook_overhead: seconds per forward hook call of a tensor-parallel style (its ``from_local`` /
+            ``to_local`` and their autograd nodes) beyond the DTensor ops it dispatches.
+        collective_busy: seconds a collective takes beyond its fit when the ranks compute between collectives
+            (threads waking, ranks arriving apart), per tensor-parallel collective
+            (:mod:`meshplan.profile.tp_overheads`).
     """
 
     name: str
@@ -124,6 +129,8 @@ class Cluster:
     collectives: Mapping[str, Mapping[int, Fit]] = field(default_factory=dict)
     device: str = "cuda"
     source: str = ""
+    tp_hook_overhead: float = 0.0
+    collective_busy: float = 0.0
 
     def peak(self, dtype: str) -> float:
         """Peak dense FLOP/s of ``dtype`` (float16 as bfloat16)."""
