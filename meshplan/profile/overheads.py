@@ -12,7 +12,9 @@ once, as in training: on a host with more ranks than cores the times are the tim
   (one stage over one rank: the schedule's bookkeeping, chunking and loss; sends are priced by their fit);
 * **uneven all-to-all** (``all_to_all_v``): ``all_to_all_single`` with skewed split sizes (as an MoE dispatch);
 * **effective parallelism**: cores per rank, the time of a fixed compute loop on rank 0 alone over its time when
-  every rank runs it (1 with a core per rank; ``1/4`` for 8 ranks on 2 cores).
+  every rank runs it (1 with a core per rank; ``1/4`` for 8 ranks on 2 cores);
+* **tensor parallelism's rest** (:mod:`meshplan.profile.tp_overheads`): a style hook call, and a collective's time
+  between computes beyond its fit.
 """
 
 from __future__ import annotations
