@@ -12,7 +12,9 @@ once, as in training: on a host with more ranks than cores the times are the tim
   (one stage over one rank: the schedule's bookkeeping, chunking and loss; sends are priced by their fit);
 * **uneven all-to-all** (``all_to_all_v``): ``all_to_all_single`` with skewed split sizes (as an MoE dispatch);
 * **effective parallelism**: cores per rank, the share of its wall time a rank's CPU seconds fill while every rank
-  runs a compute loop (1 with a core per rank; ``1/4`` for 8 ranks on 2 cores).
+  runs a compute loop (1 with a core per rank; ``1/4`` for 8 ranks on 2 cores);
+* **tensor parallelism's rest** (:mod:`meshplan.profile.tp_overheads`): a style hook call, and a collective's time
+  between computes beyond its fit.
 """
 
 from __future__ import annotations
@@ -37,8 +39,8 @@ def _rank_mesh(device: torch.device):
     return mesh["world"], mesh["self"]
 
 
-def _dtensor_ops(fn) -> int:
-    """DTensor ops one call of ``fn`` dispatches (forward and backward)."""
+def _dtensor_ops(fn, at_least: int = 1) -> int:
+    """DTensor ops one call of ``fn`` dispatches (forward and backward; at least ``at_least``)."""
     from torch.distributed.tensor import DTensor
     from meshplan._torch import TorchDispatchMode, tree_leaves
 
@@ -50,7 +52,7 @@ def _dtensor_ops(fn) -> int:
             return func(*args, **(kwargs or {}))
     with Count() as mode:
         fn()
-    return max(mode.n, 1)
+    return max(mode.n, at_least)
 
 
 def _dtensor(timed: Callable, mean: Callable, mesh, device: torch.device) -> dict[str, float]:
@@ -170,8 +172,11 @@ def _parallelism(device: torch.device, seconds: float = 0.3) -> float:
 
 def measure_overheads(timed: Callable, mean: Callable, fit: Callable, sizes, device: torch.device) -> dict:
     """The measurements above as the worker's JSON keys (``timed``, ``mean``, ``fit``: the worker's helpers)."""
+    from meshplan.profile.tp_overheads import measure_tp_overheads
     world_mesh, one = _rank_mesh(device)
-    return {"dtensor_overheads": _dtensor(timed, mean, world_mesh, device),
+    dtensor = _dtensor(timed, mean, world_mesh, device)
+    return {"dtensor_overheads": dtensor, **measure_tp_overheads(timed, mean, world_mesh, device, dtensor["view"],
+                                                                  lambda fn: _dtensor_ops(fn, at_least=0)),
             "fsdp_unit_overhead": _fsdp_unit(timed, mean, one, device),
             "pipeline_action_overhead": _pipeline_action(timed, mean, one, device),
             "all_to_all_v": _uneven_all_to_all(timed, mean, fit, sizes, device),

@@ -85,6 +85,8 @@ def cluster_from_measurement(m: dict) -> Cluster:
         **{k: tuple((float(n), float(t)) for n, t in m.get(k, ())) for k in STEP_COST_FIELDS},
         expert_grad_rate=float(m.get("expert_grad_rate", 0.0)),
         host_sync_overhead=float(m.get("host_sync_overhead", 0.0)),
+        tp_hook_overhead=float(m.get("tp_hook_overhead", 0.0)),
+        collective_busy=float(m.get("collective_busy", 0.0)),
         source=(f"measured by `meshplan profile` on {platform.node()} ({m['backend']}, {world} processes, "
                 f"{os.cpu_count()} CPU cores, {m['threads']} threads each, {when})"))
 

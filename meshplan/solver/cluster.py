@@ -106,6 +106,11 @@ class Cluster:
             backward (:mod:`meshplan.solver.moe_costs`; ``meshplan profile`` measures the pattern; 0: not
             measured, no MoE loop term). host_sync_overhead: seconds of one host sync (an MoE block reads its
             routing counts on the host once per microbatch).
+        tp_hook_overhead: seconds per forward hook call of a tensor-parallel style (its ``from_local`` /
+            ``to_local`` and their autograd nodes) beyond the DTensor ops it dispatches.
+        collective_busy: seconds a collective takes beyond its fit when the ranks compute between collectives
+            (threads waking, ranks arriving apart), per tensor-parallel collective
+            (:mod:`meshplan.profile.tp_overheads`).
     """
 
     name: str
@@ -137,6 +142,8 @@ class Cluster:
     clip_rates: tuple[tuple[float, float], ...] = ()
     expert_grad_rate: float = 0.0
     host_sync_overhead: float = 0.0
+    tp_hook_overhead: float = 0.0
+    collective_busy: float = 0.0
 
     def peak(self, dtype: str) -> float:
         """Peak dense FLOP/s of ``dtype`` (float16 as bfloat16)."""

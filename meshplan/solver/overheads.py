@@ -15,7 +15,11 @@ Counts (recorded on ``examples/llama.py`` with a DTensor dispatch counter, ``tes
 * **FSDP2 hooks**: one pre/post forward and backward per unit (each block, an MoE block's experts, the root) and
   microbatch; DDP (torch's ``replicate``, built on FSDP2) one unit per root;
 * **pipeline actions**: a forward and a backward per stage and microbatch (the zero-bubble schedules split the
-  backward in two).
+  backward in two);
+* **tensor-parallel style hooks** (:func:`tp_overhead`): the forward pre/post hook calls per microbatch
+  (:data:`TP_BLOCK_HOOKS` per block, :data:`TP_END_HOOKS` at the ends), each priced at the profile's
+  ``tp_hook_overhead``, and each tensor-parallel collective's ``collective_busy`` (its time beyond the fit when the
+  ranks compute between collectives, as in a step).
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ from meshplan.solver.shape import ModelShape
 from meshplan.solver.terms import block_kinds
 
 __all__ = ["DTENSOR_KINDS", "TP_BLOCK_OPS", "TP_END_OPS", "OPTIMIZER_OPS_PER_TENSOR", "dtensor_ops",
-           "pipeline_actions", "replicate_units", "microbatch_overhead", "step_overhead"]
+           "pipeline_actions", "replicate_units", "microbatch_overhead", "step_overhead", "TP_BLOCK_HOOKS",
+           "TP_END_HOOKS", "tp_hooks", "tp_overhead"]
 
 #: the DTensor op kinds the model counts and the profile times
 DTENSOR_KINDS = ("mm", "view", "pointwise")
@@ -36,6 +41,13 @@ DTENSOR_KINDS = ("mm", "view", "pointwise")
 TP_BLOCK_OPS = {"mm": 21, "view": 94, "pointwise": 47}
 #: DTensor ops of the ends (embedding, final norm, head, loss) per microbatch, forward and backward
 TP_END_OPS = {"mm": 3, "view": 16, "pointwise": 20}
+#: forward hook calls of one tensor-parallel block per microbatch (recorded on examples/llama.py under
+#: plans/llama.yaml: 11 styled modules, the attention and feed-forward conversions and the two dropouts' norm styles
+#: holding two hooks of each kind: 34 of 144 per step over 4 blocks, benchmarks/tp_residual.py)
+TP_BLOCK_HOOKS = 34
+#: forward hook calls at the ends per microbatch: ``(first stage: the root and the embedding, last stage: the
+#: final norm and the head)``
+TP_END_HOOKS = (4, 4)
 #: AdamW's ops per DTensor parameter per step (two mul_, lerp_, addcmul_, sqrt, div, add_, addcdiv_)
 OPTIMIZER_OPS_PER_TENSOR = 8
 
@@ -85,3 +97,21 @@ def step_overhead(c: Candidate, cl: Cluster, tensors: int, fsdp: bool) -> dict[s
     opt = OPTIMIZER_OPS_PER_TENSOR * tensors * cl.dtensor_overheads.get("pointwise", 0.0)
     return {"optimizer_dispatch": opt if params_are_dtensors(c, fsdp) else 0.0,
             "pp_actions": pipeline_actions(c) * cl.pipeline_action_overhead}
+
+
+def tp_hooks(s: ModelShape, c: Candidate, place: Placement, pp_rank: int, memo: dict | None = None) -> int:
+    """Tensor-parallel style hook calls per microbatch on pipeline rank ``pp_rank`` (none without tensor
+    parallelism)."""
+    if c.tp == 1:
+        return 0
+    first, last = place.ends_of(pp_rank)
+    blocks = sum(block_kinds(s, c, place, pp_rank, memo).values())
+    return blocks * TP_BLOCK_HOOKS + TP_END_HOOKS[0] * bool(first) + TP_END_HOOKS[1] * bool(last)
+
+
+def tp_overhead(s: ModelShape, c: Candidate, cl: Cluster, place: Placement, pp_rank: int, collectives: float,
+                memo: dict | None = None) -> float:
+    """Seconds per microbatch on pipeline rank ``pp_rank`` of its style hooks and of its ``collectives``
+    tensor-parallel collectives' time beyond their fits between computes (0 on a cluster that measured neither)."""
+    hooks = tp_hooks(s, c, place, pp_rank, memo)
+    return hooks * cl.tp_hook_overhead + collectives * cl.collective_busy

@@ -25,7 +25,7 @@ from meshplan.solver.compute import block_time, end_time, model_flops_per_token
 from meshplan.solver.host_step import clip_time, optimizer_time
 from meshplan.solver.memory import Memory, block_kinds, rank_memory, shard_sizes
 from meshplan.solver.moe_costs import moe_block_time
-from meshplan.solver.overheads import microbatch_overhead, replicate_units, step_overhead
+from meshplan.solver.overheads import microbatch_overhead, replicate_units, step_overhead, tp_overhead
 from meshplan.solver.placement import Placement
 from meshplan.solver.shape import ModelShape
 
@@ -45,9 +45,9 @@ class Estimate:
         tokens_per_s_device: per device. mfu: model FLOPs utilisation (of the compute dtype's peak).
         tflops_device: model TFLOP/s per device. memory: the most loaded rank's. memory_rank: its pipeline rank.
         parts: seconds by part (``compute``, ``bubble``, ``tp``, each axis unit's name, ``pp``, ``dp``,
-            ``optimizer``, ``clip``, ``step``, ``overheads``: DTensor dispatch and FSDP2 hooks, ``optimizer_dispatch``,
-            ``pp_actions``, ``moe_microbatch``: an eager expert loop's per-microbatch cost,
-            :mod:`meshplan.solver.moe_costs`).
+            ``optimizer``, ``clip``, ``step``, ``overheads``: DTensor dispatch and FSDP2 hooks, ``tp_overheads``: the
+            tensor-parallel style hooks and collectives between computes, ``optimizer_dispatch``, ``pp_actions``,
+            ``moe_microbatch``: an eager expert loop's per-microbatch cost, :mod:`meshplan.solver.moe_costs`).
         collectives: pipeline rank 0's collectives per step.
     """
 
@@ -93,7 +93,8 @@ def _rank_microbatch(s: ModelShape, c: Candidate, tr: Training, cl: Cluster, pla
     units = sum(n for _, _, d, n in fsdp_units(s, c, place, r, memo) if d > 1) + replicate_units(c)  # FSDP2's
     redist = sum(x.count for x in colls if x.axis == "tp") / c.microbatches  # each a DTensor redistribution
     over = microbatch_overhead(s, c, cl, place, r, units, memo, redist)
-    return secs, flops, {**comm, "overheads": over, "moe_microbatch": loop, "colls": colls}
+    tp_over = tp_overhead(s, c, cl, place, r, redist, memo)
+    return secs, flops, {**comm, "overheads": over, "tp_overheads": tp_over, "moe_microbatch": loop, "colls": colls}
 
 
 def _ranks(s: ModelShape, c: Candidate, place: Placement, memo: dict) -> list[int]:
@@ -135,7 +136,8 @@ def evaluate(s: ModelShape, c: Candidate, tr: Training, cl: Cluster, place: Plac
     memo = {} if memo is None else memo
     times = {} if times is None else times
     per_rank = {r: _rank_microbatch(s, c, tr, cl, place, r, memo, times) for r in _ranks(s, c, place, memo)}
-    t_mb = {r: sum((v[2][a] for a in _PER_MICROBATCH), v[0] + v[2]["overheads"] + v[2]["moe_microbatch"])
+    t_mb = {r: sum((v[2][a] for a in _PER_MICROBATCH),
+                   v[0] + v[2]["overheads"] + v[2]["tp_overheads"] + v[2]["moe_microbatch"])
             for r, v in per_rank.items()}
     slow = max(t_mb, key=t_mb.get)
     m = c.microbatches
@@ -158,7 +160,7 @@ def evaluate(s: ModelShape, c: Candidate, tr: Training, cl: Cluster, place: Plac
     model = model_flops_per_token(s, tr.seq) * tokens / c.world
     parts = {"compute": compute, "bubble": pipeline - busy, **{a: m * per_rank[slow][2][a] for a in _PER_MICROBATCH},
              **own, "dp": dp_exposed, "optimizer": optimizer, "clip": clip, "step": comm["step"],
-             "overheads": m * per_rank[slow][2]["overheads"],
+             "overheads": m * per_rank[slow][2]["overheads"], "tp_overheads": m * per_rank[slow][2]["tp_overheads"],
              "moe_microbatch": m * per_rank[slow][2]["moe_microbatch"], **extra}
     colls0 = per_rank[0][2]["colls"] if 0 in per_rank else step_collectives(s, c, tr, place, 0, memo)
     return Estimate(c, step, tokens, tokens / c.world, model / cl.peak(tr.dtype), model / 1e12, mem, worst,
