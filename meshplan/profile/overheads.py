@@ -13,7 +13,7 @@ once, as in training: on a host with more ranks than cores the times are the tim
 * **uneven all-to-all** (``all_to_all_v``): ``all_to_all_single`` with skewed split sizes (as an MoE dispatch);
 * **effective parallelism**: cores per rank, the share of its wall time a rank's CPU seconds fill while every rank
   runs a compute loop (1 with a core per rank; ``1/4`` for 8 ranks on 2 cores);
-* **tensor parallelism's rest** (:mod:`meshplan.profile.tp_overheads`): a style hook call, and a collective's time
+* **the style hooks' rest** (:mod:`meshplan.profile.tp_overheads`): a style hook call, and a collective's time
   between computes beyond its fit.
 """
 
