@@ -114,16 +114,28 @@ def test_estimate_reports_its_band_and_where_it_comes_from():
     assert "±5%" in band_text(profiled) and "no calibration" in band_text(profiled)
 
 
+def tp_llama(layers: int):
+    """examples/llama.py (dim 64, ``layers`` blocks) under plans/llama.yaml's tp rules at tp 2, on the fake group the
+    caller holds (the hook and DTensor-op counting tests)."""
+    import sys
+    import torch
+    import meshplan
+    sys.path.insert(0, "examples")
+    import llama
+    plan = {"version": 1, "layout": {"tp": 2}, "tensor_parallel": TP}
+    topo = meshplan.init(plan)
+    torch.manual_seed(0)
+    return meshplan.parallelize(llama.build(llama.ModelArgs(
+        dim=64, n_layers=layers, n_heads=8, n_kv_heads=4, vocab_size=256, ffn_dim=256, max_seq_len=32,
+        dropout=0.0)), plan, topo)
+
+
 def test_recorded_dtensor_counts_match_a_tp_step(fake_pg):
     """TP_BLOCK_OPS and TP_END_OPS are what one forward and backward of examples/llama.py under plans/llama.yaml's
     tp rules dispatches through DTensor (1 and 2 blocks: the difference is one block), by kind."""
-    import sys
     import torch
     from torch.distributed.tensor import DTensor
-    import meshplan
     from meshplan._torch import TorchDispatchMode, tree_leaves
-    sys.path.insert(0, "examples")
-    import llama
 
     kinds = {"aten.mm.default": "mm", **{f"aten.{v}": "view" for v in (
         "t.default", "view.default", "_unsafe_view.default", "detach.default", "expand.default")}}
@@ -141,12 +153,7 @@ def test_recorded_dtensor_counts_match_a_tp_step(fake_pg):
     counts = []
     for layers in (1, 2):
         with fake_pg(2):
-            plan = {"version": 1, "layout": {"tp": 2}, "tensor_parallel": TP}
-            topo = meshplan.init(plan)
-            torch.manual_seed(0)
-            model = meshplan.parallelize(llama.build(llama.ModelArgs(
-                dim=64, n_layers=layers, n_heads=8, n_kv_heads=4, vocab_size=256, ffn_dim=256, max_seq_len=32,
-                dropout=0.0)), plan, topo)
+            model = tp_llama(layers)
             with Count() as mode:
                 out = model(torch.randint(0, 256, (2, 32)))
                 (out.full_tensor() if isinstance(out, DTensor) else out).float().sum().backward()

@@ -79,20 +79,11 @@ def test_recorded_hook_counts_match_the_parallelized_model(fake_pg):
     """TP_BLOCK_HOOKS and TP_END_HOOKS are the forward pre/post hooks parallelize installs on examples/llama.py
     under plans/llama.yaml's tp rules (1 and 2 blocks: the difference is one block); each module runs once per
     microbatch, so each hook is one call."""
-    import sys
-    import torch
-    import meshplan
-    sys.path.insert(0, "examples")
-    import llama
+    from test_solver_overheads import tp_llama
     counts = []
     for layers in (1, 2):
         with fake_pg(2):
-            plan = {"version": 1, "layout": {"tp": 2}, "tensor_parallel": TP}
-            topo = meshplan.init(plan)
-            torch.manual_seed(0)
-            model = meshplan.parallelize(llama.build(llama.ModelArgs(
-                dim=64, n_layers=layers, n_heads=8, n_kv_heads=4, vocab_size=256, ffn_dim=256, max_seq_len=32,
-                dropout=0.0)), plan, topo)
+            model = tp_llama(layers)
             counts.append(sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules()))
     assert counts[1] - counts[0] == TP_BLOCK_HOOKS
     assert 2 * counts[0] - counts[1] == sum(TP_END_HOOKS)
