@@ -27,6 +27,9 @@ from meshplan.solver.host_step import STEP_COST_FIELDS
 
 __all__ = ["profile_cluster", "cluster_from_measurement"]
 
+#: measured scalars the cluster takes as they are (0 in a profile from before they were measured)
+_SCALARS = ("expert_grad_rate", "host_sync_overhead", "tp_hook_overhead", "collective_busy")
+
 
 def _host_memory() -> float:
     try:
@@ -83,10 +86,7 @@ def cluster_from_measurement(m: dict) -> Cluster:
         memory_rates=memory_rates,
         collectives=fits, device=m["device"],
         **{k: tuple((float(n), float(t)) for n, t in m.get(k, ())) for k in STEP_COST_FIELDS},
-        expert_grad_rate=float(m.get("expert_grad_rate", 0.0)),
-        host_sync_overhead=float(m.get("host_sync_overhead", 0.0)),
-        tp_hook_overhead=float(m.get("tp_hook_overhead", 0.0)),
-        collective_busy=float(m.get("collective_busy", 0.0)),
+        **{k: float(m.get(k, 0.0)) for k in _SCALARS},
         source=(f"measured by `meshplan profile` on {platform.node()} ({m['backend']}, {world} processes, "
                 f"{os.cpu_count()} CPU cores, {m['threads']} threads each, {when})"))
 

@@ -176,12 +176,13 @@ def main() -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    mean = lambda x: _mean_over_ranks(x, device)  # noqa: E731
     result = {"backend": backend, "device": device.type, "world": dist.get_world_size(),
               "dtype": str(dtype).removeprefix("torch."), **_compute(device, dtype),
               "collectives": _collectives(device), "threads": torch.get_num_threads(),
-              **measure_overheads(_timed, lambda x: _mean_over_ranks(x, device), _fit, MESSAGE_BYTES, device),
-              **measure_step_costs(_timed, lambda x: _mean_over_ranks(x, device), device),
-              **measure_moe(_timed, lambda x: _mean_over_ranks(x, device), device, dtype),
+              **measure_overheads(_timed, mean, _fit, MESSAGE_BYTES, device),
+              **measure_step_costs(_timed, mean, device),
+              **measure_moe(_timed, mean, device, dtype),
               "memory": (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None)}
     if dist.get_rank() == 0:
         with open(args.out, "w", encoding="utf-8") as f:
