@@ -20,7 +20,8 @@ from meshplan.errors import PlanError
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-__all__ = ["default_batch", "end_groups", "is_hf", "meta_copy", "small_copy", "stand_in", "vocab_size"]
+__all__ = ["default_batch", "end_groups", "end_modules", "is_hf", "meta_copy", "small_copy", "stand_in", "vocab_ends",
+           "vocab_size"]
 
 
 def meta_copy(model: nn.Module) -> nn.Module:
@@ -118,6 +119,35 @@ def _same_shape(n: int, x: Any, *args: Any, **kwargs: Any) -> Any:
     return out if n == 1 else (out, *(x.new_empty(0) for _ in range(n - 1)))
 
 
+def end_modules(root: nn.Module, wrapped: Callable[[str, nn.Module], bool]) -> list[tuple[str, nn.Module]]:
+    """``[(path, module)]``: the first module on each path under ``root`` that holds parameters itself
+    (``recurse=False``), with its children, outside the modules ``wrapped(path, module)`` names (and everything
+    under them): the modules :func:`end_groups` groups."""
+    ends: list[tuple[str, nn.Module]] = []
+    todo = list(root.named_children())
+    while todo:
+        path, m = todo.pop(0)
+        if wrapped(path, m):
+            continue
+        if any(True for _ in m.parameters(recurse=False)):
+            ends.append((path, m))  # with its children: what FSDP2 wrapped already stays out of its unit
+        else:
+            todo[:0] = [(f"{path}.{k}", c) for k, c in m.named_children()]
+    return ends
+
+
+def vocab_ends(root: nn.Module, wrapped: Callable[[str, nn.Module], bool]) -> list[tuple[str, str]]:
+    """``[(path, "embedding" | "head")]``: the modules ``data_parallel.ends: vocab_parallel`` shards by rows over
+    the data ranks: each ``nn.Embedding`` and each ``nn.Linear`` in or under :func:`end_modules` (the embedding,
+    the head; a final norm stays in the root's FSDP2 unit). Pure: ``meshplan check --rank R`` reads it too."""
+    out = []
+    for path, m in end_modules(root, wrapped):
+        for sub, c in m.named_modules():
+            if isinstance(c, (nn.Embedding, nn.Linear)):
+                out.append((f"{path}.{sub}" if sub else path, "embedding" if isinstance(c, nn.Embedding) else "head"))
+    return out
+
+
 def end_groups(root: nn.Module, wrapped: Callable[[str, nn.Module], bool]) -> list[tuple[list[str], bool]]:
     """The end modules of ``root`` grouped as FSDP2 wraps them before ``root`` itself (``ends.py``'s ``end_units``
     applies this rule; pure: nothing is wrapped here, so ``meshplan check --rank R`` and the model picture name the
@@ -131,16 +161,7 @@ def end_groups(root: nn.Module, wrapped: Callable[[str, nn.Module], bool]) -> li
         wrapped: ``wrapped(path, module)`` holds for the modules already wrapped (or not in this root): they and
             everything under them are not counted.
     """
-    ends: list[tuple[str, nn.Module]] = []
-    todo = list(root.named_children())
-    while todo:
-        path, m = todo.pop(0)
-        if wrapped(path, m):
-            continue
-        if any(True for _ in m.parameters(recurse=False)):
-            ends.append((path, m))  # with its children: what FSDP2 wrapped already stays out of its unit
-        else:
-            todo[:0] = [(f"{path}.{k}", c) for k, c in m.named_children()]
+    ends = end_modules(root, wrapped)
     owners: dict[int, int] = {}
     for i, (_, m) in enumerate(ends):
         for p in m.parameters(recurse=False):

@@ -18,16 +18,23 @@ ranks at ``benchmarks/scale.py --size dev``, docs/scale.md). As units of their o
 
 A tied head (a parameter shared between two of those modules, e.g. GPT-2's ``wte``/``lm_head``) stays in the root:
 one FSDP2 unit must own a shared parameter.
+
+With ``data_parallel.ends: vocab_parallel`` (:func:`shard_vocab_ends`) the embedding and the head are no FSDP2 units:
+each data rank keeps its rows of them for good, torch's ``RowwiseParallel`` / ``ColwiseParallel`` over FSDP2's data
+mesh with the batch as the sharded input (``Shard(0)``): the tokens' activations are all-gathered, each rank computes
+its rows for every data rank's tokens, and the outputs go back to their ranks (the embedding's by a reduce-scatter,
+the head's logits by an all-to-all). No weight is ever whole on a rank, and its gradient needs no reduction: a
+rank's rows already sum every data rank's tokens (docs/data-parallel.md).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch.nn as nn
 
-__all__ = ["end_units", "reads_ids_only"]
+__all__ = ["end_units", "reads_ids_only", "shard_vocab_ends", "vocab_problem"]
 
 
 def end_units(root: "nn.Module") -> list[tuple[list["nn.Module"], bool]]:
@@ -55,3 +62,65 @@ def reads_ids_only(module: "nn.Module") -> bool:
     import torch.nn as nn
     return (isinstance(module, nn.Embedding) and type(module).forward is nn.Embedding.forward
             and "forward" not in vars(module) and not module.sparse)
+
+
+def vocab_problem(module: "nn.Module", path: str, kind: str, ranks: int) -> str | None:
+    """Why ``ends: vocab_parallel`` cannot shard ``module`` (at ``path``, an end ``kind``) over ``ranks`` data
+    ranks, or None."""
+    import torch.nn as nn
+    rows = module.weight.shape[0]
+    what = f"data_parallel.ends: vocab_parallel: {path} ({type(module).__name__})"
+    if kind == "embedding" and not (reads_ids_only(module) and module.max_norm is None):
+        return (f"{what} is not a plain dense nn.Embedding (a forward of its own, sparse or max_norm): its rows "
+                f"cannot be looked up shard by shard; use ends: fsdp")
+    if kind == "head" and not isinstance(module, nn.Linear):
+        return f"{what} is not an nn.Linear; use ends: fsdp"
+    if rows % ranks:
+        from meshplan.mesh.ranks import divisors_text
+        return (f"{what}: {ranks} data ranks do not divide its {rows} rows; data ranks that do: "
+                f"{divisors_text(rows, lambda d: d <= max(ranks, 64))}; or use ends: fsdp")
+    return None
+
+
+def shard_vocab_ends(root: "nn.Module", mesh: Any, divide: int) -> set:
+    """Shard ``root``'s embedding(s) and head(s) (:func:`meshplan.model_copies.vocab_ends`) by rows over the 1-D
+    data mesh ``mesh``, the batch being the sharded input; returns their parameters (FSDP2 leaves them to these
+    styles). ``divide``: the factor each gradient contribution is divided by (``gradient_reduction: mean``: the
+    data ranks; ``sum``: 1). A head tied to an embedding stays tied (one parameter, both styles' rows).
+
+    Raises:
+        PlanError: a module the styles cannot shard (:func:`vocab_problem`).
+    """
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from meshplan.errors import PlanError
+    from meshplan.model_copies import vocab_ends
+    found = [(p, k, root.get_submodule(p)) for p, k in vocab_ends(root, lambda path, m: isinstance(m, FSDPModule))]
+    for path, kind, m in found:
+        problem = vocab_problem(m, path, kind, mesh.size())
+        if problem is not None:
+            raise PlanError(problem)
+    owner = {}  # a weight shared by two of them: the first one's sharded parameter, re-tied after
+    for path, kind, m in found:
+        shared = owner.get(id(m.weight))
+        owner.setdefault(id(m.weight), m)
+        style = (RowwiseParallel if kind == "embedding" else ColwiseParallel)(input_layouts=Shard(0),
+                                                                              output_layouts=Shard(0))
+        parallelize_module(m, mesh, style)
+        if shared is not None:
+            m.weight = shared.weight
+        if kind == "head":  # a mixed-precision model's activations reach the head in param_dtype: the ends keep theirs
+            m.register_forward_pre_hook(_to_weight_dtype)
+    params = {p for _, _, m in found for p in m.parameters()}
+    if divide > 1:
+        for p in params:
+            p.register_hook(lambda g, d=divide: g / d)
+    return params
+
+
+def _to_weight_dtype(module: "nn.Module", args: tuple) -> tuple:
+    w = module.weight.dtype
+    return tuple(a.to(w) if hasattr(a, "is_floating_point") and a.is_floating_point() and a.dtype != w else a
+                 for a in args)

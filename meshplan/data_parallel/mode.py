@@ -129,7 +129,21 @@ def check_layout(section: DataParallel, layout: Any, has_dtensor: bool
     mode, shard_axes, rep_axes = resolve_mode(section, layout)
     if mode in ("fsdp", "hsdp"):
         _check_reshard(section, math.prod(getattr(layout, a) for a in shard_axes), has_dtensor)
+    if section.ends == "vocab_parallel":
+        _check_vocab_ends(mode, layout)
     return mode, shard_axes, rep_axes
+
+
+def _check_vocab_ends(mode: str, layout: Any) -> None:
+    """``ends: vocab_parallel`` shards the ends over FSDP2's one data mesh, where no other axis shards them."""
+    got = f"got mode {mode} with dp_replicate({layout.dp_replicate}) dp_shard({layout.dp_shard}) cp({layout.cp})"
+    if mode != "fsdp":
+        raise PlanError(f"data_parallel.ends: vocab_parallel shards the embedding and head over FSDP2's data ranks "
+                        f"and needs mode fsdp; {got}. Use ends: fsdp, or mode: fsdp")
+    if layout.tp > 1:
+        raise PlanError(f"data_parallel.ends: vocab_parallel is for tp 1, got tp({layout.tp}): tensor "
+                        f"parallelism shards the embedding and head already (its embedding and lm_head rules); "
+                        f"use ends: fsdp")
 
 
 def data_parallel_problem(plan: Any, layout: Any, asked: bool = False, dtensor: bool = False) -> PlanError | None:

@@ -70,7 +70,7 @@ def _shard(model, state, roots, blocks, section, topology, mode, axes, own) -> t
     import torch
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    from meshplan.data_parallel.ends import end_units, reads_ids_only
+    from meshplan.data_parallel.ends import end_units, reads_ids_only, shard_vocab_ends
     dt = {None: None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     mp = MixedPrecisionPolicy(param_dtype=dt[section.param_dtype], reduce_dtype=dt[section.reduce_dtype])
     offload = CPUOffloadPolicy() if section.cpu_offload else OffloadPolicy()
@@ -93,6 +93,10 @@ def _shard(model, state, roots, blocks, section, topology, mode, axes, own) -> t
         for path in blocks:
             fully_shard(model.get_submodule(path), reshard_after_forward=section.reshard_after_forward, **kw)
         for root in roots:  # the embedding and the head as units of their own first (ends.py: why)
+            if section.ends == "vocab_parallel":  # or their rows on each data rank for good (ends.py)
+                mean = section.gradient_reduction == "mean"
+                fully_shard(root, ignored_params=shard_vocab_ends(root, mesh, mesh.size() if mean else 1), **kw)
+                continue
             for mods, keep in end_units(root):
                 fully_shard(mods if len(mods) > 1 else mods[0],
                             reshard_after_forward=False if keep else section.reshard_after_forward, **kw)

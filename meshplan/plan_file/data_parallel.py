@@ -45,6 +45,12 @@ class DataParallel(Strict):
                           "torch's pipeline default; a pipeline stage then holds its whole unsharded parameters and "
                           "gradients). false: reduce-scatter and reshard every microbatch (least memory: one unit "
                           "unsharded at a time; pipelines: full backwards of an eager split).")
+    ends: Literal["fsdp", "vocab_parallel"] = Field(
+        "fsdp", description="The input embedding and the head (nn.Embedding / nn.Linear outside the blocks): fsdp "
+                            "(FSDP2 units: gathered for compute, their whole gradient reduce-scattered) or "
+                            "vocab_parallel (each data rank keeps its 1/shard-size rows for good, as tensor "
+                            "parallelism would over the data ranks: the tokens' activations are gathered instead, "
+                            "no weight is ever whole; fsdp mode at tp 1, for large vocabularies and pipelines).")
     cpu_offload: bool = Field(False, description="Offload sharded parameters, gradients and optimizer state to CPU "
                                                  "(FSDP2 CPUOffloadPolicy; needs an accelerator).")
 

@@ -339,6 +339,11 @@ CASES_BY_WORLD = {
         "tp_only_batch_no_dp_section": lambda: compare({"tp": 2}, microbatches=2, tp=True, sp="batch", no_dp=True),
         "loop_tp_only_accum2": lambda: compare({"tp": 2}, microbatches=2, hand=True, no_dp=True),
         "loop_tp_only_batch": lambda: compare({"tp": 2}, microbatches=2, hand=True, sp="batch", no_dp=True),
+        "fsdp_vocab_ends": lambda: compare({"dp_shard": 2}, {"ends": "vocab_parallel"}),
+        "fsdp_vocab_ends_accum2": lambda: compare({"dp_shard": 2}, {"ends": "vocab_parallel"}, microbatches=2),
+        "fsdp_vocab_ends_accum2_sharded": lambda: compare(
+            {"dp_shard": 2}, {"ends": "vocab_parallel", "accumulate_unsharded": False}, microbatches=2),
+        "counts_fsdp_vocab_ends": lambda: comm_counts({"dp_shard": 2}, {"ends": "vocab_parallel"}),
         "counts_fsdp": lambda: comm_counts({"dp_shard": 2}),
         "counts_fsdp_accum2": lambda: comm_counts({"dp_shard": 2}, microbatches=2),
         "counts_fsdp_accum2_sharded": lambda: comm_counts({"dp_shard": 2}, {"accumulate_unsharded": False},
