@@ -41,7 +41,9 @@ def _parity(results, case, n):
 
 @pytest.mark.parametrize("case", ["fsdp", "fsdp_accum2", "fsdp_accum2_sharded", "ddp", "fsdp_ac_selective",
                                   "tp_only", "tp_only_batch", "tp_only_batch_no_dp_section", "loop_tp_only_accum2",
-                                  "loop_tp_only_batch"])
+                                  "loop_tp_only_batch", "fsdp_vocab_ends", "fsdp_vocab_ends_accum2",
+                                  "fsdp_vocab_ends_accum2_sharded", "fsdp_vocab_ends_tied",
+                                  "loop_fsdp_vocab_ends_accum2"])
 def test_parity_world2(world2, case):
     _parity(world2, case, 2)
 
@@ -115,6 +117,20 @@ def test_fsdp_collectives_per_step(world2):
     sharded = case_result(world2, "counts_fsdp_accum2_sharded", 2)[0]
     assert sharded == {"all_gather@2": 12, "reduce_scatter@2": 8, "all_reduce@2": 2}
     assert case_result(world2, "counts_ddp_accum2", 2)[0] == {"all_reduce@2": 3}  # one bucket, once
+
+
+def test_vocab_ends_collectives_per_step(world2):
+    """``ends: vocab_parallel``: no all-gather or reduce-scatter of the embedding's or the head's weight; the tokens'
+    activations move instead: the embedding all-gathers the token ids and reduce-scatters its output (forward),
+    all-gathers the output's gradient (backward); the head all-gathers its input and exchanges the logits (gloo:
+    DTensor's all-to-all is an all-gather), the same for the logits' gradient, and reduce-scatters the input's
+    gradient; the root unit (the final norm) gathers once and reduce-scatters once; the blocks as before (4 + 2)."""
+    assert case_result(world2, "counts_fsdp_vocab_ends", 2)[0] == {"all_gather@2": 4 + 2 + 3 + 1,
+                                                                   "reduce_scatter@2": 2 + 1 + 1 + 1, "all_reduce@2": 2}
+
+
+def test_vocab_ends_mean_divides_like_fsdp(world2):
+    assert case_result(world2, "vocab_ends_mean", 2)[0] <= RTOL
 
 
 def test_hsdp_collectives_with_accumulation(world4):

@@ -73,7 +73,9 @@ def test_pp_packed_documents_composed(world4, case):
 
 @pytest.mark.parametrize("case", ["pp2_tp2_sp_lp", "pp2_tp2_nosp", "pp2_dp2", "pp2_dp2_reduce_each", "pp4", "pp2_ddp",
                                   "hf_llama_pp2_tp2_sp_lp", "meta_checkpoint_tp2", "meta_materialize_tp2",
-                                  "sharded_init_pp2_tp2"])
+                                  "sharded_init_pp2_tp2", "pp2_dp2_vocab_ends", "pp2_dp2_vocab_ends_reduce_each",
+                                  "pp2_dp2_vocab_ends_tied", "hf_llama_pp2_dp2_vocab_ends",
+                                  "meta_checkpoint_dp2_vocab_ends"])
 def test_pp_composed(world4, case):
     _check(world4, case, 4)
 

@@ -114,10 +114,18 @@ def shard_vocab_ends(root: "nn.Module", mesh: Any, divide: int) -> set:
         if kind == "head":  # a mixed-precision model's activations reach the head in param_dtype: the ends keep theirs
             m.register_forward_pre_hook(_to_weight_dtype)
     params = {p for _, _, m in found for p in m.parameters()}
-    if divide > 1:
-        for p in params:
-            p.register_hook(lambda g, d=divide: g / d)
+    for p in params:
+        p.register_hook(lambda g, p=p, d=divide: _own_rows(g, p.placements, d))
     return params
+
+
+def _own_rows(grad: Any, placements: tuple, divide: int) -> Any:
+    """A gradient contribution as its parameter's rows: torch 2.13's sharded embedding backward computes the whole
+    weight's gradient on every rank (``Replicate``: each rank sees every token); keeping it would hold the full
+    gradient until the optimizer step. Replicate → Shard(0) is a local slice (no communication)."""
+    if tuple(grad.placements) != tuple(placements):
+        grad = grad.redistribute(placements=placements)
+    return grad / divide if divide > 1 else grad
 
 
 def _to_weight_dtype(module: "nn.Module", args: tuple) -> tuple:

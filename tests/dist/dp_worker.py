@@ -237,6 +237,23 @@ def control_mean_of_means():
                for n, p in model.named_parameters())
 
 
+def vocab_ends_mean():
+    """``gradient_reduction: mean`` divides the vocab-parallel ends' gradients as FSDP2 divides its units': after
+    one backward of a per-rank mean loss, every gradient equals the one of the model with FSDP2 ends."""
+    args = tiny_args()
+    topo = meshplan.build_mesh({"dp_shard": 2})
+    x, y = global_batch(0, args.vocab_size)
+    rows = GLOBAL_BATCH // 2
+    xs, ys = (t[topo.data_rank * rows:(topo.data_rank + 1) * rows] for t in (x, y))
+    grads = []
+    for ends in ("fsdp", "vocab_parallel"):
+        torch.manual_seed(0)
+        model = apply_data_parallel(float64_model(build(args)), {"gradient_reduction": "mean", "ends": ends}, topo)
+        F.cross_entropy(model(xs).flatten(0, 1), ys.flatten(), ignore_index=-100).backward()
+        grads.append({n: p.grad.full_tensor() for n, p in model.named_parameters()})
+    return max(float((g - grads[0][n]).norm() / grads[0][n].norm()) for n, g in grads[1].items())
+
+
 def meta_init_and_load(layout):
     """FSDP2 over tensor-parallel Shard(0) weights (colwise, vocab-parallel embedding, lm_head): a meta-device
     model materialized with a seed equals the one-device model, and a full state dict loads into the right rows
@@ -340,9 +357,14 @@ CASES_BY_WORLD = {
         "loop_tp_only_accum2": lambda: compare({"tp": 2}, microbatches=2, hand=True, no_dp=True),
         "loop_tp_only_batch": lambda: compare({"tp": 2}, microbatches=2, hand=True, sp="batch", no_dp=True),
         "fsdp_vocab_ends": lambda: compare({"dp_shard": 2}, {"ends": "vocab_parallel"}),
+        # hand-written: every gradient after each backward has its parameter's placement (_final_grads)
+        "loop_fsdp_vocab_ends_accum2": lambda: compare({"dp_shard": 2}, {"ends": "vocab_parallel"}, microbatches=2,
+                                                       hand=True),
         "fsdp_vocab_ends_accum2": lambda: compare({"dp_shard": 2}, {"ends": "vocab_parallel"}, microbatches=2),
         "fsdp_vocab_ends_accum2_sharded": lambda: compare(
             {"dp_shard": 2}, {"ends": "vocab_parallel", "accumulate_unsharded": False}, microbatches=2),
+        "fsdp_vocab_ends_tied": lambda: compare({"dp_shard": 2}, {"ends": "vocab_parallel"}, tie_embeddings=True),
+        "vocab_ends_mean": vocab_ends_mean,
         "counts_fsdp_vocab_ends": lambda: comm_counts({"dp_shard": 2}, {"ends": "vocab_parallel"}),
         "counts_fsdp": lambda: comm_counts({"dp_shard": 2}),
         "counts_fsdp_accum2": lambda: comm_counts({"dp_shard": 2}, microbatches=2),

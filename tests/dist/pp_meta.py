@@ -23,9 +23,9 @@ from llama import build, tiny_args
 TOL, STEPS, LR = 1e-5, 3, 0.1
 
 
-def _plan(layout, rules):
+def _plan(layout, rules, dp=None):
     plan = {"layout": layout, "blocks": {"pattern": "model.layers.*"},
-            "pipeline": {"schedule": "1f1b", "microbatches": 2}}
+            "pipeline": {"schedule": "1f1b", "microbatches": 2}, **({"data_parallel": dp} if dp else {})}
     if layout.get("tp", 1) > 1:
         plan["tensor_parallel"] = {"sequence_parallel": True, "rules": rules}
     return plan
@@ -53,8 +53,9 @@ def _full(p):
     return (p.full_tensor() if isinstance(p, DTensor) else p).detach()
 
 
-def meta_checkpoint(layout, rules):
-    """Meta → parallelize → load_safetensors → 3 SGD steps, vs the CPU-built model parallelized alike."""
+def meta_checkpoint(layout, rules, dp=None):
+    """Meta → parallelize → load_safetensors → 3 SGD steps, vs the CPU-built model parallelized alike (``dp``: a
+    data_parallel section)."""
     make = functools.partial(hf_models.llama, num_hidden_layers=4)
     path = _shared_dir()
     torch.manual_seed(0)
@@ -63,10 +64,10 @@ def meta_checkpoint(layout, rules):
         full.save_pretrained(path, max_shard_size="40KB")  # several files and an index: read slice by slice
     dist.barrier()
     topo = meshplan.build_mesh(layout)
-    cpu = meshplan.parallelize(full, _plan(layout, rules), topo)
+    cpu = meshplan.parallelize(full, _plan(layout, rules, dp), topo)
     with torch.device("meta"):
         meta = make()
-    meta = meshplan.load_safetensors(meshplan.parallelize(meta, _plan(layout, rules), topo), path)
+    meta = meshplan.load_safetensors(meshplan.parallelize(meta, _plan(layout, rules, dp), topo), path)
     held = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in meta.parameters())
     want, got = _train(cpu, 128), _train(meta, 128)
     cpu_params = dict(cpu.named_parameters())

@@ -276,6 +276,13 @@ CASES_4 = {
     "pp2_dp2": lambda: compare({"pp": 2}, "1f1b", dp={}),
     # FSDP2 reduce-scatters every microbatch (meshplan.pipeline.reducing.ReducingStage), not once per step
     "pp2_dp2_reduce_each": lambda: compare({"pp": 2}, "1f1b", dp={"accumulate_unsharded": False}),
+    # the embedding and head sharded by rows over the 2 data ranks (data_parallel.ends: vocab_parallel), no FSDP2 unit
+    "pp2_dp2_vocab_ends": lambda: compare({"pp": 2}, "1f1b", dp={"ends": "vocab_parallel"}),
+    "pp2_dp2_vocab_ends_reduce_each": lambda: compare({"pp": 2}, "gpipe", dp={"ends": "vocab_parallel",
+                                                                              "accumulate_unsharded": False}),
+    "pp2_dp2_vocab_ends_tied": lambda: compare({"pp": 2}, "1f1b", tied=True, dp={"ends": "vocab_parallel"}),
+    "hf_llama_pp2_dp2_vocab_ends": lambda: compare({"pp": 2}, "1f1b", hf=True, dp={"ends": "vocab_parallel"}),
+    "meta_checkpoint_dp2_vocab_ends": lambda: meta_checkpoint({"pp": 2}, HF_RULES, {"ends": "vocab_parallel"}),
     "pp4": lambda: compare({"pp": 4}, "1f1b", n_layers=4),
     "pp2_ddp": lambda: compare({"pp": 2, "dp_replicate": 2, "dp_shard": 1}, "gpipe", dp={"mode": "ddp"}),
     "hf_llama_pp2_tp2_sp_lp": lambda: compare({"pp": 2, "tp": 2}, "1f1b", n_layers=2, tp=True, sp=True, lp=True,
