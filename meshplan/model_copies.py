@@ -137,8 +137,8 @@ def end_modules(root: nn.Module, wrapped: Callable[[str, nn.Module], bool]) -> l
 
 
 def vocab_ends(root: nn.Module, wrapped: Callable[[str, nn.Module], bool]) -> list[tuple[str, str]]:
-    """``[(path, "embedding" | "head")]``: the modules ``data_parallel.ends: vocab_parallel`` shards by rows over
-    the data ranks: each ``nn.Embedding`` and each ``nn.Linear`` in or under :func:`end_modules` (the embedding,
+    """``[(path, "embedding" | "head")]``: the modules the ``ends: vocab_parallel`` option shards by rows over
+    the ranks of FSDP2's mesh: each ``nn.Embedding`` and each ``nn.Linear`` in or under :func:`end_modules` (the embedding,
     the head; a final norm stays in the root's FSDP2 unit). Pure: ``meshplan check --rank R`` reads it too."""
     out = []
     for path, m in end_modules(root, wrapped):

@@ -6,6 +6,8 @@ records when it applies the axes). Today: data parallelism's
 
 from __future__ import annotations
 
+import math
+
 from typing import TYPE_CHECKING, Any, Mapping
 
 from meshplan.errors import PlanError
@@ -42,6 +44,14 @@ def apply_data_parallel(model: "nn.Module", section: Any = None, topology: "Topo
     if state is not None and state.data_parallel is not None:
         raise PlanError(f"data_parallel was already applied to this {type(model).__name__}")
     resolved = check_data_parallel(model, section, topology)
+    if section.ends == "vocab_parallel":  # before the blocks step changes anything
+        from meshplan.blocks import block_paths
+        from meshplan.data_parallel.ends import vocab_ends_problem
+        ran = blocks is None and state is not None and state.blocks is not None
+        problem = vocab_ends_problem(model, state.blocks.paths if ran else block_paths(model, blocks),
+                                     math.prod(getattr(topology.layout, a) for a in resolved[1] or ()))
+        if problem is not None:
+            raise PlanError(problem)
     if blocks is not None or state is None or state.blocks is None:
         apply_blocks(model, blocks)
     state = parallel_state(model)

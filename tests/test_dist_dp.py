@@ -43,14 +43,15 @@ def _parity(results, case, n):
                                   "tp_only", "tp_only_batch", "tp_only_batch_no_dp_section", "loop_tp_only_accum2",
                                   "loop_tp_only_batch", "fsdp_vocab_ends", "fsdp_vocab_ends_accum2",
                                   "fsdp_vocab_ends_accum2_sharded", "fsdp_vocab_ends_tied",
-                                  "loop_fsdp_vocab_ends_accum2"])
+                                  "loop_fsdp_vocab_ends_accum2", "fsdp_chunked_rs", "fsdp_chunked_rs_accum2_sharded",
+                                  "fsdp_vocab_ends_chunked_rs_accum2"])
 def test_parity_world2(world2, case):
     _parity(world2, case, 2)
 
 
 @pytest.mark.parametrize("case", ["fsdp_tp", "hsdp", "ddp_tp", "fsdp_tp_loss_parallel", "fsdp_tp_batch",
                                   "fsdp_reshard2_accum2", "loop_fsdp_tp", "loop_fsdp_tp_accum2", "loop_fsdp_tp_nosync2",
-                                  "loop_ddp_tp_accum2", "loop_fsdp_tp_batch"])
+                                  "loop_ddp_tp_accum2", "loop_fsdp_tp_batch", "hsdp_chunked_rs"])
 def test_parity_world4(world4, case):
     _parity(world4, case, 4)
 
@@ -127,6 +128,10 @@ def test_vocab_ends_collectives_per_step(world2):
     gradient; the root unit (the final norm) gathers once and reduce-scatters once; the blocks as before (4 + 2)."""
     assert case_result(world2, "counts_fsdp_vocab_ends", 2)[0] == {"all_gather@2": 4 + 2 + 3 + 1,
                                                                    "reduce_scatter@2": 2 + 1 + 1 + 1, "all_reduce@2": 2}
+
+
+def test_chunked_reduce_scatter_equals_gloo_and_frees_its_input(world2):
+    assert case_result(world2, "chunked_reduce_scatter", 2)[0] == "ChunkedReduceScatter(piece_bytes=64)"
 
 
 def test_vocab_ends_mean_divides_like_fsdp(world2):

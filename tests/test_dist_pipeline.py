@@ -75,7 +75,7 @@ def test_pp_packed_documents_composed(world4, case):
                                   "hf_llama_pp2_tp2_sp_lp", "meta_checkpoint_tp2", "meta_materialize_tp2",
                                   "sharded_init_pp2_tp2", "pp2_dp2_vocab_ends", "pp2_dp2_vocab_ends_reduce_each",
                                   "pp2_dp2_vocab_ends_tied", "hf_llama_pp2_dp2_vocab_ends",
-                                  "meta_checkpoint_dp2_vocab_ends"])
+                                  "meta_checkpoint_dp2_vocab_ends", "pp2_dp2_vocab_ends_chunked_rs"])
 def test_pp_composed(world4, case):
     _check(world4, case, 4)
 

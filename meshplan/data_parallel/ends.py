@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch.nn as nn
 
-__all__ = ["end_units", "reads_ids_only", "shard_vocab_ends", "vocab_problem"]
+__all__ = ["end_units", "reads_ids_only", "shard_vocab_ends", "vocab_ends_problem", "vocab_problem"]
 
 
 def end_units(root: "nn.Module") -> list[tuple[list["nn.Module"], bool]]:
@@ -64,22 +64,38 @@ def reads_ids_only(module: "nn.Module") -> bool:
             and "forward" not in vars(module) and not module.sparse)
 
 
-def vocab_problem(module: "nn.Module", path: str, kind: str, ranks: int) -> str | None:
-    """Why ``ends: vocab_parallel`` cannot shard ``module`` (at ``path``, an end ``kind``) over ``ranks`` data
-    ranks, or None."""
+def vocab_problem(module: "nn.Module", path: str, ranks: int) -> str | None:
+    """Why ``ends: vocab_parallel`` cannot shard ``module`` (at ``path``: an embedding or a head) over ``ranks``
+    data ranks, or None."""
     import torch.nn as nn
     rows = module.weight.shape[0]
     what = f"data_parallel.ends: vocab_parallel: {path} ({type(module).__name__})"
-    if kind == "embedding" and not (reads_ids_only(module) and module.max_norm is None):
+    lookup = isinstance(module, nn.Embedding)
+    if lookup and not (reads_ids_only(module) and module.max_norm is None):
         return (f"{what} is not a plain dense nn.Embedding (a forward of its own, sparse or max_norm): its rows "
                 f"cannot be looked up shard by shard; use ends: fsdp")
-    if kind == "head" and not isinstance(module, nn.Linear):
+    if not lookup and not isinstance(module, nn.Linear):
         return f"{what} is not an nn.Linear; use ends: fsdp"
     if rows % ranks:
         from meshplan.mesh.ranks import divisors_text
         return (f"{what}: {ranks} data ranks do not divide its {rows} rows; data ranks that do: "
                 f"{divisors_text(rows, lambda d: d <= max(ranks, 64))}; or use ends: fsdp")
     return None
+
+
+def vocab_ends_problem(model: "nn.Module", blocks: list[str], ranks: int) -> str | None:
+    """``ends: vocab_parallel`` on ``model`` before anything changes (``meshplan check``, ``parallelize``'s prepare,
+    ``apply_data_parallel``): a module outside the ``blocks`` (paths) it cannot shard over ``ranks`` data ranks
+    (:func:`vocab_problem`), or none at all to shard; else None."""
+    from meshplan.model_copies import vocab_ends
+    inside = lambda path, m: any(path == b or path.startswith(b + ".") for b in blocks)  # noqa: E731
+    found = vocab_ends(model, inside)
+    if not found:
+        return (f"data_parallel.ends: vocab_parallel found no nn.Embedding or nn.Linear outside the blocks "
+                f"({len(blocks)} blocks: {', '.join(blocks[:2])}{', ...' if len(blocks) > 2 else ''}); "
+                f"use ends: fsdp")
+    return next((p for p in (vocab_problem(model.get_submodule(path), path, ranks) for path, _ in found)
+                 if p is not None), None)
 
 
 def shard_vocab_ends(root: "nn.Module", mesh: Any, divide: int) -> set:
@@ -91,6 +107,7 @@ def shard_vocab_ends(root: "nn.Module", mesh: Any, divide: int) -> set:
     Raises:
         PlanError: a module the styles cannot shard (:func:`vocab_problem`).
     """
+    import torch.nn as nn
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -98,21 +115,21 @@ def shard_vocab_ends(root: "nn.Module", mesh: Any, divide: int) -> set:
     from meshplan.errors import PlanError
     from meshplan.model_copies import vocab_ends
     found = [(p, k, root.get_submodule(p)) for p, k in vocab_ends(root, lambda path, m: isinstance(m, FSDPModule))]
-    for path, kind, m in found:
-        problem = vocab_problem(m, path, kind, mesh.size())
+    for path, _, m in found:
+        problem = vocab_problem(m, path, mesh.size())
         if problem is not None:
             raise PlanError(problem)
     owner = {}  # a weight shared by two of them: the first one's sharded parameter, re-tied after
-    for path, kind, m in found:
+    for _, _, m in found:
         shared = owner.get(id(m.weight))
         owner.setdefault(id(m.weight), m)
-        style = (RowwiseParallel if kind == "embedding" else ColwiseParallel)(input_layouts=Shard(0),
-                                                                              output_layouts=Shard(0))
+        style = (RowwiseParallel if isinstance(m, nn.Embedding) else ColwiseParallel)(input_layouts=Shard(0),
+                                                                                       output_layouts=Shard(0))
         parallelize_module(m, mesh, style)
         if shared is not None:
             m.weight = shared.weight
-        if kind == "head":  # a mixed-precision model's activations reach the head in param_dtype: the ends keep theirs
-            m.register_forward_pre_hook(_to_weight_dtype)
+        if not isinstance(m, nn.Embedding):  # mixed precision: activations reach the head in param_dtype, the
+            m.register_forward_pre_hook(_to_weight_dtype)  # ends compute in their parameters' dtype
     params = {p for _, _, m in found for p in m.parameters()}
     for p in params:
         p.register_hook(lambda g, p=p, d=divide: _own_rows(g, p.placements, d))
@@ -124,7 +141,13 @@ def _own_rows(grad: Any, placements: tuple, divide: int) -> Any:
     weight's gradient on every rank (``Replicate``: each rank sees every token); keeping it would hold the full
     gradient until the optimizer step. Replicate → Shard(0) is a local slice (no communication)."""
     if tuple(grad.placements) != tuple(placements):
-        grad = grad.redistribute(placements=placements)
+        rows = grad.redistribute(placements=placements)
+        local = rows.to_local()
+        if local.untyped_storage().nbytes() > local.numel() * local.element_size():  # a view of the whole: copy
+            from torch.distributed.tensor import DTensor
+            rows = DTensor.from_local(local.clone(), rows.device_mesh, placements, shape=rows.shape,
+                                      stride=rows.stride())
+        grad = rows
     return grad / divide if divide > 1 else grad
 
 

@@ -118,6 +118,10 @@ def check_data_parallel(model: "nn.Module", section: DataParallel, topology: "To
         raise PlanError(f"data_parallel.cpu_offload: true needs an accelerator (mesh device "
                         f"{topology.dense.device_type!r}); torch 2.13's CPUOffloadPolicy copies between host and "
                         f"device memory. Set cpu_offload: false on CPU-only runs")
+    if section.reduce_scatter == "chunked" and topology.dense.device_type != "cpu":
+        raise PlanError(f"data_parallel.reduce_scatter: chunked is for CPU (gloo) meshes, got mesh device "
+                        f"{topology.dense.device_type!r}: its reduces and freed buffers would race the GPU's "
+                        f"collective streams; use reduce_scatter: collective")
     return check_layout(section, topology.layout, any(isinstance(p, DTensor) for p in model.parameters()))
 
 
@@ -139,7 +143,7 @@ def _check_vocab_ends(mode: str, layout: Any) -> None:
     got = f"got mode {mode} with dp_replicate({layout.dp_replicate}) dp_shard({layout.dp_shard}) cp({layout.cp})"
     if mode != "fsdp":
         raise PlanError(f"data_parallel.ends: vocab_parallel shards the embedding and head over FSDP2's data ranks "
-                        f"and needs mode fsdp; {got}. Use ends: fsdp, or mode: fsdp")
+                        f"and needs mode fsdp; {got}: use ends: fsdp, or mode: fsdp")
     if layout.tp > 1:
         raise PlanError(f"data_parallel.ends: vocab_parallel is for tp 1, got tp({layout.tp}): tensor "
                         f"parallelism shards the embedding and head already (its embedding and lm_head rules); "

@@ -9,6 +9,7 @@ Torch-free (the solver imports it): each callable imports this folder's torch co
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from meshplan.axis import Axis
@@ -28,8 +29,28 @@ def _asks(layout: Any, others: tuple) -> tuple[bool, bool]:
 def _check(model: Any, plan: Any, layout: Any, report: Any, others: tuple = ()) -> None:
     """``meshplan check``: the error :func:`_prepare` raises before anything changes (none: nothing added)."""
     problem = data_parallel_problem(plan, layout, *_asks(layout, others))
+    if problem is None and model is not None and needed(plan, layout, _asks(layout, others)[0]):
+        problem = _ends_problem(model, plan, layout)
     if problem is not None:
         report.errors.append(problem)
+
+
+def _ends_problem(model: Any, plan: Any, layout: Any) -> PlanError | None:
+    """``ends: vocab_parallel``'s refusal of the model's ends (:func:`.ends.vocab_ends_problem`), or None."""
+    section = plan.data_parallel
+    if section is None or section.ends != "vocab_parallel" or layout is None:
+        return None
+    from meshplan.data_parallel.ends import vocab_ends_problem
+    from meshplan.data_parallel.mode import resolve_mode
+    from meshplan.plan_file.blocks import Blocks
+    from meshplan.plan_file.patterns import match_pattern
+    try:
+        blocks = match_pattern(model, (plan.blocks or Blocks()).pattern, "blocks")
+    except PlanError:  # reported where the blocks are checked (meshplan.blocks.block_paths)
+        return None
+    _, shard_axes, _ = resolve_mode(section, layout)
+    text = vocab_ends_problem(model, blocks, math.prod(getattr(layout, a) for a in shard_axes))
+    return PlanError(text) if text else None
 
 
 def _prepare(model: Any, plan: Any, topology: Any, others: tuple = ()) -> DataParallel | None:
@@ -46,6 +67,9 @@ def _prepare(model: Any, plan: Any, topology: Any, others: tuple = ()) -> DataPa
         raise problem
     section = plan.data_parallel or DataParallel()
     check_data_parallel(model, section, topology)  # CPU offload without an accelerator, DTensors already there
+    problem = _ends_problem(model, plan, layout)
+    if problem is not None:
+        raise problem
     return section
 
 

@@ -109,8 +109,12 @@ def _shard(model, state, roots, blocks, section, topology, mode, axes, own) -> t
                         mods[0].set_unshard_in_backward(False)
             fully_shard(root, **kw)  # the root: torch keeps its parameters gathered after forward
     from torch.distributed.fsdp import FSDPModule
+
+    from meshplan.data_parallel.chunked import ChunkedReduceScatter
     for m in {id(m): m for r in [model, *roots] for m in r.modules()}.values():
         if isinstance(m, FSDPModule):
+            if section.reduce_scatter == "chunked":  # gloo: no input-sized buffers kept (chunked.py)
+                m.set_custom_reduce_scatter(ChunkedReduceScatter())
             if section.gradient_reduction == "sum":
                 m.set_gradient_divide_factor(1.0)
             m.set_force_sum_reduction_for_comms(True)  # gloo lacks AVG/PREMUL_SUM; "mean" post-divides

@@ -51,6 +51,11 @@ class DataParallel(Strict):
                             "vocab_parallel (each data rank keeps its 1/shard-size rows for good, as tensor "
                             "parallelism would over the data ranks: the tokens' activations are gathered instead, "
                             "no weight is ever whole; fsdp mode at tp 1, for large vocabularies and pipelines).")
+    reduce_scatter: Literal["collective", "chunked"] = Field(
+        "collective", description="How FSDP2 reduce-scatters gradients: collective (one reduce_scatter per unit) or "
+                                  "chunked (CPU/gloo only: each rank's chunk reduced to it in pieces of at most "
+                                  "16 MiB, its input freed at once: no input-sized buffer inside gloo's "
+                                  "reduce-scatter nor one kept until the next unit's reduction; same sums).")
     cpu_offload: bool = Field(False, description="Offload sharded parameters, gradients and optimizer state to CPU "
                                                  "(FSDP2 CPUOffloadPolicy; needs an accelerator).")
 

@@ -254,6 +254,20 @@ def vocab_ends_mean():
     return max(float((g - grads[0][n]).norm() / grads[0][n].norm()) for n, g in grads[1].items())
 
 
+def chunked_reduce_scatter():
+    """``ChunkedReduceScatter`` with pieces of 64 bytes (many per chunk, a short last one) equals gloo's
+    reduce_scatter_tensor bit for bit, and frees its input."""
+    from meshplan.data_parallel.chunked import ChunkedReduceScatter
+    comm, group = ChunkedReduceScatter(piece_bytes=64), dist.group.WORLD
+    x = torch.arange(1002.0, dtype=torch.float64) * (dist.get_rank() + 1.5)
+    want = torch.empty(1002 // WORLD, dtype=torch.float64)
+    dist.reduce_scatter_tensor(want, x.clone())
+    got = comm.allocate((1002 // WORLD,), dtype=torch.float64, device=x.device)
+    comm(output_tensor=got, input_tensor=x, group=group, op=dist.ReduceOp.SUM)
+    assert torch.equal(got, want) and x.untyped_storage().nbytes() == 0, (got, want)
+    return repr(comm)
+
+
 def meta_init_and_load(layout):
     """FSDP2 over tensor-parallel Shard(0) weights (colwise, vocab-parallel embedding, lm_head): a meta-device
     model materialized with a seed equals the one-device model, and a full state dict loads into the right rows
@@ -337,6 +351,8 @@ CASES_BY_WORLD = {
         "loop_fsdp_tp_batch": lambda: compare({"dp_shard": 2, "tp": 2}, microbatches=2, hand=True, sp="batch"),
         "counts_fsdp_tp_accum2": lambda: comm_counts({"dp_shard": 2, "tp": 2}, tp=True, microbatches=2),
         "counts_hsdp_accum2": lambda: comm_counts({"dp_replicate": 2, "dp_shard": 2}, microbatches=2),
+        "hsdp_chunked_rs": lambda: compare({"dp_replicate": 2, "dp_shard": 2}, {"reduce_scatter": "chunked"},
+                                           microbatches=2),
     },
     8: {
         "regather_tp4_fsdp2": lambda: compare({"dp_shard": 2, "tp": 4}, tp=True, n_kv_heads=4, opt_kind="sgd"),
@@ -365,6 +381,12 @@ CASES_BY_WORLD = {
             {"dp_shard": 2}, {"ends": "vocab_parallel", "accumulate_unsharded": False}, microbatches=2),
         "fsdp_vocab_ends_tied": lambda: compare({"dp_shard": 2}, {"ends": "vocab_parallel"}, tie_embeddings=True),
         "vocab_ends_mean": vocab_ends_mean,
+        "chunked_reduce_scatter": chunked_reduce_scatter,
+        "fsdp_chunked_rs": lambda: compare({"dp_shard": 2}, {"reduce_scatter": "chunked"}),
+        "fsdp_chunked_rs_accum2_sharded": lambda: compare(
+            {"dp_shard": 2}, {"reduce_scatter": "chunked", "accumulate_unsharded": False}, microbatches=2),
+        "fsdp_vocab_ends_chunked_rs_accum2": lambda: compare(
+            {"dp_shard": 2}, {"ends": "vocab_parallel", "reduce_scatter": "chunked"}, microbatches=2),
         "counts_fsdp_vocab_ends": lambda: comm_counts({"dp_shard": 2}, {"ends": "vocab_parallel"}),
         "counts_fsdp": lambda: comm_counts({"dp_shard": 2}),
         "counts_fsdp_accum2": lambda: comm_counts({"dp_shard": 2}, microbatches=2),
