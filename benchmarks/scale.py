@@ -58,27 +58,22 @@ def model_specs(size: str, ckpt: Path) -> dict:
                 "dcp_dir": str(ckpt / f"{k}-dcp")} for k, (c, m, cfg) in models.items()}
 
 
-def layout_plans(microbatches: int = 2, accumulate_unsharded: bool = True,
-                 reduce_scatter: str = "collective") -> dict:
-    """``{layout name: {"model": ..., "plan": plan data}}`` from the repo's transformers plans
-    (``accumulate_unsharded``, ``reduce_scatter``: ``pp2fsdp2``'s and ``pp2fsdp2v``'s ``data_parallel`` keys)."""
+def layout_plans(microbatches: int = 2, dp: dict | None = None) -> dict:
+    """``{layout name: {"model": ..., "plan": plan data}}`` from the repo's transformers plans (``dp``: more keys of
+    ``pp2fsdp2``'s and ``pp2fsdp2v``'s ``data_parallel`` section: ``accumulate_unsharded``, ``reduce_scatter``,
+    ``backward_prefetch``)."""
     def read(name: str) -> dict:
         return yaml.safe_load((ROOT / "plans" / name).read_text())
     llama, pipe = read("hf_llama.yaml"), {"schedule": "1f1b", "microbatches": microbatches}
+    fsdp = {"version": 1, "layout": {"pp": 2, "dp_shard": 2}, "blocks": llama["blocks"], "pipeline": pipe}
     return {
         "tp4": {"model": "llama", "plan": {**llama, "layout": {"tp": 4}}},
         "pp2tp2": {"model": "llama", "plan": {**llama, "layout": {"pp": 2, "tp": 2}, "pipeline": pipe,
                                               "tensor_parallel": {**llama["tensor_parallel"], "loss_parallel": False}}},
-        "pp2fsdp2": {"model": "llama", "plan": {"version": 1, "layout": {"pp": 2, "dp_shard": 2},
-                                                "blocks": llama["blocks"], "pipeline": pipe,
-                                                "data_parallel": {"mode": "fsdp", "reduce_scatter": reduce_scatter,
-                                                                  "accumulate_unsharded": accumulate_unsharded}}},
+        "pp2fsdp2": {"model": "llama", "plan": {**fsdp, "data_parallel": {"mode": "fsdp", **(dp or {})}}},
         # the same with the embedding and head sharded by rows over the 2 data ranks instead of FSDP2 units
-        "pp2fsdp2v": {"model": "llama", "plan": {"version": 1, "layout": {"pp": 2, "dp_shard": 2},
-                                                 "blocks": llama["blocks"], "pipeline": pipe,
-                                                 "data_parallel": {"mode": "fsdp", "ends": "vocab_parallel",
-                                                                   "reduce_scatter": reduce_scatter,
-                                                                   "accumulate_unsharded": accumulate_unsharded}}},
+        "pp2fsdp2v": {"model": "llama", "plan": {**fsdp, "data_parallel": {"mode": "fsdp", "ends": "vocab_parallel",
+                                                                           **(dp or {})}}},
         "ep": {"model": "moe", "plan": read("hf_mixtral_ep.yaml")},
         "cp2tp2": {"model": "llama", "plan": read("hf_llama_cp.yaml")},
     }
@@ -200,8 +195,9 @@ def run(args) -> dict:
     """The launches; ``{"one": {rank: result}, "world": {rank: result}, "est": {"layout:rank": bytes}}``."""
     work = Path(args.work or tempfile.mkdtemp(prefix="meshplan-scale-"))
     models = model_specs(args.size, work / "ckpt")
-    layouts = {k: v for k, v in layout_plans(accumulate_unsharded=args.accumulate_unsharded == "true",
-                                             reduce_scatter=args.reduce_scatter).items() if k in args.layouts}
+    dp = {"accumulate_unsharded": args.accumulate_unsharded == "true", "reduce_scatter": args.reduce_scatter,
+          "backward_prefetch": args.backward_prefetch == "true"}
+    layouts = {k: v for k, v in layout_plans(dp=dp).items() if k in args.layouts}
     used = sorted({v["model"] for v in layouts.values()})
     base = {"models": {k: models[k] for k in used}, "init_mode": args.init_mode, "adamw": args.adamw,
             "batch": args.batch, "seq": args.seq,
@@ -241,6 +237,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--reduce-scatter", choices=("collective", "chunked"), default="collective",
                     help="pp2fsdp2's and pp2fsdp2v's data_parallel.reduce_scatter (chunked: gloo without "
                          "input-sized buffers)")
+    ap.add_argument("--backward-prefetch", choices=("true", "false"), default="true",
+                    help="pp2fsdp2's and pp2fsdp2v's data_parallel.backward_prefetch (false: one unit gathered at "
+                         "a time)")
     ap.add_argument("--adamw", choices=("fused", "default"), default="fused",
                     help="torch.optim.AdamW(fused=True) (no per-parameter temporaries on CPU) or torch's default "
                          "(CPU: single-tensor, 2 x the largest local shard of temporaries in its step)")

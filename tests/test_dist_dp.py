@@ -44,7 +44,7 @@ def _parity(results, case, n):
                                   "loop_tp_only_batch", "fsdp_vocab_ends", "fsdp_vocab_ends_accum2",
                                   "fsdp_vocab_ends_accum2_sharded", "fsdp_vocab_ends_tied",
                                   "loop_fsdp_vocab_ends_accum2", "fsdp_chunked_rs", "fsdp_chunked_rs_accum2_sharded",
-                                  "fsdp_vocab_ends_chunked_rs_accum2"])
+                                  "fsdp_vocab_ends_chunked_rs_accum2", "fsdp_no_prefetch_accum2_sharded"])
 def test_parity_world2(world2, case):
     _parity(world2, case, 2)
 
@@ -132,6 +132,10 @@ def test_vocab_ends_collectives_per_step(world2):
 
 def test_chunked_reduce_scatter_equals_gloo_and_frees_its_input(world2):
     assert case_result(world2, "chunked_reduce_scatter", 2)[0] == "ChunkedReduceScatter(piece_bytes=64)"
+
+
+def test_vocab_ends_from_meta_keep_their_rows_gradients(world2):
+    assert case_result(world2, "vocab_ends_from_meta", 2)[0] <= RTOL
 
 
 def test_vocab_ends_mean_divides_like_fsdp(world2):

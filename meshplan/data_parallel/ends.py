@@ -130,10 +130,28 @@ def shard_vocab_ends(root: "nn.Module", mesh: Any, divide: int) -> set:
             m.weight = shared.weight
         if not isinstance(m, nn.Embedding):  # mixed precision: activations reach the head in param_dtype, the
             m.register_forward_pre_hook(_to_weight_dtype)  # ends compute in their parameters' dtype
-    params = {p for _, _, m in found for p in m.parameters()}
-    for p in params:
-        p.register_hook(lambda g, p=p, d=divide: _own_rows(g, p.placements, d))
-    return params
+    for _, _, m in found:  # on the parameter each forward uses: materialize and loading replace them
+        m.register_forward_pre_hook(_RowsHook(divide=divide))
+    return {p for _, _, m in found for p in m.parameters()}
+
+
+class _RowsHook:
+    """A forward pre-hook giving the module's current parameters (once each) the gradient hook
+    :func:`_own_rows`; parameters replaced since (``materialize``, a checkpoint load) get it at their first forward."""
+
+    def __init__(self, *, divide: int) -> None:
+        self.divide, self.hooked = divide, {}  # id → weak reference (tensors compare by value)
+
+    def __call__(self, module: "nn.Module", args: tuple) -> None:
+        import weakref
+        for p in module.parameters(recurse=False):
+            known = self.hooked.get(id(p))
+            if p.requires_grad and (known is None or known() is not p):
+                p.register_hook(lambda g, p=p, d=self.divide: _own_rows(g, p.placements, d))
+                self.hooked[id(p)] = weakref.ref(p)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(divide={self.divide})"
 
 
 def _own_rows(grad: Any, placements: tuple, divide: int) -> Any:

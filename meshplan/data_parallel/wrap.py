@@ -115,6 +115,8 @@ def _shard(model, state, roots, blocks, section, topology, mode, axes, own) -> t
         if isinstance(m, FSDPModule):
             if section.reduce_scatter == "chunked":  # gloo: no input-sized buffers kept (chunked.py)
                 m.set_custom_reduce_scatter(ChunkedReduceScatter())
+            if not section.backward_prefetch and mode != "ddp":  # prefetching itself: a no-op (an empty list is
+                m.set_modules_to_backward_prefetch([m])  # torch's implicit prefetch)
             if section.gradient_reduction == "sum":
                 m.set_gradient_divide_factor(1.0)
             m.set_force_sum_reduction_for_comms(True)  # gloo lacks AVG/PREMUL_SUM; "mean" post-divides

@@ -254,6 +254,31 @@ def vocab_ends_mean():
     return max(float((g - grads[0][n]).norm() / grads[0][n].norm()) for n, g in grads[1].items())
 
 
+def vocab_ends_from_meta():
+    """Meta → parallelize (vocab ends) → materialize: the replaced parameters still get their rows' gradients
+    (each contribution sliced to the rank's rows, not the whole weight's kept) equal to the CPU-built model's."""
+    args = tiny_args()
+    topo = meshplan.build_mesh({"dp_shard": 2})
+    x, y = global_batch(0, args.vocab_size)
+    rows = GLOBAL_BATCH // 2
+    xs, ys = (t[topo.data_rank * rows:(topo.data_rank + 1) * rows] for t in (x, y))
+    grads = []
+    for device in ("cpu", "meta"):
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = build(args)
+        model = meshplan.parallelize(model, {"data_parallel": {"ends": "vocab_parallel"}}, topo)
+        if device == "meta":
+            model = meshplan.materialize(model, seed=0)
+        for _ in range(2):  # two contributions accumulated
+            sum_ce(model(xs), ys).backward()
+        _final_grads(model)
+        emb = model.tok_embeddings.weight.grad.to_local()
+        assert emb.untyped_storage().nbytes() == emb.numel() * emb.element_size(), "the whole gradient kept"
+        grads.append({n: p.grad.full_tensor() for n, p in model.named_parameters()})
+    return max(float((g - grads[0][n]).norm() / grads[0][n].norm()) for n, g in grads[1].items())
+
+
 def chunked_reduce_scatter():
     """``ChunkedReduceScatter`` with pieces of 64 bytes (many per chunk, a short last one) equals gloo's
     reduce_scatter_tensor bit for bit, and frees its input."""
@@ -382,6 +407,9 @@ CASES_BY_WORLD = {
         "fsdp_vocab_ends_tied": lambda: compare({"dp_shard": 2}, {"ends": "vocab_parallel"}, tie_embeddings=True),
         "vocab_ends_mean": vocab_ends_mean,
         "chunked_reduce_scatter": chunked_reduce_scatter,
+        "fsdp_no_prefetch_accum2_sharded": lambda: compare(
+            {"dp_shard": 2}, {"backward_prefetch": False, "accumulate_unsharded": False}, microbatches=2),
+        "vocab_ends_from_meta": vocab_ends_from_meta,
         "fsdp_chunked_rs": lambda: compare({"dp_shard": 2}, {"reduce_scatter": "chunked"}),
         "fsdp_chunked_rs_accum2_sharded": lambda: compare(
             {"dp_shard": 2}, {"reduce_scatter": "chunked", "accumulate_unsharded": False}, microbatches=2),
