@@ -61,7 +61,7 @@ def model_specs(size: str, ckpt: Path) -> dict:
 def layout_plans(microbatches: int = 2, dp: dict | None = None) -> dict:
     """``{layout name: {"model": ..., "plan": plan data}}`` from the repo's transformers plans (``dp``: more keys of
     ``pp2fsdp2``'s and ``pp2fsdp2v``'s ``data_parallel`` section: ``accumulate_unsharded``, ``reduce_scatter``,
-    ``backward_prefetch``)."""
+    ``prefetch``)."""
     def read(name: str) -> dict:
         return yaml.safe_load((ROOT / "plans" / name).read_text())
     llama, pipe = read("hf_llama.yaml"), {"schedule": "1f1b", "microbatches": microbatches}
@@ -196,7 +196,7 @@ def run(args) -> dict:
     work = Path(args.work or tempfile.mkdtemp(prefix="meshplan-scale-"))
     models = model_specs(args.size, work / "ckpt")
     dp = {"accumulate_unsharded": args.accumulate_unsharded == "true", "reduce_scatter": args.reduce_scatter,
-          "backward_prefetch": args.backward_prefetch == "true"}
+          "prefetch": args.prefetch == "true"}
     layouts = {k: v for k, v in layout_plans(dp=dp).items() if k in args.layouts}
     used = sorted({v["model"] for v in layouts.values()})
     base = {"models": {k: models[k] for k in used}, "init_mode": args.init_mode, "adamw": args.adamw,
@@ -237,8 +237,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--reduce-scatter", choices=("collective", "chunked"), default="collective",
                     help="pp2fsdp2's and pp2fsdp2v's data_parallel.reduce_scatter (chunked: gloo without "
                          "input-sized buffers)")
-    ap.add_argument("--backward-prefetch", choices=("true", "false"), default="true",
-                    help="pp2fsdp2's and pp2fsdp2v's data_parallel.backward_prefetch (false: one unit gathered at "
+    ap.add_argument("--prefetch", choices=("true", "false"), default="true",
+                    help="pp2fsdp2's and pp2fsdp2v's data_parallel.prefetch (false: one unit gathered at "
                          "a time)")
     ap.add_argument("--adamw", choices=("fused", "default"), default="fused",
                     help="torch.optim.AdamW(fused=True) (no per-parameter temporaries on CPU) or torch's default "

@@ -27,7 +27,7 @@ __all__ = [
     "queue_backward_callback", "saved_tensors_hooks_active", "hook_registered", "tensor_version",  # autograd
     "foreach_mul_", "safe_softmax", "LOG_SOFTMAX", "CPU_FLASH_ATTENTION", "CPU_FLASH_ATTENTION_BACKWARD",  # ops
     "DropoutNd", "module_parameters", "module_buffers", "style_prepare_fns", "TorchDispatchMode",  # modules, modes
-    "checkpoint_wrapper", "CheckpointWrapper", "CHECKPOINT_PREFIX", "replicate",  # data parallelism
+    "checkpoint_wrapper", "CheckpointWrapper", "CHECKPOINT_PREFIX", "replicate", "unshard_in_place",  # data parallel
     "step_microbatches", "ring_attention_dispatch", "CHECKPOINT_PRIVATE_GLOBALS",  # pipeline, cp, checkpoints
     "set_group_timeout", "group_options", "default_store", "flight_recorder_dump", "forget_groups",  # faults
 ]
@@ -154,7 +154,6 @@ def tensor_version(t: torch.Tensor) -> int:
 
 # a mode that sees every aten op: the shadow check records the collectives each region issues
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
-
 # maps over nested args/outputs (tuples, dicts, dataclasses) as torch flattens them: modes and output hooks
 from torch.utils._pytree import tree_leaves, tree_map  # noqa: E402
 
@@ -163,20 +162,16 @@ from torch.utils._pytree import tree_leaves, tree_map  # noqa: E402
 
 # one fused in-place multiply over every gradient: clipping scales all grads in one call
 foreach_mul_ = torch._foreach_mul_
-
 # SDPA's math-path softmax (a fully masked row gives 0, not NaN): sdpa_math matches it bit for bit
 safe_softmax = torch._safe_softmax
-
 # one of the ops torch's loss_parallel patches: its handler's presence says loss_parallel is active
 LOG_SOFTMAX = torch.ops.aten._log_softmax.default
-
 # what CPU SDPA dispatches to with dropout_p == 0: the ops meshplan gives a DTensor sharding rule
 CPU_FLASH_ATTENTION = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 CPU_FLASH_ATTENTION_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 
 
 # ---------------------------------------------------------------- modules and styles
-
 DropoutNd = nn.modules.dropout._DropoutNd  # the base of every nn.Dropout*: how tp finds the dropouts of a model
 
 
@@ -238,6 +233,11 @@ def remove_split_marker(m: nn.Module) -> None:
     model as it was."""
     if "_orig_forward" in vars(m):
         del m.forward, m._orig_forward
+
+
+def unshard_in_place(module: nn.Module) -> None:
+    """FSDP2 units under ``module`` gather with ``async_op=True``: each all-gather result freed after its copy-out."""
+    module._set_unshard_async_op(True)
 
 
 def step_microbatches(schedule: Any, n: int) -> None:

@@ -286,3 +286,17 @@ def test_forget_groups_drops_the_root_mesh_reference(fake_pg):
         dist.destroy_process_group(group)
         _torch.forget_groups([mesh["b"]], [group.group_name])
         assert group.group_name not in mesh._pg_registry and mesh.get_group("a").group_name in mesh._pg_registry
+
+
+def test_unshard_in_place_sets_fsdp_async_unshard(fake_pg):
+    """``data_parallel.prefetch: false`` relies on it: every FSDP2 param group gathers with async_op=True."""
+    from torch.distributed.fsdp import fully_shard
+    with fake_pg(2):
+        mesh = init_device_mesh("cpu", (2,))
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        fully_shard(model[0], mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        _torch.unshard_in_place(model)
+        groups = [g for m in model.modules() if hasattr(m, "_get_fsdp_state")
+                  for g in m._get_fsdp_state()._fsdp_param_groups]
+        assert len(groups) == 2 and all(g.unshard_async_op for g in groups)

@@ -110,13 +110,15 @@ def _shard(model, state, roots, blocks, section, topology, mode, axes, own) -> t
             fully_shard(root, **kw)  # the root: torch keeps its parameters gathered after forward
     from torch.distributed.fsdp import FSDPModule
 
+    from meshplan._torch import unshard_in_place
     from meshplan.data_parallel.chunked import ChunkedReduceScatter
     for m in {id(m): m for r in [model, *roots] for m in r.modules()}.values():
         if isinstance(m, FSDPModule):
             if section.reduce_scatter == "chunked":  # gloo: no input-sized buffers kept (chunked.py)
                 m.set_custom_reduce_scatter(ChunkedReduceScatter())
-            if not section.backward_prefetch and mode != "ddp":  # prefetching itself: a no-op (an empty list is
-                m.set_modules_to_backward_prefetch([m])  # torch's implicit prefetch)
+            if not section.prefetch and mode != "ddp":  # prefetching itself: a no-op (an empty list is torch's
+                m.set_modules_to_backward_prefetch([m])  # implicit prefetch); no all-gather result kept in forward
+                unshard_in_place(m)
             if section.gradient_reduction == "sum":
                 m.set_gradient_divide_factor(1.0)
             m.set_force_sum_reduction_for_comms(True)  # gloo lacks AVG/PREMUL_SUM; "mean" post-divides

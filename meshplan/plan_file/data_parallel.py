@@ -51,9 +51,10 @@ class DataParallel(Strict):
                             "vocab_parallel (each data rank keeps its 1/shard-size rows for good, as tensor "
                             "parallelism would over the data ranks: the tokens' activations are gathered instead, "
                             "no weight is ever whole; fsdp mode at tp 1, for large vocabularies and pipelines).")
-    backward_prefetch: bool = Field(
-        True, description="Gather the next FSDP2 unit while this one runs its backward (torch's default: overlap). "
-                          "false: one unit gathered at a time (least memory; each all-gather waits in the open).")
+    prefetch: bool = Field(
+        True, description="Overlap FSDP2's gathers (torch's default): the next unit gathered while this one runs its "
+                          "backward, and in forward an all-gather result kept until the next unit's. false: one "
+                          "unit's parameters gathered at a time (least memory; each all-gather waits in the open).")
     reduce_scatter: Literal["collective", "chunked"] = Field(
         "collective", description="How FSDP2 reduce-scatters gradients: collective (one reduce_scatter per unit) or "
                                   "chunked (CPU/gloo only: each rank's chunk reduced to it in pieces of at most "

@@ -408,7 +408,7 @@ CASES_BY_WORLD = {
         "vocab_ends_mean": vocab_ends_mean,
         "chunked_reduce_scatter": chunked_reduce_scatter,
         "fsdp_no_prefetch_accum2_sharded": lambda: compare(
-            {"dp_shard": 2}, {"backward_prefetch": False, "accumulate_unsharded": False}, microbatches=2),
+            {"dp_shard": 2}, {"prefetch": False, "accumulate_unsharded": False}, microbatches=2),
         "vocab_ends_from_meta": vocab_ends_from_meta,
         "fsdp_chunked_rs": lambda: compare({"dp_shard": 2}, {"reduce_scatter": "chunked"}),
         "fsdp_chunked_rs_accum2_sharded": lambda: compare(

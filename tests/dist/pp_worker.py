@@ -283,7 +283,7 @@ CASES_4 = {
     "pp2_dp2_vocab_ends_tied": lambda: compare({"pp": 2}, "1f1b", tied=True, dp={"ends": "vocab_parallel"}),
     "pp2_dp2_vocab_ends_chunked_rs": lambda: compare({"pp": 2}, "1f1b", dp={
         "ends": "vocab_parallel", "reduce_scatter": "chunked", "accumulate_unsharded": False,
-        "backward_prefetch": False}),
+        "prefetch": False}),
     "hf_llama_pp2_dp2_vocab_ends": lambda: compare({"pp": 2}, "1f1b", hf=True, dp={"ends": "vocab_parallel"}),
     "meta_checkpoint_dp2_vocab_ends": lambda: meta_checkpoint({"pp": 2}, HF_RULES, {"ends": "vocab_parallel"}),
     "pp4": lambda: compare({"pp": 4}, "1f1b", n_layers=4),
