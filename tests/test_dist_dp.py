@@ -140,6 +140,7 @@ def test_vocab_ends_from_meta_keep_their_rows_gradients(world2):
 
 def test_vocab_ends_mean_divides_like_fsdp(world2):
     assert case_result(world2, "vocab_ends_mean", 2)[0] <= RTOL
+    assert case_result(world2, "vocab_ends_mean_tied", 2)[0] <= RTOL
 
 
 def test_hsdp_collectives_with_accumulation(world4):

@@ -130,8 +130,9 @@ def shard_vocab_ends(root: "nn.Module", mesh: Any, divide: int) -> set:
             m.weight = shared.weight
         if not isinstance(m, nn.Embedding):  # mixed precision: activations reach the head in param_dtype, the
             m.register_forward_pre_hook(_to_weight_dtype)  # ends compute in their parameters' dtype
+    rows = _RowsHook(divide=divide)  # one for all: a tied parameter gets one gradient hook
     for _, _, m in found:  # on the parameter each forward uses: materialize and loading replace them
-        m.register_forward_pre_hook(_RowsHook(divide=divide))
+        m.register_forward_pre_hook(rows)
     return {p for _, _, m in found for p in m.parameters()}
 
 
@@ -147,7 +148,7 @@ class _RowsHook:
         for p in module.parameters(recurse=False):
             known = self.hooked.get(id(p))
             if p.requires_grad and (known is None or known() is not p):
-                p.register_hook(lambda g, p=p, d=self.divide: _own_rows(g, p.placements, d))
+                p.register_hook(lambda g, want=tuple(p.placements), d=self.divide: _own_rows(g, want, d))
                 self.hooked[id(p)] = weakref.ref(p)
 
     def __repr__(self) -> str:

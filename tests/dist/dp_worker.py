@@ -237,10 +237,11 @@ def control_mean_of_means():
                for n, p in model.named_parameters())
 
 
-def vocab_ends_mean():
-    """``gradient_reduction: mean`` divides the vocab-parallel ends' gradients as FSDP2 divides its units': after
-    one backward of a per-rank mean loss, every gradient equals the one of the model with FSDP2 ends."""
-    args = tiny_args()
+def vocab_ends_mean(**model_kw):
+    """``gradient_reduction: mean`` divides the vocab-parallel ends' gradients as FSDP2 divides its units' (a tied
+    weight once): after one backward of a per-rank mean loss, every gradient equals the one of the model with FSDP2
+    ends."""
+    args = tiny_args(**model_kw)
     topo = meshplan.build_mesh({"dp_shard": 2})
     x, y = global_batch(0, args.vocab_size)
     rows = GLOBAL_BATCH // 2
@@ -406,6 +407,7 @@ CASES_BY_WORLD = {
             {"dp_shard": 2}, {"ends": "vocab_parallel", "accumulate_unsharded": False}, microbatches=2),
         "fsdp_vocab_ends_tied": lambda: compare({"dp_shard": 2}, {"ends": "vocab_parallel"}, tie_embeddings=True),
         "vocab_ends_mean": vocab_ends_mean,
+        "vocab_ends_mean_tied": lambda: vocab_ends_mean(tie_embeddings=True),
         "chunked_reduce_scatter": chunked_reduce_scatter,
         "fsdp_no_prefetch_accum2_sharded": lambda: compare(
             {"dp_shard": 2}, {"prefetch": False, "accumulate_unsharded": False}, microbatches=2),
