@@ -172,9 +172,16 @@ def test_restart_store_prefixes_keys_with_the_restart_count(monkeypatch):
     assert server.get("meshplan/restart2/rank_1") == b"addr"
 
 
-def test_single_process_save_load_list_and_export(tmp_path, capsys):
-    """Without a process group: save, the CLI's listing, load into another init, ``meshplan export``."""
+@pytest.mark.parametrize("box_bytes", [None, 1000])
+def test_single_process_save_load_list_and_export(tmp_path, capsys, monkeypatch, box_bytes):
+    """Without a process group: save, the CLI's listing, load into another init, ``meshplan export``; with boxes
+    of at most 1000 bytes too (every tensor of more than 1000 bytes stored as several boxes of whole rows)."""
     import warnings
+
+    from meshplan.checkpoint import save as save_module
+    from meshplan.checkpoint.safe_read import read_metadata
+    if box_bytes is not None:
+        monkeypatch.setattr(save_module, "SAVE_BOX_BYTES", box_bytes)
 
     import llama
     import meshplan
@@ -187,6 +194,9 @@ def test_single_process_save_load_list_and_export(tmp_path, capsys):
     model(torch.zeros(1, 4, dtype=torch.long)).sum().backward()
     opt.step()
     meshplan.save(tmp_path / "step-00000001", model, opt, step=1, extra={"note": "x"})
+    chunks = read_metadata(tmp_path / "step-00000001").state_dict_metadata["model.tok_embeddings.weight"].chunks
+    # 128 x 64 fp32 rows of 256 bytes: 3 rows a box
+    assert len(chunks) == (1 if box_bytes is None else 43), len(chunks)
     partial_dir(step_dir(tmp_path, 2)).mkdir()
     assert main(["checkpoints", str(tmp_path)]) == 0
     listing = capsys.readouterr().out

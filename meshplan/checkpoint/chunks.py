@@ -100,16 +100,43 @@ def _dcp_describes(t: DTensor, boxes: list[Box]) -> bool:
     return len(boxes) == 1 and tuple(boxes[0][0]) == tuple(offsets) and tuple(boxes[0][1]) == tuple(sizes)
 
 
-def as_boxes(state: Mapping[str, Any]) -> dict[str, Any]:
+def as_boxes(state: Mapping[str, Any], max_box_bytes: int | None = None) -> dict[str, Any]:
     """The flat ``state`` with each DTensor whose shard DCP would misplace replaced by its :class:`Boxes` (views:
-    loading into them fills the DTensor); other values kept."""
+    loading into them fills the DTensor); other values kept.
+
+    Args:
+        max_box_bytes: when saving, boxes (and plain tensors) larger than this are cut into boxes of whole rows of
+            at most this size (:func:`_rows`): DCP reads a saved box whole (``torch.load`` of its blob) before it
+            narrows it to what a rank asks for, so a rank loading a 1/n slice of a tensor saved whole would read
+            (and hold for a moment) all of it; cut, it reads at most one box beyond its slice.
+    """
     out: dict[str, Any] = {}
     for k, v in state.items():
         if isinstance(v, DTensor) and v.device_mesh.get_coordinate() is not None:
             boxes = boxes_of(v)
-            out[k] = v if _dcp_describes(v, boxes) else Boxes(tuple(v.shape), boxes, v.dtype)
+            cut = _rows(boxes, max_box_bytes, v.element_size())
+            out[k] = v if cut is boxes and _dcp_describes(v, boxes) else Boxes(tuple(v.shape), cut, v.dtype)
+        elif isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.dim() > 0:
+            whole = [((0,) * v.dim(), tuple(v.shape), v)]
+            cut = _rows(whole, max_box_bytes, v.element_size())
+            out[k] = v if cut is whole else Boxes(tuple(v.shape), cut, v.dtype)
         else:
             out[k] = v
+    return out
+
+
+def _rows(boxes: list[Box], max_bytes: int | None, item: int) -> list[Box]:
+    """``boxes`` with each box over ``max_bytes`` cut along dim 0 into boxes of whole rows (``boxes`` itself when
+    none is)."""
+    if max_bytes is None or all(view.numel() * item <= max_bytes for _, _, view in boxes):
+        return boxes
+    out = []
+    for off, size, view in boxes:
+        row = max(1, view[0].numel() * item)
+        step = max(1, max_bytes // row)
+        for lo in range(0, size[0], step):
+            n = min(step, size[0] - lo)
+            out.append(((off[0] + lo, *off[1:]), (n, *size[1:]), view.narrow(0, lo, n)))
     return out
 
 

@@ -20,6 +20,9 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 
 from meshplan.checkpoint.chunks import BoxSavePlanner, as_boxes
+
+#: the largest box a checkpoint stores (bytes): a loading rank reads at most one beyond its slice (chunks.as_boxes)
+SAVE_BOX_BYTES = 32 * 1024 * 1024
 from meshplan.checkpoint.commit import CommitWriter, Prestaged, SaveHandle, stage
 from meshplan.checkpoint.directory import partial_dir
 from meshplan.checkpoint.manifest import DataState, Manifest
@@ -118,7 +121,7 @@ def save(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | 
         cleanup = lambda: dist.destroy_process_group(process_group)  # noqa: E731
     partial = _fresh_partial(final, process_group)
     kind = _optimizer_kind(optimizer)
-    state = as_boxes(gather_state(model, optimizer if kind == "saved" else None, group_rank()))
+    state = as_boxes(gather_state(model, optimizer if kind == "saved" else None, group_rank()), SAVE_BOX_BYTES)
     writer = CommitWriter(partial, final, manifest, on_commit)
     if not async_save:
         dcp.save(state, storage_writer=writer, planner=BoxSavePlanner(), process_group=process_group)
