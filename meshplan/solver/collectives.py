@@ -13,11 +13,14 @@ step recorded op by op; ``docs/tensor-parallel.md`` states the tensor-parallel o
   pipeline schedule a resharded block gathers for every forward and once more for the first backward that
   follows forwards (``m + 1``: backwards keep it gathered until the step's last); with ``accumulate_unsharded:
   false`` it gathers and reduce-scatters every microbatch, as without a pipeline. DDP: one all-reduce per step.
+  ``data_parallel.ends: vocab_parallel``: the embedding and head are no FSDP2 unit (the root holds the final
+  norm); each microbatch their activations move instead (:func:`meshplan.data_parallel.costs.vocab_end_collectives`).
 * **step**: the global token count and the clipping norm, one all-reduce each over the world.
 """
 
 from __future__ import annotations
 
+from meshplan.data_parallel.costs import vocab_end_collectives
 from meshplan.solver.units import COST_UNITS, UNITS
 from meshplan.solver.candidate import DTYPE_BYTES, Candidate, Training
 from meshplan.solver.memory import _block_tensors, end_units, experts_even, shard_sizes
@@ -38,6 +41,9 @@ def step_collectives(s: ModelShape, c: Candidate, tr: Training, place: Placement
         if axis.degree(c) > 1:
             out += axis.costs.collectives(s, c, tr, place, pp_rank, memo)
     out += _per_step(s, c, tr, place, pp_rank, memo)
+    shard = place.groups["dp_shard"]
+    if c.vocab_ends and shard.size > 1:  # the vocab-parallel ends' activations, each microbatch
+        out += vocab_end_collectives(s, c, tr, shard, *place.ends_of(pp_rank))
     world = place.groups["world"]
     if world.size > 1:
         out += [Collective("step", "all_reduce", world, 8, 1, "global token count"),
