@@ -158,8 +158,11 @@ def rank_view(report: Any, model: nn.Module, plan: Any, resolved: Any, rank: int
     exempt = tp_exempt(model, plan, report)
     n = _count(mods, held, exempt, *shard_sizes(cand, place), place.shard_index(rank))
     view["layout"] = rank_layout(model, plan, report, cand, place, rank, rows, held, exempt, resolved, n["modules"])
+    w = view["layout"]["wrapping"] or {}
+    whole = sum(u["bytes"] * (len(w["ranks"]) - 1) for u in w.get("vocab_parallel", [])
+                if u["kind"] == "vocab-parallel embedding")  # torch's embedding backward: a Replicate gradient
     view.update(parameters=n["numel"], tensors=n["tensors"], parameter_bytes=n["bytes"], module_bytes=n["modules"],
-                gradient_bytes=n["bytes"], optimizer_bytes=2 * n["bytes"] + 4 * n["tensors"])
+                gradient_bytes=n["bytes"] + whole, optimizer_bytes=2 * n["bytes"] + 4 * n["tensors"])
     return view
 
 
