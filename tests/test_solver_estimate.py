@@ -97,7 +97,7 @@ def _estimate(name: str, model):
 
 def _counts(collectives) -> dict[str, int]:
     """Calls by ``kind@group size``, as a CPU mesh runs them: DTensor's all-to-all there is an all-gather (the
-    vocab-parallel head's logits: :func:`meshplan.data_parallel.costs.vocab_end_collectives`)."""
+    vocab-parallel head's logits: :func:`meshplan.solver.collectives.vocab_end_collectives`)."""
     out: dict[str, int] = {}
     for x in collectives:
         kind = "all_gather" if x.kind == "all_to_all" and "vocab-parallel" in x.what else x.kind

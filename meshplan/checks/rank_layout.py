@@ -49,7 +49,7 @@ def _units(model: Any, mode: str, blocks: list[str], every_block: list[str], exp
     head unit, root), root, modules, kept (gathered after forward), bytes (this rank's)}``: the experts, each block,
     each root's end units (:func:`meshplan.model_copies.end_groups`, the rule ``fully_shard`` follows),
     then the root, which holds what is left (DDP: the root alone after the experts). ``vocab``
-    (``data_parallel.ends: vocab_parallel``): each root's embeddings and heads (:func:`meshplan.model_copies.vocab_ends`)
+    (the plan's ``ends: vocab_parallel``): each root's embeddings and heads (:func:`meshplan.model_copies.vocab_ends`)
     are kind ``vocab-parallel embedding`` / ``vocab-parallel head`` instead, no FSDP2 unit (their rows sharded over
     the data ranks for good); the root keeps the rest (the final norm)."""
     from meshplan.model_copies import end_groups, vocab_ends
@@ -102,7 +102,7 @@ def _wrapping(model: Any, plan: Any, cand: Any, place: Any, rank: int, held: Any
     if experts:  # the data axis' wrap shards (DDP: replicates) them over edp first, even a 1-rank edp
         out.update(experts=[e for e in experts if held(e)], experts_over="edp",
                    experts_ranks=place.group_ranks("edp", rank))
-    vocab = bool(plan.data_parallel and plan.data_parallel.ends == "vocab_parallel") and mode == "fsdp"
+    vocab = cand.vocab_ends and mode == "fsdp"
     units = _units(model, mode, blocks, every_block, out["experts"], roots, module_bytes, vocab)
     out["units"] = [u for u in units if not u["kind"].startswith("vocab-parallel")]
     out["vocab_parallel"] = [u for u in units if u["kind"].startswith("vocab-parallel")]
@@ -189,7 +189,7 @@ def unit_texts(w: dict, fmt_bytes: Any = None) -> list[str]:
         elif u["kind"] == "root":
             out.append(f"the root {u['root']}: {fmt_bytes(u['bytes'])}" + ("" if u["bytes"] else " (holds nothing)"))
     n = len(w["ranks"])
-    for u in w.get("vocab_parallel", []):  # data_parallel.ends: vocab_parallel: no FSDP2 unit
+    for u in w.get("vocab_parallel", []):  # ends: vocab_parallel: no FSDP2 unit
         of = f" of {u['root']}" if u["root"].startswith("stage") else ""
         out.append(f"{u['kind'].split()[1]} [{u['modules'][0]}]{of}: vocab-parallel over {w['over']} (rows/{n} each, "
                    f"not an FSDP2 unit): {fmt_bytes(u['bytes'])}")

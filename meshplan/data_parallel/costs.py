@@ -9,7 +9,7 @@ from typing import Any
 
 from meshplan.axis import AxisCosts, AxisTerms
 
-__all__ = ["TERMS", "dp_step_collectives", "UNGATHERED_IN_BACKWARD", "vocab_end_collectives"]
+__all__ = ["TERMS", "dp_step_collectives", "UNGATHERED_IN_BACKWARD"]
 
 #: FSDP2 unit kinds not gathered again for backward: the input embedding's backward reads only the token ids
 #: (:func:`meshplan.data_parallel.ends.reads_ids_only`)
@@ -49,38 +49,6 @@ def dp_step_collectives(c: Any, tr: Any, place: Any, units: list) -> list:
         if mode == "hsdp" and kind != "experts":
             out.append(Collective("dp", "all_reduce", place.groups["dp_replicate"], n / d * red, syncs * k,
                                   f"{kind} gradients over replicas (HSDP)", True))
-    return out
-
-
-def vocab_end_collectives(s: Any, c: Any, tr: Any, group: Any, first: bool, last: bool) -> list:
-    """The activation collectives of ``data_parallel.ends: vocab_parallel`` (torch's RowwiseParallel embedding and
-    ColwiseParallel head over FSDP2's data mesh, the batch as their sharded input), each microbatch.
-
-    Args:
-        s: the model's shape. c: the candidate (microbatches, tokens). tr: the training (activation bytes).
-        group: FSDP2's data-shard group (``n`` ranks). first / last: the rank holds the embedding / the head.
-
-    Returns:
-        :class:`~meshplan.solver.terms.Collective` s on the ``dp`` axis, ``nbytes`` the full buffer: the
-        embedding's all-gather of the token ids and reduce-scatter of its output (forward), all-gather of the
-        output's gradient (backward); the head's all-gather of its input, all-to-all of the logits from vocabulary
-        shards to batch shards (forward, and its gradient back: on a CPU mesh DTensor runs an all-gather of the
-        local logits instead), reduce-scatter of its input's gradient (backward).
-    """
-    from meshplan.solver.terms import Collective
-    n, m, b = group.size, c.microbatches, tr.act_bytes
-    tokens, h = c.rank_tokens(tr.seq), s.hidden
-    rows = n * tokens * h * b  # [n·tokens, hidden] in the compute dtype
-    out = []
-    if first:
-        out += [Collective("dp", "all_gather", group, n * tokens * 8, m, "token ids (vocab-parallel embedding)"),
-                Collective("dp", "reduce_scatter", group, rows, m, "embedding output (vocab-parallel)"),
-                Collective("dp", "all_gather", group, rows, m, "embedding output gradient (vocab-parallel)")]
-    if last:
-        out += [Collective("dp", "all_gather", group, rows, m, "head input (vocab-parallel head)"),
-                Collective("dp", "all_to_all", group, tokens * s.vocab * b, 2 * m,
-                           "logits and their gradient, vocabulary to batch shards (vocab-parallel head)"),
-                Collective("dp", "reduce_scatter", group, rows, m, "head input gradient (vocab-parallel)")]
     return out
 
 

@@ -87,7 +87,7 @@ def end_units(s: ModelShape, c: Candidate, place: Placement, pp_rank: int) -> li
     """The FSDP2 units of :func:`_end_tensors` (as parallelize wraps them, docs/data-parallel.md): ``[(kind,
     tensors)]``, ``embedding`` (resharded after forward like a block) then ``head`` (the final norm and the head:
     kept gathered); a head tied to the embedding on the same rank keeps both in the ``root`` unit. Under
-    ``data_parallel.ends: vocab_parallel`` the embedding and head are no FSDP2 unit (their rows stay sharded): the
+    the plan's ``ends: vocab_parallel`` the embedding and head are no FSDP2 unit (their rows stay sharded): the
     ``root`` holds the final norm alone (:func:`vocab_end_tensors` lists the others)."""
     ends = _end_tensors(s, c, place, pp_rank)
     first, last = place.ends_of(pp_rank)
@@ -101,7 +101,7 @@ def end_units(s: ModelShape, c: Candidate, place: Placement, pp_rank: int) -> li
 
 
 def vocab_end_tensors(s: ModelShape, c: Candidate, place: Placement, pp_rank: int) -> list:
-    """The tensors of :func:`_end_tensors` that ``data_parallel.ends: vocab_parallel`` shards by rows over the data
+    """The tensors of :func:`_end_tensors` that the plan's ``ends: vocab_parallel`` shards by rows over the data
     ranks (the embedding, an untied head; their ``(vocab, hidden)`` rows): none without the option."""
     if not c.vocab_ends:
         return []
@@ -194,7 +194,7 @@ def _moe_activations(s: ModelShape, c: Candidate, tokens: float, b: int) -> floa
 
 def _end_activations(s: ModelShape, c: Candidate, tr: Training, first: bool, last: bool, n: int = 1) -> float:
     """Outside the blocks: token ids and the embedding output (first stage); the final norm, the head's input
-    and logits and the loss's saved tensors (last stage). ``n``: the data ranks ``data_parallel.ends:
+    and logits and the loss's saved tensors (last stage). ``n``: the data ranks the plan's ``ends:
     vocab_parallel`` shards the ends over (1 without): the embedding keeps the ids of all ``n`` ranks, the head its
     input gathered from them."""
     t, h, b = c.tp, s.hidden, tr.act_bytes
