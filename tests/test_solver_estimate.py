@@ -50,6 +50,7 @@ PLANS = {
     "fsdp4_vocab_ends": (4, {"layout": {}, "data_parallel": {"ends": "vocab_parallel"}}, "llama", 1),
     "fsdp4_mb2_reshard_vocab_ends": (4, {"layout": {}, "data_parallel": {"ends": "vocab_parallel",
                                                                          "accumulate_unsharded": False}}, "llama", 2),
+    "fsdp4_vocab_ends_tied": (4, {"layout": {}, "data_parallel": {"ends": "vocab_parallel"}}, "llama_tied", 1),
     "hsdp2x2": (4, {"layout": {"dp_replicate": 2}}, "llama", 1),
     "ddp4": (4, {"layout": {"dp_replicate": 4}}, "llama", 2),
     "tp2_fsdp2": (4, {"layout": {"tp": 2}, "tensor_parallel": TP}, "llama", 1),
@@ -81,7 +82,7 @@ def _model(kind: str, layers: int = 4):
     if kind == "moe":
         return moe.build(moe.ModelArgs(**common, moe_hidden=96, n_experts=4, top_k=2, capacity_factor=None,
                                        aux_loss_coef=0.0))
-    return llama.build(llama.ModelArgs(**common))
+    return llama.build(llama.ModelArgs(**common, tie_embeddings=kind == "llama_tied"))
 
 
 def _estimate(name: str, model):

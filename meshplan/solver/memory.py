@@ -251,7 +251,8 @@ def rank_memory(s: ModelShape, c: Candidate, tr: Training, place: Placement, pp_
     first, last = place.ends_of(pp_rank)
     mb, n = tr.master_bytes, (d_dense if c.vocab_ends else 1)
     params = grads = numel * mb
-    if n > 1 and first:  # torch's embedding backward makes a Replicate gradient: the whole table on each rank
+    if n > 1 and first and not (s.tied_embeddings and last):  # torch's embedding backward makes a Replicate
+        # gradient: the whole table on each rank (a head tied on the same rank: the sum stays Shard(0))
         grads += s.vocab * s.hidden * (1 - 1 / n) * mb
     optimizer = tr.optimizer_states * numel * mb + 4 * tensors
     acts = (acts + _end_activations(s, c, tr, first, last, n)) * math.prod(axis.costs.in_flight(c, pp_rank) for axis in UNITS)
