@@ -162,3 +162,21 @@ def test_shape_of_the_example_models_counts_their_parameters():
         shape, warning = shape_of_model(_model(kind))
         assert warning is None
         assert shape.layers == 4 and shape.hidden == 64 and shape.kv_heads == 2
+
+
+def test_cli_estimate_rank_equals_what_vocab_parallel_ranks_hold(tmp_path, capsys):
+    """``meshplan estimate PLAN --config CONFIG --rank R`` (what ``benchmarks/scale.py`` compares) with ``ends:
+    vocab_parallel``: each rank's parameter, gradient and AdamW bytes equal its local tensors' after one step on
+    the fake group (the embedding's gradient whole: torch's ``Replicate``)."""
+    import json
+
+    from meshplan.cli.main import main
+    _, data, _, _ = PLANS["fsdp4_vocab_ends"]
+    (tmp_path / "plan.yaml").write_text(yaml.safe_dump(data))
+    config = json.dumps(dict(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=128, ffn_dim=128))
+    _, _, params, grads, states, _ = _measure("fsdp4_vocab_ends")  # rank 0; the 4 ranks' chunks are equal
+    for rank in (0, 3):
+        assert main(["estimate", str(tmp_path / "plan.yaml"), "--config", config, "--world-size", "4", "--seq",
+                     str(SEQ), "--global-batch", str(4 * BATCH), "--rank", str(rank), "--format", "json"]) == 0
+        got = json.loads(capsys.readouterr().out)["rank"]
+        assert (got["params"], got["grads"], got["optimizer"]) == (params, grads, states), rank
