@@ -160,3 +160,35 @@ def test_norm_grads_one_tp_all_reduce_per_step_under_fsdp(world4):
     assert accum["all_reduce@2"] == 1  # still one for two microbatches
     tp_gathers = step["all_gather@2"] - 6  # the sequence-parallel all-gathers of one microbatch
     assert accum["all_gather@2"] == 4 + 2 * tp_gathers  # FSDP gathers each unit once per step
+
+
+@pytest.mark.parametrize("case,data,microbatches", [
+    ("counts_fsdp_vocab_ends", {"ends": "vocab_parallel"}, 1),
+    ("counts_fsdp_vocab_ends_accum2", {"ends": "vocab_parallel"}, 2),
+    ("counts_fsdp_vocab_ends_accum2_sharded", {"ends": "vocab_parallel", "accumulate_unsharded": False}, 2),
+    ("counts_fsdp", {}, 1),
+])
+def test_vocab_ends_collectives_equal_estimate(world2, case, data, microbatches):
+    """``ends: vocab_parallel`` on gloo world 2 (the tiny llama, 2 blocks): per microbatch the embedding's ids
+    all-gather, output reduce-scatter and gradient all-gather, the head's input all-gather, its logits' all-to-all
+    both ways (an all-gather on a CPU mesh) and its input-gradient reduce-scatter; FSDP2 gathers the blocks and
+    the root (the norm alone). ``meshplan estimate``'s counts equal the run's."""
+    import llama
+
+    from meshplan.checks.model_shape import shape_of_model
+    from meshplan.plan_file.document import Plan
+    from meshplan.solver.collectives import step_collectives
+    from meshplan.solver.placement import Placement
+    from meshplan.solver.plans import candidate_from_plan
+    measured = case_result(world2, case, 2)[0]
+    shape = shape_of_model(llama.build(llama.tiny_args()))[0]
+    plan = Plan.from_data({"layout": {"dp_shard": 2}, "data_parallel": data}, source=case)
+    cand, train = candidate_from_plan(plan, 2, 16, 8, microbatches=microbatches)
+    counts: dict[str, int] = {}
+    for x in step_collectives(shape, cand, train, Placement(cand, shape.layers, 8), 0):
+        kind = "all_gather" if x.kind == "all_to_all" else x.kind  # DTensor's CPU stand-in for the all-to-all
+        counts[f"{kind}@{x.group.size}"] = counts.get(f"{kind}@{x.group.size}", 0) + x.count
+    assert counts == measured
+    expected = {"counts_fsdp_vocab_ends": (10, 5), "counts_fsdp_vocab_ends_accum2": (13, 7),
+                "counts_fsdp_vocab_ends_accum2_sharded": (20, 10), "counts_fsdp": (6, 4)}[case]
+    assert (measured["all_gather@2"], measured["reduce_scatter@2"]) == expected

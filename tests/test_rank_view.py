@@ -262,12 +262,15 @@ def _received(fake_pg, monkeypatch, model, plan: Plan, world: int, rank: int) ->
     ("vpp", 4, [0, 3]),  # 2 stages per rank: a root each, the embedding in stage 0's, the head in stage 3's
     ("moe_ep1", 4, [0]),  # ep 1: the experts still wrapped over edp first
     ("moe_none", 2, [0, 1]),  # data parallelism none, edp 2 (tp 2, etp 1): the experts' units alone
+    ("vocab", 4, [0, 3]),  # ends vocab_parallel: no embedding/head unit, the root holds the norm
+    ("vocab_pp", 4, [0, 3]),  # and pipelined (pp 2 x dp_shard 2): stage 0's root holds nothing
 ])
 def test_check_and_picture_name_the_units_fully_shard_receives(fake_pg, monkeypatch, case, world, ranks):
     """``check --rank R`` and the model picture list FSDP2's units as the data axis' wrap makes them (the rule of
     :func:`meshplan.data_parallel.ends.end_groups`, which ``end_units`` applies): the same modules, in the order
     ``fully_shard`` receives them on that rank (a meta model on a fake process group), and their bytes sum to the
     rank's parameter bytes."""
+    from meshplan.checks.rank_layout import unit_texts
     from meshplan.viz.model_draw import model_picture
     if case == "tied":
         model, plan = _model("llama", tie_embeddings=True), Plan.from_data({"version": 1, "layout": {}}, source="t")
@@ -275,6 +278,12 @@ def test_check_and_picture_name_the_units_fully_shard_receives(fake_pg, monkeypa
         model = _model("llama")
         plan = Plan.from_data({"version": 1, "layout": {"pp": 2, "vpp": 2}, "blocks": {"pattern": "layers.*"},
                                "pipeline": {"schedule": "interleaved_1f1b", "microbatches": 2}}, source="vpp")
+    elif case.startswith("vocab"):
+        pp = {"layout": {"pp": 2}, "blocks": {"pattern": "layers.*"}, "pipeline": {"schedule": "1f1b",
+                                                                                  "microbatches": 2}}
+        model = _model("llama")
+        plan = Plan.from_data({"version": 1, "layout": {}, **(pp if case == "vocab_pp" else {}),
+                               "data_parallel": {"ends": "vocab_parallel"}}, source=case)
     elif case.startswith("moe_"):
         data = yaml.safe_load(open("plans/moe.yaml"))
         data["layout"] = {"tp": 2, "ep": 1, "etp": 1}
@@ -290,7 +299,16 @@ def test_check_and_picture_name_the_units_fully_shard_receives(fake_pg, monkeypa
         assert listed == _received(fake_pg, monkeypatch, model, plan, world, rank), rank
         wrapped = report.rank_view["parameter_bytes"] if case != "moe_none" else sum(
             b for p, b in report.rank_view["module_bytes"].items() if ".moe.experts" in p)
-        assert sum(u["bytes"] for u in units) == wrapped > 0, rank
+        vocab = report.rank_view["layout"]["wrapping"]["vocab_parallel"]
+        assert sum(u["bytes"] for u in units + vocab) == wrapped > 0, rank
+        if case.startswith("vocab"):  # embedding and head rows/n on their own; torch's embedding grad: Replicate
+            assert _checked(report) == _estimated(model, plan, world, rank), rank
+            ends = {"vocab": ["tok_embeddings", "output"], "vocab_pp": ["tok_embeddings"] if rank < 2 else ["output"]}
+            assert [u["modules"][0] for u in vocab] == ends[case] and all(u["bytes"] > 0 for u in vocab), rank
+            norm = 0 if case == "vocab_pp" and rank < 2 else 64 * 4 // (4 if case == "vocab" else 2)  # its shard
+            assert (units[-1]["kind"], units[-1]["bytes"]) == ("root", norm), rank
+            assert any("vocab-parallel over dp_shard (rows/" in t for t in unit_texts(
+                report.rank_view["layout"]["wrapping"])), rank
         items = [dict(getattr(x, "data", ())) for x in model_picture(report, plan, []).items]
         pictured = next(t["fsdp-units"] for t in items if "fsdp-units" in t).split(";")
         assert [p if not p.startswith("root:") else "root" for p in pictured] == listed, rank

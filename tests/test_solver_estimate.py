@@ -47,6 +47,10 @@ PLANS = {
     "fsdp4_mb2": (4, {"layout": {}}, "llama", 2),
     "fsdp4_mb2_reshard": (4, {"layout": {}, "data_parallel": {"accumulate_unsharded": False}}, "llama", 2),
     "fsdp4_no_reshard": (4, {"layout": {}, "data_parallel": {"reshard_after_forward": False}}, "llama", 1),
+    "fsdp4_vocab_ends": (4, {"layout": {}, "data_parallel": {"ends": "vocab_parallel"}}, "llama", 1),
+    "fsdp4_mb2_reshard_vocab_ends": (4, {"layout": {}, "data_parallel": {"ends": "vocab_parallel",
+                                                                         "accumulate_unsharded": False}}, "llama", 2),
+    "fsdp4_vocab_ends_tied": (4, {"layout": {}, "data_parallel": {"ends": "vocab_parallel"}}, "llama_tied", 1),
     "hsdp2x2": (4, {"layout": {"dp_replicate": 2}}, "llama", 1),
     "ddp4": (4, {"layout": {"dp_replicate": 4}}, "llama", 2),
     "tp2_fsdp2": (4, {"layout": {"tp": 2}, "tensor_parallel": TP}, "llama", 1),
@@ -78,7 +82,7 @@ def _model(kind: str, layers: int = 4):
     if kind == "moe":
         return moe.build(moe.ModelArgs(**common, moe_hidden=96, n_experts=4, top_k=2, capacity_factor=None,
                                        aux_loss_coef=0.0))
-    return llama.build(llama.ModelArgs(**common))
+    return llama.build(llama.ModelArgs(**common, tie_embeddings=kind == "llama_tied"))
 
 
 def _estimate(name: str, model):
@@ -93,9 +97,12 @@ def _estimate(name: str, model):
 
 
 def _counts(collectives) -> dict[str, int]:
+    """Calls by ``kind@group size``, as a CPU mesh runs them: DTensor's all-to-all there is an all-gather (the
+    vocab-parallel head's logits: :func:`meshplan.solver.collectives.vocab_end_collectives`)."""
     out: dict[str, int] = {}
     for x in collectives:
-        key = f"{x.kind}@{x.group.size}"
+        kind = "all_gather" if x.kind == "all_to_all" and "vocab-parallel" in x.what else x.kind
+        key = f"{kind}@{x.group.size}"
         out[key] = out.get(key, 0) + x.count
     return out
 
@@ -144,6 +151,9 @@ def test_estimate_matches_one_step(name):
     assert _counts(step_collectives(shape, cand, train, place, 0)) == counts
     if cand.microbatches == 1:  # with accumulation FSDP keeps every block gathered: not one plain forward
         kept = mem.activations + mem.gathered
+        if cand.vocab_ends:  # alive after a CPU forward: the head's [n·tokens, vocab/n] output (estimate's transient)
+            # and DTensor's all-gather standing in for the all-to-all on a CPU mesh (n× that; none on GPUs)
+            kept += (cand.dp_shard + 1) * cand.rank_tokens(SEQ) * shape.vocab * train.act_bytes
         assert abs(kept / saved - 1) < 0.10, (kept, saved)
 
 
@@ -152,3 +162,21 @@ def test_shape_of_the_example_models_counts_their_parameters():
         shape, warning = shape_of_model(_model(kind))
         assert warning is None
         assert shape.layers == 4 and shape.hidden == 64 and shape.kv_heads == 2
+
+
+def test_cli_estimate_rank_equals_what_vocab_parallel_ranks_hold(tmp_path, capsys):
+    """``meshplan estimate PLAN --config CONFIG --rank R`` (what ``benchmarks/scale.py`` compares) with ``ends:
+    vocab_parallel``: each rank's parameter, gradient and AdamW bytes equal its local tensors' after one step on
+    the fake group (the embedding's gradient whole: torch's ``Replicate``)."""
+    import json
+
+    from meshplan.cli.main import main
+    _, data, _, _ = PLANS["fsdp4_vocab_ends"]
+    (tmp_path / "plan.yaml").write_text(yaml.safe_dump(data))
+    config = json.dumps(dict(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=128, ffn_dim=128))
+    _, _, params, grads, states, _ = _measure("fsdp4_vocab_ends")  # rank 0; the 4 ranks' chunks are equal
+    for rank in (0, 3):
+        assert main(["estimate", str(tmp_path / "plan.yaml"), "--config", config, "--world-size", "4", "--seq",
+                     str(SEQ), "--global-batch", str(4 * BATCH), "--rank", str(rank), "--format", "json"]) == 0
+        got = json.loads(capsys.readouterr().out)["rank"]
+        assert (got["params"], got["grads"], got["optimizer"]) == (params, grads, states), rank

@@ -44,18 +44,25 @@ def _unit(kind: str, root: str | None, modules: list[str], kept: bool = False) -
 
 
 def _units(model: Any, mode: str, blocks: list[str], every_block: list[str], experts: list[str],
-           roots: list[tuple[str, Any]], module_bytes: dict[str, int]) -> list[dict]:
+           roots: list[tuple[str, Any]], module_bytes: dict[str, int], vocab: bool = False) -> list[dict]:
     """The units the data axis' wrap makes on this rank, in its order, each ``{kind (experts, block, embedding unit,
     head unit, root), root, modules, kept (gathered after forward), bytes (this rank's)}``: the experts, each block,
     each root's end units (:func:`meshplan.model_copies.end_groups`, the rule ``fully_shard`` follows),
-    then the root, which holds what is left (DDP: the root alone after the experts)."""
-    from meshplan.model_copies import end_groups
+    then the root, which holds what is left (DDP: the root alone after the experts). ``vocab``
+    (the plan's ``ends: vocab_parallel``): each root's embeddings and heads (:func:`meshplan.model_copies.vocab_ends`)
+    are kind ``vocab-parallel embedding`` / ``vocab-parallel head`` instead, no FSDP2 unit (their rows sharded over
+    the data ranks for good); the root keeps the rest (the final norm)."""
+    from meshplan.model_copies import end_groups, vocab_ends
     out = [_unit("experts", None, [e]) for e in experts]
     out += [_unit("block", None, [b]) for b in blocks] if mode != "ddp" else []
     skip = set(every_block) | set(experts)
     for name, outside in roots:
-        groups = [] if mode == "ddp" else end_groups(model, lambda p, m: p in skip or outside(p))
-        out += [_unit("head unit" if kept else "embedding unit", name, paths, kept) for paths, kept in groups]
+        wrapped = lambda p, m: p in skip or outside(p)  # noqa: E731
+        if vocab:
+            out += [_unit(f"vocab-parallel {kind}", name, [path]) for path, kind in vocab_ends(model, wrapped)]
+        else:
+            groups = [] if mode == "ddp" else end_groups(model, wrapped)
+            out += [_unit("head unit" if kept else "embedding unit", name, paths, kept) for paths, kept in groups]
         out.append(_unit("root", name, []))
     rooted = [(name, outside, next(u for u in out if u["kind"] == "root" and u["root"] == name))
               for name, outside in roots]
@@ -95,7 +102,10 @@ def _wrapping(model: Any, plan: Any, cand: Any, place: Any, rank: int, held: Any
     if experts:  # the data axis' wrap shards (DDP: replicates) them over edp first, even a 1-rank edp
         out.update(experts=[e for e in experts if held(e)], experts_over="edp",
                    experts_ranks=place.group_ranks("edp", rank))
-    out["units"] = _units(model, mode, blocks, every_block, out["experts"], roots, module_bytes)
+    vocab = cand.vocab_ends and mode == "fsdp"
+    units = _units(model, mode, blocks, every_block, out["experts"], roots, module_bytes, vocab)
+    out["units"] = [u for u in units if not u["kind"].startswith("vocab-parallel")]
+    out["vocab_parallel"] = [u for u in units if u["kind"].startswith("vocab-parallel")]
     return out
 
 
@@ -178,4 +188,9 @@ def unit_texts(w: dict, fmt_bytes: Any = None) -> list[str]:
             out.append(f"{u['kind'].split()[0]} [{', '.join(u['modules'])}]{of}: {fmt_bytes(u['bytes'])}{kept}")
         elif u["kind"] == "root":
             out.append(f"the root {u['root']}: {fmt_bytes(u['bytes'])}" + ("" if u["bytes"] else " (holds nothing)"))
+    n = len(w["ranks"])
+    for u in w.get("vocab_parallel", []):  # ends: vocab_parallel: no FSDP2 unit
+        of = f" of {u['root']}" if u["root"].startswith("stage") else ""
+        out.append(f"{u['kind'].split()[1]} [{u['modules'][0]}]{of}: vocab-parallel over {w['over']} (rows/{n} each, "
+                   f"not an FSDP2 unit): {fmt_bytes(u['bytes'])}")
     return out

@@ -84,6 +84,8 @@ class Candidate:
             outputs kept, :mod:`meshplan.recompute`). dp_mode: ``fsdp``, ``hsdp``, ``ddp`` or ``none`` (default: from the degrees).
         accumulate_unsharded: ``data_parallel.accumulate_unsharded``: FSDP keeps parameters and gradients
             unsharded between accumulated microbatches (fewer collectives, more memory).
+        vocab_ends: ``data_parallel.ends: vocab_parallel``: the embedding and the head are sharded by rows over the
+            FSDP2 data ranks for good (no FSDP2 unit; activation collectives each microbatch instead).
     """
 
     tp: int = 1
@@ -104,6 +106,7 @@ class Candidate:
     ac_policy: str | None = None
     dp_mode: str | None = None
     accumulate_unsharded: bool = True
+    vocab_ends: bool = False
 
     @property
     def world(self) -> int:
@@ -168,6 +171,8 @@ class Candidate:
         parts.append(f"ac={ac}")
         if not self.accumulate_unsharded and self.microbatches > 1:
             parts.append("reshard-each-microbatch")
+        if self.vocab_ends:
+            parts.append("vocab-parallel-ends")
         if self.order != "tp-cp-ep-dp-pp":
             parts.append(self.order)
         return " ".join(parts)

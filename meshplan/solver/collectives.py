@@ -13,19 +13,21 @@ step recorded op by op; ``docs/tensor-parallel.md`` states the tensor-parallel o
   pipeline schedule a resharded block gathers for every forward and once more for the first backward that
   follows forwards (``m + 1``: backwards keep it gathered until the step's last); with ``accumulate_unsharded:
   false`` it gathers and reduce-scatters every microbatch, as without a pipeline. DDP: one all-reduce per step.
+  the plan's ``ends: vocab_parallel``: the embedding and head are no FSDP2 unit (the root holds the final
+  norm); each microbatch their activations move instead (:func:`vocab_end_collectives`).
 * **step**: the global token count and the clipping norm, one all-reduce each over the world.
 """
 
 from __future__ import annotations
 
 from meshplan.solver.units import COST_UNITS, UNITS
-from meshplan.solver.candidate import DTYPE_BYTES, Candidate, Training
+from meshplan.solver.candidate import Candidate, Training
 from meshplan.solver.memory import _block_tensors, end_units, experts_even, shard_sizes
 from meshplan.solver.placement import Group, Placement
 from meshplan.solver.shape import ModelShape
 from meshplan.solver.terms import Collective, block_kinds
 
-__all__ = ["Collective", "step_collectives", "fsdp_units"]
+__all__ = ["Collective", "step_collectives", "fsdp_units", "vocab_end_collectives"]
 
 
 def step_collectives(s: ModelShape, c: Candidate, tr: Training, place: Placement, pp_rank: int = 0,
@@ -38,6 +40,9 @@ def step_collectives(s: ModelShape, c: Candidate, tr: Training, place: Placement
         if axis.degree(c) > 1:
             out += axis.costs.collectives(s, c, tr, place, pp_rank, memo)
     out += _per_step(s, c, tr, place, pp_rank, memo)
+    shard = place.groups["dp_shard"]
+    if c.vocab_ends and shard.size > 1:  # the vocab-parallel ends' activations, each microbatch
+        out += vocab_end_collectives(s, c, tr, shard, *place.ends_of(pp_rank))
     world = place.groups["world"]
     if world.size > 1:
         out += [Collective("step", "all_reduce", world, 8, 1, "global token count"),
@@ -63,6 +68,38 @@ def fsdp_units(s: ModelShape, c: Candidate, place: Placement, pp_rank: int, memo
     for kind, tensors in end_units(s, c, place, pp_rank):  # the embedding, the head (or a tied root)
         units.append((kind, pad(tensors, d_dense), d_dense, 1))
     return units
+
+
+def vocab_end_collectives(s: ModelShape, c: Candidate, tr: Training, group: Group, first: bool,
+                          last: bool) -> list[Collective]:
+    """The activation collectives of the plan's ``ends: vocab_parallel`` (torch's RowwiseParallel embedding and
+    ColwiseParallel head over FSDP2's data mesh, the batch as their sharded input), each microbatch.
+
+    Args:
+        s: the model's shape. c: the candidate (microbatches, tokens). tr: the training (activation bytes).
+        group: FSDP2's data-shard group (``n`` ranks). first / last: the rank holds the embedding / the head.
+
+    Returns:
+        :class:`~meshplan.solver.terms.Collective` s on the ``dp`` axis, ``nbytes`` the full buffer: the
+        embedding's all-gather of the token ids and reduce-scatter of its output (forward), all-gather of the
+        output's gradient (backward); the head's all-gather of its input, all-to-all of the logits from vocabulary
+        shards to batch shards (forward, and its gradient back: on a CPU mesh DTensor runs an all-gather of the
+        local logits instead), reduce-scatter of its input's gradient (backward).
+    """
+    n, m, b = group.size, c.microbatches, tr.act_bytes
+    tokens, h = c.rank_tokens(tr.seq), s.hidden
+    rows = n * tokens * h * b  # [n·tokens, hidden] in the compute dtype
+    out = []
+    if first:
+        out += [Collective("dp", "all_gather", group, n * tokens * 8, m, "token ids (vocab-parallel embedding)"),
+                Collective("dp", "reduce_scatter", group, rows, m, "embedding output (vocab-parallel)"),
+                Collective("dp", "all_gather", group, rows, m, "embedding output gradient (vocab-parallel)")]
+    if last:
+        out += [Collective("dp", "all_gather", group, rows, m, "head input (vocab-parallel head)"),
+                Collective("dp", "all_to_all", group, tokens * s.vocab * b, 2 * m,
+                           "logits and their gradient, vocabulary to batch shards (vocab-parallel head)"),
+                Collective("dp", "reduce_scatter", group, rows, m, "head input gradient (vocab-parallel)")]
+    return out
 
 
 def _moe_counts(kinds: dict) -> dict[bool, int]:

@@ -86,13 +86,26 @@ def _end_tensors(s: ModelShape, c: Candidate, place: Placement, pp_rank: int) ->
 def end_units(s: ModelShape, c: Candidate, place: Placement, pp_rank: int) -> list[tuple[str, list]]:
     """The FSDP2 units of :func:`_end_tensors` (as parallelize wraps them, docs/data-parallel.md): ``[(kind,
     tensors)]``, ``embedding`` (resharded after forward like a block) then ``head`` (the final norm and the head:
-    kept gathered); a head tied to the embedding on the same rank keeps both in the ``root`` unit."""
+    kept gathered); a head tied to the embedding on the same rank keeps both in the ``root`` unit. Under
+    the plan's ``ends: vocab_parallel`` the embedding and head are no FSDP2 unit (their rows stay sharded): the
+    ``root`` holds the final norm alone (:func:`vocab_end_tensors` lists the others)."""
     ends = _end_tensors(s, c, place, pp_rank)
     first, last = place.ends_of(pp_rank)
+    if c.vocab_ends:
+        norm = [t for t in ends if t not in vocab_end_tensors(s, c, place, pp_rank)]
+        return [("root", norm)] if norm else []
     if not ends or (first and last and s.tied_embeddings):
         return [("root", ends)] if ends else []
     emb, rest = (ends[:1], ends[1:]) if first else ([], ends)
     return [(k, t) for k, t in (("embedding", emb), ("head", rest)) if t]
+
+
+def vocab_end_tensors(s: ModelShape, c: Candidate, place: Placement, pp_rank: int) -> list:
+    """The tensors of :func:`_end_tensors` that the plan's ``ends: vocab_parallel`` shards by rows over the data
+    ranks (the embedding, an untied head; their ``(vocab, hidden)`` rows): none without the option."""
+    if not c.vocab_ends:
+        return []
+    return [t for t in _end_tensors(s, c, place, pp_rank) if t == (s.vocab // c.tp, s.hidden)]
 
 
 def _is_moe(s: ModelShape, block: int) -> bool:
@@ -179,13 +192,15 @@ def _moe_activations(s: ModelShape, c: Candidate, tokens: float, b: int) -> floa
     return routed * per
 
 
-def _end_activations(s: ModelShape, c: Candidate, tr: Training, first: bool, last: bool) -> float:
+def _end_activations(s: ModelShape, c: Candidate, tr: Training, first: bool, last: bool, n: int = 1) -> float:
     """Outside the blocks: token ids and the embedding output (first stage); the final norm, the head's input
-    and logits and the loss's saved tensors (last stage)."""
+    and logits and the loss's saved tensors (last stage). ``n``: the data ranks the plan's ``ends:
+    vocab_parallel`` shards the ends over (1 without): the embedding keeps the ids of all ``n`` ranks, the head its
+    input gathered from them."""
     t, h, b = c.tp, s.hidden, tr.act_bytes
     sh = t if tr.sequence_parallel and t > 1 else 1
     tokens = c.rank_tokens(tr.seq)
-    out = 0.0
+    out = tokens * (n - 1) * ((8 if first else 0) + (h * b if last else 0))
     if first:
         extra = sum(axis.costs.first_stage_activations(c) for axis in UNITS)
         out += tokens * ((9 if t > 1 else 8) + extra + h / sh * b)
@@ -233,15 +248,20 @@ def rank_memory(s: ModelShape, c: Candidate, tr: Training, place: Placement, pp_
         if key not in memo:
             memo[key] = block_activations(s, c, tr, moe, ckpt)
         acts += n * memo[key]
-    mb = tr.master_bytes
-    params = grads = numel * mb
-    optimizer = tr.optimizer_states * numel * mb + 4 * tensors
     first, last = place.ends_of(pp_rank)
-    acts = (acts + _end_activations(s, c, tr, first, last)) * math.prod(axis.costs.in_flight(c, pp_rank) for axis in UNITS)
+    mb, n = tr.master_bytes, (d_dense if c.vocab_ends else 1)
+    params = grads = numel * mb
+    if n > 1 and first and not (s.tied_embeddings and last):  # torch's embedding backward makes a Replicate
+        # gradient: the whole table on each rank (a head tied on the same rank: the sum stays Shard(0))
+        grads += s.vocab * s.hidden * (1 - 1 / n) * mb
+    optimizer = tr.optimizer_states * numel * mb + 4 * tensors
+    acts = (acts + _end_activations(s, c, tr, first, last, n)) * math.prod(axis.costs.in_flight(c, pp_rank) for axis in UNITS)
     gathered, transient = _fsdp_buffers(s, c, tr, kinds, end_units(s, c, place, pp_rank), d_dense > 1 or d_expert > 1,
                                         memo)
     if last:
         transient += c.rank_tokens(tr.seq) * s.vocab / c.tp * 4  # the loss's float32 logits gradient
+        if n > 1:  # vocab_parallel ends: the head's [n·tokens, vocab/n] output beside its all-to-all's result
+            transient += c.rank_tokens(tr.seq) * s.vocab * tr.act_bytes
     host = 0.0
     if tr.cpu_offload:
         host, params, grads, optimizer = params + grads + optimizer, 0.0, 0.0, 0.0

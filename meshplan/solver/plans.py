@@ -54,7 +54,11 @@ def candidate_from_plan(plan: Plan, world: int, seq: int, global_batch: int, *, 
                      ac=ac.mode if ac else "none", ac_every=ac.every if ac else 1, ac_ops=bool(ac and ac.ops),
                      ac_policy=ac.policy if ac else None,
                      dp_mode=dp_sec.mode if dp_sec else None,
-                     accumulate_unsharded=dp_sec.accumulate_unsharded if dp_sec else True)
+                     accumulate_unsharded=dp_sec.accumulate_unsharded if dp_sec else True,
+                     vocab_ends=bool(dp_sec and dp_sec.ends == "vocab_parallel"))
+    if cand.vocab_ends and (cand.mode != "fsdp" or cand.tp > 1):  # as parallelize refuses it (data_parallel/mode.py)
+        raise PlanError(f"{where}: data_parallel.ends: vocab_parallel needs mode fsdp and tp 1; got mode {cand.mode}, "
+                        f"tp({cand.tp}). Use ends: fsdp")
     compute = (dp_sec.param_dtype if dp_sec else None) or dtype
     reshard = dp_sec.reshard_after_forward if dp_sec else None
     train = Training(
@@ -104,6 +108,8 @@ def plan_from_candidate(cand: Candidate, train: Training, base: dict[str, Any] |
         dp["mode"] = cand.dp_mode
     if not cand.accumulate_unsharded:
         dp["accumulate_unsharded"] = False
+    if cand.vocab_ends:
+        dp["ends"] = "vocab_parallel"
     if dp:
         out["data_parallel"] = dp
     Plan.from_data(out, source="the written plan")  # raises PlanError with the key path if it does not validate

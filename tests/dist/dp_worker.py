@@ -427,6 +427,10 @@ CASES_BY_WORLD = {
         "mixed_precision": mixed_precision,
         "fsdp_ac_selective": lambda: compare({"dp_shard": 2}, {"reshard_after_forward": False}, blocks={
             "activation_checkpointing": {"mode": "selective", "ops": ["aten.mm.default"]}}),
+        "counts_fsdp_vocab_ends_accum2": lambda: comm_counts({"dp_shard": 2}, {"ends": "vocab_parallel"},
+                                                             microbatches=2),
+        "counts_fsdp_vocab_ends_accum2_sharded": lambda: comm_counts(
+            {"dp_shard": 2}, {"ends": "vocab_parallel", "accumulate_unsharded": False}, microbatches=2),
     },
 }
 

@@ -35,6 +35,8 @@ PLANS = {
                            "pipeline": {"schedule": "interleaved_1f1b", "microbatches": 4}},
     "pp2_looped_bfs_tp2": {"layout": {"pp": 2, "vpp": 2, "tp": 2}, "blocks": BLOCKS, "tensor_parallel": TP,
                            "pipeline": {"schedule": "looped_bfs", "microbatches": 2}},
+    "pp2_fsdp2_vocab_ends": {"layout": {"pp": 2}, "blocks": BLOCKS, "data_parallel": {"ends": "vocab_parallel"},
+                             "pipeline": {"schedule": "1f1b", "microbatches": 4}},
 }
 
 
