@@ -158,14 +158,8 @@ def rank_view(report: Any, model: nn.Module, plan: Any, resolved: Any, rank: int
     exempt = tp_exempt(model, plan, report)
     n = _count(mods, held, exempt, *shard_sizes(cand, place), place.shard_index(rank))
     view["layout"] = rank_layout(model, plan, report, cand, place, rank, rows, held, exempt, resolved, n["modules"])
-    w = view["layout"]["wrapping"] or {}
-    vocab = w.get("vocab_parallel", [])
-    tied = {id(mods[u["modules"][0]].weight) for u in vocab if u["kind"] == "vocab-parallel head"}
-    whole = sum(u["bytes"] * (len(w["ranks"]) - 1) for u in vocab if u["kind"] == "vocab-parallel embedding"
-                and id(mods[u["modules"][0]].weight) not in tied)  # torch's embedding backward: a Replicate
-    # gradient, the whole table on each rank (a head tied to it on the rank: their sum stays Shard(0))
     view.update(parameters=n["numel"], tensors=n["tensors"], parameter_bytes=n["bytes"], module_bytes=n["modules"],
-                gradient_bytes=n["bytes"] + whole, optimizer_bytes=2 * n["bytes"] + 4 * n["tensors"])
+                gradient_bytes=n["bytes"], optimizer_bytes=2 * n["bytes"] + 4 * n["tensors"])
     return view
 
 

@@ -251,13 +251,12 @@ def rank_memory(s: ModelShape, c: Candidate, tr: Training, place: Placement, pp_
     first, last = place.ends_of(pp_rank)
     mb, n = tr.master_bytes, (d_dense if c.vocab_ends else 1)
     params = grads = numel * mb
-    if n > 1 and first and not (s.tied_embeddings and last):  # torch's embedding backward makes a Replicate
-        # gradient: the whole table on each rank (a head tied on the same rank: the sum stays Shard(0))
-        grads += s.vocab * s.hidden * (1 - 1 / n) * mb
     optimizer = tr.optimizer_states * numel * mb + 4 * tensors
     acts = (acts + _end_activations(s, c, tr, first, last, n)) * math.prod(axis.costs.in_flight(c, pp_rank) for axis in UNITS)
     gathered, transient = _fsdp_buffers(s, c, tr, kinds, end_units(s, c, place, pp_rank), d_dense > 1 or d_expert > 1,
                                         memo)
+    if n > 1 and first:  # torch's embedding backward makes the whole table's gradient (Replicate) on each rank;
+        transient = max(transient, s.vocab * s.hidden * mb)  # cut to the rank's rows before it is accumulated
     if last:
         transient += c.rank_tokens(tr.seq) * s.vocab / c.tp * 4  # the loss's float32 logits gradient
         if n > 1:  # vocab_parallel ends: the head's [n·tokens, vocab/n] output beside its all-to-all's result
