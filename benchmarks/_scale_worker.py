@@ -166,14 +166,14 @@ def _phase(spec: dict, layout: str, start: str, out: dict) -> None:
     if plan is not None:
         model = meshplan.parallelize(model, plan, meshplan.build_mesh(plan["layout"]))
     out["parallelize_s"] = time.perf_counter() - t
-    t = time.perf_counter()
+    t, cpu = time.perf_counter(), time.process_time()
     try:
         out["note"] = _start(model, start, spec, which)
     except (meshplan.PlanError, NotImplementedError, TypeError, RuntimeError) as e:
         out["error"] = f"not supported yet: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
         return
-    finally:
-        out["start_s"] = time.perf_counter() - t
+    finally:  # wall and CPU seconds (the CPU ones: this rank's work, whatever the other ranks' share of the cores)
+        out["start_s"], out["start_cpu_s"] = time.perf_counter() - t, time.process_time() - cpu
     out["hwm_start_kib"] = status_kib("VmHWM")
     params = [p for p in model.parameters() if p.requires_grad]
     out["params"] = _nbytes(model.parameters())

@@ -121,6 +121,12 @@ def _mib(n: float, kib: bool = False) -> str:
     return f"{n / (1024 if kib else 1024 ** 2):,.1f}"
 
 
+def _speed(ph: dict, one: dict | None, key: str) -> str:
+    """``"2.10 (1.3×)"``: the phase's seconds of ``key`` and the one-process start's over them."""
+    t1 = (one or {}).get(key) if one is not None and "error" not in one else None
+    return f"{ph[key]:.2f} ({t1 / ph[key]:.1f}×)" if t1 and ph[key] else f"{ph[key]:.2f}"
+
+
 def _row(ph: dict, rank: int, base: int, one: dict | None, est: dict | None) -> str:
     head = f"| {ph['layout']} | {ph['start']} | {rank} |"
     if "error" in ph:
@@ -129,8 +135,7 @@ def _row(ph: dict, rank: int, base: int, one: dict | None, est: dict | None) -> 
     ratio = ph["hwm_kib"] * 1024 / (pgo + base * 1024)
     same = "n/a" if est is None else ("yes" if all(est[k] == ph[k] for k in est) else
                                       "no: " + "/".join(_mib(est[k]) for k in ("params", "grads", "optimizer")))
-    t1 = (one or {}).get("start_s") if one is not None and "error" not in one else None
-    speed = f"{ph['start_s']:.2f} ({t1 / ph['start_s']:.1f}×)" if t1 and ph["start_s"] else f"{ph['start_s']:.2f}"
+    speed = " / ".join(_speed(ph, one, k) for k in ("start_s", "start_cpu_s") if k in ph)
     return (f"{head} {_mib(ph['params'])} | {_mib(ph['grads'])} | {_mib(ph['optimizer'])} | {same} | "
             f"{_mib(base, True)} | {_mib(ph['hwm_start_kib'], True)} | {_mib(ph['hwm_kib'], True)} | "
             f"{_mib(ph.get('anon_kib', 0), True)} / {_mib(ph.get('file_kib', 0), True)} | "
@@ -139,7 +144,7 @@ def _row(ph: dict, rank: int, base: int, one: dict | None, est: dict | None) -> 
 
 HEADER = ("| layout | start | rank | params MiB | grads MiB | AdamW MiB | = estimate | baseline MiB | peak RSS after "
           "start MiB | peak RSS MiB | peak anon / file MiB | peak / (p+g+opt+base) | parallelize s | "
-          "start s (one process ÷ this) | note |\n"
+          "start s / CPU s (one process ÷ this) | note |\n"
           + "|" + "---|" * 15)
 
 
@@ -155,7 +160,8 @@ def table(results: dict, layouts: dict) -> str:
             rows.append((key, _row(ph, int(rank), res["baseline_kib"], ref, est)))
     lines = [HEADER] + [r for _, r in sorted(rows)]
     ref_rows = [f"| {k[0]} | {k[1]} | 0 | " + (ph.get("error") or f"peak RSS {_mib(ph['hwm_kib'], True)} MiB, "
-                f"params {_mib(ph['params'])} MiB, start {ph['start_s']:.2f} s") + " |" for k, ph in one.items()]
+                f"params {_mib(ph['params'])} MiB, start {ph['start_s']:.2f} s, CPU "
+                f"{ph.get('start_cpu_s', float('nan')):.2f} s") + " |" for k, ph in one.items()]
     return ("\n".join(lines) + "\n\none process (no parallelize, no steps):\n\n| model | start | rank | |\n"
             "|---|---|---|---|\n" + "\n".join(ref_rows))
 
