@@ -242,27 +242,34 @@ def vocab_ends_mean(**model_kw):
     weight once): after one backward of a per-rank mean loss, every gradient equals the one of the model with FSDP2
     ends."""
     args = tiny_args(**model_kw)
-    topo = meshplan.build_mesh({"dp_shard": 2})
-    x, y = global_batch(0, args.vocab_size)
-    rows = GLOBAL_BATCH // 2
-    xs, ys = (t[topo.data_rank * rows:(topo.data_rank + 1) * rows] for t in (x, y))
+    topo, xs, ys = _dp2_rows(args)
     grads = []
     for ends in ("fsdp", "vocab_parallel"):
         torch.manual_seed(0)
         model = apply_data_parallel(float64_model(build(args)), {"gradient_reduction": "mean", "ends": ends}, topo)
         F.cross_entropy(model(xs).flatten(0, 1), ys.flatten(), ignore_index=-100).backward()
         grads.append({n: p.grad.full_tensor() for n, p in model.named_parameters()})
-    return max(float((g - grads[0][n]).norm() / grads[0][n].norm()) for n, g in grads[1].items())
+    return _worst_rel(*grads)
+
+
+def _dp2_rows(args):
+    """A dp_shard 2 topology and this rank's rows of step 0's global batch."""
+    topo = meshplan.build_mesh({"dp_shard": 2})
+    x, y = global_batch(0, args.vocab_size)
+    rows = GLOBAL_BATCH // 2
+    xs, ys = (t[topo.data_rank * rows:(topo.data_rank + 1) * rows] for t in (x, y))
+    return topo, xs, ys
+
+
+def _worst_rel(want, got):
+    return max(float((g - want[n]).norm() / want[n].norm()) for n, g in got.items())
 
 
 def vocab_ends_from_meta():
     """Meta → parallelize (vocab ends) → materialize: the replaced parameters still get their rows' gradients
     (each contribution sliced to the rank's rows, not the whole weight's kept) equal to the CPU-built model's."""
     args = tiny_args()
-    topo = meshplan.build_mesh({"dp_shard": 2})
-    x, y = global_batch(0, args.vocab_size)
-    rows = GLOBAL_BATCH // 2
-    xs, ys = (t[topo.data_rank * rows:(topo.data_rank + 1) * rows] for t in (x, y))
+    topo, xs, ys = _dp2_rows(args)
     grads = []
     for device in ("cpu", "meta"):
         torch.manual_seed(0)
@@ -277,7 +284,7 @@ def vocab_ends_from_meta():
         emb = model.tok_embeddings.weight.grad.to_local()
         assert emb.untyped_storage().nbytes() == emb.numel() * emb.element_size(), "the whole gradient kept"
         grads.append({n: p.grad.full_tensor() for n, p in model.named_parameters()})
-    return max(float((g - grads[0][n]).norm() / grads[0][n].norm()) for n, g in grads[1].items())
+    return _worst_rel(*grads)
 
 
 def chunked_reduce_scatter():
