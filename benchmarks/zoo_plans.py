@@ -18,6 +18,10 @@ cpdoc       cp 2                                        2      cp's plan with ``
                                                                (``zoo_inputs``: restarting position_ids)
 ppkw        pp 2                                        2      pp's plan; position_ids and a padding
                                                                attention_mask as keyword inputs (``zoo_inputs``)
+vocab       dp_shard 2                                  2      ``blocks`` + ``data_parallel`` (``VOCAB``: ends
+                                                               vocab_parallel, reduce_scatter chunked, no prefetch)
+ppvocab     pp 2 × dp_shard 2                           4      pp's plan + ``data_parallel`` (``VOCAB`` and
+                                                               accumulate_unsharded: false)
 ==========  ==========================================  =====  =====================================================
 
 :func:`plan_model` builds the model once, writes every axis' plan and checks it at its world size (the offline
@@ -33,12 +37,14 @@ import tempfile
 
 from zoo_inputs import KW_AXES
 
-AXES = ("tp", "pp", "cp", "ep", "3d", "sel", "cpdoc", "ppkw")
-WORLD = {"tp": 2, "pp": 2, "cp": 2, "ep": 2, "3d": 8, "sel": 2, "cpdoc": 2, "ppkw": 2}
+AXES = ("tp", "pp", "cp", "ep", "3d", "sel", "cpdoc", "ppkw", "vocab", "ppvocab")
+WORLD = {"tp": 2, "pp": 2, "cp": 2, "ep": 2, "3d": 8, "sel": 2, "cpdoc": 2, "ppkw": 2, "vocab": 2, "ppvocab": 4}
 #: axes whose plan is tp's (sequence + loss parallel first, the plain plan where that is refused)
 TP_LIKE = ("tp", "ep", "3d", "sel")
 SELECTIVE = {"mode": "selective", "policy": "megatron"}
 PIPELINE = {"schedule": "1f1b", "microbatches": 2}
+#: the data-parallel memory knobs the ``vocab`` and ``ppvocab`` axes run (docs/data-parallel.md)
+VOCAB = {"ends": "vocab_parallel", "reduce_scatter": "chunked", "backward_prefetch": False}
 ROWS, SEQ = 4, 16
 
 
@@ -183,6 +189,11 @@ def axis_plan(model, axis: str, moe: bool, sp: bool = True) -> dict | None:
         attn = attention_patterns(model, blocks) if blocks else []
         section = {"attention": attn or ["<no attention module>"], **({"method": "ring"} if axis == "cpdoc" else {})}
         return {**base, "layout": {"cp": 2}, "context_parallel": section}
+    if axis == "vocab":
+        return {**base, "layout": {"dp_shard": 2}, "data_parallel": dict(VOCAB)}
+    if axis == "ppvocab":
+        return {**base, "layout": {"pp": 2, "dp_shard": 2}, "pipeline": dict(PIPELINE),
+                "data_parallel": {**VOCAB, "accumulate_unsharded": False}}
     if axis == "ep":
         if not moe:
             return None

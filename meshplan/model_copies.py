@@ -140,11 +140,16 @@ def vocab_ends(root: nn.Module, wrapped: Callable[[str, nn.Module], bool]) -> li
     """``[(path, "embedding" | "head")]``: the modules the ``ends: vocab_parallel`` option shards by rows over
     the ranks of FSDP2's mesh: each ``nn.Embedding`` and each ``nn.Linear`` in or under :func:`end_modules` (the embedding,
     the head; a final norm stays in the root's FSDP2 unit). Pure: ``meshplan check --rank R`` reads it too."""
-    out = []
+    out, skip = [], []
     for path, m in end_modules(root, wrapped):
         for sub, c in m.named_modules():
-            if isinstance(c, (nn.Embedding, nn.Linear)):
-                out.append((f"{path}.{sub}" if sub else path, "embedding" if isinstance(c, nn.Embedding) else "head"))
+            full = f"{path}.{sub}" if sub else path
+            if any(full.startswith(s + ".") for s in skip):
+                continue
+            if sub and wrapped(full, c):  # blocks under an end module holding parameters itself (HRM's z_L_init)
+                skip.append(full)
+            elif isinstance(c, (nn.Embedding, nn.Linear)):
+                out.append((full, "embedding" if isinstance(c, nn.Embedding) else "head"))
     return out
 
 

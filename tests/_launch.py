@@ -147,7 +147,7 @@ SHARED = {
     "pp_worker": ("test_dist_pipeline.py", {2: "", 4: "", 8: ""}),
     "tp_worker": ("test_dist_tp.py", {2: "", 4: ""}),
     "trace_worker": ("test_pipeline_trace.py", {2: ""}),
-    "zoo_worker": ("test_dist_zoo.py", {2: "", 8: ""}),
+    "zoo_worker": ("test_dist_zoo.py", {2: "", 4: "", 8: ""}),
     "ckpt_worker": ("test_checkpoint_dist.py", {4: ""}),
     "solver_worker": ("test_dist_solver.py", {4: ""}),
     # last: their context is meshplan.init (run_suite restores the world group's timeout after it)

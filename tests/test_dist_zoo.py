@@ -1,5 +1,6 @@
-"""Real torchrun/gloo launches (world 2 and 8) of ``tests/dist/zoo_worker.py``: a slice of the transformers zoo
-(``benchmarks/zoo.py``), tiny float64 models with the zoo's plans on tp 2, pp 2, cp 2, ep 2 and the 3-D layouts,
+"""Real torchrun/gloo launches (world 2, 4 and 8) of ``tests/dist/zoo_worker.py``: a slice of the transformers zoo
+(``benchmarks/zoo.py``), tiny float64 models with the zoo's plans on tp 2, pp 2, cp 2, ep 2, the 3-D layouts and the
+vocab_parallel ends (vocab: dp_shard 2; ppvocab: pp 2 x dp_shard 2),
 one ``train_step`` vs one device: loss and every gradient within 1e-9 relative."""
 
 import os

@@ -109,3 +109,41 @@ def test_chunked_reduce_scatter_is_refused_off_the_cpu():
     with pytest.raises(PlanError, match=r"reduce_scatter: chunked is for CPU \(gloo\) meshes, got mesh device "
                                         r"'cuda'.*use reduce_scatter: collective"):
         check_data_parallel(nn.Linear(2, 2), DataParallel(reduce_scatter="chunked"), topo)
+
+
+def test_blocks_under_an_end_module_holding_a_parameter_are_not_ends(fake_pg):
+    """HRM's ``HrmTextModel`` holds ``z_L_init`` itself, so the end module is the whole model: the blocks under it
+    (already FSDP2 units) were sharded again as heads (the zoo's hrm_text crashed: mixed Tensor and DTensor)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from meshplan.model_copies import vocab_ends
+
+    class Body(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.init = nn.Parameter(torch.zeros(8))
+            self.embed = nn.Embedding(16, 8)
+            self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+
+        def forward(self, x):
+            h = self.embed(x) + self.init
+            for layer in self.layers:
+                h = layer(h)
+            return h
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body, self.head = Body(), nn.Linear(8, 16, bias=False)
+
+        def forward(self, x):
+            return self.head(self.body(x))
+
+    plan = {**VOCAB, "blocks": {"pattern": "body.layers.*"}}
+    inside = lambda path, m: path.startswith("body.layers.")  # noqa: E731 - check's rule: the blocks' paths
+    assert vocab_ends(Model(), inside) == [("body.embed", "embedding"), ("head", "head")]
+    with fake_pg(2):
+        model = meshplan.parallelize(Model(), plan, meshplan.build_mesh({"dp_shard": 2}))
+        assert all(isinstance(b, FSDPModule) for b in model.body.layers)
+        assert model.body.layers[0].weight.to_local().shape == (4, 8)  # FSDP2's shard of an 8 x 8 weight, once
+        assert model.head.weight.to_local().shape == (8, 8)

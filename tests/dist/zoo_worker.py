@@ -50,6 +50,11 @@ ZOO = {
     ("qwen3", "sel"): "selective recompute (policy megatron) under tp 2 + SP, per-head q/k norms",
     ("qwen3", "cpdoc"): "ring cp over packed documents laid out by work (position_ids restarting)",
     ("qwen2", "ppkw"): "position_ids and a padding attention_mask as keyword inputs of both stages",
+    ("gpt2", "vocab"): "vocab_parallel ends: tied lm_head, learned positions (wpe) outside the blocks; chunked "
+                       "reduce-scatter, no prefetch",
+    ("cohere2", "vocab"): "vocab_parallel ends: tied lm_head with a logit scale, sliding/full layers",
+    ("mixtral", "vocab"): "vocab_parallel ends around FSDP2 units holding MoE experts",
+    ("qwen2", "ppvocab"): "pp 2 x dp_shard 2, vocab_parallel ends on both stages, accumulate_unsharded false",
 }
 
 
