@@ -44,7 +44,7 @@ TP_LIKE = ("tp", "ep", "3d", "sel")
 SELECTIVE = {"mode": "selective", "policy": "megatron"}
 PIPELINE = {"schedule": "1f1b", "microbatches": 2}
 #: the data-parallel memory knobs the ``vocab`` and ``ppvocab`` axes run (docs/data-parallel.md)
-VOCAB = {"ends": "vocab_parallel", "reduce_scatter": "chunked", "backward_prefetch": False}
+VOCAB = {"ends": "vocab_parallel", "reduce_scatter": "chunked", "prefetch": False}
 ROWS, SEQ = 4, 16
 
 

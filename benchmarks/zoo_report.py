@@ -17,7 +17,7 @@ LAYOUTS = {"tp": "tp 2 (world 2)", "pp": "pp 2, 1f1b, 2 microbatches (world 2)",
                     "(world 2)",
            "ppkw": "pp 2, 1f1b, 2 microbatches, position_ids + a right-padded attention_mask as keyword inputs "
                    "(world 2)",
-           "vocab": "dp_shard 2, data_parallel {ends: vocab_parallel, reduce_scatter: chunked, backward_prefetch: "
+           "vocab": "dp_shard 2, data_parallel {ends: vocab_parallel, reduce_scatter: chunked, prefetch: "
                     "false} (world 2)",
            "ppvocab": "pp 2 × dp_shard 2, 1f1b, 2 microbatches, vocab's data_parallel keys + accumulate_unsharded: "
                       "false (world 4)"}
