@@ -242,11 +242,15 @@ def _received(fake_pg, monkeypatch, model, plan: Plan, world: int, rank: int) ->
     from meshplan.model_copies import meta_copy
     real, got = fsdp.fully_shard, []
     meta = meta_copy(model)
-    paths = {id(m): p for p, m in meta.named_modules()}
+    modules = {id(m): (p, m) for p, m in meta.named_modules()}  # the modules held too: no id is reused
+
+    def path(m):  # the meta model's path of m ("" for the model), or None for another module (a stage view)
+        p, known = modules.get(id(m), (None, None))
+        return p if known is m else None
 
     def spy(module, *args, **kwargs):
         mods = module if isinstance(module, list) else [module]
-        got.append(",".join(paths[id(m)] for m in mods) if paths.get(id(mods[0])) else "root")
+        got.append(",".join(path(m) for m in mods) if path(mods[0]) else "root")
         return real(module, *args, **kwargs)
 
     monkeypatch.setattr(fsdp, "fully_shard", spy)

@@ -28,8 +28,9 @@ def _asks(layout: Any, others: tuple) -> tuple[bool, bool]:
 
 def _check(model: Any, plan: Any, layout: Any, report: Any, others: tuple = ()) -> None:
     """``meshplan check``: the error :func:`_prepare` raises before anything changes (none: nothing added)."""
-    problem = data_parallel_problem(plan, layout, *_asks(layout, others))
-    if problem is None and model is not None and needed(plan, layout, _asks(layout, others)[0]):
+    asks = _asks(layout, others)
+    problem = data_parallel_problem(plan, layout, *asks)
+    if problem is None and model is not None and needed(plan, layout, asks[0]):
         problem = _ends_problem(model, plan, layout)
     if problem is not None:
         report.errors.append(problem)

@@ -92,7 +92,8 @@ def end_units(s: ModelShape, c: Candidate, place: Placement, pp_rank: int) -> li
     ends = _end_tensors(s, c, place, pp_rank)
     first, last = place.ends_of(pp_rank)
     if c.vocab_ends:
-        norm = [t for t in ends if t not in vocab_end_tensors(s, c, place, pp_rank)]
+        vocab = vocab_end_tensors(s, c, place, pp_rank)
+        norm = [t for t in ends if t not in vocab]
         return [("root", norm)] if norm else []
     if not ends or (first and last and s.tied_embeddings):
         return [("root", ends)] if ends else []

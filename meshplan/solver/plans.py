@@ -58,7 +58,7 @@ def candidate_from_plan(plan: Plan, world: int, seq: int, global_batch: int, *, 
                      vocab_ends=bool(dp_sec and dp_sec.ends == "vocab_parallel"))
     if cand.vocab_ends and (cand.mode != "fsdp" or cand.tp > 1):  # as parallelize refuses it (data_parallel/mode.py)
         raise PlanError(f"{where}: data_parallel.ends: vocab_parallel needs mode fsdp and tp 1; got mode {cand.mode}, "
-                        f"tp({cand.tp}). Use ends: fsdp")
+                        f"tp({cand.tp}); use ends: fsdp")
     compute = (dp_sec.param_dtype if dp_sec else None) or dtype
     reshard = dp_sec.reshard_after_forward if dp_sec else None
     train = Training(
