@@ -163,13 +163,22 @@ def first_choice(kind: str, world: int, cluster) -> dict:
 
 
 def run_world(world: int, args, tmp: Path) -> dict:
-    """Profile, measure every layout (and the solver's first choices) in one launch, print the table."""
+    """Profile, measure every layout (and the solver's first choices) in one launch, print the table. With
+    ``--reprice`` nothing runs: the kept profile and measurements of an earlier ``--keep`` run are priced again by
+    the current model (the first choices stay the ones measured then)."""
     from meshplan.profile.run import profile_cluster
-    cluster = profile_cluster(nproc=world, out=tmp / f"cluster{world}.json")
-    layouts = dict(LAYOUTS[world])
-    for kind in ("llama", "moe"):
-        layouts[f"solver_first_{kind}"] = (kind, first_choice(kind, world, cluster))
-    got = measure(layouts, world, args, tmp)
+    from meshplan.solver.cluster import Cluster
+    if args.reprice:
+        cluster = Cluster.from_dict(json.loads((tmp / f"cluster{world}.json").read_text()))
+        spec = json.loads((tmp / f"layouts{world}.json").read_text())
+        layouts = {d["name"]: (d["kind"], d["plan"]) for d in spec}
+        got = json.loads((tmp / f"measured{world}.json").read_text())
+    else:
+        cluster = profile_cluster(nproc=world, out=tmp / f"cluster{world}.json")
+        layouts = dict(LAYOUTS[world])
+        for kind in ("llama", "moe"):
+            layouts[f"solver_first_{kind}"] = (kind, first_choice(kind, world, cluster))
+        got = measure(layouts, world, args, tmp)
     print(f"\n### world {world} on {os.cpu_count()} cores — {cluster.source}\n")
     print("| layout | model | measured s/step (median of repeats) | spread | predicted | error | load |")
     print("|---|---|---|---|---|---|---|")
@@ -218,13 +227,22 @@ def main() -> None:
     ap.add_argument("--parts", action="store_true", help="print each layout's predicted parts (the error's structure)")
     ap.add_argument("--save-clusters", default=None,
                     help="write each world's profiled cluster here with its calibration error (estimate's ± band)")
+    ap.add_argument("--keep", default=None, help="keep each world's profile, layouts and measurements in this folder")
+    ap.add_argument("--reprice", default=None,
+                    help="run nothing: price a --keep folder's measurements again with the current model")
     args = ap.parse_args()
+    if args.reprice:
+        for world in (int(w) for w in args.worlds.split(",")):
+            run_world(world, args, Path(args.reprice))
+        return
     print(f"load average at start: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores (the table is worth "
           f"reporting only on a quiet host)")
     start = time.time()
     with tempfile.TemporaryDirectory(prefix="meshplan-calibrate-") as tmp:
+        keep = Path(args.keep or tmp)
+        keep.mkdir(parents=True, exist_ok=True)
         for world in (int(w) for w in args.worlds.split(",")):
-            run_world(world, args, Path(tmp))
+            run_world(world, args, keep)
     print(f"\nload average at end: {os.getloadavg()[0]:.2f}; {time.time() - start:.0f} s in all")
 
 

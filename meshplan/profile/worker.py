@@ -11,6 +11,8 @@ Every rank measures at once and for long enough (~0.2 s windows) that ranks shar
   unit, pipeline schedule actions, uneven all-to-all, and the cores each rank gets (effective parallelism); an
   eager MoE expert loop's weight-slice gradients and host sync (:mod:`meshplan.profile.moe`);
 * the optimizer step and gradient clipping per tensor and element (:mod:`meshplan.profile.step_costs`);
+* a reference eager block forward and backward at two batch sizes: its element-wise work and launches beyond the
+  matmuls and attention (:mod:`meshplan.profile.block`);
 * the repeat spread: the median relative spread of the timing windows (``estimate``'s ± band);
 * collectives: all-gather, reduce-scatter, all-reduce and all-to-all in groups of consecutive ranks of every
   size dividing the world (all groups at once), and paired send/recv; each fitted as ``latency + bytes /
@@ -31,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from meshplan.mesh.ranks import divisors
+from meshplan.profile.block import measure_block
 from meshplan.profile.moe import measure_moe
 from meshplan.profile.overheads import measure_overheads
 from meshplan.profile.step_costs import measure_step_costs
@@ -44,7 +47,11 @@ def _timed(fn, reps: int, window: float = 0.2, spread: list | None = None) -> fl
     """Median seconds per call of ``fn`` over ``reps`` windows of about ``window`` seconds each, every rank starting
     together and running the same number of calls (a window long enough for ranks sharing cores to contend as
     training makes them: a short burst runs each rank alone on a core); ``spread`` collects the windows' relative
-    spread ``(max − min) / median``."""
+    spread ``(max − min) / median``.
+
+    A window ends when the LAST rank is done (a barrier), as a training step waits for its slowest rank: ranks
+    sharing cores are not served evenly, and each rank's own time (the mean of their rates) read 10-20% faster than
+    the shared cores deliver (4 and 8 ranks on 2 cores: a block measured at 0.40 s per rank was priced 0.29)."""
     cuda = torch.cuda.is_available() and dist.get_backend() == "nccl"
     home = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     fn()
@@ -66,6 +73,7 @@ def _timed(fn, reps: int, window: float = 0.2, spread: list | None = None) -> fl
             fn()
         if cuda:
             torch.cuda.synchronize()
+        dist.barrier()  # the window ends with the last rank's, as a synchronous step does (see above)
         times.append((time.perf_counter() - t) / calls_n)
     if spread is not None:
         spread.append((max(times) - min(times)) / max(statistics.median(times), 1e-12))
@@ -183,6 +191,7 @@ def main() -> None:
               **measure_overheads(_timed, mean, _fit, MESSAGE_BYTES, device),
               **measure_step_costs(_timed, mean, device),
               **measure_moe(_timed, mean, device, dtype),
+              **measure_block(_timed, mean, device, dtype),
               "memory": (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None)}
     if dist.get_rank() == 0:
         with open(args.out, "w", encoding="utf-8") as f:

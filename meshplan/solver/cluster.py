@@ -111,6 +111,10 @@ class Cluster:
         collective_busy: seconds a collective takes beyond its fit when the ranks compute between collectives
             (threads waking, ranks arriving apart), per tensor-parallel collective
             (:mod:`meshplan.profile.tp_overheads`).
+        touch_rate: bytes/s of an eager block's element-wise reads and writes (:data:`~meshplan.solver.compute.TOUCHES`)
+            as a reference block timed whole reaches them (:mod:`meshplan.profile.block`; 0: not measured, the
+            bytes at ``memory_rates``). block_op_overhead: seconds per operator of that block beyond its
+            element-wise bytes (0: ``op_overhead``).
     """
 
     name: str
@@ -144,6 +148,8 @@ class Cluster:
     host_sync_overhead: float = 0.0
     tp_hook_overhead: float = 0.0
     collective_busy: float = 0.0
+    touch_rate: float = 0.0
+    block_op_overhead: float = 0.0
 
     def peak(self, dtype: str) -> float:
         """Peak dense FLOP/s of ``dtype`` (float16 as bfloat16)."""

@@ -29,7 +29,7 @@ from meshplan.solver.cluster import Cluster
 from meshplan.solver.shape import ModelShape
 from meshplan.solver.units import COST_UNITS
 
-__all__ = ["model_flops_per_token", "block_time", "end_time", "OPS_PER_BLOCK", "TOUCHES"]
+__all__ = ["model_flops_per_token", "block_time", "end_time", "touches_per_token", "OPS_PER_BLOCK", "TOUCHES"]
 
 #: operators one block launches, forward and backward (eager PyTorch, the example Llama's block: ~45 forward)
 OPS_PER_BLOCK = 135
@@ -78,12 +78,20 @@ def block_time(s: ModelShape, c: Candidate, tr: Training, cl: Cluster, moe: bool
     replay = passes + (1 if c.megatron else 0)  # policy megatron: the element-wise ops and launches once more
     sh = c.tp if tr.sequence_parallel and c.tp > 1 else 1
     ffn = (s.expert_width * s.top_k / c.etp * (1 / c.tp if c.etp == 1 else 1)) if moe else s.ffn / c.tp
-    stream, heads, hidden = TOUCHES
-    touched = stream * s.hidden / sh + heads * s.q_width / c.tp + hidden * ffn
-    rate = cl.memory_rate(tokens * s.hidden / sh * tr.act_bytes)  # by the size of the tensors touched
+    touched = touches_per_token(s, c.tp, sh, ffn)
+    # a measured reference block's rate (meshplan profile), else the bytes at the memory rate of their size
+    rate = cl.touch_rate or cl.memory_rate(tokens * s.hidden / sh * tr.act_bytes)
     elementwise = tokens * touched * tr.act_bytes / rate * (replay / 3) / (1 if s.kernels == "eager" else 3)
-    seconds = mm_time + attn_time * attn_passes + elementwise + OPS_PER_BLOCK * (replay / 3) * cl.op_overhead
+    launch = cl.block_op_overhead or cl.op_overhead
+    seconds = mm_time + attn_time * attn_passes + elementwise + OPS_PER_BLOCK * (replay / 3) * launch
     return seconds, mm_flops + attn * attn_passes
+
+
+def touches_per_token(s: ModelShape, tp: int = 1, sp: int = 1, ffn: float | None = None) -> float:
+    """Elements one token's element-wise ops read and write in a block, forward and backward (:data:`TOUCHES`
+    weights over the stream, this rank's heads and its FFN width; ``sp``: the stream's sequence-parallel cut)."""
+    stream, heads, hidden = TOUCHES
+    return stream * s.hidden / sp + heads * s.q_width / tp + hidden * (s.ffn / tp if ffn is None else ffn)
 
 
 def _recomputed_matmuls(s: ModelShape, c: Candidate, moe: bool) -> tuple[int, ...]:

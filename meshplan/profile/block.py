@@ -1,0 +1,87 @@
+"""A reference eager transformer block, timed by the ``meshplan profile`` job (every rank at once): what a block's
+element-wise operators and launches cost on this machine beyond its matmuls and attention
+(:func:`meshplan.profile.run.block_costs` turns the times into the cluster's ``touch_rate`` and
+``block_op_overhead``; :func:`meshplan.solver.compute.block_time` prices them).
+
+The block is a Llama decoder layer written plainly here (pre-norm RMSNorm computed in float32, q/k/v/o
+projections, RoPE, the GQA repeat, causal ``scaled_dot_product_attention``, SwiGLU, two residual adds), run
+forward and backward at two batch sizes. Why measured and not counted: on a CPU the element-wise ops of an eager
+block run ~4× slower than a cache-warm ``torch.add`` of the same bytes (autograd's saved tensors, broadcast
+multiplies whose backward reduces a weight gradient, float32 up-casts, ``stack``/``repeat_interleave`` copies), and
+their time grows when ranks share cores; a whole block timed on every rank at once sees both.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["measure_block", "REFERENCE", "BATCHES"]
+
+#: the reference block's shape by device: hidden, heads, kv heads, FFN width, sequence (calibrate.py's Llama on a
+#: CPU; on a GPU one large enough that its kernels are not launch-bound)
+REFERENCE = {"cpu": {"hidden": 256, "heads": 8, "kv_heads": 4, "ffn": 1024, "seq": 256},
+             "cuda": {"hidden": 2048, "heads": 16, "kv_heads": 8, "ffn": 8192, "seq": 2048}}
+#: sequences per timed call: two token counts separate the per-token work from the per-call launches
+BATCHES = (1, 4)
+
+
+class _Block(nn.Module):
+    """One pre-norm Llama layer (``h = x + attn(norm(x)); h + ffn(norm(h))``), eager."""
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int, ffn: int, seq: int) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, hidden // heads
+        self.norms = nn.ParameterList([nn.Parameter(torch.ones(hidden)) for _ in range(2)])
+        self.wq = nn.Linear(hidden, hidden, bias=False)
+        self.wk = nn.Linear(hidden, kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(hidden, kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(hidden, hidden, bias=False)
+        self.w1, self.w3 = nn.Linear(hidden, ffn, bias=False), nn.Linear(hidden, ffn, bias=False)
+        self.w2 = nn.Linear(ffn, hidden, bias=False)
+        angles = torch.outer(torch.arange(seq, dtype=torch.float32),
+                             1e4 ** (-torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim))
+        self.register_buffer("cos", angles.cos()[None, :, None, :], persistent=False)
+        self.register_buffer("sin", angles.sin()[None, :, None, :], persistent=False)
+
+    @staticmethod
+    def _norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).type_as(x) * weight
+
+    def _rope(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float().unflatten(-1, (-1, 2))
+        x0, x1 = xf[..., 0], xf[..., 1]
+        cos, sin = self.cos.to(x.device), self.sin.to(x.device)
+        return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2).type_as(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        a = self._norm(x, self.norms[0])
+        q = self._rope(self.wq(a).view(b, s, self.heads, self.head_dim))
+        k = self._rope(self.wk(a).view(b, s, self.kv_heads, self.head_dim))
+        v = self.wv(a).view(b, s, self.kv_heads, self.head_dim)
+        rep = self.heads // self.kv_heads
+        k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        h = x + self.wo(out.transpose(1, 2).reshape(b, s, -1))
+        f = self._norm(h, self.norms[1])
+        return h + self.w2(F.silu(self.w1(f)) * self.w3(f))
+
+
+def measure_block(timed: Callable, mean: Callable, device: torch.device, dtype: torch.dtype) -> dict:
+    """``{"block_reference": shape, "block_times": [[sequences, seconds per forward and backward], ...]}`` (means
+    over the ranks; ``timed``, ``mean``: the worker's helpers)."""
+    shape = REFERENCE["cuda" if device.type == "cuda" else "cpu"]
+    torch.manual_seed(0)
+    block = _Block(**shape).to(device=device, dtype=dtype)
+    times = []
+    for batch in BATCHES:
+        x = torch.randn(batch, shape["seq"], shape["hidden"], device=device, dtype=dtype, requires_grad=True)
+        grad = torch.randn_like(x)
+        times.append([batch, mean(timed(lambda: block(x).backward(grad), reps=3))])
+        del x, grad
+    return {"block_reference": dict(shape), "block_times": times}

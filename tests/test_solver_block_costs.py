@@ -1,0 +1,86 @@
+"""The reference block's measurement (meshplan/profile/block.py) and how the cost model prices it: a block's
+element-wise bytes at the measured ``touch_rate`` and its launches at ``block_op_overhead``."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from meshplan.profile.block import BATCHES, REFERENCE, measure_block
+from meshplan.profile.run import block_costs, cluster_from_measurement
+from meshplan.solver.candidate import Candidate, Training
+from meshplan.solver.cluster import Cluster
+from meshplan.solver.compute import OPS_PER_BLOCK, block_time, touches_per_token
+from meshplan.solver.shape import ModelShape
+
+BASE = {"world": 2, "backend": "gloo", "device": "cpu", "dtype": "float32", "threads": 1, "memory": 1e9,
+        "matmul_rates": [[64, 1e9], [1024, 4e10]], "memory_rates": [[1e6, 1e10]], "hbm_bandwidth": 1e10,
+        "op_overhead": 1e-5, "attention_rate": 1.2e10, "collectives": {}}
+REF = REFERENCE["cpu"]
+SHAPE = ModelShape(layers=1, hidden=REF["hidden"], heads=REF["heads"], kv_heads=REF["kv_heads"], ffn=REF["ffn"],
+                   vocab=1)
+
+
+def _bare_time(cl: Cluster, batch: int) -> float:
+    """What the cluster prices for the reference block's matmuls and attention alone."""
+    bare = dataclasses.replace(cl, memory_rates=(), hbm_bandwidth=1e30, op_overhead=0.0)
+    tr = Training(seq=REF["seq"], global_batch=batch, dtype="float32")
+    return block_time(SHAPE, Candidate(micro_batch=batch), tr, bare, False, False)[0]
+
+
+def _measured(rate: float, per_op: float) -> dict:
+    """A profile whose block times are its priced matmuls and attention + the bytes at ``rate`` + the launches."""
+    cl = cluster_from_measurement(BASE)
+    times = [[b, _bare_time(cl, b) + OPS_PER_BLOCK * per_op + b * REF["seq"] * touches_per_token(SHAPE) * 4 / rate]
+             for b in BATCHES]
+    return {**BASE, "block_reference": dict(REF), "block_times": times}
+
+
+def test_the_block_times_become_the_touch_rate_and_the_launch_time():
+    cl = cluster_from_measurement(_measured(3e9, 2e-5))
+    assert cl.touch_rate == pytest.approx(3e9) and cl.block_op_overhead == pytest.approx(2e-5)
+    assert Cluster.from_dict(cl.to_dict()) == cl
+
+
+def test_a_profile_without_the_block_prices_as_before():
+    cl = cluster_from_measurement(BASE)
+    assert (cl.touch_rate, cl.block_op_overhead) == (0.0, 0.0)
+    assert block_costs({**BASE, "block_reference": dict(REF), "block_times": [[1, 1.0]]}, cl) == {}
+
+
+def test_noise_that_leaves_no_per_token_part_is_not_a_measurement():
+    m = _measured(3e9, 2e-5)
+    m["block_times"] = [[1, 1.0], [4, 0.9]]  # the larger batch faster: no rate can be read from it
+    assert block_costs(m, cluster_from_measurement(BASE)) == {}
+
+
+def test_a_launch_time_below_zero_is_clamped():
+    m = _measured(3e9, 0.0)
+    m["block_times"][0][1] -= 1e-3  # the small batch's residual lies under the line through zero
+    got = block_costs(m, cluster_from_measurement(BASE))
+    assert got["block_op_overhead"] == 0.0 and got["touch_rate"] > 0
+
+
+def test_block_time_prices_the_bytes_at_the_touch_rate():
+    cl = cluster_from_measurement(BASE)
+    tr = Training(seq=256, global_batch=8, dtype="float32")
+    c = Candidate(micro_batch=8)
+    slow, fast = (dataclasses.replace(cl, touch_rate=r, block_op_overhead=1e-5) for r in (1e9, 2e9))
+    bytes_ = 8 * 256 * touches_per_token(SHAPE) * 4
+    diff = block_time(SHAPE, c, tr, slow, False, False)[0] - block_time(SHAPE, c, tr, fast, False, False)[0]
+    assert diff == pytest.approx(bytes_ / 1e9 - bytes_ / 2e9)
+
+
+def test_the_measurement_runs_the_block_forward_and_backward():
+    """The profile's code path with a fixed clock: one point per batch, each call a forward and a backward."""
+    calls = []
+
+    def timed(fn, reps):
+        fn()
+        calls.append(reps)
+        return 1e-3
+    out = measure_block(timed, lambda x: x, torch.device("cpu"), torch.float32)
+    assert out["block_reference"] == REF and out["block_times"] == [[b, 1e-3] for b in BATCHES]
+    assert len(calls) == len(BATCHES)
