@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from meshplan.profile.block import BATCHES, REFERENCE, measure_block
+from meshplan.profile.block import BATCHES, REFERENCE, _Block, measure_block
 from meshplan.profile.run import block_costs, cluster_from_measurement
 from meshplan.solver.candidate import Candidate, Training
 from meshplan.solver.cluster import Cluster
@@ -23,19 +23,10 @@ SHAPE = ModelShape(layers=1, hidden=REF["hidden"], heads=REF["heads"], kv_heads=
                    vocab=1)
 
 
-def _bare_time(cl: Cluster, batch: int) -> float:
-    """What the cluster prices for the reference block's matmuls and attention alone."""
-    bare = dataclasses.replace(cl, memory_rates=(), hbm_bandwidth=1e30, op_overhead=0.0)
-    tr = Training(seq=REF["seq"], global_batch=batch, dtype="float32")
-    return block_time(SHAPE, Candidate(micro_batch=batch), tr, bare, False, False)[0]
-
-
 def _measured(rate: float, per_op: float) -> dict:
-    """A profile whose block times are its priced matmuls and attention + the bytes at ``rate`` + the launches."""
-    cl = cluster_from_measurement(BASE)
-    times = [[b, _bare_time(cl, b) + OPS_PER_BLOCK * per_op + b * REF["seq"] * touches_per_token(SHAPE) * 4 / rate]
-             for b in BATCHES]
-    return {**BASE, "block_reference": dict(REF), "block_times": times}
+    """A profile whose block times beyond the matmuls and attention are the bytes at ``rate`` + the launches."""
+    times = [[b, OPS_PER_BLOCK * per_op + b * REF["seq"] * touches_per_token(SHAPE) * 4 / rate] for b in BATCHES]
+    return {**BASE, "block_reference": dict(REF), "block_rest_times": times}
 
 
 def test_the_block_times_become_the_touch_rate_and_the_launch_time():
@@ -47,19 +38,19 @@ def test_the_block_times_become_the_touch_rate_and_the_launch_time():
 def test_a_profile_without_the_block_prices_as_before():
     cl = cluster_from_measurement(BASE)
     assert (cl.touch_rate, cl.block_op_overhead) == (0.0, 0.0)
-    assert block_costs({**BASE, "block_reference": dict(REF), "block_times": [[1, 1.0]]}, cl) == {}
+    assert block_costs({**BASE, "block_reference": dict(REF), "block_rest_times": [[1, 1.0]]}) == {}
 
 
 def test_noise_that_leaves_no_per_token_part_is_not_a_measurement():
     m = _measured(3e9, 2e-5)
-    m["block_times"] = [[1, 1.0], [4, 0.9]]  # the larger batch faster: no rate can be read from it
-    assert block_costs(m, cluster_from_measurement(BASE)) == {}
+    m["block_rest_times"] = [[1, 0.01], [4, 0.009]]  # the larger batch's rest smaller: no rate can be read from it
+    assert block_costs(m) == {}
 
 
 def test_a_launch_time_below_zero_is_clamped():
     m = _measured(3e9, 0.0)
-    m["block_times"][0][1] -= 1e-3  # the small batch's residual lies under the line through zero
-    got = block_costs(m, cluster_from_measurement(BASE))
+    m["block_rest_times"][0][1] -= 1e-3  # the small batch's rest lies under the line through zero
+    got = block_costs(m)
     assert got["block_op_overhead"] == 0.0 and got["touch_rate"] > 0
 
 
@@ -73,14 +64,26 @@ def test_block_time_prices_the_bytes_at_the_touch_rate():
     assert diff == pytest.approx(bytes_ / 1e9 - bytes_ / 2e9)
 
 
-def test_the_measurement_runs_the_block_forward_and_backward():
-    """The profile's code path with a fixed clock: one point per batch, each call a forward and a backward."""
+def test_the_measurement_subtracts_the_bare_matmuls_timed_beside_the_block():
+    """The profile's code path with a fake clock: the whole block and its bare matmuls and attention alternate
+    (three windows each per batch), and the rest is their medians' difference."""
     calls = []
 
-    def timed(fn, reps):
+    def timed(fn, reps, window):
         fn()
-        calls.append(reps)
-        return 1e-3
+        calls.append(len(calls) % 2)
+        return 3e-3 if calls[-1] == 0 else 1e-3  # whole, then bare
     out = measure_block(timed, lambda x: x, torch.device("cpu"), torch.float32)
-    assert out["block_reference"] == REF and out["block_times"] == [[b, 1e-3] for b in BATCHES]
-    assert len(calls) == len(BATCHES)
+    assert out["block_reference"] == REF
+    assert out["block_rest_times"] == [[b, pytest.approx(2e-3)] for b in BATCHES]
+    assert len(calls) == 6 * len(BATCHES)
+
+
+def test_the_bare_block_runs_the_same_matmuls():
+    """`_Block.bare` multiplies by every weight (each gets a gradient) and attends over every head."""
+    torch.manual_seed(0)
+    block = _Block(hidden=32, heads=4, kv_heads=2, ffn=64, seq=8)
+    x = torch.randn(2, 8, 32)
+    block.bare(x).sum().backward()
+    linear = [n for n, p in block.named_parameters() if not n.startswith("norms")]
+    assert len(linear) == 7 and all(p.grad is not None for n, p in block.named_parameters() if n in linear)

@@ -5,7 +5,7 @@ element-wise operators and launches cost on this machine beyond its matmuls and 
 
 The block is a Llama decoder layer written plainly here (pre-norm RMSNorm computed in float32, q/k/v/o
 projections, RoPE, the GQA repeat, causal ``scaled_dot_product_attention``, SwiGLU, two residual adds), run
-forward and backward at two batch sizes. Why measured and not counted: on a CPU the element-wise ops of an eager
+forward and backward at two batch sizes, beside the same matmuls and attention alone. Why measured and not counted: on a CPU the element-wise ops of an eager
 block run ~4× slower than a cache-warm ``torch.add`` of the same bytes (autograd's saved tensors, broadcast
 multiplies whose backward reduces a weight gradient, float32 up-casts, ``stack``/``repeat_interleave`` copies), and
 their time grows when ranks share cores; a whole block timed on every rank at once sees both.
@@ -13,6 +13,7 @@ their time grows when ranks share cores; a whole block timed on every rank at on
 
 from __future__ import annotations
 
+import statistics
 from typing import Callable
 
 import torch
@@ -71,10 +72,24 @@ class _Block(nn.Module):
         f = self._norm(h, self.norms[1])
         return h + self.w2(F.silu(self.w1(f)) * self.w3(f))
 
+    def bare(self, x: torch.Tensor) -> torch.Tensor:
+        """The same matmuls and attention on the same shapes, without the element-wise ops between them (GQA
+        inside the attention kernel instead of a repeat; the up projection's output summed instead of gated)."""
+        b, s, _ = x.shape
+        q = self.wq(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
+        k, v = (w(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2) for w in (self.wk, self.wv))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        y = self.wo(out.transpose(1, 2).reshape(b, s, -1))
+        return y + self.w2(self.w1(x)) + self.w3(x).sum(-1, keepdim=True)
+
 
 def measure_block(timed: Callable, mean: Callable, device: torch.device, dtype: torch.dtype) -> dict:
-    """``{"block_reference": shape, "block_times": [[sequences, seconds per forward and backward], ...]}`` (means
-    over the ranks; ``timed``, ``mean``: the worker's helpers)."""
+    """``{"block_reference": shape, "block_times": [[sequences, seconds per forward and backward of the block
+    beyond its matmuls and attention], ...]}`` (means over the ranks; ``timed``, ``mean``: the worker's helpers).
+
+    The matmuls and attention are timed alone on the same shapes in alternating windows (:meth:`_Block.bare`) and
+    subtracted: a difference of two times taken at the same moment, not of a time and a price from rates measured
+    earlier (that residual, a few percent of the block, changed sign with the host's drift between the two)."""
     shape = REFERENCE["cuda" if device.type == "cuda" else "cpu"]
     torch.manual_seed(0)
     block = _Block(**shape).to(device=device, dtype=dtype)
@@ -82,6 +97,10 @@ def measure_block(timed: Callable, mean: Callable, device: torch.device, dtype: 
     for batch in BATCHES:
         x = torch.randn(batch, shape["seq"], shape["hidden"], device=device, dtype=dtype, requires_grad=True)
         grad = torch.randn_like(x)
-        times.append([batch, mean(timed(lambda: block(x).backward(grad), reps=3))])
+        whole, bare = [], []
+        for _ in range(3):  # alternating, so that drift lands on both
+            whole.append(timed(lambda: block(x).backward(grad), reps=1, window=0.4))
+            bare.append(timed(lambda: block.bare(x).backward(grad), reps=1, window=0.4))
+        times.append([batch, mean(statistics.median(whole) - statistics.median(bare))])
         del x, grad
-    return {"block_reference": dict(shape), "block_times": times}
+    return {"block_reference": dict(shape), "block_rest_times": times}

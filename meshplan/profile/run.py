@@ -23,9 +23,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from meshplan.errors import PlanError
-from meshplan.solver.candidate import DTYPE_BYTES, Candidate, Training
+from meshplan.solver.candidate import DTYPE_BYTES
 from meshplan.solver.cluster import Cluster, Fit, Link
-from meshplan.solver.compute import OPS_PER_BLOCK, block_time, touches_per_token
+from meshplan.solver.compute import OPS_PER_BLOCK, touches_per_token
 from meshplan.solver.host_step import STEP_COST_FIELDS
 from meshplan.solver.shape import ModelShape
 
@@ -63,25 +63,19 @@ def _attention_efficiency(m: dict, rates: tuple, cpu: bool) -> float:
     return float(m["attention_rate"]) / max(r for _, r in rates)
 
 
-def block_costs(m: dict, cl: Cluster) -> dict:
-    """``touch_rate`` and ``block_op_overhead`` from the reference block's times (:mod:`meshplan.profile.block`):
-    each time less what ``cl`` prices for the block's matmuls and attention is its element-wise work and launches;
-    the two token counts split it into a per-token part (the block's :data:`~meshplan.solver.compute.TOUCHES`
-    bytes at ``touch_rate``) and a per-call one (:data:`~meshplan.solver.compute.OPS_PER_BLOCK` launches). Empty
-    (the memory rate and ``op_overhead`` price them) in a profile from before it was measured, or when noise left
-    no per-token part."""
-    ref, times = m.get("block_reference"), sorted(m.get("block_times") or ())
-    if not ref or len(times) < 2:
+def block_costs(m: dict) -> dict:
+    """``touch_rate`` and ``block_op_overhead`` from the reference block's times beyond its matmuls and attention
+    (:mod:`meshplan.profile.block`: its element-wise work and launches): the two token counts split them into a
+    per-token part (the block's :data:`~meshplan.solver.compute.TOUCHES` bytes at ``touch_rate``) and a per-call
+    one (:data:`~meshplan.solver.compute.OPS_PER_BLOCK` launches). Empty (the memory rate and ``op_overhead``
+    price them) in a profile from before it was measured, or when noise left no per-token part."""
+    ref, rest = m.get("block_reference"), sorted(m.get("block_rest_times") or ())
+    if not ref or len(rest) < 2:
         return {}
     shape = ModelShape(layers=1, hidden=ref["hidden"], heads=ref["heads"], kv_heads=ref["kv_heads"],
                        ffn=ref["ffn"], vocab=1)
-    bare = replace(cl, touch_rate=0.0, block_op_overhead=0.0, memory_rates=(), hbm_bandwidth=1e30, op_overhead=0.0)
-    rest = []
-    for batch, seconds in (times[0], times[-1]):
-        tr = Training(seq=ref["seq"], global_batch=int(batch), dtype=m["dtype"])
-        c = Candidate(micro_batch=int(batch))
-        rest.append((c.rank_tokens(tr.seq), seconds - block_time(shape, c, tr, bare, False, False)[0]))
-    (t1, r1), (t2, r2) = rest
+    (b1, r1), (b2, r2) = rest[0], rest[-1]
+    t1, t2 = b1 * ref["seq"], b2 * ref["seq"]
     per_token = (r2 - r1) / (t2 - t1)
     if per_token <= 0:
         return {}
@@ -119,7 +113,7 @@ def cluster_from_measurement(m: dict) -> Cluster:
         **{k: float(m.get(k, 0.0)) for k in _SCALARS},
         source=(f"measured by `meshplan profile` on {platform.node()} ({m['backend']}, {world} processes, "
                 f"{os.cpu_count()} CPU cores, {m['threads']} threads each, {when})"))
-    return replace(cluster, **block_costs(m, cluster))
+    return replace(cluster, **block_costs(m))
 
 
 def _error_line(stderr: str) -> str:
