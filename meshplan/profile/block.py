@@ -5,10 +5,11 @@ element-wise operators and launches cost on this machine beyond its matmuls and 
 
 The block is a Llama decoder layer written plainly here (pre-norm RMSNorm computed in float32, q/k/v/o
 projections, RoPE, the GQA repeat, causal ``scaled_dot_product_attention``, SwiGLU, two residual adds), run
-forward and backward at two batch sizes, beside the same matmuls and attention alone. Why measured and not counted: on a CPU the element-wise ops of an eager
-block run ~4× slower than a cache-warm ``torch.add`` of the same bytes (autograd's saved tensors, broadcast
-multiplies whose backward reduces a weight gradient, float32 up-casts, ``stack``/``repeat_interleave`` copies), and
-their time grows when ranks share cores; a whole block timed on every rank at once sees both.
+forward and backward at two batch sizes, beside the same matmuls and attention alone. Why measured and not
+counted: on a CPU the element-wise ops of an eager block run ~4× slower than a cache-warm ``torch.add`` of the
+same bytes (autograd's saved tensors, broadcast multiplies whose backward reduces a weight gradient, float32
+up-casts, ``stack``/``repeat_interleave`` copies), and their time grows when ranks share cores; a whole block
+timed on every rank at once sees both. (The GPU shape is not yet checked on a GPU.)
 """
 
 from __future__ import annotations
@@ -84,8 +85,8 @@ class _Block(nn.Module):
 
 
 def measure_block(timed: Callable, mean: Callable, device: torch.device, dtype: torch.dtype) -> dict:
-    """``{"block_reference": shape, "block_times": [[sequences, seconds per forward and backward of the block
-    beyond its matmuls and attention], ...]}`` (means over the ranks; ``timed``, ``mean``: the worker's helpers).
+    """``{"block_reference": shape, "block_rest_times": [[sequences, seconds per forward and backward of the
+    block beyond its matmuls and attention], ...]}`` (means over the ranks; ``timed``, ``mean``: the worker's helpers).
 
     The matmuls and attention are timed alone on the same shapes in alternating windows (:meth:`_Block.bare`) and
     subtracted: a difference of two times taken at the same moment, not of a time and a price from rates measured

@@ -50,8 +50,7 @@ def _timed(fn, reps: int, window: float = 0.2, spread: list | None = None) -> fl
     spread ``(max − min) / median``.
 
     A window ends when the LAST rank is done (a barrier), as a training step waits for its slowest rank: ranks
-    sharing cores are not served evenly, and each rank's own time (the mean of their rates) read 10-20% faster than
-    the shared cores deliver (4 and 8 ranks on 2 cores: a block measured at 0.40 s per rank was priced 0.29)."""
+    sharing cores need not be served evenly (on the 2026-11-27 host it moved the world-4 matmul rates by under 2%)."""
     cuda = torch.cuda.is_available() and dist.get_backend() == "nccl"
     home = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     fn()
