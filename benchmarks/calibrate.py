@@ -185,9 +185,11 @@ def run_world(world: int, args, tmp: Path) -> dict:
         cluster = profile_cluster(nproc=world, out=tmp / f"cluster{world}.json")
         layouts = dict(LAYOUTS[world])
         same = {}  # a first choice that IS a listed layout is that layout's measurement (run apart: ±15% noise)
+        candidates = {n: (k, _candidate(p, world)) for n, (k, p) in layouts.items()}
         for kind in ("llama", "moe"):
             plan = first_choice(kind, world, cluster)
-            listed = [n for n, (k, p) in layouts.items() if k == kind and _candidate(p, world) == _candidate(plan, world)]
+            want = (kind, _candidate(plan, world))
+            listed = [n for n, kc in candidates.items() if kc == want]
             layouts[f"solver_first_{kind}"] = (kind, plan)
             if listed:
                 same[f"solver_first_{kind}"] = listed[0]

@@ -14,7 +14,8 @@ Two counts:
   reduced row-parallel outputs only).
 
 Time = matmuls at the cluster's matmul rate (measured by size with ``meshplan profile``, else peak × efficiency)
-+ attention at its efficiency + element-wise traffic at memory bandwidth + the operator launches. The
++ attention at its efficiency + element-wise traffic at memory bandwidth (a profiled cluster: at the ``touch_rate``
+a reference block measured, :mod:`meshplan.profile.block`) + the operator launches. The
 element-wise traffic counts the tensors the block's element-wise operators read and write, forward and
 backward (:data:`TOUCHES`, per token in units of the tensor's width): an eager block touches the residual
 stream ~90 times (two RMSNorms computed in float32, the residual adds), its local q/k/v ~60 times (RoPE, the
