@@ -16,7 +16,9 @@ out: DTensor dispatch, FSDP2 hooks, pipeline actions, uneven all-to-alls). Then 
 ``--repeats`` interleaved passes (load from elsewhere lands on all layouts alike), each ``--warmup`` unmeasured
 steps then the median of ``--steps`` timed ones, recording the load average. Printed: per layout the median over
 repeats, the repeats' spread, the prediction and its error and the load; per world the mean and worst |error|,
-Spearman's rank correlation, and each model's first choice measured beside its fastest measured layout.
+Spearman's rank correlation, and each model's first choice measured beside its fastest measured layout; then the
+error split into a level (the median of measured / predicted) and a shape (the errors left once every prediction
+is scaled by that level), beside the repeats' own spread (what no model can price better than).
 ``--save-clusters DIR`` keeps each profiled cluster with its calibration error (``meshplan estimate``'s ± band).
 Each layout is a plan written from the repository's rule sections (plans/llama.yaml, llama_cp.yaml, moe.yaml).
 """
@@ -155,6 +157,20 @@ def spearman(xs: list[float], ys: list[float]) -> float:
     return 1 - 6 * sum((a - b) ** 2 for a, b in zip(rx, ry)) / (n * (n * n - 1)) if n > 2 else float("nan")
 
 
+def level_and_shape(measured: list[float], predicted: list[float]) -> tuple[float, list[float]]:
+    """``(level, shape errors)``: the median of measured / predicted over the layouts, and each layout's |error|
+    once every prediction is scaled by it. Separates what one factor common to the world's layouts would fix (a
+    profile's rates off for all of them: drift between the profile and the runs, contention it did not see) from
+    what it would not (the model's pricing of one layout against another).
+
+        >>> level, shape = level_and_shape([2.0, 3.0, 4.4], [1.0, 1.5, 2.0])
+        >>> level, [round(e, 2) for e in shape]
+        (2.0, [0.0, 0.0, 0.1])
+    """
+    level = statistics.median(m / p for m, p in zip(measured, predicted))
+    return level, [abs(m / (level * p) - 1) for m, p in zip(measured, predicted)]
+
+
 def first_choice(kind: str, world: int, cluster) -> dict:
     """The solver's best layout for train.py's run (one microbatch without a pipeline: train.py does not
     accumulate), as a plan."""
@@ -203,7 +219,7 @@ def run_world(world: int, args, tmp: Path) -> dict:
     for name, (kind, plan) in layouts.items():
         times, loads = got[name]["times"], got[name]["load"]
         m, p = statistics.median(times), predict(plan, kind, world, cluster)
-        rows.append((name, kind, m, p))
+        rows.append((name, kind, m, p, (max(times) - min(times)) / m))
         print(f"| {name} | {kind} | {m:.3f} | {100 * (max(times) - min(times)) / m:.0f}% | {p:.3f} | "
               f"{100 * (p / m - 1):+.0f}% | {statistics.median(loads):.1f} |", flush=True)
     if args.parts:
@@ -221,6 +237,11 @@ def summarize(world: int, rows: list, cluster, args, tmp: Path, same: dict) -> d
     rho = spearman([r[2] for r in listed], [r[3] for r in listed])
     print(f"\nworld {world}: {len(listed)} layouts; mean |error| {100 * statistics.fmean(errors):.0f}%, worst "
           f"{100 * max(errors):.0f}%, Spearman {rho:.2f}")
+    level, shape = level_and_shape([r[2] for r in listed], [r[3] for r in listed])
+    spreads = [r[4] for r in listed]
+    print(f"  level: measured / predicted, median over layouts, ×{level:.2f}; the shape (each prediction × that "
+          f"level): mean |error| {100 * statistics.fmean(shape):.0f}%, worst {100 * max(shape):.0f}%; the repeats' "
+          f"own spread: median {100 * statistics.median(spreads):.0f}%, worst {100 * max(spreads):.0f}%")
     for kind in ("llama", "moe"):
         first = next(r for r in rows if r[0] == f"solver_first_{kind}")
         fastest = min((r for r in listed if r[1] == kind), key=lambda r: r[2])
