@@ -220,7 +220,7 @@ def run_world(world: int, args, tmp: Path) -> dict:
         times, loads = got[name]["times"], got[name]["load"]
         m, p = statistics.median(times), predict(plan, kind, world, cluster)
         rows.append((name, kind, m, p, (max(times) - min(times)) / m))
-        print(f"| {name} | {kind} | {m:.3f} | {100 * (max(times) - min(times)) / m:.0f}% | {p:.3f} | "
+        print(f"| {name} | {kind} | {m:.3f} | {100 * rows[-1][4]:.0f}% | {p:.3f} | "
               f"{100 * (p / m - 1):+.0f}% | {statistics.median(loads):.1f} |", flush=True)
     if args.parts:
         print_parts(layouts, got, world, cluster)
