@@ -39,7 +39,10 @@ def launch(script: str, nproc: int, *args: str, timeout: float = 900, torchrun_a
     out = Path(tempfile.mkdtemp(prefix="meshplan-dist-"))
     if rank_stderr:
         torchrun_args = (*torchrun_args, "--log-dir", str(out / "logs"), "--redirects", "2")
-    env = {**os.environ, **(env or {}), "OMP_NUM_THREADS": "1", "MESHPLAN_CASE_OUT": str(out),
+    # PYTHONFAULTHANDLER: a rank that dies of a signal (one SIGSEGV in a world-8 launch, 2026-11-27) prints its
+    # threads' Python stacks into the stderr kept below
+    env = {**os.environ, **(env or {}), "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1",
+           "MESHPLAN_CASE_OUT": str(out),
            "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "examples"), str(ROOT / "tests"),
                                           os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
