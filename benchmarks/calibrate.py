@@ -4,7 +4,7 @@ the fastest measured layout.
 
     python benchmarks/calibrate.py --parts               # all three worlds, 2 repeats of 1 + 2 steps: 10 minutes
                                                          # on the 2-core host of 2026-11-26, 22 on the slower one
-                                                         # of 2026-11-27 (docs/solver.md)
+                                                         # of 2026-11-27, 26 with a profile after each world's runs
     python benchmarks/calibrate.py --worlds 2 --repeats 1 --steps 1     # a quick look
     python benchmarks/calibrate.py --parts --keep runs/     # keep each world's profile, layouts and measurements
     python benchmarks/calibrate.py --parts --reprice runs/  # run nothing: price them again with the current model
@@ -18,7 +18,10 @@ steps then the median of ``--steps`` timed ones, recording the load average. Pri
 repeats, the repeats' spread, the prediction and its error and the load; per world the mean and worst |error|,
 Spearman's rank correlation, and each model's first choice measured beside its fastest measured layout; then the
 error split into a level (the median of measured / predicted) and a shape (the errors left once every prediction
-is scaled by that level), beside the repeats' own spread (what no model can price better than).
+is scaled by that level), beside the repeats' own spread (what no model can price better than). The world is
+profiled again after its runs (``--no-profile-after``: not); each layout's prediction is then the geometric mean
+of its step under the two profiles (the host's state over the runs: one profile's level moved 0.82-1.32× between
+the worlds of one calibration on the host of 2026-11-27), and each profile's own error is printed too.
 ``--save-clusters DIR`` keeps each profiled cluster with its calibration error (``meshplan estimate``'s ± band).
 Each layout is a plan written from the repository's rule sections (plans/llama.yaml, llama_cp.yaml, moe.yaml).
 """
@@ -191,8 +194,11 @@ def run_world(world: int, args, tmp: Path) -> dict:
     the current model (the first choices stay the ones measured then)."""
     from meshplan.profile.run import profile_cluster
     from meshplan.solver.cluster import Cluster
+    after = None
     if args.reprice:
         cluster = Cluster.from_dict(json.loads((tmp / f"cluster{world}.json").read_text()))
+        if (tmp / f"cluster{world}_after.json").is_file():
+            after = Cluster.from_dict(json.loads((tmp / f"cluster{world}_after.json").read_text()))
         spec = json.loads((tmp / f"layouts{world}.json").read_text())
         layouts = {d["name"]: (d["kind"], d["plan"]) for d in spec}
         got = json.loads((tmp / f"measured{world}.json").read_text())
@@ -212,14 +218,21 @@ def run_world(world: int, args, tmp: Path) -> dict:
         got = measure({n: v for n, v in layouts.items() if n not in same}, world, args, tmp)
         got.update({first: {**got[listed], "same_as": listed} for first, listed in same.items()})
         (tmp / f"measured{world}.json").write_text(json.dumps(got))
+        if args.profile_after:
+            after = profile_cluster(nproc=world, out=tmp / f"cluster{world}_after.json")
     print(f"\n### world {world} on {os.cpu_count()} cores — {cluster.source}\n")
+    if after is not None:
+        print("Predicted: the geometric mean of the model's step under the profile taken before the runs and under "
+              "the one taken after them (the host's state over the runs; each profile alone below).\n")
     print("| layout | model | measured s/step (median of repeats) | spread | predicted | error | load |")
     print("|---|---|---|---|---|---|---|")
     rows = []
     for name, (kind, plan) in layouts.items():
         times, loads = got[name]["times"], got[name]["load"]
         m, p = statistics.median(times), predict(plan, kind, world, cluster)
-        rows.append((name, kind, m, p, (max(times) - min(times)) / m))
+        p_after = predict(plan, kind, world, after) if after is not None else p
+        rows.append((name, kind, m, (p * p_after) ** 0.5, (max(times) - min(times)) / m, p, p_after))
+        p = rows[-1][3]
         print(f"| {name} | {kind} | {m:.3f} | {100 * rows[-1][4]:.0f}% | {p:.3f} | "
               f"{100 * (p / m - 1):+.0f}% | {statistics.median(loads):.1f} |", flush=True)
     if args.parts:
@@ -242,6 +255,12 @@ def summarize(world: int, rows: list, cluster, args, tmp: Path, same: dict) -> d
     print(f"  level: measured / predicted, median over layouts, ×{level:.2f}; the shape (each prediction × that "
           f"level): mean |error| {100 * statistics.fmean(shape):.0f}%, worst {100 * max(shape):.0f}%; the repeats' "
           f"own spread: median {100 * statistics.median(spreads):.0f}%, worst {100 * max(spreads):.0f}%")
+    if any(r[5] != r[6] for r in listed):
+        for label, i in (("before the runs", 5), ("after them", 6)):
+            errs = [abs(r[i] / r[2] - 1) for r in listed]
+            lv, _ = level_and_shape([r[2] for r in listed], [r[i] for r in listed])
+            print(f"  the profile {label} alone: mean |error| {100 * statistics.fmean(errs):.0f}%, worst "
+                  f"{100 * max(errs):.0f}%, level ×{lv:.2f}")
     for kind in ("llama", "moe"):
         first = next(r for r in rows if r[0] == f"solver_first_{kind}")
         fastest = min((r for r in listed if r[1] == kind), key=lambda r: r[2])
@@ -267,6 +286,8 @@ def main() -> None:
     ap.add_argument("--parts", action="store_true", help="print each layout's predicted parts (the error's structure)")
     ap.add_argument("--save-clusters", default=None,
                     help="write each world's profiled cluster here with its calibration error (estimate's ± band)")
+    ap.add_argument("--profile-after", action=argparse.BooleanOptionalAction, default=True,
+                    help="profile each world again after its runs and price with both (default; the host drifts)")
     ap.add_argument("--keep", default=None, help="keep each world's profile, layouts and measurements in this folder")
     ap.add_argument("--reprice", default=None,
                     help="run nothing: price a --keep folder's measurements again with the current model")

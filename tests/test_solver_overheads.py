@@ -83,6 +83,33 @@ def test_uneven_all_to_all_is_priced_from_its_own_fit():
     assert cl.comm_time("all_to_all", 4, 1, 1e6) == pytest.approx(2e-5 + 1e6 / 5e8)
 
 
+def test_fsdp_copies_are_priced_per_byte_of_the_units_parameters():
+    """FSDP2's copies into and out of its collectives' buffers: ``fsdp_byte_overhead`` × the unsharded parameter
+    bytes of the units a rank holds (FSDP2: the sharded units; DDP: the whole root), per microbatch."""
+    from meshplan.solver.collectives import fsdp_units
+    cl = dataclasses.replace(cluster_preset("h100-80g"), **MEASURED)
+    for plan in ({"layout": {"dp_replicate": 2}}, {"layout": {"dp_shard": 2}}):
+        c, tr = _candidate(plan, 2)
+        held = fsdp_units(SHAPE, c, Placement(c, SHAPE.layers, 8), 0, {})
+        params = sum(n * k for _, n, _, k in held)
+        without = evaluate(SHAPE, c, tr, cl).parts["overheads"]
+        priced = evaluate(SHAPE, c, tr, dataclasses.replace(cl, fsdp_byte_overhead=1e-9)).parts["overheads"]
+        assert priced - without == pytest.approx(params * tr.act_bytes * 1e-9)
+
+
+def test_a_fit_with_points_follows_them():
+    """A profiled collective follows its measured points (the time per byte grows past the caches), along the
+    last segment beyond them and flat below the smallest; the line alone without points."""
+    f = Fit(0.02, 5e8, points=((8192, 0.02), (1 << 22, 0.034), (1 << 24, 0.094)))
+    assert f.time(1024) == f.time(8192) == 0.02
+    assert f.time(1 << 22) == pytest.approx(0.034)
+    assert f.time(10 << 20) == pytest.approx(0.034 + 0.5 * 0.06)
+    assert f.time(1 << 25) == pytest.approx(0.094 + 0.06 / 12 * 16)  # the last segment's 5 ms per MiB
+    assert Fit(0.02, 5e8).time(1e6) == pytest.approx(0.022)
+    cl = dataclasses.replace(cluster_preset("h100-80g"), collectives={"all_reduce": {8: f}})
+    assert Cluster.from_dict(cl.to_dict()) == cl and cl.comm_time("all_reduce", 8, 1, 1 << 24) == 0.094
+
+
 def _measurement(**extra) -> dict:
     fit = {"2": {"latency": 1e-5, "bandwidth": 1e9}}
     return {"world": 2, "backend": "gloo", "device": "cpu", "dtype": "float32", "threads": 1, "memory": 1e9,
@@ -101,6 +128,7 @@ def test_profile_json_becomes_the_cluster_fields():
     assert cluster_from_measurement(_measurement(**MEASURED, world=8, cores=2, parallelism=0.2)).oversubscription == 4
     assert cluster_from_measurement(_measurement(**MEASURED, cores=2, parallelism=0.63)).oversubscription == 1.0
     assert cl.dtensor_overheads == MEASURED["dtensor_overheads"] and cl.fsdp_unit_overhead == 1e-3
+    assert cluster_from_measurement(_measurement(fsdp_byte_overhead=4e-9)).fsdp_byte_overhead == 4e-9
     assert cl.collectives["all_to_all_v"][2] == Fit(3e-5, 2e8)
     assert Cluster.from_dict(cl.to_dict()) == cl
 

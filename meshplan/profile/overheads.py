@@ -7,7 +7,8 @@ once, as in training: on a host with more ranks than cores the times are the tim
   propagation, the Python dispatch, the wrapping and the autograd nodes; measured without autograd it was
   5-9 µs per op where a tp step pays ~40-130), and per redistribution beyond its collective (``redistribute``);
 * **FSDP2 hooks**: seconds per unit and step of ``fully_shard``'s pre/post forward and backward hooks, a forward
-  and backward of units over one rank each minus the same unsharded (collectives are priced by their fits);
+  and backward of units over one rank each minus the same unsharded (collectives are priced by their fits), a
+  fixed part and one per parameter byte (units of two widths);
 * **pipeline actions**: seconds per forward or backward action of a torch schedule beyond the stage's own compute
   (one stage over one rank: the schedule's bookkeeping, chunking and loss; sends are priced by their fit);
 * **uneven all-to-all** (``all_to_all_v``): ``all_to_all_single`` with skewed split sizes (as an MoE dispatch);
@@ -99,20 +100,31 @@ def _redistribute(timed: Callable, mean: Callable, mesh, device: torch.device) -
     return mean(max(d - raw, 0.0))
 
 
-def _fsdp_unit(timed: Callable, mean: Callable, one, device: torch.device) -> float:
-    """Seconds of FSDP2's hooks per unit, forward and backward."""
+def _fsdp_unit(timed: Callable, mean: Callable, one, device: torch.device) -> dict[str, float]:
+    """Seconds of FSDP2's hooks per unit and step, forward and backward: a fixed part (``fsdp_unit_overhead``) and
+    one per byte of the unit's parameters (``fsdp_byte_overhead``: the copies into and out of the all-gather and
+    reduce-scatter buffers, which a one-rank mesh makes too; 4.2 ms per MiB with 8 ranks on 2 cores, 2026-11-27),
+    from units of two widths."""
     from torch.distributed.fsdp import fully_shard
-    units = 8
-    torch.manual_seed(0)
-    plain = nn.Sequential(*[nn.Linear(16, 16) for _ in range(units)]).to(device)
-    sharded = nn.Sequential(*[nn.Linear(16, 16) for _ in range(units)]).to(device)
-    for layer in sharded:
-        fully_shard(layer, mesh=one)
-    fully_shard(sharded, mesh=one)
-    x = torch.randn(4, 16, device=device)
-    with_hooks = timed(lambda: sharded(x).sum().backward(), reps=3, window=0.1)
-    without = timed(lambda: plain(x).sum().backward(), reps=3, window=0.1)
-    return mean(max(with_hooks - without, 0.0) / (units + 1))  # the units and the root
+    units, costs = 8, []
+    for width in (16, 512):
+        torch.manual_seed(0)
+        plain = nn.Sequential(*[nn.Linear(width, width) for _ in range(units)]).to(device)
+        sharded = nn.Sequential(*[nn.Linear(width, width) for _ in range(units)]).to(device)
+        for layer in sharded:
+            fully_shard(layer, mesh=one)
+        fully_shard(sharded, mesh=one)
+        x = torch.randn(4, width, device=device)
+        with_hooks, without = [], []
+        for _ in range(3):  # alternating, so that drift lands on both
+            with_hooks.append(timed(lambda: sharded(x).sum().backward(), reps=1, window=0.2))
+            without.append(timed(lambda: plain(x).sum().backward(), reps=1, window=0.2))
+        rest = statistics.median(with_hooks) - statistics.median(without)
+        per_unit = mean(max(rest, 0.0) / (units + 1))  # the units and the root
+        costs.append((4.0 * width * (width + 1) * units / (units + 1), per_unit))
+    (b0, t0), (b1, t1) = costs
+    per_byte = max((t1 - t0) / (b1 - b0), 0.0)
+    return {"fsdp_unit_overhead": max(t0 - per_byte * b0, 0.0), "fsdp_byte_overhead": per_byte}
 
 
 def _pipeline_action(timed: Callable, mean: Callable, one, device: torch.device) -> float:
@@ -177,7 +189,7 @@ def measure_overheads(timed: Callable, mean: Callable, fit: Callable, sizes, dev
     dtensor = _dtensor(timed, mean, world_mesh, device)
     return {"dtensor_overheads": dtensor, **measure_tp_overheads(timed, mean, world_mesh, device, dtensor["view"],
                                                                   lambda fn: _dtensor_ops(fn, at_least=0)),
-            "fsdp_unit_overhead": _fsdp_unit(timed, mean, one, device),
+            **_fsdp_unit(timed, mean, one, device),
             "pipeline_action_overhead": _pipeline_action(timed, mean, one, device),
             "all_to_all_v": _uneven_all_to_all(timed, mean, fit, sizes, device),
             "parallelism": _parallelism(device), "cores": os.cpu_count()}

@@ -32,7 +32,7 @@ from meshplan.solver.shape import ModelShape
 __all__ = ["profile_cluster", "cluster_from_measurement", "block_costs"]
 
 #: measured scalars the cluster takes as they are (0 in a profile from before they were measured)
-_SCALARS = ("expert_grad_rate", "host_sync_overhead", "tp_hook_overhead", "collective_busy")
+_SCALARS = ("expert_grad_rate", "host_sync_overhead", "tp_hook_overhead", "collective_busy", "fsdp_byte_overhead")
 
 
 def _host_memory() -> float:

@@ -40,7 +40,7 @@ from meshplan.profile.step_costs import measure_step_costs
 
 SIZES = (64, 128, 256, 512, 1024)
 CUDA_SIZES = (2048, 4096, 8192)  # a GPU's matmul rate still climbs past 1024 (H100 bf16: 24 TFLOP/s at 1024)
-MESSAGE_BYTES = (1 << 13, 1 << 18, 1 << 22)
+MESSAGE_BYTES = (1 << 13, 1 << 18, 1 << 22, 1 << 24)  # 16 MiB: a DDP bucket, FSDP's largest units
 
 
 def _timed(fn, reps: int, window: float = 0.2, spread: list | None = None) -> float:
@@ -139,12 +139,13 @@ def _collective(kind: str, group, n: int, nbytes: int, device: torch.device):
 
 
 def _fit(points: list[tuple[float, float]]) -> dict:
-    """Least squares ``t = latency + bytes / bandwidth`` (a non-negative latency)."""
+    """Least squares ``t = latency + bytes / bandwidth`` (a non-negative latency), with the measured ``points``
+    (:class:`meshplan.solver.cluster.Fit` follows them: the time per byte grows past the caches)."""
     xs, ys = [p[0] for p in points], [p[1] for p in points]
     mx, my = statistics.fmean(xs), statistics.fmean(ys)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / max(sum((x - mx) ** 2 for x in xs), 1e-30)
     slope = max(slope, 1e-15)
-    return {"latency": max(my - slope * mx, 0.0), "bandwidth": 1.0 / slope}
+    return {"latency": max(my - slope * mx, 0.0), "bandwidth": 1.0 / slope, "points": [list(p) for p in points]}
 
 
 def _collectives(device: torch.device) -> dict:
@@ -182,6 +183,9 @@ def main() -> None:
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    else:  # as meshplan.init sets a CPU job's allocator: the rates of the runs it prices
+        from meshplan.mesh.host_memory import keep_freed_memory
+        keep_freed_memory()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     mean = lambda x: _mean_over_ranks(x, device)  # noqa: E731
     result = {"backend": backend, "device": device.type, "world": dist.get_world_size(),

@@ -13,7 +13,8 @@ Counts (recorded on ``examples/llama.py`` with a DTensor dispatch counter, ``tes
 * **optimizer DTensor ops**: AdamW's :data:`OPTIMIZER_OPS_PER_TENSOR` pointwise ops per parameter tensor, once
   per step, when the parameters are DTensors (tp, FSDP or ep shards them; DDP's ``replicate`` replicates them);
 * **FSDP2 hooks**: one pre/post forward and backward per unit (each block, an MoE block's experts, the root) and
-  microbatch; DDP (torch's ``replicate``, built on FSDP2) one unit per root;
+  microbatch, plus their copies into and out of the collectives' buffers per byte of the units' parameters (at
+  the gathered dtype); DDP (torch's ``replicate``, built on FSDP2) one unit per root, holding all its parameters;
 * **pipeline actions**: a forward and a backward per stage and microbatch (the zero-bubble schedules split the
   backward in two);
 * **tensor-parallel style hooks** (:func:`tp_overhead`): the forward pre/post hook calls per microbatch
@@ -82,13 +83,14 @@ def pipeline_actions(c: Candidate) -> int:
 
 
 def microbatch_overhead(s: ModelShape, c: Candidate, cl: Cluster, place: Placement, pp_rank: int, units: int,
-                        memo: dict | None = None, redistributions: float = 0.0) -> float:
+                        memo: dict | None = None, redistributions: float = 0.0, unit_bytes: float = 0.0) -> float:
     """Seconds per microbatch on pipeline rank ``pp_rank``: its DTensor ops, its ``redistributions`` (the
     tensor-parallel collectives: each one's DTensor planning and wrapping beyond its bytes) and the hooks of its
-    ``units`` FSDP units (0 without FSDP)."""
+    ``units`` FSDP units holding ``unit_bytes`` of parameters unsharded (0 without FSDP)."""
     ops = dtensor_ops(s, c, place, pp_rank, memo)
     dispatch = sum(n * cl.dtensor_overheads.get(k, 0.0) for k, n in ops.items())
-    return dispatch + redistributions * cl.dtensor_overheads.get("redistribute", 0.0) + units * cl.fsdp_unit_overhead
+    fsdp = units * cl.fsdp_unit_overhead + unit_bytes * cl.fsdp_byte_overhead
+    return dispatch + redistributions * cl.dtensor_overheads.get("redistribute", 0.0) + fsdp
 
 
 def step_overhead(c: Candidate, cl: Cluster, tensors: int, fsdp: bool) -> dict[str, float]:
