@@ -19,10 +19,11 @@ def test_groups_reduce_over_engine_ranks(results):
 
 
 def test_init_keeps_a_cpu_jobs_freed_memory(results):
-    """No page faults for tensors a step allocates again (meshplan/mesh/host_memory.py): 200 tensors of 4 MiB
-    (204,800 faults if each came from a fresh mmap) fault in at most a few heap extensions' pages."""
+    """meshplan/mesh/host_memory.py, on every rank: a 4 MiB tensor comes from the heap, and 200 of them fault in
+    at most a few heap extensions' pages (204,800 faults if each came from a fresh mmap)."""
     n, res = results
-    assert max(case_result(res, "host_memory", n).values()) < 4096
+    values = case_result(res, "host_memory", n).values()
+    assert all(mapped == 0 and faults < 20480 for mapped, faults in values), values
 
 
 def test_layout_mismatch_fails_on_every_rank(results):

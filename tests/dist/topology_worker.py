@@ -188,17 +188,8 @@ def case_host_memory_kept():
     """meshplan.init on a CPU job keeps freed memory (mallopt): 4 MiB tensors allocated and freed again and again
     reuse their pages (without it glibc's default served each from a fresh mmap: 201,600 faults per 100 rounds
     of two, on the 2026-11-27 host)."""
-    import resource
-
-    def rounds(n):
-        for _ in range(n):
-            x, y = torch.empty(1 << 20), torch.empty(1 << 20)
-            x.fill_(0), y.fill_(1)
-            del x, y
-    rounds(5)
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    rounds(100)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    from test_host_memory import fault_rounds, mmapped_by_a_tensor
+    return [mmapped_by_a_tensor(), fault_rounds()]
 
 
 def setup():
