@@ -91,8 +91,9 @@ def _rank_microbatch(s: ModelShape, c: Candidate, tr: Training, cl: Cluster, pla
     colls = step_collectives(s, c, tr, place, r, memo)
     comm = {a: v / c.microbatches for a, v in _comm(colls, cl, _PER_MICROBATCH, times).items()}
     held = fsdp_units(s, c, place, r, memo)
-    units = sum(n for _, _, d, n in held if d > 1) + replicate_units(c)  # FSDP2's
-    unit_bytes = tr.act_bytes * sum(p * n for _, p, d, n in held if d > 1 or replicate_units(c))  # their copies
+    roots = replicate_units(c)  # DDP: torch's replicate, one FSDP2 unit per root holding all its parameters
+    units = sum(n for _, _, d, n in held if d > 1) + roots  # FSDP2's
+    unit_bytes = tr.act_bytes * sum(p * n for _, p, d, n in held if d > 1 or roots)  # their copies
     redist = sum(x.count for x in colls if x.axis == "tp") / c.microbatches  # each a DTensor redistribution
     over = microbatch_overhead(s, c, cl, place, r, units, memo, redist, unit_bytes)
     tp_over = tp_overhead(s, c, cl, place, r, redist, memo)
