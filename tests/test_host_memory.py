@@ -30,10 +30,10 @@ def fault_rounds(rounds: int = 100) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 
 
-def mmapped_by_a_tensor() -> int:
-    """Bytes glibc put in mmapped chunks for one new 4 MiB tensor (``mallinfo2().hblkhd`` before and after, the
-    tensor held): 4 MiB and more under glibc's default in a fresh process (its first threshold: 128 KiB), 0 from
-    the heap."""
+def mmapped_by_a_tensor(mib: int = 4) -> int:
+    """Bytes glibc put in mmapped chunks for one new tensor of ``mib`` MiB (``mallinfo2().hblkhd`` before and after,
+    the tensor held): the tensor's size and more under glibc's default in a fresh process (its first threshold:
+    128 KiB; the largest: 32 MiB), 0 from the heap."""
     import ctypes
 
     import torch
@@ -44,7 +44,7 @@ def mmapped_by_a_tensor() -> int:
     mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
     mallinfo2.restype = Info
     before = mallinfo2().hblkhd
-    x = torch.empty(1 << 20)
+    x = torch.empty(mib << 18)
     after = mallinfo2().hblkhd
     del x
     return after - before
@@ -55,7 +55,7 @@ def _child(keep: bool) -> list[str]:
             "from meshplan.mesh.host_memory import keep_freed_memory\n"
             f"print(keep_freed_memory() if {keep} else None)\n"
             "from test_host_memory import fault_rounds, mmapped_by_a_tensor\n"
-            "print(mmapped_by_a_tensor(), fault_rounds())")
+            "print(mmapped_by_a_tensor(), fault_rounds(), mmapped_by_a_tensor(64))")
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
 
 
@@ -68,7 +68,9 @@ def test_kept_memory_serves_large_tensors_from_the_heap():
         from meshplan.mesh.host_memory import keep_freed_memory
         assert keep_freed_memory() is False
         return
-    took, mapped, faults = _child(True)
+    took, mapped, faults, large = _child(True)
     assert took == "True"
     assert int(mapped) == 0 and int(faults) < 20480, (mapped, faults)
-    assert int(_child(False)[1]) >= 4 << 20  # the default: mapped apart
+    assert int(large) == 0  # 64 MiB, over glibc's largest threshold (DDP's flat gradient buffer): the heap too
+    default = _child(False)
+    assert int(default[1]) >= 4 << 20 and int(default[3]) >= 64 << 20  # the default: both mapped apart

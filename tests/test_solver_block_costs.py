@@ -8,8 +8,9 @@ import dataclasses
 import pytest
 import torch
 
+from meshplan.errors import PlanError
 from meshplan.profile.block import BATCHES, REFERENCE, _Block, measure_block
-from meshplan.profile.run import block_costs, cluster_from_measurement
+from meshplan.profile.run import block_costs, block_scale, cluster_from_measurement
 from meshplan.solver.candidate import Candidate, Training
 from meshplan.solver.cluster import Cluster
 from meshplan.solver.compute import OPS_PER_BLOCK, block_time, touches_per_token
@@ -76,6 +77,7 @@ def test_the_measurement_subtracts_the_bare_matmuls_timed_beside_the_block():
     out = measure_block(timed, lambda x: x, torch.device("cpu"), torch.float32)
     assert out["block_reference"] == REF
     assert out["block_rest_times"] == [[b, pytest.approx(2e-3)] for b in BATCHES]
+    assert out["block_whole_times"] == [[b, pytest.approx(3e-3)] for b in BATCHES]
     assert len(calls) == 6 * len(BATCHES)
 
 
@@ -87,3 +89,27 @@ def test_the_bare_block_runs_the_same_matmuls():
     block.bare(x).sum().backward()
     linear = [n for n, p in block.named_parameters() if not n.startswith("norms")]
     assert len(linear) == 7 and all(p.grad is not None for n, p in block.named_parameters() if n in linear)
+
+
+def _priced(cl: Cluster, batch: int) -> float:
+    return block_time(SHAPE, Candidate(micro_batch=batch), Training(seq=REF["seq"], global_batch=batch,
+                                                                    dtype="float32"), cl, False, False)[0]
+
+
+def test_the_whole_block_times_over_their_price_become_the_block_scale():
+    """A block timed whole at 1.25× its price from the other rates prices every block 1.25× (and a profile from
+    before the whole block was timed, or a preset, at 1×)."""
+    m = _measured(3e9, 2e-5)
+    plain = cluster_from_measurement(m)
+    assert plain.block_scale == 1.0
+    m["block_whole_times"] = [[b, 1.25 * _priced(plain, b)] for b in BATCHES]
+    cl = cluster_from_measurement(m)
+    assert cl.block_scale == pytest.approx(1.25) and block_scale(m, plain) == pytest.approx(1.25)
+    assert Cluster.from_dict(cl.to_dict()) == cl
+    assert _priced(cl, 8) == pytest.approx(1.25 * _priced(plain, 8))
+
+
+def test_a_cluster_file_with_a_block_scale_of_zero_is_refused():
+    d = cluster_from_measurement(BASE).to_dict()
+    with pytest.raises(PlanError, match="block_scale must be positive"):
+        Cluster.from_dict({**d, "block_scale": 0.0}, "c.json")

@@ -95,6 +95,8 @@ def test_profile_writes_a_cluster_solve_reads(tmp_path, capsys):
     assert 0 < cl.attention_efficiency <= 1.5  # measured: causal SDPA over the matmul peak
     assert min(cl.fsdp_unit_overhead, cl.pipeline_action_overhead, cl.repeat_spread, *cl.dtensor_overheads.values()) >= 0
     assert cl.touch_rate >= 0 and cl.block_op_overhead >= 0  # the reference block (0: noise left no per-token part)
+    assert 0.5 < cl.block_scale < 3  # that block timed whole over its price: measured (not the default 1)
+    assert cl.block_scale != 1.0
     rc, text, _ = _run(["solve", "--model", "examples.llama:build", "--config", EXAMPLE, "--gpus", "2", "--seq", "64",
                         "--global-batch", "8", "--dtype", "float32", "--cluster", str(path)], capsys)
     assert rc == 0 and "profiled-" in text

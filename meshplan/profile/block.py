@@ -1,7 +1,8 @@
 """A reference eager transformer block, timed by the ``meshplan profile`` job (every rank at once): what a block's
 element-wise operators and launches cost on this machine beyond its matmuls and attention
 (:func:`meshplan.profile.run.block_costs` turns the times into the cluster's ``touch_rate`` and
-``block_op_overhead``; :func:`meshplan.solver.compute.block_time` prices them).
+``block_op_overhead``; :func:`meshplan.solver.compute.block_time` prices them), and what the whole block takes
+against its price from every measured rate (:func:`meshplan.profile.run.block_scale`).
 
 The block is a Llama decoder layer written plainly here (pre-norm RMSNorm computed in float32, q/k/v/o
 projections, RoPE, the GQA repeat, causal ``scaled_dot_product_attention``, SwiGLU, two residual adds), run
@@ -10,6 +11,12 @@ counted: on a CPU the element-wise ops of an eager block run ~4× slower than a 
 same bytes (autograd's saved tensors, broadcast multiplies whose backward reduces a weight gradient, float32
 up-casts, ``stack``/``repeat_interleave`` copies), and their time grows when ranks share cores; a whole block
 timed on every rank at once sees both. (The GPU shape is not yet checked on a GPU.)
+
+Why the whole block's time too: its matmuls run slower inside the block than the profile's matmuls alone (operands
+fresh from the element-wise ops, weight-gradient and transposed shapes), and a window ends with the slowest rank's,
+as a synchronous step does. On the 2026-11-27 host the block priced from the rates read 36.8-37.4 ms per sequence
+at world 2 while the whole block took 41.7-51.9 ms; a step of the example Llama ran 1.19× its price at world 2 and
+1.34× at world 4 (benchmarks/calibrate.py), the same gap.
 """
 
 from __future__ import annotations
@@ -86,7 +93,8 @@ class _Block(nn.Module):
 
 def measure_block(timed: Callable, mean: Callable, device: torch.device, dtype: torch.dtype) -> dict:
     """``{"block_reference": shape, "block_rest_times": [[sequences, seconds per forward and backward of the
-    block beyond its matmuls and attention], ...]}`` (means over the ranks; ``timed``, ``mean``: the worker's helpers).
+    block beyond its matmuls and attention], ...], "block_whole_times": [[sequences, seconds of the whole block],
+    ...]}`` (means over the ranks; ``timed``, ``mean``: the worker's helpers).
 
     The matmuls and attention are timed alone on the same shapes in alternating windows (:meth:`_Block.bare`) and
     subtracted: a difference of two times taken at the same moment, not of a time and a price from rates measured
@@ -94,7 +102,7 @@ def measure_block(timed: Callable, mean: Callable, device: torch.device, dtype: 
     shape = REFERENCE["cuda" if device.type == "cuda" else "cpu"]
     torch.manual_seed(0)
     block = _Block(**shape).to(device=device, dtype=dtype)
-    times = []
+    times, wholes = [], []
     for batch in BATCHES:
         x = torch.randn(batch, shape["seq"], shape["hidden"], device=device, dtype=dtype, requires_grad=True)
         grad = torch.randn_like(x)
@@ -103,5 +111,6 @@ def measure_block(timed: Callable, mean: Callable, device: torch.device, dtype: 
             whole.append(timed(lambda: block(x).backward(grad), reps=1, window=0.4))
             bare.append(timed(lambda: block.bare(x).backward(grad), reps=1, window=0.4))
         times.append([batch, mean(statistics.median(whole) - statistics.median(bare))])
+        wholes.append([batch, mean(statistics.median(whole))])
         del x, grad
-    return {"block_reference": dict(shape), "block_rest_times": times}
+    return {"block_reference": dict(shape), "block_rest_times": times, "block_whole_times": wholes}

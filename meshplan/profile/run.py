@@ -23,13 +23,13 @@ from dataclasses import replace
 from pathlib import Path
 
 from meshplan.errors import PlanError
-from meshplan.solver.candidate import DTYPE_BYTES
+from meshplan.solver.candidate import DTYPE_BYTES, Candidate, Training
 from meshplan.solver.cluster import Cluster, Fit, Link
-from meshplan.solver.compute import OPS_PER_BLOCK, touches_per_token
+from meshplan.solver.compute import OPS_PER_BLOCK, block_time, touches_per_token
 from meshplan.solver.host_step import STEP_COST_FIELDS
 from meshplan.solver.shape import ModelShape
 
-__all__ = ["profile_cluster", "cluster_from_measurement", "block_costs"]
+__all__ = ["profile_cluster", "cluster_from_measurement", "block_costs", "block_scale"]
 
 #: measured scalars the cluster takes as they are (0 in a profile from before they were measured)
 _SCALARS = ("expert_grad_rate", "host_sync_overhead", "tp_hook_overhead", "collective_busy", "fsdp_byte_overhead")
@@ -72,8 +72,7 @@ def block_costs(m: dict) -> dict:
     ref, rest = m.get("block_reference"), sorted(m.get("block_rest_times") or ())
     if not ref or len(rest) < 2:
         return {}
-    shape = ModelShape(layers=1, hidden=ref["hidden"], heads=ref["heads"], kv_heads=ref["kv_heads"],
-                       ffn=ref["ffn"], vocab=1)
+    shape = _reference_shape(ref)
     (b1, r1), (b2, r2) = rest[0], rest[-1]
     t1, t2 = b1 * ref["seq"], b2 * ref["seq"]
     per_token = (r2 - r1) / (t2 - t1)
@@ -81,6 +80,25 @@ def block_costs(m: dict) -> dict:
         return {}
     return {"touch_rate": touches_per_token(shape) * DTYPE_BYTES[m["dtype"]] / per_token,
             "block_op_overhead": max(r1 - per_token * t1, 0.0) / OPS_PER_BLOCK}
+
+
+def block_scale(m: dict, cluster: Cluster) -> float:
+    """The reference block's measured time over its price under ``cluster`` (every other rate already measured):
+    summed over the measured batch sizes, so the price of a block fits the block timed whole. 1 in a profile from
+    before the whole block was timed."""
+    ref, whole = m.get("block_reference"), m.get("block_whole_times") or ()
+    if not ref or not whole:
+        return 1.0
+    shape, priced = _reference_shape(ref), 0.0
+    for batch, _ in whole:
+        train = Training(seq=ref["seq"], global_batch=int(batch), dtype=m["dtype"])
+        priced += block_time(shape, Candidate(micro_batch=int(batch)), train, cluster, False, False)[0]
+    return sum(t for _, t in whole) / priced
+
+
+def _reference_shape(ref: dict) -> ModelShape:
+    return ModelShape(layers=1, hidden=ref["hidden"], heads=ref["heads"], kv_heads=ref["kv_heads"], ffn=ref["ffn"],
+                      vocab=1)
 
 
 def cluster_from_measurement(m: dict) -> Cluster:
@@ -113,7 +131,8 @@ def cluster_from_measurement(m: dict) -> Cluster:
         **{k: float(m.get(k, 0.0)) for k in _SCALARS},
         source=(f"measured by `meshplan profile` on {platform.node()} ({m['backend']}, {world} processes, "
                 f"{os.cpu_count()} CPU cores, {m['threads']} threads each, {when})"))
-    return replace(cluster, **block_costs(m))
+    cluster = replace(cluster, **block_costs(m))
+    return replace(cluster, block_scale=block_scale(m, cluster))
 
 
 def _error_line(stderr: str) -> str:

@@ -137,7 +137,9 @@ class Cluster:
         touch_rate: bytes/s of an eager block's element-wise reads and writes (:data:`~meshplan.solver.compute.TOUCHES`)
             as a reference block timed whole reaches them (:mod:`meshplan.profile.block`; 0: not measured, the
             bytes at ``memory_rates``). block_op_overhead: seconds per operator of that block beyond its
-            element-wise bytes (0: ``op_overhead``).
+            element-wise bytes (0: ``op_overhead``). block_scale: that block's measured time, whole, over its price
+            from the other rates (:func:`meshplan.profile.run.block_scale`): every block's price is multiplied by
+            it (1: not measured).
     """
 
     name: str
@@ -174,6 +176,7 @@ class Cluster:
     collective_busy: float = 0.0
     touch_rate: float = 0.0
     block_op_overhead: float = 0.0
+    block_scale: float = 1.0
 
     def peak(self, dtype: str) -> float:
         """Peak dense FLOP/s of ``dtype`` (float16 as bfloat16)."""
@@ -248,8 +251,8 @@ class Cluster:
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise PlanError(f"{where}: not a cluster description ({type(e).__name__}: {e}); write one with "
                             f"`meshplan profile -o cluster.json`") from None
-        if cluster.gpus_per_node < 1 or cluster.memory <= 0 or cluster.hbm_bandwidth <= 0:
-            raise PlanError(f"{where}: gpus_per_node, memory and hbm_bandwidth must be positive")
+        if cluster.gpus_per_node < 1 or min(cluster.memory, cluster.hbm_bandwidth, cluster.block_scale) <= 0:
+            raise PlanError(f"{where}: gpus_per_node, memory, hbm_bandwidth and block_scale must be positive")
         import math
         numbers = {k: v for k, v in vars(cluster).items() if isinstance(v, (int, float))}
         numbers.update({f"flops.{k}": v for k, v in cluster.flops.items()})

@@ -16,7 +16,8 @@ Two counts:
 Time = matmuls at the cluster's matmul rate (measured by size with ``meshplan profile``, else peak × efficiency)
 + attention at its efficiency + element-wise traffic at memory bandwidth (a profiled cluster: at the ``touch_rate``
 a reference block measured, :mod:`meshplan.profile.block`) + the operator launches. The
-element-wise traffic counts the tensors the block's element-wise operators read and write, forward and
+whole is scaled by the cluster's ``block_scale``: a profiled reference block's measured time over this price (1 on
+a preset). The element-wise traffic counts the tensors the block's element-wise operators read and write, forward and
 backward (:data:`TOUCHES`, per token in units of the tensor's width): an eager block touches the residual
 stream ~90 times (two RMSNorms computed in float32, the residual adds), its local q/k/v ~60 times (RoPE, the
 GQA repeat, the layout changes around attention) and the FFN's hidden ~15 times (SwiGLU); fused kernels a third
@@ -85,7 +86,7 @@ def block_time(s: ModelShape, c: Candidate, tr: Training, cl: Cluster, moe: bool
     elementwise = tokens * touched * tr.act_bytes / rate * (replay / 3) / (1 if s.kernels == "eager" else 3)
     launch = cl.block_op_overhead or cl.op_overhead
     seconds = mm_time + attn_time * attn_passes + elementwise + OPS_PER_BLOCK * (replay / 3) * launch
-    return seconds, mm_flops + attn * attn_passes
+    return seconds * cl.block_scale, mm_flops + attn * attn_passes
 
 
 def touches_per_token(s: ModelShape, tp: int = 1, sp: int = 1, ffn: float | None = None) -> float:

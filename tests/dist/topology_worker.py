@@ -187,9 +187,9 @@ def case_every_group_has_the_plan_timeout():
 def case_host_memory_kept():
     """meshplan.init on a CPU job keeps freed memory (mallopt): 4 MiB tensors allocated and freed again and again
     reuse their pages (without it glibc's default served each from a fresh mmap: 201,600 faults per 100 rounds
-    of two, on the 2026-11-27 host)."""
+    of two, on the 2026-11-27 host), and a 64 MiB one (over glibc's largest mmap threshold) comes from the heap."""
     from test_host_memory import fault_rounds, mmapped_by_a_tensor
-    return [mmapped_by_a_tensor(), fault_rounds()]
+    return [mmapped_by_a_tensor(), fault_rounds(), mmapped_by_a_tensor(64)]
 
 
 def setup():
