@@ -10,8 +10,8 @@ MoE), and on the 2-vCPU VM of 2026-11-27 one step of that model at world 8 took 
 either way). A tensor above glibc's largest mmap threshold (32 MiB) is always mapped apart unless mapping is off:
 ``data_parallel: ddp`` (torch's ``replicate``) reduces a model's gradients through one flat buffer (54 MB for that
 MoE), and at world 2 each step took 40,000 faults (the expert fills beside it 5 ms per 4 MiB instead of 0.7)
-until mapping was turned off too: 0-3 faults. Intel's guidance for torch on CPUs (``torch.backends.xeon.run_cpu``) preloads jemalloc or tcmalloc
-for the same reason; this asks glibc itself, in-process, with ``mallopt``.
+until mapping was turned off too: 0-3 faults. Intel's guidance for torch on CPUs (``torch.backends.xeon.run_cpu``)
+preloads jemalloc or tcmalloc for the same reason; this asks glibc itself, in-process, with ``mallopt``.
 
 The setting is the process's, not meshplan's: it holds for every allocation after the call. A process's resident
 memory then stays at its peak instead of falling back after a step.
