@@ -8,7 +8,7 @@ a zero-filled gradient of a whole stacked expert weight per expert (4 MiB each i
 MoE), and on the 2-vCPU VM of 2026-11-27 one step of that model at world 8 took 34,000-47,000 page faults and
 2.6-3.2 s; with freed memory kept, 0-3,000 faults and 1.8-2.0 s (the dense Llama: no faults after its first step
 either way). A tensor above glibc's largest mmap threshold (32 MiB) is always mapped apart unless mapping is off:
-``data_parallel: ddp`` (torch's ``replicate``) reduces a model's gradients through one flat buffer (54 MB for that
+torch's ``replicate`` (DDP on FSDP2) reduces a model's gradients through one flat buffer (54 MB for that
 MoE), and at world 2 each step took 40,000 faults (the expert fills beside it 5 ms per 4 MiB instead of 0.7)
 until mapping was turned off too: 0-3 faults. Intel's guidance for torch on CPUs (``torch.backends.xeon.run_cpu``)
 preloads jemalloc or tcmalloc for the same reason; this asks glibc itself, in-process, with ``mallopt``.
