@@ -29,6 +29,7 @@ Each layout is a plan written from the repository's rule sections (plans/llama.y
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -101,9 +102,32 @@ LAYOUTS = {
 
 
 def model_config(kind: str) -> dict:
-    """train.py's model (see its ``common`` and MoE arguments) in ModelArgs keys."""
+    """train.py's model (see its ``common`` and MoE arguments) in ModelArgs keys; the MoE's with its routers'
+    measured ``expert_loads`` (:func:`expert_loads`)."""
     cfg = dict(dim=DIM, n_layers=LAYERS, n_heads=8, n_kv_heads=4, vocab_size=256, ffn_dim=4 * DIM)
-    return {**cfg, "moe_hidden": 2 * DIM, "n_experts": 8, "top_k": 2} if kind == "moe" else cfg
+    return {**cfg, "moe_hidden": 2 * DIM, "n_experts": 8, "top_k": 2, "expert_loads": expert_loads()} \
+        if kind == "moe" else cfg
+
+
+@functools.cache
+def expert_loads(steps: int = 3) -> list[list[int]]:
+    """Tokens each MoE layer's router sends to each expert on each of the first ``steps`` global batches (a row
+    per layer and batch), for the model the runs build (the worker's, same seed) and their data (examples/train.py's
+    ``batches``): what an expert-parallel layout's busiest rank computes each step
+    (:func:`meshplan.solver.moe_costs.expert_imbalance`)."""
+    import importlib.util
+
+    import torch
+    spec = importlib.util.spec_from_file_location("calibrate_worker", ROOT / "benchmarks" / "_calibrate_worker.py")
+    worker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(worker)
+    model, data = worker._model("moe", DIM, LAYERS, SEQ), worker._examples_train().batches(256, SEQ, BATCH)
+    rows = []
+    with torch.no_grad():
+        for _ in range(steps):
+            model(next(data)[0])
+            rows += [m.tokens_per_expert.long().tolist() for m in model.modules() if hasattr(m, "tokens_per_expert")]
+    return rows
 
 
 def measure(layouts: dict, world: int, args, tmp: Path) -> dict:

@@ -4,7 +4,8 @@
 
 * collectives: per MoE block and microbatch, one all-to-all of the token counts per expert (again in a recompute)
   and four of token rows (dispatch and combine, forward and backward; two more in a recompute); with etp 1 each
-  tp rank routes its own tokens (1/tp of them);
+  tp rank routes its own tokens (1/tp of them); the rows are the busiest ep rank's (the model's ``expert_loads``:
+  :func:`meshplan.solver.moe_costs.expert_imbalance`), whose transfer the all-to-all waits for;
 * activations and refusals: none of its own (an MoE block's routing activations and the expert counts ep must
   divide are the model's: :mod:`meshplan.solver.memory`, :mod:`meshplan.solver.rules`).
 """
@@ -22,10 +23,11 @@ __all__ = ["TERMS", "ep_collectives", "ep_block_activations", "ep_first_stage_ac
 def ep_collectives(s: Any, c: Any, tr: Any, place: Any, pp_rank: int, memo: dict) -> list:
     """The ep collectives of pipeline rank ``pp_rank`` in one step
     (:class:`~meshplan.solver.collectives.Collective`)."""
+    from meshplan.solver.moe_costs import expert_imbalance
     from meshplan.solver.terms import Collective, block_kinds
     g = place.groups["ep"]
     tokens = c.rank_tokens(tr.seq) / (c.tp if c.etp == 1 else 1)
-    rows = tokens * s.top_k * s.hidden * tr.act_bytes
+    rows = tokens * s.top_k * s.hidden * tr.act_bytes * expert_imbalance(s, c.ep)  # the busiest rank's rows
     kinds = block_kinds(s, c, place, pp_rank, memo)
     moe = sum(n for (is_moe, _), n in kinds.items() if is_moe)
     ckpt, m = sum(n for (is_moe, ck), n in kinds.items() if is_moe and ck), c.microbatches

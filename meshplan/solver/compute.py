@@ -17,17 +17,19 @@ Time = matmuls at the cluster's matmul rate (measured by size with ``meshplan pr
 + attention at its efficiency + element-wise traffic at memory bandwidth (a profiled cluster: at the ``touch_rate``
 a reference block measured, :mod:`meshplan.profile.block`) + the operator launches. The
 whole is scaled by the cluster's ``block_scale``: a profiled reference block's measured time over this price (1 on
-a preset). The element-wise traffic counts the tensors the block's element-wise operators read and write, forward and
-backward (:data:`TOUCHES`, per token in units of the tensor's width): an eager block touches the residual
-stream ~90 times (two RMSNorms computed in float32, the residual adds), its local q/k/v ~60 times (RoPE, the
-GQA repeat, the layout changes around attention) and the FFN's hidden ~15 times (SwiGLU); fused kernels a third
-of that.
+a preset). An expert-parallel MoE block is priced on the rank whose experts drew the most tokens
+(:func:`~meshplan.solver.moe_costs.expert_imbalance`). The element-wise traffic counts the tensors the block's
+element-wise operators read and write, forward and backward (:data:`TOUCHES`, per token in units of the tensor's
+width): an eager block touches the residual stream ~90 times (two RMSNorms computed in float32, the residual
+adds), its local q/k/v ~60 times (RoPE, the GQA repeat, the layout changes around attention) and the FFN's hidden
+~15 times (SwiGLU); fused kernels a third of that.
 """
 
 from __future__ import annotations
 
 from meshplan.solver.candidate import Candidate, Training
 from meshplan.solver.cluster import Cluster
+from meshplan.solver.moe_costs import expert_imbalance
 from meshplan.solver.shape import ModelShape
 from meshplan.solver.units import COST_UNITS
 
@@ -54,7 +56,7 @@ def _matmuls(s: ModelShape, c: Candidate, moe: bool, tokens: float) -> list[tupl
     if not moe:
         return out + [(tokens, (s.mlp_matrices - 1) * s.ffn / t, h), (tokens, h, s.ffn / t)]
     routed = (tokens if c.etp > 1 else tokens / t) * s.top_k  # rows an ep rank computes: its share of every rank's
-    per_expert = routed / max(s.experts // c.ep, 1)
+    per_expert = routed * expert_imbalance(s, c.ep) / max(s.experts // c.ep, 1)  # on the busiest ep rank
     fe = s.expert_width / c.etp
     experts = [(per_expert, (s.mlp_matrices - 1) * fe, h), (per_expert, h, fe)] * max(s.experts // c.ep, 1)
     shared = [(tokens / t, s.mlp_matrices * s.shared_ffn, h)] if s.shared_ffn else []
@@ -79,7 +81,8 @@ def block_time(s: ModelShape, c: Candidate, tr: Training, cl: Cluster, moe: bool
     attn_passes = passes + (1 if c.op_level else 0)  # op level: attention recomputed
     replay = passes + (1 if c.megatron else 0)  # policy megatron: the element-wise ops and launches once more
     sh = c.tp if tr.sequence_parallel and c.tp > 1 else 1
-    ffn = (s.expert_width * s.top_k / c.etp * (1 / c.tp if c.etp == 1 else 1)) if moe else s.ffn / c.tp
+    ffn = (s.expert_width * s.top_k / c.etp * (1 / c.tp if c.etp == 1 else 1) * expert_imbalance(s, c.ep)) if moe \
+        else s.ffn / c.tp
     touched = touches_per_token(s, c.tp, sh, ffn)
     # a measured reference block's rate (meshplan profile), else the bytes at the memory rate of their size
     rate = cl.touch_rate or cl.memory_rate(tokens * s.hidden / sh * tr.act_bytes)

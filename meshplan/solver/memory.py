@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from meshplan.solver.units import COST_UNITS as UNITS  # the units the per-microbatch terms take (in_solver)
 from meshplan.solver.candidate import Candidate, Training
 from meshplan.solver.placement import Placement
+from meshplan.solver.moe_costs import expert_imbalance
 from meshplan.solver.shape import ModelShape
 from meshplan.solver.terms import block_kinds
 from meshplan.solver.terms import block_tensors as _block_tensors
@@ -184,11 +185,12 @@ def block_activations(s: ModelShape, c: Candidate, tr: Training, moe: bool, chec
 
 def _moe_activations(s: ModelShape, c: Candidate, tokens: float, b: int) -> float:
     """The MoE FFN: per routed token copy its sorted row, the expert's intermediates and output, the weighted
-    row (one more received row across ep); per token the combined output and the router's scores; a shared
-    expert."""
+    row (one more received row across ep), on the ep rank whose experts drew the most tokens; per token the
+    combined output and the router's scores; a shared expert."""
     h, k, width = s.hidden, s.top_k, (4 if s.mlp == "swiglu" else 2)
     routed = tokens if c.etp > 1 else tokens / c.tp  # etp 1: each tp rank routes its own share
-    per = k * (3 * h + width * s.expert_width / c.etp) * b + (k * h * b if c.ep > 1 else 0) + h * b
+    busiest = expert_imbalance(s, c.ep)  # the rank whose experts drew the most tokens (1 without loads or ep)
+    per = (k * (3 * h + width * s.expert_width / c.etp) * b + (k * h * b if c.ep > 1 else 0)) * busiest + h * b
     per += 3 * s.experts * 4 + 3 * k * 8 + (width * s.shared_ffn + h) * b * (1 if s.shared_ffn else 0)
     return routed * per
 

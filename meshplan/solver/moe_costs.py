@@ -18,6 +18,14 @@ transformers' eager experts: Mixtral, Qwen2-MoE, OLMoE) pays, per microbatch and
   the dense block's :data:`~meshplan.solver.compute.OPS_PER_BLOCK` (whose ~20 FFN ops are not subtracted);
 * **one host sync** (the routing counts read on the host, ``counts.tolist()``) at ``host_sync_overhead``.
 
+**The routing's imbalance** (:func:`expert_imbalance`, any expert layout, loop or grouped GEMMs): an expert-parallel
+step waits at each combine for the rank whose experts drew the most tokens, so the expert matmuls, their
+element-wise ops, the received rows and their memory are priced on that rank: the mean times the busiest ep rank's
+share of the routed tokens over the mean share, from the model's measured ``expert_loads`` (tokens per expert, a row
+per MoE layer and sample batch: the routers' counts, or a run's ``tokens_per_expert`` log). 1 without loads or ep.
+calibrate.py's untrained MoE (random router, vocabulary 256) routed its batch 1.09× at ep 2, 1.2× at ep 4 and
+1.6× at ep 8 (its worst layer 2.1×); a model trained with a balancing loss is nearer 1.
+
 A preset cluster does not measure the loop (``expert_grad_rate`` 0) and gets no term at all: published GPU runs
 use grouped GEMMs (Megatron, torchtitan), which index no weight slices and loop over no experts, so their
 predictions do not change; a model shape says the same with ``expert_loop: false``.
@@ -37,10 +45,11 @@ from __future__ import annotations
 
 from meshplan.solver.candidate import Candidate
 from meshplan.solver.cluster import Cluster
+from meshplan.solver.routing import busiest_share
 from meshplan.solver.shape import ModelShape
 
 __all__ = ["MOE_ROUTING_OPS", "MOE_OPS_PER_EXPERT", "MOE_HOST_SYNCS", "local_experts", "expert_grad_bytes",
-           "moe_grad_bytes", "moe_block_ops", "moe_block_time"]
+           "moe_grad_bytes", "moe_block_ops", "moe_block_time", "expert_imbalance"]
 
 #: ops of one MoE block's router, top-k, sort, gather and combine per microbatch, forward and backward
 #: (examples/moe.py, counted by ``benchmarks/moe_ops.py``)
@@ -55,6 +64,22 @@ MOE_HOST_SYNCS = 1
 def local_experts(s: ModelShape, ep: int) -> int:
     """Experts one expert-parallel rank holds and loops over."""
     return max(s.experts // max(ep, 1), 1)
+
+
+def expert_imbalance(s: ModelShape, ep: int) -> float:
+    """The busiest of ``ep`` expert-parallel ranks' routed tokens over the mean rank's, averaged over the rows of
+    :attr:`~meshplan.solver.shape.ModelShape.expert_loads` (an MoE layer on a sample batch each; each rank holds a
+    contiguous run of ``experts / ep`` experts, as expert parallelism shards them); 1 without loads or with ``ep``
+    1 (:func:`meshplan.solver.routing.busiest_share`).
+
+    Example::
+
+        >>> s = ModelShape(layers=2, hidden=8, heads=2, kv_heads=2, ffn=8, vocab=8, experts=4, top_k=1,
+        ...                expert_loads=((20, 10, 10, 0), (10, 10, 10, 10)))
+        >>> expert_imbalance(s, 2), expert_imbalance(s, 4), expert_imbalance(s, 1)   # layer 1: 30 vs 10, 20 vs 10
+        (1.25, 1.5, 1.0)
+    """
+    return busiest_share(s.expert_loads, s.experts, ep)
 
 
 def expert_grad_bytes(experts: int, stacked_bytes: float) -> float:

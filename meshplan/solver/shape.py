@@ -20,6 +20,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
 from meshplan.errors import PlanError
+from meshplan.solver.routing import check_loads
 
 __all__ = ["ModelShape", "shape_from_config"]
 
@@ -52,6 +53,9 @@ class ModelShape:
         expert_loop: the routed experts run in a Python loop over slices of stacked weights (the examples,
             transformers' eager experts): each MoE block pays :mod:`meshplan.solver.moe_costs` per microbatch on a
             cluster that measured it; False for grouped GEMMs (Megatron, torchtitan's ``grouped_mm``).
+        expert_loads: tokens routed to each expert, a row per MoE layer and sample batch (the routers' counts,
+            or a run's ``tokens_per_expert`` log); an expert-parallel layout is
+            priced on its busiest rank (:func:`meshplan.solver.moe_costs.expert_imbalance`). Empty: balanced.
     """
 
     layers: int
@@ -77,8 +81,10 @@ class ModelShape:
     kernels: str = "eager"
     name: str = "model"
     expert_loop: bool = True
+    expert_loads: tuple = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "expert_loads", check_loads(self.expert_loads, self.experts))
         for f in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab"):
             v = getattr(self, f)
             if type(v) is not int or v < 1:
@@ -208,6 +214,7 @@ _ALIASES: dict[str, tuple[str, ...]] = {
     "kernels": ("kernels",),
     "name": ("name", "model_type"),
     "expert_loop": ("expert_loop",),
+    "expert_loads": ("expert_loads",),
 }
 _GPT2_LIKE = ("gpt2", "gpt_neox", "gptj", "opt", "gpt_bigcode", "bloom", "falcon", "phi")
 
@@ -239,7 +246,7 @@ def _derived(cfg: Mapping[str, Any], out: dict) -> None:
         out["shared_ffn"] = shared * (out.get("moe_ffn") or out.get("ffn", 0))
     _windows(cfg, out)
     if not out.get("experts"):
-        for k in ("experts", "top_k", "moe_ffn", "shared_ffn", "dense_layers"):
+        for k in ("experts", "top_k", "moe_ffn", "shared_ffn", "dense_layers", "expert_loads"):
             out.pop(k, None)
 
 
