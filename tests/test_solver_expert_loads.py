@@ -51,7 +51,9 @@ def test_loads_are_checked_and_hashable():
     assert SKEWED.expert_loads == tuple(tuple(float(v) for v in r) for r in LOADS) and hash(SKEWED)
     with pytest.raises(PlanError, match=r"rows of experts\(8\) token counts .*got \[7\] counts per row"):
         shape_from_config({**CONFIG, "expert_loads": [1] * 7})
-    for bad in ([[1] * 7 + [-1]], [[0] * 8], [[True] * 8]):
+    with pytest.raises(PlanError, match="a list of rows of token counts per expert; got int 5"):
+        shape_from_config({**CONFIG, "expert_loads": 5})
+    for bad in ([[1] * 7 + [-1]], [[0] * 8], [[True] * 8], [[float("nan")] + [1] * 7], [[float("inf")] * 8]):
         with pytest.raises(PlanError, match="each >= 0 and each row's sum > 0"):
             shape_from_config({**CONFIG, "expert_loads": bad})
     with pytest.raises(PlanError, match=r"experts\(0\)"):

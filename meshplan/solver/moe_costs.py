@@ -23,8 +23,8 @@ step waits at each combine for the rank whose experts drew the most tokens, so t
 element-wise ops, the received rows and their memory are priced on that rank: the mean times the busiest ep rank's
 share of the routed tokens over the mean share, from the model's measured ``expert_loads`` (tokens per expert, a row
 per MoE layer and sample batch: the routers' counts, or a run's ``tokens_per_expert`` log). 1 without loads or ep.
-calibrate.py's untrained MoE (random router, vocabulary 256) routed its batch 1.09× at ep 2, 1.2× at ep 4 and
-1.6× at ep 8 (its worst layer 2.1×); a model trained with a balancing loss is nearer 1.
+calibrate.py's untrained MoE (random router, vocabulary 256) routed its batches 1.09× at ep 2, 1.21× at ep 4 and
+1.50× at ep 8 (its worst layer 2.1×); a model trained with a balancing loss is nearer 1.
 
 A preset cluster does not measure the loop (``expert_grad_rate`` 0) and gets no term at all: published GPU runs
 use grouped GEMMs (Megatron, torchtitan), which index no weight slices and loop over no experts, so their

@@ -12,6 +12,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from meshplan.errors import PlanError
@@ -24,18 +25,21 @@ def check_loads(value: Any, experts: int) -> tuple[tuple[float, ...], ...]:
     hashable; ``()`` for none.
 
     Raises:
-        PlanError: the model has no experts, a row's length is not ``experts``, a count is negative or not a
-            number, or a row sums to 0.
+        PlanError: not a list, the model has no experts, a row's length is not ``experts``, a count is negative,
+            infinite or not a number, or a row sums to 0.
     """
-    if value is None or len(value) == 0:
+    if value is None or (isinstance(value, (list, tuple)) and len(value) == 0):
         return ()
+    if not isinstance(value, (list, tuple)):
+        raise PlanError(f"model shape: expert_loads is a list of rows of token counts per expert; got "
+                        f"{type(value).__name__} {value!r}")
     rows = [value] if all(isinstance(v, (int, float)) for v in value) else list(value)
-    if not experts or any(not hasattr(r, "__len__") or len(r) != experts for r in rows):
+    if not experts or any(not isinstance(r, (list, tuple)) or len(r) != experts for r in rows):
         raise PlanError(f"model shape: expert_loads holds rows of experts({experts}) token counts (one per MoE layer "
-                        f"and sample batch); got {[len(r) if hasattr(r, '__len__') else r for r in rows]} counts "
-                        "per row")
-    if any(not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0 for r in rows for v in r) or \
-            any(sum(r) <= 0 for r in rows):
+                        f"and sample batch); got {[len(r) if isinstance(r, (list, tuple)) else r for r in rows]} "
+                        "counts per row")
+    if any(not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v < math.inf for r in rows for v in r) \
+            or any(sum(r) <= 0 for r in rows):
         raise PlanError(f"model shape: expert_loads holds token counts per expert, each >= 0 and each row's sum > 0; "
                         f"got {[list(r) for r in rows]}")
     return tuple(tuple(float(v) for v in r) for r in rows)
