@@ -5,7 +5,9 @@
 Each repeat runs every layout in turn (interleaved, so a burst of load from elsewhere lands on all layouts
 alike): the model is built and parallelized under the layout's plan, ``--warmup`` steps run unmeasured, then
 ``--steps`` steps are timed (barrier to barrier) and their median kept. Rank 0 writes, per layout, the median
-seconds per step of each repeat, the 1-minute load average when it started and rank 0's thread count after it
+seconds per step of each repeat, the 1-minute load average when it started, the reference block's time just before
+it (``drift``: :func:`meshplan.profile.block.whole_block_time`, every rank at once, the host's state at that
+moment, which ``calibrate.py`` sets beside the profile's own) and rank 0's thread count after it
 (each layout's ``meshplan.init`` block destroys the groups it made: without that, 596 threads per rank piled up
 over a world-4 launch).
 """
@@ -30,6 +32,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "examples"))
 
 import meshplan  # noqa: E402
+from meshplan.profile.block import whole_block_time  # noqa: E402
+from meshplan.profile.worker import _mean_over_ranks, _timed  # noqa: E402
 
 
 def _examples_train():
@@ -87,10 +91,13 @@ def main() -> None:
     layouts = json.loads(Path(args.layouts).read_text())
     dist.init_process_group("gloo")
     ex = _examples_train()
-    result = {ly["name"]: {"times": [], "load": [], "threads": []} for ly in layouts}
+    result = {ly["name"]: {"times": [], "load": [], "threads": [], "drift": []} for ly in layouts}
+    cpu = torch.device("cpu")
     for _ in range(args.repeats):
         for ly in layouts:
             result[ly["name"]]["load"].append(os.getloadavg()[0])
+            result[ly["name"]]["drift"].append(
+                whole_block_time(_timed, lambda x: _mean_over_ranks(x, cpu), cpu, torch.float32))
             result[ly["name"]]["times"].append(run_layout(ex, ly, args))
             result[ly["name"]]["threads"].append(len(os.listdir("/proc/self/task")))  # flat: groups released
     if dist.get_rank() == 0:

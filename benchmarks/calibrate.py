@@ -22,7 +22,12 @@ is scaled by that level), beside the repeats' own spread (what no model can pric
 profiled again after its runs (``--no-profile-after``: not); each layout's prediction is then the geometric mean
 of its step under the two profiles (the host's state over the runs: one profile's level moved 0.82-1.32× between
 the worlds of one calibration on the host of 2026-11-27), and each profile's own error is printed too.
-``--save-clusters DIR`` keeps each profiled cluster with its calibration error (``meshplan estimate``'s ± band).
+The worker also times the profile's reference block before each layout's steps: the host's drift, that block's
+time then over the profiles' time for it, is printed per world (run 12, 2026-11-27: medians ×1.01 / 0.98 / 0.91
+at worlds 2 / 4 / 8 while the steps ran ×1.08 / 1.21 / 1.26 their prediction: not the host drifting; scaling
+each layout's prediction by its own drift made the errors worse, 12% mean against 9% at world 2: one block's
+second is noisier than the drift). ``--save-clusters DIR`` keeps each profiled cluster with its calibration error
+(``meshplan estimate``'s ± band).
 Each layout is a plan written from the repository's rule sections (plans/llama.yaml, llama_cp.yaml, moe.yaml).
 """
 
@@ -161,6 +166,18 @@ def predict(plan: dict, kind: str, world: int, cluster) -> float:
     return estimate(plan, kind, world, cluster).step_time
 
 
+def drift(got: dict, cluster, after=None) -> list[float]:
+    """Per layout, the reference block's time just before its steps (the worker's ``drift``, the median over its
+    repeats) over the profiles' own time for the same block (:func:`~meshplan.profile.run.reference_block_price`;
+    the geometric mean of the profile before the runs and the one after them): how far the host's speed moved
+    between the profiles and the runs. Empty for measurements from before the worker timed it."""
+    from meshplan.profile.block import BATCHES, REFERENCE
+    from meshplan.profile.run import reference_block_price
+    ref = REFERENCE[cluster.device]
+    own = (reference_block_price(cluster, ref, BATCHES) * reference_block_price(after or cluster, ref, BATCHES)) ** 0.5
+    return [statistics.median(v["drift"]) / own for v in got.values() if v.get("drift") and not v.get("same_as")]
+
+
 def print_parts(layouts: dict, got: dict, world: int, cluster) -> None:
     """The error's structure: each layout's predicted parts (seconds per step, the nonzero ones) beside what was
     measured and left unexplained."""
@@ -264,10 +281,10 @@ def run_world(world: int, args, tmp: Path) -> dict:
     threads = [n for v in got.values() for n in v.get("threads", [])]
     print(f"\nrank 0's threads after each layout: {min(threads)}-{max(threads)} (flat: each layout's groups released)")
     same = {n: v["same_as"] for n, v in got.items() if v.get("same_as")}
-    return summarize(world, rows, cluster, args, tmp, same)
+    return summarize(world, rows, cluster, args, tmp, same, drift(got, cluster, after))
 
 
-def summarize(world: int, rows: list, cluster, args, tmp: Path, same: dict) -> dict:
+def summarize(world: int, rows: list, cluster, args, tmp: Path, same: dict, drifts: list) -> dict:
     """Spearman, mean and worst error over the listed layouts; the solver's first choice vs the fastest."""
     listed = [r for r in rows if not r[0].startswith("solver_first")]
     errors = [abs(r[3] / r[2] - 1) for r in listed]
@@ -285,6 +302,9 @@ def summarize(world: int, rows: list, cluster, args, tmp: Path, same: dict) -> d
             lv, _ = level_and_shape([r[2] for r in listed], [r[i] for r in listed])
             print(f"  the profile {label} alone: mean |error| {100 * statistics.fmean(errs):.0f}%, worst "
                   f"{100 * max(errs):.0f}%, level ×{lv:.2f}")
+    if drifts:
+        print(f"  the host's drift: the reference block timed before each layout over the profiles' time for it, "
+              f"median ×{statistics.median(drifts):.2f} ({min(drifts):.2f}-{max(drifts):.2f} over the layouts)")
     for kind in ("llama", "moe"):
         first = next(r for r in rows if r[0] == f"solver_first_{kind}")
         fastest = min((r for r in listed if r[1] == kind), key=lambda r: r[2])

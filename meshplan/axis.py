@@ -35,8 +35,8 @@ class AxisCosts:
             False: they are the axis' own exposed time (:attr:`exposed`). Default True.
         exposed: ``(collectives, cluster, candidate) -> float``: seconds of its collectives not hidden behind
             compute, an estimate part of its own (the pipeline's sends); None: none. Default None.
-        idle_fraction: ``(candidate) -> float``: the fraction of a step a rank idles (the pipeline's bubble).
-            Default 0.
+        stretch: ``(candidate, oversubscription) -> float``: how much the axis stretches a rank's busy time to the
+            step (the pipeline's bubble) on a host running ``oversubscription`` ranks per core. Default 1.
         in_flight: ``(candidate, pp_rank) -> float``: microbatches' worth of activations a rank keeps at once (a
             pipeline schedule's). Default 1.
         step_collectives: ``(candidate, training, placement, units) -> [Collective]``, or None: what the axis issues
@@ -55,7 +55,7 @@ class AxisCosts:
     run_problem: Callable[[Any, Any, str], "tuple[str, str] | None"]
     per_microbatch: bool = True
     exposed: "Callable[[list, Any, Any], float] | None" = None
-    idle_fraction: Callable[[Any], float] = lambda c: 0.0
+    stretch: Callable[[Any, float], float] = lambda c, o: 1.0
     in_flight: Callable[[Any, int], float] = lambda c, pp_rank: 1.0
     step_collectives: "Callable[[Any, Any, Any, list], list] | None" = None
     estimate_line: "Callable[..., str | None] | None" = None

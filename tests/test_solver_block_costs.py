@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from meshplan.errors import PlanError
-from meshplan.profile.block import BATCHES, REFERENCE, _Block, measure_block
-from meshplan.profile.run import block_costs, block_scale, cluster_from_measurement
+from meshplan.profile.block import BATCHES, REFERENCE, _Block, measure_block, whole_block_time
+from meshplan.profile.run import block_costs, block_scale, cluster_from_measurement, reference_block_price
 from meshplan.solver.candidate import Candidate, Training
 from meshplan.solver.cluster import Cluster
 from meshplan.solver.compute import OPS_PER_BLOCK, block_time, touches_per_token
@@ -107,6 +107,29 @@ def test_the_whole_block_times_over_their_price_become_the_block_scale():
     assert cl.block_scale == pytest.approx(1.25) and block_scale(m, plain) == pytest.approx(1.25)
     assert Cluster.from_dict(cl.to_dict()) == cl
     assert _priced(cl, 8) == pytest.approx(1.25 * _priced(plain, 8))
+
+
+def test_the_profiles_own_block_time_is_the_reference_blocks_price():
+    """Under a profiled cluster the reference block's price over the profile's batches IS the whole block's time the
+    profile measured (what a later ``whole_block_time`` is set beside: the host's drift)."""
+    m = _measured(3e9, 2e-5)
+    m["block_whole_times"] = [[b, 0.01 * b] for b in BATCHES]
+    cl = cluster_from_measurement(m)
+    assert reference_block_price(cl, REF, BATCHES) == pytest.approx(0.01 * sum(BATCHES))
+
+
+def test_the_whole_block_is_timed_again_at_each_batch():
+    """``whole_block_time`` (calibrate.py's worker, before each layout) sums the whole block's time over the
+    profile's batches, each call the block's forward and backward."""
+    calls = []
+
+    def timed(fn, reps, window):
+        fn()
+        calls.append(reps)
+        return 2e-3
+    assert whole_block_time(timed, lambda x: 2 * x, torch.device("cpu"), torch.float32) == \
+        pytest.approx(4e-3 * len(BATCHES))
+    assert calls == [2] * len(BATCHES)
 
 
 def test_a_cluster_file_with_a_block_scale_of_zero_is_refused():

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["measure_block", "REFERENCE", "BATCHES"]
+__all__ = ["measure_block", "whole_block_time", "REFERENCE", "BATCHES"]
 
 #: the reference block's shape by device: hidden, heads, kv heads, FFN width, sequence (calibrate.py's Llama on a
 #: CPU; on a GPU one large enough that its kernels are not launch-bound)
@@ -114,3 +114,21 @@ def measure_block(timed: Callable, mean: Callable, device: torch.device, dtype: 
         wholes.append([batch, mean(statistics.median(whole))])
         del x, grad
     return {"block_reference": dict(shape), "block_rest_times": times, "block_whole_times": wholes}
+
+
+def whole_block_time(timed: Callable, mean: Callable, device: torch.device, dtype: torch.dtype,
+                     window: float = 0.25) -> float:
+    """Seconds of the reference block whole, forward and backward, summed over :data:`BATCHES` (means over the
+    ranks, every rank at once): the sum the profile's ``block_whole_times`` hold, timed again at another moment.
+    ``benchmarks/calibrate.py``'s worker times it before each layout's steps, so that the host's drift between the
+    profile and a run is measured, not guessed (:func:`meshplan.profile.run.reference_block_price`: the
+    profile's own)."""
+    shape = REFERENCE["cuda" if device.type == "cuda" else "cpu"]
+    torch.manual_seed(0)
+    block = _Block(**shape).to(device=device, dtype=dtype)
+    total = 0.0
+    for batch in BATCHES:
+        x = torch.randn(batch, shape["seq"], shape["hidden"], device=device, dtype=dtype, requires_grad=True)
+        grad = torch.randn_like(x)
+        total += mean(timed(lambda: block(x).backward(grad), reps=2, window=window))
+    return total

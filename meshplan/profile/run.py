@@ -29,7 +29,7 @@ from meshplan.solver.compute import OPS_PER_BLOCK, block_time, touches_per_token
 from meshplan.solver.host_step import STEP_COST_FIELDS
 from meshplan.solver.shape import ModelShape
 
-__all__ = ["profile_cluster", "cluster_from_measurement", "block_costs", "block_scale"]
+__all__ = ["profile_cluster", "cluster_from_measurement", "block_costs", "block_scale", "reference_block_price"]
 
 #: measured scalars the cluster takes as they are (0 in a profile from before they were measured)
 _SCALARS = ("expert_grad_rate", "host_sync_overhead", "tp_hook_overhead", "collective_busy", "fsdp_byte_overhead")
@@ -89,11 +89,19 @@ def block_scale(m: dict, cluster: Cluster) -> float:
     ref, whole = m.get("block_reference"), m.get("block_whole_times") or ()
     if not ref or not whole:
         return 1.0
+    return sum(t for _, t in whole) / reference_block_price(cluster, ref, [int(b) for b, _ in whole], m["dtype"])
+
+
+def reference_block_price(cluster: Cluster, ref: dict, batches, dtype: str = "float32") -> float:
+    """Seconds of the reference block (``ref``: :data:`meshplan.profile.block.REFERENCE`'s shape) forward and
+    backward, summed over ``batches`` sequences per call, priced under ``cluster``. For a profiled cluster and the
+    profile's batches it is the whole block's time the profile measured (its ``block_scale`` makes the price fit
+    it): beside which a later :func:`meshplan.profile.block.whole_block_time` reads the host's drift."""
     shape, priced = _reference_shape(ref), 0.0
-    for batch, _ in whole:
-        train = Training(seq=ref["seq"], global_batch=int(batch), dtype=m["dtype"])
+    for batch in batches:
+        train = Training(seq=ref["seq"], global_batch=int(batch), dtype=dtype)
         priced += block_time(shape, Candidate(micro_batch=int(batch)), train, cluster, False, False)[0]
-    return sum(t for _, t in whole) / priced
+    return priced
 
 
 def _reference_shape(ref: dict) -> ModelShape:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
 from meshplan.errors import PlanError
+from meshplan.solver.config_keys import moe_layer_range, nested, text_experts, windows
 from meshplan.solver.routing import check_loads
 
 __all__ = ["ModelShape", "shape_from_config"]
@@ -194,12 +195,13 @@ _ALIASES: dict[str, tuple[str, ...]] = {
     "layers": ("layers", "n_layers", "num_hidden_layers", "n_layer", "num_layers"),
     "hidden": ("hidden", "dim", "hidden_size", "n_embd", "d_model"),
     "heads": ("heads", "n_heads", "num_attention_heads", "n_head"),
-    "kv_heads": ("kv_heads", "n_kv_heads", "num_key_value_heads", "num_kv_heads", "num_query_groups"),
+    "kv_heads": ("kv_heads", "n_kv_heads", "num_key_value_heads", "num_kv_heads", "num_query_groups", "kv_n_heads"),
     "ffn": ("ffn", "ffn_dim", "intermediate_size", "n_inner", "ffn_hidden_size"),
     "vocab": ("vocab", "vocab_size", "padded_vocab_size"),
     "head_dim": ("head_dim", "kv_channels"),
-    "experts": ("experts", "n_experts", "num_local_experts", "num_experts", "n_routed_experts", "num_moe_experts"),
-    "top_k": ("top_k", "num_experts_per_tok", "moe_router_topk"),
+    "experts": ("experts", "n_experts", "num_local_experts", "num_experts", "n_routed_experts", "num_moe_experts",
+                "moe_num_experts"),
+    "top_k": ("top_k", "num_experts_per_tok", "moe_router_topk", "moe_k", "moe_top_k"),
     "moe_ffn": ("moe_ffn", "moe_hidden", "moe_intermediate_size", "moe_ffn_hidden_size"),
     "shared_ffn": ("shared_ffn", "shared_expert_intermediate_size"),
     "dense_layers": ("dense_layers", "n_dense_layers", "first_k_dense_replace"),
@@ -228,6 +230,7 @@ def _pick(cfg: Mapping[str, Any], field: str) -> Any:
 
 def _derived(cfg: Mapping[str, Any], out: dict) -> None:
     """Fields a config implies rather than states: the MLP kind, biases, norms, default FFN and KV heads."""
+    text_experts(out)
     act = str(cfg.get("hidden_act") or cfg.get("activation_function") or cfg.get("activation") or "")
     kind = str(cfg.get("model_type", ""))
     gpt2 = kind in _GPT2_LIKE
@@ -241,39 +244,27 @@ def _derived(cfg: Mapping[str, Any], out: dict) -> None:
         out["ffn"] = 4 * out["hidden"]
     if cfg.get("shared_expert") is True and "shared_ffn" not in out:  # the examples' MoE: one shared expert
         out["shared_ffn"] = out.get("moe_ffn") or out.get("ffn", 0)
-    shared = cfg.get("n_shared_experts")
+    shared = cfg.get("n_shared_experts", cfg.get("moe_num_shared_experts"))
     if isinstance(shared, int) and shared and "shared_ffn" not in out:
         out["shared_ffn"] = shared * (out.get("moe_ffn") or out.get("ffn", 0))
-    _windows(cfg, out)
+    moe_layer_range(cfg, out)
+    windows(cfg, out)
     if not out.get("experts"):
         for k in ("experts", "top_k", "moe_ffn", "shared_ffn", "dense_layers", "expert_loads"):
             out.pop(k, None)
 
 
-def _windows(cfg: Mapping[str, Any], out: dict) -> None:
-    """The sliding window and how many layers use it (transformers: ``use_sliding_window`` off drops it,
-    ``layer_types`` counts the ``sliding_attention`` layers)."""
-    if not isinstance(out.get("window"), int) or cfg.get("use_sliding_window") is False:
-        out.pop("window", None)
-        return
-    types = cfg.get("layer_types")
-    if isinstance(types, (list, tuple)) and "window_layers" not in out:
-        n = sum(t == "sliding_attention" for t in types)
-        if n == 0:
-            out.pop("window")
-        elif n < out.get("layers", n):
-            out["window_layers"] = n
-
-
 def shape_from_config(cfg: Mapping[str, Any], where: str = "--config") -> ModelShape:
     """A :class:`ModelShape` from a config mapping (meshplan keys, the examples' ``ModelArgs``, transformers'
-    ``config.json`` or Megatron's argument names; a multimodal config's ``text_config`` is read).
+    ``config.json`` or Megatron's argument names; a multimodal config's ``text_config`` is read, and so are DBRX's
+    nested ``ffn_config`` and ``attn_config``: :mod:`meshplan.solver.config_keys`).
 
     Raises:
         PlanError: a size is missing (naming the keys looked for) or not a positive integer.
     """
     if isinstance(cfg.get("text_config"), Mapping):
         cfg = {**cfg["text_config"], "model_type": cfg["text_config"].get("model_type", cfg.get("model_type"))}
+    cfg = nested(cfg)
     out: dict[str, Any] = {}
     for field in _ALIASES:
         v = _pick(cfg, field)

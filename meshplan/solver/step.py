@@ -7,7 +7,8 @@ the step's small all-reduces + what the FLOP and byte counts leave out (:mod:`me
 DTensor dispatch and FSDP2 hooks per microbatch, the optimizer's DTensor ops and the pipeline schedule's actions
 per step, each a count times a time ``meshplan profile`` measured) (with CPU offload the optimizer step and the parameter and gradient copies run at
 the host's bandwidth). On a host running more ranks than cores (``Cluster.oversubscription`` o > 1) the
-bubble costs only what the busy ranks cannot take over: the pipeline stretches by ``1 / min(1, (1−f)·o)``. Idle
+bubble costs only what the busy ranks cannot take over, slot by slot of the fill and drain
+(:func:`meshplan.pipeline.costs.stretch`). Idle
 fractions (``docs/pipeline.md``, measured there by replaying each torch
 schedule): ``(p−1)/(m+p−1)`` for GPipe and 1F1B, ``(p−1)/(v·m+p−1)`` interleaved, ``(p−1)/(3v·m+p−1)`` for the
 zero-bubble and V schedules (a split backward fills the bubble).
@@ -147,8 +148,9 @@ def evaluate(s: ModelShape, c: Candidate, tr: Training, cl: Cluster, place: Plac
     mem, worst = peak_memory(s, c, tr, place, memo)
     extra = step_overhead(c, cl, mem.tensors, max(shard_sizes(c, place)) > 1)
     busy = m * t_mb[slow] + extra["pp_actions"]
-    busy_share = 1 - sum(axis.costs.idle_fraction(c) for axis in UNITS)  # the axes' bubbles
-    pipeline = busy / min(1.0, busy_share * cl.oversubscription)  # idle ranks' cores go to the busy ones
+    pipeline = busy
+    for axis in UNITS:  # the axes' bubbles (idle ranks' cores go to the busy ones while more are busy than cores)
+        pipeline *= axis.costs.stretch(c, cl.oversubscription)
     colls = per_rank[slow][2]["colls"]
     comm = _comm(colls, cl, ("dp", "step"), times)
     compute = m * per_rank[slow][0]
