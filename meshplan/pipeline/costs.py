@@ -20,7 +20,7 @@ from typing import Any
 
 from meshplan.axis import AxisCosts, AxisTerms
 
-__all__ = ["TERMS", "pp_collectives", "idle_fraction", "stretch", "exposed_sends", "in_flight", "written_section"]
+__all__ = ["TERMS", "pp_collectives", "busy_slots", "idle_fraction", "stretch", "exposed_sends", "in_flight", "written_section"]
 
 
 def pp_collectives(s: Any, c: Any, tr: Any, place: Any, pp_rank: int, memo: dict) -> list:
@@ -42,18 +42,26 @@ def pp_collectives(s: Any, c: Any, tr: Any, place: Any, pp_rank: int, memo: dict
     return out
 
 
-def idle_fraction(c: Any) -> float:
-    """The fraction of a step a pipeline rank of candidate ``c`` idles (0 without pipelining)."""
+def busy_slots(c: Any) -> int:
+    """Busy slots per pipeline rank in one step, in units of the schedule's work item (0 without pipelining): ``m``
+    for GPipe and 1F1B, ``v·m`` interleaved, ``3v·m`` for the zero-bubble and V schedules (a split backward)."""
     schedule, p, v, m = c.schedule, c.pp, c.vpp, c.microbatches
     if p == 1 or schedule is None:
-        return 0.0
+        return 0
     if schedule in ("gpipe", "1f1b"):
-        return (p - 1) / (m + p - 1)
+        return m
     if schedule in ("interleaved_1f1b", "looped_bfs"):
-        return (p - 1) / (v * m + p - 1)
+        return v * m
     if schedule == "zbv_zero_bubble" and m < 2 * p - 1:
-        return (p - 1) / (v * m + p - 1)  # laid out for 2p-1 microbatches: fewer run with an interleaved bubble
-    return (p - 1) / (3 * v * m + p - 1)
+        return v * m  # laid out for 2p-1 microbatches: fewer run with an interleaved bubble
+    return 3 * v * m
+
+
+def idle_fraction(c: Any) -> float:
+    """The fraction of a step a pipeline rank of candidate ``c`` idles (0 without pipelining): the fill and drain's
+    ``p − 1`` slots over all of them."""
+    n = busy_slots(c)
+    return (c.pp - 1) / (n + c.pp - 1) if n else 0.0
 
 
 def stretch(c: Any, o: float) -> float:
@@ -72,13 +80,11 @@ def stretch(c: Any, o: float) -> float:
         >>> round(stretch(C(schedule="gpipe", pp=4, vpp=1, microbatches=4), 2.0), 3)
         1.125
     """
-    f = idle_fraction(c)
-    if f <= 0:
+    n, p = busy_slots(c), c.pp
+    if not n:
         return 1.0
     if o <= 1:
-        return 1 / (1 - f)
-    p = c.pp
-    n = max(1, round((p - 1) * (1 - f) / f))
+        return (n + p - 1) / n
     slots = sum(max(1.0, o * min(s + 1, p, n, n + p - 1 - s) / p) for s in range(n + p - 1))
     return slots / (o * n)
 

@@ -99,20 +99,15 @@ def measure_block(timed: Callable, mean: Callable, device: torch.device, dtype: 
     The matmuls and attention are timed alone on the same shapes in alternating windows (:meth:`_Block.bare`) and
     subtracted: a difference of two times taken at the same moment, not of a time and a price from rates measured
     earlier (that residual, a few percent of the block, changed sign with the host's drift between the two)."""
-    shape = REFERENCE["cuda" if device.type == "cuda" else "cpu"]
-    torch.manual_seed(0)
-    block = _Block(**shape).to(device=device, dtype=dtype)
+    shape, block = _reference(device, dtype)
     times, wholes = [], []
-    for batch in BATCHES:
-        x = torch.randn(batch, shape["seq"], shape["hidden"], device=device, dtype=dtype, requires_grad=True)
-        grad = torch.randn_like(x)
+    for batch, x, grad in _inputs(shape, device, dtype):
         whole, bare = [], []
         for _ in range(3):  # alternating, so that drift lands on both
             whole.append(timed(lambda: block(x).backward(grad), reps=1, window=0.4))
             bare.append(timed(lambda: block.bare(x).backward(grad), reps=1, window=0.4))
         times.append([batch, mean(statistics.median(whole) - statistics.median(bare))])
         wholes.append([batch, mean(statistics.median(whole))])
-        del x, grad
     return {"block_reference": dict(shape), "block_rest_times": times, "block_whole_times": wholes}
 
 
@@ -123,12 +118,20 @@ def whole_block_time(timed: Callable, mean: Callable, device: torch.device, dtyp
     ``benchmarks/calibrate.py``'s worker times it before each layout's steps, so that the host's drift between the
     profile and a run is measured, not guessed (:func:`meshplan.profile.run.reference_block_price`: the
     profile's own)."""
+    shape, block = _reference(device, dtype)
+    return sum(mean(timed(lambda: block(x).backward(grad), reps=2, window=window))
+               for _, x, grad in _inputs(shape, device, dtype))
+
+
+def _reference(device: torch.device, dtype: torch.dtype) -> tuple[dict, _Block]:
+    """The device's reference shape and its block, seeded."""
     shape = REFERENCE["cuda" if device.type == "cuda" else "cpu"]
     torch.manual_seed(0)
-    block = _Block(**shape).to(device=device, dtype=dtype)
-    total = 0.0
+    return shape, _Block(**shape).to(device=device, dtype=dtype)
+
+
+def _inputs(shape: dict, device: torch.device, dtype: torch.dtype):
+    """``(sequences, input, output gradient)`` for each batch of :data:`BATCHES`."""
     for batch in BATCHES:
         x = torch.randn(batch, shape["seq"], shape["hidden"], device=device, dtype=dtype, requires_grad=True)
-        grad = torch.randn_like(x)
-        total += mean(timed(lambda: block(x).backward(grad), reps=2, window=window))
-    return total
+        yield batch, x, torch.randn_like(x)

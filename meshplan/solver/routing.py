@@ -12,6 +12,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -45,6 +46,7 @@ def check_loads(value: Any, experts: int) -> tuple[tuple[float, ...], ...]:
     return tuple(tuple(float(v) for v in r) for r in rows)
 
 
+@functools.lru_cache(maxsize=256)  # the search prices every candidate's blocks, all-to-alls and memory with it
 def busiest_share(loads: tuple[tuple[float, ...], ...], experts: int, ranks: int) -> float:
     """The tokens of the busiest of ``ranks`` ranks, each holding a contiguous run of ``experts / ranks`` experts,
     over the mean rank's, averaged over the rows; 1 without rows or with one rank."""
