@@ -2,18 +2,20 @@
 measured training steps, for at least 12 layouts at world 2, 4 and 8 (CPU/gloo), and the solver's first choice vs
 the fastest measured layout.
 
-    python benchmarks/calibrate.py --parts               # all three worlds, 2 repeats of 1 + 2 steps: 10 minutes
-                                                         # on the 2-core host of 2026-11-26, 22 on the slower one
-                                                         # of 2026-11-27, 26 with a profile after each world's runs
+    python benchmarks/calibrate.py --parts               # all three worlds, 2 repeats of 2 + 3 steps, a launch
+                                                         # per layout and repeat: worlds 8 and 4 took 55 minutes
+                                                         # on the 2-core host of 2026-11-27
     python benchmarks/calibrate.py --worlds 2 --repeats 1 --steps 1     # a quick look
     python benchmarks/calibrate.py --parts --keep runs/     # keep each world's profile, layouts and measurements
     python benchmarks/calibrate.py --parts --reprice runs/  # run nothing: price them again with the current model
 
 For each world the machine is profiled with as many processes as the runs use (8 ranks on 2 cores share the
 cores, and so do the profile's rates; the profile measures the cores each rank gets and what the counts leave
-out: DTensor dispatch, FSDP2 hooks, pipeline actions, uneven all-to-alls). Then ONE torchrun launch
-(``benchmarks/_calibrate_worker.py``) runs every layout, and the solver's first choice for each model, in
-``--repeats`` interleaved passes (load from elsewhere lands on all layouts alike), each ``--warmup`` unmeasured
+out: DTensor dispatch, FSDP2 hooks, pipeline actions, uneven all-to-alls, a cp rank's attention blocks). Then
+every layout, and the solver's first choice for each model, runs in a torchrun launch of its own
+(``benchmarks/_calibrate_worker.py``; ``--one-launch``: all in one, faster, but a layout measured right after
+another in the same processes ran 10-30% slower), in ``--repeats`` interleaved passes (load from elsewhere lands
+on all layouts alike), each ``--warmup`` unmeasured
 steps then the median of ``--steps`` timed ones, recording the load average. Printed: per layout the median over
 repeats, the repeats' spread, the prediction and its error and the load; per world the mean and worst |error|,
 Spearman's rank correlation, and each model's first choice measured beside its fastest measured layout; then the
@@ -135,13 +137,13 @@ def expert_loads(steps: int = 3) -> list[list[int]]:
     return rows
 
 
-def measure(layouts: dict, world: int, args, tmp: Path) -> dict:
-    """``{name: {"times": [median s/step per repeat], "load": [...]}}``: one torchrun launch runs every layout."""
+def _launch(layouts: dict, world: int, args, tmp: Path, repeats: int) -> dict:
+    """One torchrun launch of the worker over ``layouts`` (``repeats`` passes): ``{name: {"times": ...}}``."""
     spec, out = tmp / f"layouts{world}.json", tmp / f"measured{world}.json"
     spec.write_text(json.dumps([{"name": n, "kind": k, "plan": p} for n, (k, p) in layouts.items()]))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
            str(ROOT / "benchmarks/_calibrate_worker.py"), "--layouts", str(spec), "--out", str(out),
-           "--repeats", str(args.repeats), "--warmup", str(args.warmup), "--steps", str(args.steps),
+           "--repeats", str(repeats), "--warmup", str(args.warmup), "--steps", str(args.steps),
            "--dim", str(DIM), "--layers", str(LAYERS), "--seq", str(SEQ), "--batch", str(BATCH)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600, cwd=ROOT)
@@ -150,6 +152,23 @@ def measure(layouts: dict, world: int, args, tmp: Path) -> dict:
         raise RuntimeError(f"calibration worker failed ({proc.returncode}): "
                            + "\n".join(said[-30:] or [proc.stderr[-1500:]]))
     return json.loads(out.read_text())
+
+
+def measure(layouts: dict, world: int, args, tmp: Path) -> dict:
+    """``{name: {"times": [median s/step per repeat], "load": [...]}}``. Each layout runs in its own torchrun
+    launch, as a job runs one layout, in ``--repeats`` interleaved passes over the layouts (``--one-launch``: every
+    layout in one launch, as before 2026-11-27: a layout measured right after another in the same processes ran
+    10-30% slower at world 8 than in a launch of its own, fsdp8 2.49 s/step against 2.20-2.27)."""
+    if args.one_launch:
+        return _launch(layouts, world, args, tmp, args.repeats)
+    got: dict = {}
+    for _ in range(args.repeats):
+        for name, layout in layouts.items():
+            for key, values in _launch({name: layout}, world, args, tmp, 1)[name].items():
+                got.setdefault(name, {}).setdefault(key, []).extend(values)
+    (tmp / f"layouts{world}.json").write_text(
+        json.dumps([{"name": n, "kind": k, "plan": p} for n, (k, p) in layouts.items()]))
+    return got
 
 
 def estimate(plan: dict, kind: str, world: int, cluster):
@@ -325,13 +344,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--worlds", default="2,4,8")
     ap.add_argument("--repeats", type=int, default=2, help="passes over all layouts, interleaved")
-    ap.add_argument("--warmup", type=int, default=1, help="unmeasured steps per layout and repeat")
-    ap.add_argument("--steps", type=int, default=2, help="measured steps per layout and repeat (median)")
+    ap.add_argument("--warmup", type=int, default=2, help="unmeasured steps per layout and repeat")
+    ap.add_argument("--steps", type=int, default=3, help="measured steps per layout and repeat (median)")
     ap.add_argument("--parts", action="store_true", help="print each layout's predicted parts (the error's structure)")
     ap.add_argument("--save-clusters", default=None,
                     help="write each world's profiled cluster here with its calibration error (estimate's ± band)")
     ap.add_argument("--profile-after", action=argparse.BooleanOptionalAction, default=True,
                     help="profile each world again after its runs and price with both (default; the host drifts)")
+    ap.add_argument("--one-launch", action="store_true",
+                    help="run every layout in one torchrun launch (faster; a layout after another runs slower)")
     ap.add_argument("--keep", default=None, help="keep each world's profile, layouts and measurements in this folder")
     ap.add_argument("--reprice", default=None,
                     help="run nothing: price a --keep folder's measurements again with the current model")

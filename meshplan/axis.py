@@ -46,6 +46,9 @@ class AxisCosts:
             ``meshplan estimate`` adds (which of its methods is cheaper at this length, say).
         attention_share: ``(shape, candidate, training) -> float``: the busiest rank's attention work as a share
             of the causal half the compute model counts (a sharded sequence under sliding windows). Default 1.
+        attention_time: ``(shape, candidate, training, cluster) -> float``: the busiest rank's attention seconds
+            over those of its FLOPs at the cluster's attention rate (a sharded sequence's smaller blocks and
+            merges, as the profile measured them). Default 1.
     """
 
     collectives: Callable[..., list]
@@ -60,6 +63,7 @@ class AxisCosts:
     step_collectives: "Callable[[Any, Any, Any, list], list] | None" = None
     estimate_line: "Callable[..., str | None] | None" = None
     attention_share: Callable[[Any, Any, Any], float] = lambda s, c, tr: 1.0
+    attention_time: Callable[[Any, Any, Any, Any], float] = lambda s, c, tr, cl: 1.0
 
 
 @dataclass(frozen=True)
@@ -219,6 +223,8 @@ class Axis:
             for ``check --rank R`` and the model picture (``modules``: the rank's modules of its
             :attr:`tp_exempt`; ``shape``: the model's solver shape or None): ``{text, label, cells, data}``, a
             line, and a strip of ``[label, mine]`` cells under ``label`` (empty: no strip); None (default).
+        profile: ``(timed, mean, device, dtype, reference shape) -> dict``: what ``meshplan profile`` measures
+            for the axis' cost terms, its JSON keys (:mod:`meshplan.profile.worker`); None (default): nothing.
     """
 
     name: str
@@ -256,6 +262,7 @@ class Axis:
     graphs: Callable[[Any], str] = lambda plan: ""
     sees_others: bool = False
     rank_share: Callable[..., Any] = lambda plan, coords, sizes, shape, modules: None
+    profile: "Callable[..., dict] | None" = None
 
     def degree(self, layout: Any) -> int:
         """The axis' degree in ``layout`` (a resolved layout or a solver candidate)."""

@@ -12,7 +12,8 @@
   (16 bytes a token);
 * refusals: a sequence the head-tail chunks (then sequence parallelism) cannot split; ``torch_ring`` off CUDA;
 * attention work: with sliding windows the ring computes the key blocks a window reaches, all-gather each
-  chunk's whole reached span (:func:`cp_attention_share`);
+  chunk's whole reached span (:func:`cp_attention_share`); attention time: a rank's blocks and merges cost more
+  than their FLOPs at the attention rate, by the factor ``meshplan profile`` measured (:func:`cp_attention_time`);
 * ``meshplan estimate``'s line: each method's step time and memory at the length, the cheaper named, and with
   windows each method's attention pairs on the busiest rank.
 """
@@ -25,7 +26,7 @@ from meshplan.axis import AxisCosts, AxisTerms
 from meshplan.context_parallel.chunks import check_seq_len, method_pairs
 
 __all__ = ["TERMS", "cp_collectives", "cp_block_activations", "cp_first_stage_activations", "cp_sequence_problem",
-           "cp_run_problem", "cp_method_line", "cp_attention_share"]
+           "cp_run_problem", "cp_method_line", "cp_attention_share", "cp_attention_time"]
 
 
 def cp_collectives(s: Any, c: Any, tr: Any, place: Any, pp_rank: int, memo: dict) -> list:
@@ -122,6 +123,15 @@ def cp_attention_share(s: Any, c: Any, tr: Any) -> float:
     return (n * slid + (s.layers - n) * full) / (s.layers * full)
 
 
+def cp_attention_time(s: Any, c: Any, tr: Any, cl: Any) -> float:
+    """A cp rank's attention seconds over those of its FLOPs at the attention rate: the profile's measured
+    ``sharded_attention`` factor at ``c.cp`` (:mod:`meshplan.context_parallel.profile`) under ``allgather_kv``,
+    the method it times; 1 without cp, under a ring (not measured) or on an unprofiled cluster."""
+    if c.cp <= 1 or tr.cp_method != "allgather_kv":
+        return 1.0
+    return cl.sharded_attention_factor(c.cp)
+
+
 def cp_training(plan: Any) -> dict:
     """The solver's settings the section decides: its method."""
     return {"cp_method": plan.context_parallel.method if plan.context_parallel else "allgather_kv"}
@@ -132,4 +142,5 @@ TERMS = AxisTerms(name="cp", section="context_parallel", training=cp_training, e
                   costs=AxisCosts(collectives=cp_collectives, block_activations=cp_block_activations,
                                   first_stage_activations=cp_first_stage_activations,
                                   sequence_problem=cp_sequence_problem, run_problem=cp_run_problem,
-                                  estimate_line=cp_method_line, attention_share=cp_attention_share))
+                                  estimate_line=cp_method_line, attention_share=cp_attention_share,
+                                  attention_time=cp_attention_time))

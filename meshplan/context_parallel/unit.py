@@ -57,8 +57,13 @@ def _rank_share(plan: Any, coords: dict, sizes: dict, shape: Any, modules: list)
             "data": {"chunks": mine, "of": n, "rank": r, "degree": cp}}
 
 
+def _profile(timed: Any, mean: Any, device: Any, dtype: Any, shape: dict) -> dict:
+    from meshplan.context_parallel.profile import measure_sharded_attention
+    return measure_sharded_attention(timed, mean, device, dtype, shape)
+
+
 #: context parallelism: sequences split over ``cp`` (head-tail chunks), attention exact across the shards
 AXIS = Axis(name="cp", section="context_parallel", title="context parallelism", mesh_dims=("cp",),
             state_field="context_parallel", report_key="context", check=_check, prepare=_prepare, apply=_apply,
             shard_batch=_shard_batch, report_lines=_report_lines,
-            terms=TERMS, sees_others=True, rank_share=_rank_share)
+            terms=TERMS, sees_others=True, rank_share=_rank_share, profile=_profile)

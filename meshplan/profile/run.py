@@ -134,6 +134,7 @@ def cluster_from_measurement(m: dict) -> Cluster:
         pipeline_action_overhead=float(m.get("pipeline_action_overhead", 0.0)),
         repeat_spread=float(m.get("repeat_spread", 0.0)),
         memory_rates=memory_rates,
+        sharded_attention=tuple((float(n), float(f)) for n, f in m.get("sharded_attention", ())),
         collectives=fits, device=m["device"],
         **{k: tuple((float(n), float(t)) for n, t in m.get(k, ())) for k in STEP_COST_FIELDS},
         **{k: float(m.get(k, 0.0)) for k in _SCALARS},

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from meshplan.mesh.ranks import divisors
-from meshplan.profile.block import measure_block
+from meshplan.profile.block import REFERENCE, measure_block
 from meshplan.profile.moe import measure_moe
 from meshplan.profile.overheads import measure_overheads
 from meshplan.profile.step_costs import measure_step_costs
@@ -173,6 +173,14 @@ def _collectives(device: torch.device) -> dict:
     return out
 
 
+def _axes_measurements(mean, device: torch.device, dtype: torch.dtype) -> dict:
+    """What each axis unit measures for its own cost terms (:attr:`meshplan.axis.Axis.profile`), at the reference
+    block's shape."""
+    from meshplan.axes import AXES
+    shape = REFERENCE["cuda" if device.type == "cuda" else "cpu"]
+    return {k: v for axis in AXES if axis.profile for k, v in axis.profile(_timed, mean, device, dtype, shape).items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
@@ -195,6 +203,7 @@ def main() -> None:
               **measure_step_costs(_timed, mean, device),
               **measure_moe(_timed, mean, device, dtype),
               **measure_block(_timed, mean, device, dtype),
+              **_axes_measurements(mean, device, dtype),
               "memory": (torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None)}
     if dist.get_rank() == 0:
         with open(args.out, "w", encoding="utf-8") as f:

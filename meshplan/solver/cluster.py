@@ -24,7 +24,7 @@ from meshplan.errors import PlanError
 __all__ = ["Link", "Fit", "Cluster", "COLLECTIVES", "load_cluster_file"]
 
 #: the fields holding measured ``(size, value)`` curves
-_CURVES = ("matmul_rates", "memory_rates", "optimizer_rates", "clip_rates")
+_CURVES = ("matmul_rates", "memory_rates", "optimizer_rates", "clip_rates", "sharded_attention")
 #: the collective kinds the model times (and ``meshplan profile`` measures)
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send")
 
@@ -140,6 +140,8 @@ class Cluster:
             element-wise bytes (0: ``op_overhead``). block_scale: that block's measured time, whole, over its price
             from the other rates (:func:`meshplan.profile.run.block_scale`): every block's price is multiplied by
             it (1: not measured).
+        sharded_attention: measured ``(degree, factor)``: a rank's attention with the sequence sharded ``degree``
+            ways, over its share of the unsharded attention (the sharding axis unit's ``Axis.profile``; empty: 1).
     """
 
     name: str
@@ -177,6 +179,7 @@ class Cluster:
     touch_rate: float = 0.0
     block_op_overhead: float = 0.0
     block_scale: float = 1.0
+    sharded_attention: tuple[tuple[float, float], ...] = ()
 
     def peak(self, dtype: str) -> float:
         """Peak dense FLOP/s of ``dtype`` (float16 as bfloat16)."""
@@ -191,6 +194,14 @@ class Cluster:
             return self.peak(dtype) * self.matmul_efficiency
         # below the smallest measured size the rate falls with the size
         return _interpolate(sorted(self.matmul_rates), size, below=lambda r, s0: r * size / s0)
+
+    def sharded_attention_factor(self, degree: int) -> float:
+        """A rank's attention time with the sequence sharded ``degree`` ways over its share of the unsharded one:
+        the measured curve, linear from 1 (unsharded) to its first point, flat past its last; 1 unmeasured."""
+        if degree <= 1 or not self.sharded_attention:
+            return 1.0
+        return _interpolate(sorted(self.sharded_attention), degree,
+                            below=lambda f, d0: 1 + (f - 1) * (degree - 1) / max(d0 - 1, 1e-9))
 
     def memory_rate(self, nbytes: float) -> float:
         """Bytes/s element-wise work reaches on tensors of ``nbytes``: the measured curve, else ``hbm_bandwidth``."""

@@ -14,8 +14,9 @@ Two counts:
   reduced row-parallel outputs only).
 
 Time = matmuls at the cluster's matmul rate (measured by size with ``meshplan profile``, else peak × efficiency)
-+ attention at its efficiency + element-wise traffic at memory bandwidth (a profiled cluster: at the ``touch_rate``
-a reference block measured, :mod:`meshplan.profile.block`) + the operator launches. The
++ attention at its efficiency (times each axis unit's ``costs.attention_time``: a sharded sequence's blocks and
+merges, as measured) + element-wise traffic at memory bandwidth (a profiled cluster: at the ``touch_rate`` a
+reference block measured, :mod:`meshplan.profile.block`) + the operator launches. The
 whole is scaled by the cluster's ``block_scale``: a profiled reference block's measured time over this price (1 on
 a preset). An expert-parallel MoE block is priced on the rank whose experts drew the most tokens
 (:func:`~meshplan.solver.moe_costs.expert_imbalance`). The element-wise traffic counts the tensors the block's
@@ -78,6 +79,8 @@ def block_time(s: ModelShape, c: Candidate, tr: Training, cl: Cluster, moe: bool
     for axis in COST_UNITS:  # an axis that changes the attention's work (a sharded sequence under sliding windows)
         attn *= axis.costs.attention_share(s, c, tr)
     attn_time = attn / (cl.peak(tr.dtype) * cl.attention_efficiency)
+    for axis in COST_UNITS:  # an axis that runs the attention in more, smaller pieces (a sharded sequence's blocks)
+        attn_time *= axis.costs.attention_time(s, c, tr, cl)
     attn_passes = passes + (1 if c.op_level else 0)  # op level: attention recomputed
     replay = passes + (1 if c.megatron else 0)  # policy megatron: the element-wise ops and launches once more
     sh = c.tp if tr.sequence_parallel and c.tp > 1 else 1
