@@ -49,6 +49,9 @@ class AxisCosts:
         attention_time: ``(shape, candidate, training, cluster) -> float``: the busiest rank's attention seconds
             over those of its FLOPs at the cluster's attention rate (a sharded sequence's smaller blocks and
             merges, as the profile measured them). Default 1.
+        blocking: whether its collectives sit between computes, every rank of the group waiting for the slowest
+            to arrive (tensor parallelism's, say; not the gradient reductions, prefetched and overlapped): each is
+            charged the profile's ``sync_loss`` (:func:`meshplan.solver.overheads.sync_overhead`). Default False.
     """
 
     collectives: Callable[..., list]
@@ -64,6 +67,7 @@ class AxisCosts:
     estimate_line: "Callable[..., str | None] | None" = None
     attention_share: Callable[[Any, Any, Any], float] = lambda s, c, tr: 1.0
     attention_time: Callable[[Any, Any, Any, Any], float] = lambda s, c, tr, cl: 1.0
+    blocking: bool = False
 
 
 @dataclass(frozen=True)

@@ -97,6 +97,7 @@ def test_profile_writes_a_cluster_solve_reads(tmp_path, capsys):
     assert cl.touch_rate >= 0 and cl.block_op_overhead >= 0  # the reference block (0: noise left no per-token part)
     assert 0.5 < cl.block_scale < 3  # that block timed whole over its price: measured (not the default 1)
     assert cl.block_scale != 1.0
+    assert [g for g, _, _ in cl.sync_loss] == [2, 2, 2] and min(x for p in cl.sync_loss for x in p) >= 0
     rc, text, _ = _run(["solve", "--model", "examples.llama:build", "--config", EXAMPLE, "--gpus", "2", "--seq", "64",
                         "--global-batch", "8", "--dtype", "float32", "--cluster", str(path)], capsys)
     assert rc == 0 and "profiled-" in text

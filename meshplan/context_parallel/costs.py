@@ -143,4 +143,4 @@ TERMS = AxisTerms(name="cp", section="context_parallel", training=cp_training, e
                                   first_stage_activations=cp_first_stage_activations,
                                   sequence_problem=cp_sequence_problem, run_problem=cp_run_problem,
                                   estimate_line=cp_method_line, attention_share=cp_attention_share,
-                                  attention_time=cp_attention_time))
+                                  attention_time=cp_attention_time, blocking=True))

@@ -60,4 +60,4 @@ def ep_run_problem(c: Any, tr: Any, device: str) -> tuple[str, str] | None:
 TERMS = AxisTerms(name="ep", section="expert_parallel", training=lambda plan: {}, example_plan="plans/moe.yaml",
                   costs=AxisCosts(collectives=ep_collectives, block_activations=ep_block_activations,
                                   first_stage_activations=ep_first_stage_activations,
-                                  sequence_problem=ep_sequence_problem, run_problem=ep_run_problem))
+                                  sequence_problem=ep_sequence_problem, run_problem=ep_run_problem, blocking=True))

@@ -15,7 +15,8 @@ once, as in training: on a host with more ranks than cores the times are the tim
 * **effective parallelism**: cores per rank, the share of its wall time a rank's CPU seconds fill while every rank
   runs a compute loop (1 with a core per rank; ``1/4`` for 8 ranks on 2 cores);
 * **the style hooks' rest** (:mod:`meshplan.profile.tp_overheads`): a style hook call, and a collective's time
-  between computes beyond its fit.
+  between computes beyond its fit;
+* **the wait at a blocking collective** (:mod:`meshplan.profile.sync`): the ranks of its group arriving apart.
 """
 
 from __future__ import annotations
@@ -184,6 +185,7 @@ def _parallelism(device: torch.device, seconds: float = 0.3) -> float:
 
 def measure_overheads(timed: Callable, mean: Callable, fit: Callable, sizes, device: torch.device) -> dict:
     """The measurements above as the worker's JSON keys (``timed``, ``mean``, ``fit``: the worker's helpers)."""
+    from meshplan.profile.sync import measure_sync_loss
     from meshplan.profile.tp_overheads import measure_tp_overheads
     world_mesh, one = _rank_mesh(device)
     dtensor = _dtensor(timed, mean, world_mesh, device)
@@ -192,4 +194,4 @@ def measure_overheads(timed: Callable, mean: Callable, fit: Callable, sizes, dev
             **_fsdp_unit(timed, mean, one, device),
             "pipeline_action_overhead": _pipeline_action(timed, mean, one, device),
             "all_to_all_v": _uneven_all_to_all(timed, mean, fit, sizes, device),
-            "parallelism": _parallelism(device), "cores": os.cpu_count()}
+            "parallelism": _parallelism(device), "cores": os.cpu_count(), **measure_sync_loss(mean, device)}

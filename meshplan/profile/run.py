@@ -135,6 +135,7 @@ def cluster_from_measurement(m: dict) -> Cluster:
         repeat_spread=float(m.get("repeat_spread", 0.0)),
         memory_rates=memory_rates,
         sharded_attention=tuple((float(n), float(f)) for n, f in m.get("sharded_attention", ())),
+        sync_loss=tuple((float(g), float(t), float(x)) for g, t, x in m.get("sync_loss", ())),
         collectives=fits, device=m["device"],
         **{k: tuple((float(n), float(t)) for n, t in m.get(k, ())) for k in STEP_COST_FIELDS},
         **{k: float(m.get(k, 0.0)) for k in _SCALARS},

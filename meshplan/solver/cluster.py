@@ -23,8 +23,8 @@ from meshplan.errors import PlanError
 
 __all__ = ["Link", "Fit", "Cluster", "COLLECTIVES", "load_cluster_file"]
 
-#: the fields holding measured ``(size, value)`` curves
-_CURVES = ("matmul_rates", "memory_rates", "optimizer_rates", "clip_rates", "sharded_attention")
+#: the fields holding measured curves (``(size, value)`` points; ``sync_loss``: ``(group, segment, seconds)``)
+_CURVES = ("matmul_rates", "memory_rates", "optimizer_rates", "clip_rates", "sharded_attention", "sync_loss")
 #: the collective kinds the model times (and ``meshplan profile`` measures)
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send")
 
@@ -44,8 +44,7 @@ class Fit:
 
     With two points or more :meth:`time` follows them instead, linearly between neighbours and along the last
     segment beyond the largest (the smallest one's time below it): one line through 8 KiB-4 MiB priced a 16 MiB
-    all-reduce over 8 gloo ranks on 2 cores at 52 ms where it takes 94 (2026-11-27; the time per byte grows once
-    the buffers leave the caches).
+    all-reduce over 8 gloo ranks on 2 cores at 52 ms where it takes 94 (2026-11-27: caches).
     """
 
     latency: float
@@ -104,10 +103,9 @@ class Cluster:
         usable_memory: fraction of ``memory`` a layout may use (allocator, CUDA context, fragmentation).
         host_bandwidth: bytes/s one device moves to and from host memory (PCIe) and the host's memory bandwidth
             per device for an offloaded optimizer step (``data_parallel.cpu_offload``).
-        oversubscription: ranks per compute unit on a node (a CPU host running more ranks than it has cores; 1
-            on GPUs); ``meshplan profile`` measures it (a compute loop alone over the same loop on every rank at
-            once). A rank idle in a pipeline bubble gives its share to the busy ones, so a bubble costs only
-            what the busy ranks cannot use.
+        oversubscription: ranks per compute unit on a node (a CPU host running more ranks than it has cores; 1 on
+            GPUs; ``meshplan profile`` measures it). A rank idle in a pipeline bubble gives its share to the busy
+            ones, so a bubble costs only what the busy ranks cannot use.
         dtensor_overheads: seconds a DTensor op takes beyond its local op, by kind (``mm``, ``view``,
             ``pointwise``: :mod:`meshplan.solver.overheads`). fsdp_unit_overhead: seconds of FSDP2's hooks per
             unit and microbatch; fsdp_byte_overhead: seconds more per byte of the unit's parameters (its copies
@@ -131,9 +129,8 @@ class Cluster:
             routing counts on the host once per microbatch).
         tp_hook_overhead: seconds per forward hook call of a tensor-parallel style (its ``from_local`` /
             ``to_local`` and their autograd nodes) beyond the DTensor ops it dispatches.
-        collective_busy: seconds a collective takes beyond its fit when the ranks compute between collectives
-            (threads waking, ranks arriving apart), per tensor-parallel collective
-            (:mod:`meshplan.profile.tp_overheads`).
+        collective_busy: seconds a tensor-parallel collective takes beyond its fit when the ranks compute between
+            collectives (:mod:`meshplan.profile.tp_overheads`; not charged where ``sync_loss`` is measured).
         touch_rate: bytes/s of an eager block's element-wise reads and writes (:data:`~meshplan.solver.compute.TOUCHES`)
             as a reference block timed whole reaches them (:mod:`meshplan.profile.block`; 0: not measured, the
             bytes at ``memory_rates``). block_op_overhead: seconds per operator of that block beyond its
@@ -142,6 +139,8 @@ class Cluster:
             it (1: not measured).
         sharded_attention: measured ``(degree, factor)``: a rank's attention with the sequence sharded ``degree``
             ways, over its share of the unsharded attention (the sharding axis unit's ``Axis.profile``; empty: 1).
+        sync_loss: measured ``(group size, segment seconds, seconds)``: what a collective that blocks the compute
+            costs beyond its fit after a segment of compute (:mod:`meshplan.profile.sync`; empty: not priced).
     """
 
     name: str
@@ -180,6 +179,7 @@ class Cluster:
     block_op_overhead: float = 0.0
     block_scale: float = 1.0
     sharded_attention: tuple[tuple[float, float], ...] = ()
+    sync_loss: tuple[tuple[float, float, float], ...] = ()
 
     def peak(self, dtype: str) -> float:
         """Peak dense FLOP/s of ``dtype`` (float16 as bfloat16)."""
@@ -196,8 +196,8 @@ class Cluster:
         return _interpolate(sorted(self.matmul_rates), size, below=lambda r, s0: r * size / s0)
 
     def sharded_attention_factor(self, degree: int) -> float:
-        """A rank's attention time with the sequence sharded ``degree`` ways over its share of the unsharded one:
-        the measured curve, linear from 1 (unsharded) to its first point, flat past its last; 1 unmeasured."""
+        """A rank's attention time, sequence sharded ``degree`` ways, over its share of the unsharded one (1 to the
+        first point linearly, flat past the last; 1 unmeasured)."""
         if degree <= 1 or not self.sharded_attention:
             return 1.0
         return _interpolate(sorted(self.sharded_attention), degree,
@@ -255,7 +255,9 @@ class Cluster:
             data["flops"] = {str(k): float(v) for k, v in d["flops"].items()}
             data["dtensor_overheads"] = {str(k): float(v) for k, v in d.get("dtensor_overheads", {}).items()}
             for key in _CURVES:
-                data[key] = tuple((float(s), float(r)) for s, r in d.get(key, ()))
+                data[key] = tuple(tuple(float(v) for v in p) for p in d.get(key, ()))
+                if any(len(p) != (3 if key == "sync_loss" else 2) for p in data[key]):
+                    raise ValueError(f"{key}: points of the wrong length")
             data["collectives"] = {k: {int(n): Fit(**f) for n, f in v.items()}
                                    for k, v in d.get("collectives", {}).items()}
             cluster = cls(**data)
@@ -264,7 +266,6 @@ class Cluster:
                             f"`meshplan profile -o cluster.json`") from None
         if cluster.gpus_per_node < 1 or min(cluster.memory, cluster.hbm_bandwidth, cluster.block_scale) <= 0:
             raise PlanError(f"{where}: gpus_per_node, memory, hbm_bandwidth and block_scale must be positive")
-        import math
         numbers = {k: v for k, v in vars(cluster).items() if isinstance(v, (int, float))}
         numbers.update({f"flops.{k}": v for k, v in cluster.flops.items()})
         numbers.update({f"dtensor_overheads.{k}": v for k, v in cluster.dtensor_overheads.items()})
@@ -278,9 +279,7 @@ class Cluster:
 def _fit_dict(f: Fit) -> dict:
     """A fit as JSON: its line, and its measured points when it has them."""
     d = {"latency": f.latency, "bandwidth": f.bandwidth}
-    if f.points:
-        d["points"] = [list(p) for p in f.points]
-    return d
+    return {**d, "points": [list(p) for p in f.points]} if f.points else d
 
 
 def load_cluster_file(path: str | Path) -> Cluster:

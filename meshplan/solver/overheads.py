@@ -20,10 +20,15 @@ Counts (recorded on ``examples/llama.py`` with a DTensor dispatch counter, ``tes
 * **tensor-parallel style hooks** (:func:`tp_overhead`): the forward pre/post hook calls per microbatch
   (:data:`TP_BLOCK_HOOKS` per block, :data:`TP_END_HOOKS` at the ends), each priced at the profile's
   ``tp_hook_overhead``, and each tensor-parallel collective's ``collective_busy`` (its time beyond the fit when the
-  ranks compute between collectives, as in a step).
+  ranks compute between collectives, as in a step) where the profile did not measure ``sync_loss``;
+* **the wait at blocking collectives** (:func:`sync_overhead`): each collective of an axis whose collectives sit
+  between computes (:attr:`meshplan.axis.AxisCosts.blocking`) ends a segment of the microbatch's compute at the
+  slowest rank of its group, priced at the profile's ``sync_loss`` for that group size and segment length.
 """
 
 from __future__ import annotations
+
+import math
 
 from meshplan.plan_file.stages import SPLIT_BACKWARD
 from meshplan.solver.candidate import Candidate
@@ -34,7 +39,7 @@ from meshplan.solver.terms import block_kinds
 
 __all__ = ["DTENSOR_KINDS", "TP_BLOCK_OPS", "TP_END_OPS", "OPTIMIZER_OPS_PER_TENSOR", "dtensor_ops",
            "pipeline_actions", "replicate_units", "microbatch_overhead", "step_overhead", "TP_BLOCK_HOOKS",
-           "TP_END_HOOKS", "tp_hooks", "tp_overhead"]
+           "TP_END_HOOKS", "tp_hooks", "tp_overhead", "sync_loss", "sync_overhead"]
 
 #: the DTensor op kinds the model counts and the profile times
 DTENSOR_KINDS = ("mm", "view", "pointwise")
@@ -115,5 +120,41 @@ def tp_overhead(s: ModelShape, c: Candidate, cl: Cluster, place: Placement, pp_r
                 memo: dict | None = None) -> float:
     """Seconds per microbatch on pipeline rank ``pp_rank`` of its style hooks and of its ``collectives``
     tensor-parallel collectives' time beyond their fits between computes (0 on a cluster that measured neither)."""
-    hooks = tp_hooks(s, c, place, pp_rank, memo)
-    return hooks * cl.tp_hook_overhead + collectives * cl.collective_busy
+    hooks = tp_hooks(s, c, place, pp_rank, memo)  # the collectives' wait: sync_overhead where it is measured
+    return hooks * cl.tp_hook_overhead + (0.0 if cl.sync_loss else collectives * cl.collective_busy)
+
+
+def sync_loss(cl: Cluster, group: int, segment: float) -> float:
+    """Seconds a blocking collective over ``group`` ranks costs beyond its fit after ``segment`` seconds of compute:
+    the measured group size nearest ``group`` (in ratio; a larger one on a tie), linear in the segment between
+    its measured points and proportional to it beyond them (0 where nothing was measured).
+
+    Example::
+
+        >>> cl = Cluster(..., sync_loss=((2, 0.01, 0.001), (2, 0.04, 0.006)))
+        >>> sync_loss(cl, 2, 0.02), sync_loss(cl, 2, 0.08), sync_loss(cl, 4, 0.005)
+        (0.0026..., 0.012, 0.0005)
+    """
+    if group <= 1 or not cl.sync_loss or segment <= 0:
+        return 0.0
+    near = min({g for g, _, _ in cl.sync_loss}, key=lambda g: (abs(math.log(g / group)), -g))
+    pts = sorted((t, x) for g, t, x in cl.sync_loss if g == near)
+    if segment <= pts[0][0] or len(pts) == 1:
+        (t, x) = pts[0] if segment <= pts[0][0] else pts[-1]
+        return x * segment / t
+    for (t0, x0), (t1, x1) in zip(pts, pts[1:]):
+        if segment <= t1:
+            return x0 + (segment - t0) / (t1 - t0) * (x1 - x0)
+    return pts[-1][1] * segment / pts[-1][0]
+
+
+def sync_overhead(colls: list, blocking: tuple[str, ...], compute: float, microbatches: int, cl: Cluster) -> float:
+    """Seconds per microbatch the blocking collectives of ``colls`` (those of the ``blocking`` axes, a step's
+    worth over ``microbatches``) cost beyond their fits: each ends a segment of the microbatch's ``compute``
+    seconds, split evenly between them, and costs :func:`sync_loss` for its group."""
+    mine = [x for x in colls if x.axis in blocking and x.group.size > 1]
+    calls = sum(x.count for x in mine) / microbatches
+    if not calls or not cl.sync_loss:
+        return 0.0
+    segment = compute / calls
+    return sum(x.count / microbatches * sync_loss(cl, x.group.size, segment) for x in mine)

@@ -26,7 +26,8 @@ from meshplan.solver.compute import block_time, end_time, model_flops_per_token
 from meshplan.solver.host_step import clip_time, optimizer_time
 from meshplan.solver.memory import Memory, block_kinds, rank_memory, shard_sizes
 from meshplan.solver.moe_costs import moe_block_time
-from meshplan.solver.overheads import microbatch_overhead, replicate_units, step_overhead, tp_overhead
+from meshplan.solver.overheads import (microbatch_overhead, replicate_units, step_overhead, sync_overhead,
+                                       tp_overhead)
 from meshplan.solver.placement import Placement
 from meshplan.solver.shape import ModelShape
 
@@ -35,6 +36,7 @@ __all__ = ["Estimate", "evaluate", "peak_memory"]
 #: the collective axes exposed in each microbatch: the axes that are units (in order) but those with a part of their
 #: own (:attr:`~meshplan.axis.AxisCosts.exposed`)
 _PER_MICROBATCH = tuple(axis.name for axis in UNITS if axis.costs.per_microbatch)
+_BLOCKING = tuple(axis.name for axis in UNITS if axis.costs.blocking)
 
 
 @dataclass(frozen=True)
@@ -48,7 +50,8 @@ class Estimate:
         parts: seconds by part (``compute``, ``bubble``, ``tp``, each axis unit's name, ``pp``, ``dp``,
             ``optimizer``, ``clip``, ``step``, ``overheads``: DTensor dispatch and FSDP2 hooks, ``tp_overheads``: the
             tensor-parallel style hooks and collectives between computes, ``optimizer_dispatch``, ``pp_actions``,
-            ``moe_microbatch``: an eager expert loop's per-microbatch cost, :mod:`meshplan.solver.moe_costs`).
+            ``moe_microbatch``: an eager expert loop's per-microbatch cost, :mod:`meshplan.solver.moe_costs`,
+            ``sync``: the ranks' wait at blocking collectives, :func:`meshplan.solver.overheads.sync_overhead`).
         collectives: pipeline rank 0's collectives per step.
     """
 
@@ -98,7 +101,9 @@ def _rank_microbatch(s: ModelShape, c: Candidate, tr: Training, cl: Cluster, pla
     redist = sum(x.count for x in colls if x.axis == "tp") / c.microbatches  # each a DTensor redistribution
     over = microbatch_overhead(s, c, cl, place, r, units, memo, redist, unit_bytes)
     tp_over = tp_overhead(s, c, cl, place, r, redist, memo)
-    return secs, flops, {**comm, "overheads": over, "tp_overheads": tp_over, "moe_microbatch": loop, "colls": colls}
+    sync = sync_overhead(colls, _BLOCKING, secs + loop, c.microbatches, cl)
+    return secs, flops, {**comm, "overheads": over, "tp_overheads": tp_over, "moe_microbatch": loop, "sync": sync,
+                         "colls": colls}
 
 
 def _ranks(s: ModelShape, c: Candidate, place: Placement, memo: dict) -> list[int]:
@@ -141,7 +146,7 @@ def evaluate(s: ModelShape, c: Candidate, tr: Training, cl: Cluster, place: Plac
     times = {} if times is None else times
     per_rank = {r: _rank_microbatch(s, c, tr, cl, place, r, memo, times) for r in _ranks(s, c, place, memo)}
     t_mb = {r: sum((v[2][a] for a in _PER_MICROBATCH),
-                   v[0] + v[2]["overheads"] + v[2]["tp_overheads"] + v[2]["moe_microbatch"])
+                   v[0] + v[2]["overheads"] + v[2]["tp_overheads"] + v[2]["moe_microbatch"] + v[2]["sync"])
             for r, v in per_rank.items()}
     slow = max(t_mb, key=t_mb.get)
     m = c.microbatches
@@ -166,7 +171,8 @@ def evaluate(s: ModelShape, c: Candidate, tr: Training, cl: Cluster, place: Plac
     parts = {"compute": compute, "bubble": pipeline - busy, **{a: m * per_rank[slow][2][a] for a in _PER_MICROBATCH},
              **own, "dp": dp_exposed, "optimizer": optimizer, "clip": clip, "step": comm["step"],
              "overheads": m * per_rank[slow][2]["overheads"], "tp_overheads": m * per_rank[slow][2]["tp_overheads"],
-             "moe_microbatch": m * per_rank[slow][2]["moe_microbatch"], **extra}
+             "moe_microbatch": m * per_rank[slow][2]["moe_microbatch"], "sync": m * per_rank[slow][2]["sync"],
+             **extra}
     colls0 = per_rank[0][2]["colls"] if 0 in per_rank else step_collectives(s, c, tr, place, 0, memo)
     return Estimate(c, step, tokens, tokens / c.world, model / cl.peak(tr.dtype), model / 1e12, mem, worst,
                     parts, colls0)

@@ -110,4 +110,4 @@ def tp_training(plan: Any) -> dict:
 TERMS = AxisTerms(name="tp", section="tensor_parallel", training=tp_training, example_plan="plans/llama.yaml",
                   costs=AxisCosts(collectives=tp_collectives, block_activations=tp_block_activations,
                                   first_stage_activations=tp_first_stage_activations,
-                                  sequence_problem=tp_sequence_problem, run_problem=tp_run_problem))
+                                  sequence_problem=tp_sequence_problem, run_problem=tp_run_problem, blocking=True))
