@@ -3,15 +3,16 @@ measured training steps, for at least 12 layouts at world 2, 4 and 8 (CPU/gloo),
 the fastest measured layout.
 
     python benchmarks/calibrate.py --parts               # all three worlds, 2 repeats of 2 + 3 steps, a launch
-                                                         # per layout and repeat: worlds 8 and 4 took 55 minutes
-                                                         # on the 2-core host of 2026-11-27
+                                                         # per layout and repeat: all three worlds took 61
+                                                         # minutes on the 2-core host of 2026-11-28
     python benchmarks/calibrate.py --worlds 2 --repeats 1 --steps 1     # a quick look
     python benchmarks/calibrate.py --parts --keep runs/     # keep each world's profile, layouts and measurements
     python benchmarks/calibrate.py --parts --reprice runs/  # run nothing: price them again with the current model
 
 For each world the machine is profiled with as many processes as the runs use (8 ranks on 2 cores share the
 cores, and so do the profile's rates; the profile measures the cores each rank gets and what the counts leave
-out: DTensor dispatch, FSDP2 hooks, pipeline actions, uneven all-to-alls, a cp rank's attention blocks). Then
+out: DTensor dispatch, FSDP2 hooks, pipeline actions, uneven all-to-alls, a cp rank's attention blocks, the
+ranks' wait at blocking collectives). Then
 every layout, and the solver's first choice for each model, runs in a torchrun launch of its own
 (``benchmarks/_calibrate_worker.py``; ``--one-launch``: all in one, faster, but a layout measured right after
 another in the same processes ran 10-30% slower), in ``--repeats`` interleaved passes (load from elsewhere lands
@@ -324,6 +325,10 @@ def summarize(world: int, rows: list, cluster, args, tmp: Path, same: dict, drif
     if drifts:
         print(f"  the host's drift: the reference block timed before each layout over the profiles' time for it, "
               f"median ×{statistics.median(drifts):.2f} ({min(drifts):.2f}-{max(drifts):.2f} over the layouts)")
+        d = statistics.median(drifts)  # measured on a fixed block, not fitted to the steps; the ranking is unmoved
+        errs = [abs(d * r[3] / r[2] - 1) for r in listed]
+        print(f"  with that drift priced (every prediction × {d:.2f}): mean |error| {100 * statistics.fmean(errs):.0f}%, "
+              f"worst {100 * max(errs):.0f}%")
     for kind in ("llama", "moe"):
         first = next(r for r in rows if r[0] == f"solver_first_{kind}")
         fastest = min((r for r in listed if r[1] == kind), key=lambda r: r[2])
