@@ -11,7 +11,7 @@ consecutive ranks (all groups at once, ``g`` = 2, 4, … up to the world) runnin
 ended by a one-element all-reduce in the group, minus the same segments without it, minus the ``n`` all-reduces
 back to back; per segment length (wall seconds with every rank computing, as the model prices compute).
 
-Measured on the 2-core host of 2026-11-28 (``/tmp`` probes, noisy: ±50% between runs): world 2, segments of 5-23 ms
+Measured on the 2-core host of 2026-11-28 (one-off probes, noisy: ±50% between runs): world 2, segments of 5-23 ms
 lost 9-28% of a segment per collective; world 4, 9-26 ms, 31-37%; world 8, 2 ms, 7-65% (groups of 2) to
 105-174% (groups of 8). A training step of tp 2 at world 2 issues 48 such collectives about 27 ms apart.
 """
@@ -54,6 +54,8 @@ def _run(work, units: int, group, tiny: torch.Tensor, sync: bool) -> float:
             work()
         if sync:
             dist.all_reduce(tiny, group=group)
+    if tiny.device.type == "cuda":  # kernels and NCCL calls return before they end
+        torch.cuda.synchronize()
     return time.perf_counter() - start
 
 
@@ -74,7 +76,8 @@ def measure_sync_loss(mean, device: torch.device, reps: int = 3) -> dict:
     tiny = torch.zeros(1, device=device)
     per_unit = mean(_run(work, 20, None, tiny, False) / (20 * RUN))  # every rank computing
     out = []
-    for g, group in _groups().items():
+    groups = _groups()
+    for g, group in groups.items():
         for segment in SEGMENTS:
             units = max(1, round(segment / max(per_unit, 1e-9)))
             losses, segments = [], []
@@ -89,4 +92,6 @@ def measure_sync_loss(mean, device: torch.device, reps: int = 3) -> dict:
                 losses.append((synced - free - alone) / RUN)
                 segments.append(free / RUN)
             out.append([g, mean(statistics.median(segments)), max(mean(statistics.median(losses)), 0.0)])
+    for group in groups.values():
+        dist.destroy_process_group(group)
     return {"sync_loss": out}
