@@ -83,11 +83,7 @@ def measure_sync_loss(mean, device: torch.device, reps: int = 3) -> dict:
             losses, segments = [], []
             for _ in range(reps):
                 free = _run(work, units, group, tiny, False)
-                dist.barrier()
-                start = time.perf_counter()
-                for _ in range(RUN):
-                    dist.all_reduce(tiny, group=group)
-                alone = time.perf_counter() - start
+                alone = _run(work, 0, group, tiny, True)  # the all-reduces back to back
                 synced = _run(work, units, group, tiny, True)
                 losses.append((synced - free - alone) / RUN)
                 segments.append(free / RUN)
