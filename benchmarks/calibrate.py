@@ -2,9 +2,9 @@
 measured training steps, for at least 12 layouts at world 2, 4 and 8 (CPU/gloo), and the solver's first choice vs
 the fastest measured layout.
 
-    python benchmarks/calibrate.py --parts               # all three worlds, 2 repeats of 2 + 3 steps, a launch
-                                                         # per layout and repeat: all three worlds took 61
-                                                         # minutes on the 2-core host of 2026-11-28
+    python benchmarks/calibrate.py --parts               # all three worlds, 3 repeats of 2 + 3 steps, a launch
+                                                         # per layout and repeat: all three worlds took 55
+                                                         # minutes on the 2-core host of 2026-11-28 (run 2)
     python benchmarks/calibrate.py --worlds 2 --repeats 1 --steps 1     # a quick look
     python benchmarks/calibrate.py --parts --keep runs/     # keep each world's profile, layouts and measurements
     python benchmarks/calibrate.py --parts --reprice runs/  # run nothing: price them again with the current model
@@ -210,15 +210,34 @@ def print_parts(layouts: dict, got: dict, world: int, cluster) -> None:
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:
+    """Spearman's rank correlation: Pearson's correlation of the ranks, tied values sharing their mean rank (as
+    ``scipy.stats.spearmanr``: two layouts the model prices equal, pp 2 under GPipe and under 1F1B at 4
+    microbatches, are not a claim that the first listed is faster).
+
+        >>> spearman([1, 2, 3, 4], [10, 20, 30, 40]), spearman([1, 2, 3, 4], [4, 3, 2, 1])
+        (1.0, -1.0)
+        >>> round(spearman([1.0, 2.0, 3.0], [5.0, 5.0, 6.0]), 3)
+        0.866
+    """
     def ranks(v):
         order = sorted(range(len(v)), key=v.__getitem__)
         out = [0.0] * len(v)
-        for r, i in enumerate(order):
-            out[i] = float(r)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in order[i:j + 1]:
+                out[k] = (i + j) / 2
+            i = j + 1
         return out
+    if len(xs) < 3:
+        return float("nan")
     rx, ry = ranks(xs), ranks(ys)
-    n = len(xs)
-    return 1 - 6 * sum((a - b) ** 2 for a, b in zip(rx, ry)) / (n * (n * n - 1)) if n > 2 else float("nan")
+    mx, my = statistics.fmean(rx), statistics.fmean(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    var = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
+    return cov / var if var else float("nan")
 
 
 def level_and_shape(measured: list[float], predicted: list[float]) -> tuple[float, list[float]]:
@@ -348,7 +367,9 @@ def summarize(world: int, rows: list, cluster, args, tmp: Path, same: dict, drif
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--worlds", default="2,4,8")
-    ap.add_argument("--repeats", type=int, default=2, help="passes over all layouts, interleaved")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="passes over all layouts, interleaved (each layout's median over them: one slow launch in "
+                         "three moves it little, in two it moves the mean)")
     ap.add_argument("--warmup", type=int, default=2, help="unmeasured steps per layout and repeat")
     ap.add_argument("--steps", type=int, default=3, help="measured steps per layout and repeat (median)")
     ap.add_argument("--parts", action="store_true", help="print each layout's predicted parts (the error's structure)")

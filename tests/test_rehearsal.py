@@ -14,12 +14,20 @@ import torch
 import yaml
 
 from benchmarks.rehearsal import plan_data, rehearse_rank
+from conftest import drop_fake_process_group
 from meshplan.cli.main import main
 from meshplan.solver.memory import chunk_rows as _rows
 
 pytestmark = pytest.mark.fast
 
 LAYOUT, WORLD = {"tp": 8, "pp": 2}, 1024
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_group():
+    """A rehearsal makes its own fake group of the big world: drop the one ``tests/_local.py`` keeps for its next
+    use (left by an earlier test in this process)."""
+    drop_fake_process_group()
 
 
 @pytest.mark.parametrize("rank", [511, 512, 1023])  # first stage's last rank, last stage's first and last
