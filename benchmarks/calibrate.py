@@ -211,8 +211,8 @@ def print_parts(layouts: dict, got: dict, world: int, cluster) -> None:
 
 def spearman(xs: list[float], ys: list[float]) -> float:
     """Spearman's rank correlation: Pearson's correlation of the ranks, tied values sharing their mean rank (as
-    ``scipy.stats.spearmanr``: two layouts the model prices equal, pp 2 under GPipe and under 1F1B at 4
-    microbatches, are not a claim that the first listed is faster).
+    ``scipy.stats.spearmanr``: two layouts the model prices exactly equal are not a claim that the first listed is
+    the faster).
 
         >>> spearman([1, 2, 3, 4], [10, 20, 30, 40]), spearman([1, 2, 3, 4], [4, 3, 2, 1])
         (1.0, -1.0)
