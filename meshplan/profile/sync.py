@@ -24,7 +24,7 @@ import time
 import torch
 import torch.distributed as dist
 
-__all__ = ["SEGMENTS", "measure_sync_loss"]
+__all__ = ["SEGMENTS", "consecutive_group", "measure_sync_loss"]
 
 #: the segment lengths timed (wall seconds with every rank computing)
 SEGMENTS = (0.003, 0.012, 0.048)
@@ -32,15 +32,19 @@ SEGMENTS = (0.003, 0.012, 0.048)
 RUN = 8
 
 
+def consecutive_group(g: int):
+    """This rank's group of ``g`` consecutive ranks (``g`` divides the world; every rank makes every such group, as
+    ``new_group`` requires)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    groups = [dist.new_group(list(range(start, start + g))) for start in range(0, world, g)]
+    return groups[rank // g]
+
+
 def _groups() -> dict[int, object]:
-    """This rank's group of ``g`` consecutive ranks for every ``g`` = 2, 4, … dividing the world (every rank makes
-    every group, as ``new_group`` requires)."""
-    world, rank, out, g = dist.get_world_size(), dist.get_rank(), {}, 2
+    """This rank's group of ``g`` consecutive ranks for every ``g`` = 2, 4, … dividing the world."""
+    world, out, g = dist.get_world_size(), {}, 2
     while g <= world and world % g == 0:
-        for start in range(0, world, g):
-            group = dist.new_group(list(range(start, start + g)))
-            if start <= rank < start + g:
-                out[g] = group
+        out[g] = consecutive_group(g)
         g *= 2
     return out
 

@@ -37,6 +37,7 @@ from meshplan.profile.block import REFERENCE, measure_block
 from meshplan.profile.moe import measure_moe
 from meshplan.profile.overheads import measure_overheads
 from meshplan.profile.step_costs import measure_step_costs
+from meshplan.profile.sync import consecutive_group
 
 SIZES = (64, 128, 256, 512, 1024)
 CUDA_SIZES = (2048, 4096, 8192)  # a GPU's matmul rate still climbs past 1024 (H100 bf16: 24 TFLOP/s at 1024)
@@ -152,8 +153,7 @@ def _collectives(device: torch.device) -> dict:
     world, rank = dist.get_world_size(), dist.get_rank()
     out: dict[str, dict] = {"all_gather": {}, "reduce_scatter": {}, "all_reduce": {}, "all_to_all": {}, "send": {}}
     for n in (d for d in divisors(world) if d > 1):
-        groups = [dist.new_group(list(range(s, s + n))) for s in range(0, world, n)]
-        mine = groups[rank // n]
+        mine = consecutive_group(n)
         for kind in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all"):
             points = [(b, _mean_over_ranks(_timed(_collective(kind, mine, n, b, device), reps=3, window=0.1),
                                            device)) for b in MESSAGE_BYTES]
