@@ -220,17 +220,11 @@ def spearman(xs: list[float], ys: list[float]) -> float:
         0.866
     """
     def ranks(v):
-        order = sorted(range(len(v)), key=v.__getitem__)
-        out = [0.0] * len(v)
-        i = 0
-        while i < len(order):
-            j = i
-            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
-                j += 1
-            for k in order[i:j + 1]:
-                out[k] = (i + j) / 2
-            i = j + 1
-        return out
+        first, last = {}, {}
+        for i, x in enumerate(sorted(v)):
+            first.setdefault(x, i)
+            last[x] = i
+        return [(first[x] + last[x]) / 2 for x in v]
     if len(xs) < 3:
         return float("nan")
     rx, ry = ranks(xs), ranks(ys)
