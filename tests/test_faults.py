@@ -315,12 +315,13 @@ def _wait_batch_p2p():  # the name torch's pipeline schedules wait on their send
                        "complete")
 
 
-def test_report_names_a_pipeline_send_and_the_timeout_that_fired(store, monkeypatch):
+def test_report_names_a_pipeline_send_and_the_timeout_that_fired(store, monkeypatch, clock):
     """gloo records no send or receive in the flight recorder: a schedule's point-to-point wait is named from the
-    traceback, over the pp group; the timeout that fired (60 s) is init_timeout_s's value, whatever the phase."""
-    _dump(monkeypatch, _entry(0, 5, "15", 41, created=time.time() - 70))  # an older collective, not the one
+    traceback, over the pp group; the timeout that fired (60 s) is init_timeout_s's value, whatever the phase.
+    The clock is the test's own: with the real one, CI's loaded box read 'last heartbeat 61.3 s ago'."""
+    _dump(monkeypatch, _entry(0, 5, "15", 41, created=clock.now - 70))  # an older collective, not the one
     for r in range(4):
-        _beat(store, r, 0.0 if r != 2 else 61.0)
+        _beat(store, r, 0.0 if r != 2 else 61.0, now=clock.now)
     try:
         _wait_batch_p2p()
     except RuntimeError as e:
