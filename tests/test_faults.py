@@ -253,6 +253,11 @@ def test_report_blames_the_cause_not_the_victims(store, monkeypatch, clock):
                           "failed: RuntimeError: Connection closed by peer [1.2.3.4]:5"), msg
 
 
+#: the watch's heartbeat where live heartbeat threads (every 0.02 s) must never look silent: a rank is silent after
+#: 3 of them (1.5 s), far beyond a thread's wait for a core on a loaded 2-core box (0.3 s left little room)
+LIVE_S = 0.5
+
+
 def test_report_without_a_silent_rank_says_who_waits_where(store, monkeypatch):
     _dump(monkeypatch)
     issued = time.time() - 5
@@ -263,11 +268,11 @@ def test_report_without_a_silent_rank_says_who_waits_where(store, monkeypatch):
         b.start()
     try:
         t = time.time()
-        msg = str(report.diagnose(_watch(store), RuntimeError("Timed out waiting 4000ms for recv")))
+        msg = str(report.diagnose(_watch(store, heartbeat_s=LIVE_S), RuntimeError("Timed out waiting 4000ms for recv")))
     finally:
         for b in beats:
             b.stop()
-    assert time.time() - t >= STALE_BEATS * 0.1  # it looked for a silent rank for 3 heartbeats first
+    assert time.time() - t >= STALE_BEATS * LIVE_S  # it looked for a silent rank for 3 heartbeats first
     assert msg.startswith("no rank missed its heartbeat (every rank is alive: the ranks issued different "
                           "collectives, e.g. a rank-dependent branch or a rank that skipped a step; waiting now: "
                           "rank 2 in all_gather #3 over pp); rank 0's collective failed (the flight recorder is off"), msg
@@ -282,10 +287,10 @@ def test_a_rank_stopped_by_torchrun_still_names_the_silent_peer(store):
     try:
         store.set("fail/1", json.dumps({"t": 0, "kind": "terminated", "text": "stopped by SIGTERM"}))
         t = time.time()
-        assert report.diagnose_terminated(_watch(store)) is None
-        assert time.time() - t >= STALE_BEATS * 0.1  # it looked for 3 heartbeats first
+        assert report.diagnose_terminated(_watch(store, heartbeat_s=LIVE_S)) is None
+        assert time.time() - t >= STALE_BEATS * LIVE_S  # it looked for 3 heartbeats first
         beats[2].stop()
-        failure = report.diagnose_terminated(_watch(store, rank=3))
+        failure = report.diagnose_terminated(_watch(store, rank=3, heartbeat_s=LIVE_S))
     finally:
         for b in beats.values():
             b.stop()
