@@ -5,7 +5,7 @@
 #   scripts/test.sh ARGS       plain pytest with ARGS
 # The full suite runs as two pytest processes at once: the tests that launch torchrun processes (-m dist) and the
 # in-process tests (-m "not dist"), which use one core while a launch's ranks often leave one idle (importing,
-# waiting in a collective): 877 s instead of 1,237 s one after the other, measured here. Moving five launching
+# waiting in a collective): 877 s (with a since-withdrawn gc.freeze) against 1,237 s one after the other, here. Moving five launching
 # files to the second stream, after the in-process tests, made it slower (962 s): launches then share the cores.
 # The launches' output streams; the in-process tests' is printed after it; the exit status is the first non-zero
 # of the two.
